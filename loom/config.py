@@ -1,0 +1,180 @@
+"""Frozen, composed configuration. Validated on construction; no I/O except in ``from_*``.
+
+Runtime results (the profiled KV block count) live in runtime objects, never here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a Hugging Face directory or a .gguf file
+    tokenizer: str | None = None
+    dtype: str = "auto"  # resolved to a concrete name by EngineConfig.from_args
+    max_model_len: int = 2048
+    seed: int = 0
+    served_model_name: str | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or os.path.basename(self.model.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # for tests: a fixed pool size
+    kv_cache_memory_bytes: int | None = None  # an explicit KV budget instead of a fraction
+    memory_utilization: float = 0.5  # share of device (CPU: available) memory loom may use
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be positive, "
+                             f"got {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.scheduler.max_model_len != self.model.max_model_len:
+            raise ValueError("scheduler.max_model_len must equal model.max_model_len "
+                             f"({self.scheduler.max_model_len} != {self.model.max_model_len})")
+
+    @classmethod
+    def from_args(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_gpu_blocks_override: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        served_model_name: str | None = None,
+        chat_template: str | None = None,
+        device: str = "auto",
+    ) -> EngineConfig:
+        """Build a config from user arguments, reading the checkpoint's config for defaults."""
+        from loom.model.loader import load_hf_config
+
+        if not os.path.exists(model):
+            raise ValueError(f"model {model!r} does not exist; give a Hugging Face directory "
+                             "or a .gguf file")
+        hf_config = load_hf_config(model)
+        device = resolve_device(device)
+        limit = _max_position_embeddings(hf_config)
+        if max_model_len is None:
+            max_model_len = min(limit, 4096) if limit else 4096
+        elif limit and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}; lower --max-model-len")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, min(max_model_len, 8192))
+        return cls(
+            model=ModelConfig(model=model, tokenizer=tokenizer,
+                              dtype=resolve_dtype(dtype, hf_config, model, device),
+                              max_model_len=max_model_len, seed=seed,
+                              served_model_name=served_model_name, chat_template=chat_template),
+            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                              num_gpu_blocks_override=num_gpu_blocks_override,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              memory_utilization=memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            device=device,
+        )
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
+    """``auto`` follows the checkpoint, except where that dtype is slow on the device.
+
+    GGUF files are dequantized to bfloat16. On CPU float16 matmuls are a slow
+    fallback, so float16 checkpoints run in bfloat16 there.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        if model.endswith(".gguf"):
+            dtype = "bfloat16"
+        else:
+            raw = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+            dtype = str(raw).removeprefix("torch.") if raw else "float32"
+            if dtype not in _DTYPES:
+                dtype = "float32"
+    if device == "cpu" and dtype == "float16":
+        dtype = "bfloat16"
+    return dtype
+
+
+def _max_position_embeddings(hf_config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,118 @@
+"""KVCacheManager: which blocks each request owns, and the prefix cache over them.
+
+A full block is identified by a chained hash, so equal hashes mean equal prefixes:
+
+    hash_i = hash((hash_{i-1}, tokens of block i, extra_keys))      hash_{-1} = None
+
+A new request looks up its hashes in order and stops at the first miss; those hits
+are its computed prefix. The last prompt token is always recomputed, because its
+logits are what the first sampled token comes from.
+"""
+
+from __future__ import annotations
+
+from loom.core.block_pool import BlockPool, KVBlock
+from loom.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
+                      extra_keys: tuple | None = None) -> int:
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are already registered in the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``request``: its blocks and its token count."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        # Hits may cover at most num_tokens - 1 tokens: the last one is recomputed.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Give ``request`` room for ``num_new_tokens`` more tokens this step.
+
+        ``new_computed_blocks`` are prefix-cache hits of a request being scheduled
+        from waiting. Returns the newly allocated blocks, or None (and changes
+        nothing) when the pool cannot hold them.
+
+            | computed (incl. hits) | new this step | ... room in the last block |
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
+        # Hits sitting idle in the free queue are not free for this allocation.
+        num_idle_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_to_allocate + num_idle_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_to_allocate, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so its prefix stays cached longest."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Register every block that will be full of known tokens after this step.
+
+        Safe before the step runs: within one forward each layer writes all new K/V
+        before any attention reads, so a later request in the same batch may hit them.
+        """
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(hash_block_tokens(parent, chunk))

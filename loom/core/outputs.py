@@ -1,0 +1,82 @@
+"""The data contract between the engine core, the workers and the output side.
+
+All are msgspec Structs: they cross processes as msgpack, never pickle.
+
+Send differences, not state: a request's full data travels once, in
+``NewRequestData`` (again after a preemption, since the worker dropped it); after
+that each step carries only its new token ids and new block ids.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from loom.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in block_ids
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the worker last saw this request
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # Requests the workers must forget (finished, aborted or preempted) since the last step.
+    finished_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class SampleLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one request's sampled tokens this step.
+
+    For each sampled token: ``token_ids = [sampled, top_1, ..., top_k]`` with the
+    matching ``logprobs``, and ``ranks`` the sampled token's rank (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """What rank 0 returns for one SchedulerOutput, aligned with ``req_ids``.
+
+    A request still prefilling (a chunk that does not reach its last token) has an
+    empty ``sampled_token_ids`` entry.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[SampleLogprobs | None] | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's progress in one step, for the output side."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # a FinishReason value
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: SampleLogprobs | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

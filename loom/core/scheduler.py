@@ -1,0 +1,263 @@
+"""Scheduler: decides, every step, which tokens of which requests run.
+
+There is no prefill phase and no decode phase. Each request has
+``num_computed_tokens`` and ``num_tokens``; a step spends a token budget
+(``max_num_batched_tokens``) closing that gap, running requests first (oldest
+first), then waiting ones while fewer than ``max_num_seqs`` run. That one rule gives
+continuous batching, chunked prefill (a long prompt takes what the budget leaves),
+prefix caching (a new request's computed tokens start at its cached length) and
+decode (a gap of one token). When the pool runs out of blocks, the newest running
+request is preempted: its blocks are freed, and it goes back to the front of the
+waiting queue to be recomputed, keeping the tokens it has produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from loom.config import CacheConfig, SchedulerConfig
+from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput)
+from loom.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of which found (cumulative)
+    num_preemptions: int  # cumulative
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
+                                       cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the workers must forget, sent with the next SchedulerOutput.
+        self._forgotten_req_ids: set[str] = set()
+        # How many of each running request's tokens and blocks the workers already have.
+        self._num_tokens_sent: dict[str, int] = {}
+        self._num_blocks_sent: dict[str, int] = {}
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----------------------------------------------------------------- requests in
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {request.num_tokens} tokens but max_model_len is "
+                             f"{self.max_model_len}; shorten it or raise --max-model-len")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
+                        stop_reason: int | str | None = None) -> None:
+        """End requests from outside the step: an abort, or a stop string found in
+        the detokenized text. Works in any state; unknown ids are ignored."""
+        assert status.is_finished
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            request.stop_reason = stop_reason
+            self._free(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ----------------------------------------------------------------- the step
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        # 1. Running requests, oldest first. If one does not fit, preempt from the tail.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert num_new_tokens > 0, f"{request} is running with nothing to compute"
+            new_blocks = self.kv_cache.allocate_slots(request, num_new_tokens)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache.allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                break  # this request was itself preempted; it was the last one
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            cached_reqs.append(self._cached_request_data(request))
+            index += 1
+
+        # 2. Waiting requests, in arrival order, while there is room. Not after a
+        #    preemption: the pool is full and the preempted request goes first.
+        while (self.waiting and token_budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            new_blocks = self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_blocks is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            new_reqs.append(self._new_request_data(request))
+
+        forgotten, self._forgotten_req_ids = self._forgotten_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            finished_req_ids=sorted(forgotten),
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled ones, apply stops, free finished."""
+        row = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.num_computed_tokens += num_tokens
+            i = row.get(req_id)
+            sampled = runner_output.sampled_token_ids[i] if i is not None else []
+            if not sampled:
+                continue  # a prefill chunk that did not reach the last prompt token
+            new_token_ids = []
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
+            reason = request.status.finish_reason
+            outputs.append(EngineCoreOutput(
+                req_id=req_id, new_token_ids=new_token_ids,
+                finish_reason=reason.value if reason else None,
+                stop_reason=request.stop_reason, logprobs=logprobs,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+            if request.is_finished:
+                finished.append(request)
+        if finished:
+            finished_set = set(finished)
+            self.running = [r for r in self.running if r not in finished_set]
+            for request in finished:
+                self._free(request)
+        return outputs
+
+    # ----------------------------------------------------------------- queries
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions)
+
+    # ----------------------------------------------------------------- internals
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        max_tokens = params.max_tokens
+        if (request.num_tokens >= self.max_model_len
+                or (max_tokens is not None and request.num_output_tokens >= max_tokens)):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.all_token_ids[-1]
+        if not params.ignore_eos and last in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_on_workers(request)
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self._forget_on_workers(request)
+        del self.requests[request.request_id]
+
+    def _forget_on_workers(self, request: Request) -> None:
+        if self._num_tokens_sent.pop(request.request_id, None) is not None:
+            self._forgotten_req_ids.add(request.request_id)
+        self._num_blocks_sent.pop(request.request_id, None)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        block_ids = self.kv_cache.get_block_ids(request.request_id)
+        self._num_tokens_sent[request.request_id] = request.num_tokens
+        self._num_blocks_sent[request.request_id] = len(block_ids)
+        return NewRequestData(
+            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids, sampling_params=request.sampling_params,
+            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens)
+
+    def _cached_request_data(self, request: Request) -> CachedRequestData:
+        req_id = request.request_id
+        num_sent = self._num_tokens_sent[req_id]
+        block_ids = self.kv_cache.get_block_ids(req_id)
+        num_blocks_sent = self._num_blocks_sent[req_id]
+        self._num_tokens_sent[req_id] = request.num_tokens
+        self._num_blocks_sent[req_id] = len(block_ids)
+        return CachedRequestData(
+            req_id=req_id, new_token_ids=request.all_token_ids[num_sent:],
+            new_block_ids=block_ids[num_blocks_sent:],
+            num_computed_tokens=request.num_computed_tokens)

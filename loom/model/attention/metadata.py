@@ -1,0 +1,69 @@
+"""Per-step attention metadata, installed for one forward by a context manager.
+
+The model runner flattens a step's scheduled tokens into one sequence of T tokens,
+requests contiguous and in batch order. For request i its new tokens are
+``query_start_loc[i] : query_start_loc[i + 1]``; they sit at positions
+``seq_lens[i] - query_len_i ... seq_lens[i] - 1`` of that request's context.
+
+    request 0: | computed (cached K/V) | new (3) |      query_start_loc = [0, 3, 4]
+    request 1: | computed ............................ | new (1) |
+
+Each new token's K/V is written to ``kv_cache[:, slot]`` with
+``slot = block_id * block_size + offset`` (``slot_mapping``); attention then reads
+the whole context of request i through ``block_table[i]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64 flat slot for each new token's K/V
+    query_start_loc: torch.Tensor  # (B + 1,) int32 cumulative query lengths
+    seq_lens: torch.Tensor  # (B,) int32 context length after this step
+    block_table: torch.Tensor  # (B, max_blocks_per_seq) int32, padded with 0
+    # The same numbers as Python lists, so backends can loop without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(metadata: AttentionMetadata | None) -> Iterator[None]:
+    """Install ``metadata`` for the forward that runs inside the ``with`` block."""
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention ran outside set_forward_context(); the model "
+                           "runner must install AttentionMetadata for each forward")
+    return _current

@@ -1,0 +1,106 @@
+"""Request: one sequence's state as the engine core sees it (no tensors)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from loom.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+class FinishReason(str, enum.Enum):
+    """The OpenAI spelling of why a sequence ended."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Token ids and progress of one sequence.
+
+    ``num_computed_tokens`` catches up with ``num_tokens`` step by step; that gap is
+    all the scheduler looks at (there is no prefill or decode phase).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        arrival_time: float | None = None,
+        parent_request_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # For n > 1 the output side fans one user request out into n of these.
+        self.parent_request_id = parent_request_id or request_id
+        self.index = index
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Chained hashes of this request's full blocks, grown by the KV cache manager.
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,90 @@
+"""SamplingParams: how to pick each next token and when to stop, validated at construction.
+
+The fields and their meanings follow vLLM (and through it the OpenAI API). It is a
+msgspec Struct so it crosses the engine → worker boundary without pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-k logprobs of each sampled token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0.0,
+               "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 <= value <= _MAX_LOGPROBS, name,
+                       f"must be between 0 and {_MAX_LOGPROBS}, got {value}")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                _check(-100.0 <= bias <= 100.0, "logit_bias",
+                       f"bias for token {token_id} must be in [-100, 100], got {bias}")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def clone(self, **changes) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} {message}")
