@@ -1,0 +1,336 @@
+"""Sampler: turn one row of logits per request into the next token, vLLM v1 semantics.
+
+Each step the model runner hands over ``logits`` (B, V) float32, one row per request
+(the position that samples), and a ``SamplingMetadata`` built once for the step. The
+stages run in this order, each skipped when no row in the batch needs it:
+
+    raw logits ─┬─> logprobs = log_softmax(raw logits)            (only if a row asked)
+                └─> logit_bias, min_tokens (-inf on stop ids) ─> penalties
+                        ├─> greedy rows: argmax                   (all greedy: done)
+                        └─> random rows: / temperature ─> min_p ─> top_k, top_p ─> sample
+
+Logprobs are those of the raw model output (vLLM v1's default ``raw_logprobs``): they do
+not see bias, penalties, temperature or filtering, so they answer "how likely did the
+model think this token was". Where a raw logit is -inf, its logprob is reported as
+``LOGPROB_FLOOR`` (-9999.0, what vLLM's OpenAI server reports for -inf) so every value is
+finite and JSON-safe.
+
+A request is greedy when temperature < 1e-5 or top_k == 1; its token is exactly the argmax
+of the processed logits. Random rows sample with the exponential race: with
+q ~ Exp(1) i.i.d., ``argmax(probs / q)`` is distributed as ``probs`` (each token's
+1/q_i ranks like an arrival time with rate p_i). A request with a seed draws its q row
+from its own generator, so its tokens do not depend on which requests share the batch
+or where it sits; all other rows draw from the global RNG in one call.
+
+The caller's ``logits`` tensor is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loom.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5  # temperature below this is greedy (as in vLLM)
+LOGPROB_FLOOR = -9999.0  # reported in place of a -inf logprob
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler needs for one step; tensors are (B,) on the logits' device.
+
+    Values for greedy rows are neutral (temperature 1, no top_k / top_p / min_p) so the
+    random path can run over the whole batch; their result is replaced by the argmax.
+    """
+
+    temperature: torch.Tensor  # (B,) float32, 1.0 on greedy rows
+    top_p: torch.Tensor  # (B,) float32, 1.0 = disabled
+    top_k: torch.Tensor  # (B,) int64, vocab_size = disabled
+    min_p: torch.Tensor  # (B,) float32, 0.0 = disabled
+    presence_penalty: torch.Tensor  # (B,) float32
+    frequency_penalty: torch.Tensor  # (B,) float32
+    repetition_penalty: torch.Tensor  # (B,) float32
+    is_greedy: torch.Tensor  # (B,) bool
+
+    all_greedy: bool
+    all_random: bool
+    no_top_p: bool  # flags over the random rows only
+    no_top_k: bool
+    no_min_p: bool
+    no_penalties: bool
+    no_repetition_penalty: bool
+
+    generators: dict[int, torch.Generator]  # row -> generator, random rows with a seed only
+
+    # Penalty inputs, only when a row has a penalty (else None). Padded with vocab_size,
+    # which lands in a spare column that is dropped.
+    output_token_ids: list[list[int]]
+    output_token_ids_padded: torch.Tensor | None  # (B, max_output_len) int64
+    prompt_token_ids_padded: torch.Tensor | None  # (B, max_prompt_len) int64, repetition only
+
+    # Sparse (row, token) edits, flattened over the batch; None when there are none.
+    min_tokens_rows: torch.Tensor | None  # (N,) int64, rows still under min_tokens
+    min_tokens_token_ids: torch.Tensor | None  # (N,) int64, their stop ids -> -inf
+    logit_bias_rows: torch.Tensor | None  # (M,) int64
+    logit_bias_token_ids: torch.Tensor | None  # (M,) int64
+    logit_bias_values: torch.Tensor | None  # (M,) float32
+
+    max_num_logprobs: int | None  # largest SamplingParams.logprobs in the batch; None if none
+
+    @property
+    def num_reqs(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        return (not self.no_penalties or self.min_tokens_rows is not None
+                or self.logit_bias_rows is not None)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: list[list[int]],
+        stop_ids_for_min_tokens: Sequence[Collection[int]],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Build the step's metadata for rows ``0 .. len(params) - 1``.
+
+        ``stop_ids_for_min_tokens[i]`` are the ids masked while row i has fewer than
+        ``params[i].min_tokens`` output tokens (eos unless ignore_eos, plus
+        stop_token_ids); ids outside the vocabulary are ignored. ``generators`` maps a
+        row to its request's generator, which must live on ``device``.
+        """
+        num_reqs = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(stop_ids_for_min_tokens)
+                == num_reqs):
+            raise ValueError(
+                f"SamplingMetadata.build got {num_reqs} params but {len(prompt_token_ids)} "
+                f"prompts, {len(output_token_ids)} outputs and {len(stop_ids_for_min_tokens)} "
+                "stop-id sets; pass one of each per row")
+        is_greedy = [p.temperature < _SAMPLING_EPS or p.top_k == 1 for p in params]
+        random_params = [p for p, greedy in zip(params, is_greedy) if not greedy]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)]
+        top_k = [vocab_size if greedy or p.top_k <= 0 else min(p.top_k, vocab_size)
+                 for p, greedy in zip(params, is_greedy)]
+        top_p = [1.0 if greedy else p.top_p for p, greedy in zip(params, is_greedy)]
+        min_p = [0.0 if greedy else p.min_p for p, greedy in zip(params, is_greedy)]
+
+        no_repetition_penalty = all(p.repetition_penalty == 1.0 for p in params)
+        no_penalties = no_repetition_penalty and all(
+            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params)
+        output_padded = prompt_padded = None
+        if not no_penalties:
+            output_padded = _pad(output_token_ids, vocab_size, device)
+            if not no_repetition_penalty:
+                prompt_padded = _pad(prompt_token_ids, vocab_size, device)
+
+        min_tokens_rows: list[int] = []
+        min_tokens_ids: list[int] = []
+        for row, (p, stop_ids) in enumerate(zip(params, stop_ids_for_min_tokens)):
+            if len(output_token_ids[row]) < p.min_tokens:
+                ids = [t for t in stop_ids if 0 <= t < vocab_size]
+                min_tokens_rows += [row] * len(ids)
+                min_tokens_ids += ids
+
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for row, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                token_id = int(token_id)  # JSON object keys may arrive as strings
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"logit_bias names token {token_id} but the vocabulary has "
+                        f"{vocab_size} tokens (ids 0..{vocab_size - 1}); remove it")
+                bias_rows.append(row)
+                bias_ids.append(token_id)
+                bias_values.append(bias)
+
+        def longs_or_none(values: list[int]) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=torch.int64, device=device) if values else None
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats(temperature),
+            top_p=floats(top_p),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            min_p=floats(min_p),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            all_greedy=all(is_greedy),
+            all_random=not any(is_greedy),
+            no_top_p=all(p.top_p >= 1.0 for p in random_params),
+            no_top_k=all(p.top_k <= 0 or p.top_k >= vocab_size for p in random_params),
+            no_min_p=all(p.min_p <= 0.0 for p in random_params),
+            no_penalties=no_penalties,
+            no_repetition_penalty=no_repetition_penalty,
+            generators={row: g for row, g in generators.items() if not is_greedy[row]},
+            output_token_ids=output_token_ids,
+            output_token_ids_padded=output_padded,
+            prompt_token_ids_padded=prompt_padded,
+            min_tokens_rows=longs_or_none(min_tokens_rows),
+            min_tokens_token_ids=longs_or_none(min_tokens_ids),
+            logit_bias_rows=longs_or_none(bias_rows),
+            logit_bias_token_ids=longs_or_none(bias_ids),
+            logit_bias_values=floats(bias_values) if bias_values else None,
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # (B,) int64
+    # Only when some row asked for logprobs; k = max_num_logprobs, rows asking fewer slice.
+    logprob_token_ids: torch.Tensor | None  # (B, 1 + k) int64: sampled token, then top-k ids
+    logprobs: torch.Tensor | None  # (B, 1 + k) float32, finite (LOGPROB_FLOOR for -inf)
+    sampled_token_ranks: torch.Tensor | None  # (B,) int64, 1 = the model's most likely token
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()  # (B, V)
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if metadata.max_num_logprobs is not None else None)
+
+        if metadata.needs_logits_processing:
+            logits = apply_logit_bias_and_min_tokens(logits.clone(), metadata)
+            if not metadata.no_penalties:
+                logits = apply_penalties(logits, metadata)
+
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, metadata)  # leaves `logits` as it was
+            if not metadata.all_random:
+                sampled = torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled,
+                                                     metadata.max_num_logprobs)
+        return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        logits = logits / metadata.temperature.unsqueeze(1)  # a new tensor from here on
+        if not metadata.no_min_p:
+            logits = apply_min_p(logits, metadata.min_p)
+        if not (metadata.no_top_k and metadata.no_top_p):
+            logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k,
+                                       None if metadata.no_top_p else metadata.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        return exponential_race(probs, metadata.generators)
+
+
+def apply_logit_bias_and_min_tokens(logits: torch.Tensor,
+                                    metadata: SamplingMetadata) -> torch.Tensor:
+    """Add each row's logit_bias, then mask stop ids of rows under min_tokens; in place."""
+    if metadata.logit_bias_rows is not None:
+        logits.index_put_((metadata.logit_bias_rows, metadata.logit_bias_token_ids),
+                          metadata.logit_bias_values, accumulate=True)
+    if metadata.min_tokens_rows is not None:
+        logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt and output), then frequency and presence (output only); in place.
+
+    repetition: a seen token's logit is divided by the penalty if positive, else multiplied.
+    frequency:  logit -= frequency_penalty * (times the token was generated)
+    presence:   logit -= presence_penalty * (token was generated at least once)
+    """
+    num_reqs, vocab_size = logits.shape
+    output_ids = metadata.output_token_ids_padded  # (B, max_output_len), pad = vocab_size
+    output_counts = torch.zeros(num_reqs, vocab_size + 1, dtype=logits.dtype,
+                                device=logits.device)
+    output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab_size]  # (B, V)
+    output_seen = output_counts > 0
+
+    if not metadata.no_repetition_penalty:
+        prompt_seen = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.bool,
+                                  device=logits.device)
+        prompt_seen.scatter_(1, metadata.prompt_token_ids_padded, True)
+        seen = prompt_seen[:, :vocab_size] | output_seen
+        penalty = metadata.repetition_penalty.unsqueeze(1).expand_as(logits)
+        scale = torch.where(logits > 0, penalty.reciprocal(), penalty)
+        logits = torch.where(seen, logits * scale, logits)
+
+    logits -= metadata.frequency_penalty.unsqueeze(1) * output_counts
+    logits -= metadata.presence_penalty.unsqueeze(1) * output_seen
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest top set holding top_p of the mass.
+
+    One ascending sort serves both. top_k keeps every token tied with the k-th largest;
+    top_p renormalises over what top_k kept and always keeps the most likely token.
+    top_k == vocab_size and top_p == 1.0 are no-ops.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending, (B, V)
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # (B, 1)
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        # ascending cumulative mass; a token is dropped while everything up to and
+        # including it holds no more than 1 - top_p.
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, sorted_ids, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row from ``probs`` (B, V) via argmax(probs / q), q ~ Exp(1)."""
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # Exp(1) can round to 0 in float32; a 0 would turn a zero-probability token into nan.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, 1 + k) ids and logprobs, sampled token first, then the top-k; and its rank."""
+    sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))  # (B, 1)
+    ranks = (logprobs >= sampled_logprobs).sum(dim=-1)  # (B,) 1 = most likely
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # (B, k)
+    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+    values = torch.cat([sampled_logprobs, top_logprobs], dim=1).clamp_(min=LOGPROB_FLOOR)
+    return ids, values, ranks
+
+
+def _pad(token_ids: Sequence[Sequence[int]], pad_id: int,
+         device: torch.device | str) -> torch.Tensor:
+    width = max(1, max((len(ids) for ids in token_ids), default=0))
+    rows = [list(ids) + [pad_id] * (width - len(ids)) for ids in token_ids]
+    return torch.tensor(rows, dtype=torch.int64, device=device)

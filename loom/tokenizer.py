@@ -1,0 +1,203 @@
+"""Tokenizer: text ↔ token ids, end-of-sequence ids and chat templates for one model.
+
+`load_tokenizer` reads a Hugging Face directory (tokenizer.json, tokenizer_config.json,
+generation_config.json) or a single `.gguf` file. Converting a GGUF vocabulary into a
+Hugging Face tokenizer takes seconds, so the converted tokenizer is saved once under
+`$LOOM_CACHE_DIR/tokenizers/<key>` (default `~/.cache/loom`) and reused while the file's
+path, size and mtime are unchanged.
+
+Streaming text out of generated ids lives in `loom/detokenizer.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# Metadata ids that end generation in llama.cpp: end of sequence, end of turn, end of message.
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                  "tokenizer.ggml.eom_token_id")
+_GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+_CACHE_META_FILE = "loom_tokenizer.json"
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer plus what the engine needs beside it.
+
+    Decoding never applies `clean_up_tokenization_spaces` (a BERT-era rewrite of " ." to
+    "." and the like): it makes decode(a + b) differ from decode(a) + decode(b), which the
+    incremental detokenizer relies on.
+    """
+
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: list[int], name: str) -> None:
+        self.hf = hf
+        self.eos_token_ids = eos_token_ids
+        self.name = name
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the full vocabulary, added tokens included (`hf.vocab_size` excludes them)."""
+        return len(self.hf)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        # spaces_between_special_tokens only changes Python ("slow") tokenizers.
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False,
+                              spaces_between_special_tokens=spaces_between_special_tokens)
+
+    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The prompt text for OpenAI-style messages; extra kwargs reach the template."""
+        if not self.hf.chat_template:
+            raise ValueError(f"model {self.name} has no chat template; pass --chat-template "
+                             "with a Jinja template or a file holding one")
+        return self.hf.apply_chat_template(
+            [_flatten_content(message) for message in messages], tools=tools,
+            add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+        """The prompt token ids for OpenAI-style messages.
+
+        The template writes any BOS token itself, so encoding adds no special tokens.
+        """
+        text = self.render_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    """Join OpenAI text parts ([{"type": "text", "text": ...}, ...]) into one string, as vLLM does."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message content part of type {kind!r} is not supported; "
+                             "only text parts ({'type': 'text', 'text': ...}) are")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None,
+                   chat_template: str | None = None) -> Tokenizer:
+    """Load the tokenizer of `model_path` (an HF directory or a .gguf file).
+
+    tokenizer_path: where the tokenizer lives when not beside the model.
+    chat_template: a Jinja template, or a file holding one, replacing the model's own.
+    """
+    source = tokenizer_path or model_path
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"tokenizer path {source} does not exist; pass a Hugging Face "
+                                "model directory or a .gguf file")
+    if _is_gguf(source):
+        hf, eos_token_ids = _load_gguf_tokenizer(source)
+    else:
+        hf = AutoTokenizer.from_pretrained(source)
+        eos_token_ids = _eos_ids_from_generation_config([model_path, source])
+        if hf.eos_token_id is not None and hf.eos_token_id not in eos_token_ids:
+            eos_token_ids.append(hf.eos_token_id)
+    if chat_template is not None:
+        hf.chat_template = _read_chat_template(chat_template)
+    if not eos_token_ids:
+        logger.warning("tokenizer of %s names no eos token; generation stops only at max_tokens "
+                       "or a stop string", source)
+    return Tokenizer(hf, eos_token_ids, name=model_path)
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def _eos_ids_from_generation_config(dirs: list[str]) -> list[int]:
+    """eos_token_id (an int or a list) from the first generation_config.json found in dirs."""
+    for directory in dirs:
+        config_path = os.path.join(directory, "generation_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is None:
+                return []
+            return list(dict.fromkeys(eos if isinstance(eos, list) else [eos]))
+    return []
+
+
+def _read_chat_template(chat_template: str) -> str:
+    if os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ValueError(f"chat template {chat_template!r} is neither an existing file nor a Jinja "
+                     "template; pass a template string or the path of a file holding one")
+
+
+def _load_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[int]]:
+    cache_dir = _gguf_cache_dir(gguf_path)
+    meta_path = os.path.join(cache_dir, _CACHE_META_FILE)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            eos_token_ids = json.load(f)["eos_token_ids"]
+        return AutoTokenizer.from_pretrained(cache_dir), eos_token_ids
+
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                       gguf_file=os.path.basename(gguf_path))
+    metadata = _read_gguf_metadata(gguf_path, (*_GGUF_EOS_KEYS, _GGUF_CHAT_TEMPLATE_KEY))
+    eos_token_ids = list(dict.fromkeys(int(metadata[key]) for key in _GGUF_EOS_KEYS if key in metadata))
+    if not hf.chat_template and _GGUF_CHAT_TEMPLATE_KEY in metadata:
+        hf.chat_template = metadata[_GGUF_CHAT_TEMPLATE_KEY]
+    _save_to_cache(hf, eos_token_ids, cache_dir)
+    return hf, eos_token_ids
+
+
+def _read_gguf_metadata(gguf_path: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    import gguf  # only GGUF models need it
+
+    fields = gguf.GGUFReader(gguf_path).fields
+    return {key: fields[key].contents() for key in keys if key in fields}
+
+
+def _gguf_cache_dir(gguf_path: str) -> str:
+    stat = os.stat(gguf_path)
+    key_text = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
+    root = os.environ.get("LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom"))
+    return os.path.join(root, "tokenizers", key)
+
+
+def _save_to_cache(hf: PreTrainedTokenizerBase, eos_token_ids: list[int], cache_dir: str) -> None:
+    """Write into a temporary sibling, then rename, so a reader never sees half a cache entry."""
+    parent = os.path.dirname(cache_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=parent, prefix=".staging-")
+    except OSError as error:  # e.g. a read-only home
+        logger.debug("not caching tokenizer in %s: %s", cache_dir, error)
+        return
+    try:
+        hf.save_pretrained(staging)
+        with open(os.path.join(staging, _CACHE_META_FILE), "w") as f:
+            json.dump({"eos_token_ids": eos_token_ids}, f)
+        os.rename(staging, cache_dir)
+    except OSError as error:  # e.g. another process renamed its copy first
+        logger.debug("not caching tokenizer in %s: %s", cache_dir, error)
+        shutil.rmtree(staging, ignore_errors=True)

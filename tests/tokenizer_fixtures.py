@@ -1,0 +1,82 @@
+"""A tiny byte-level BPE tokenizer saved as a Hugging Face directory, built offline.
+
+Its vocabulary has exactly 256 ids, so random tiny models with vocab_size 256 can use it:
+
+    0 <|endoftext|>   1 <|im_start|>   2 <|im_end|>     (special)
+    3 .. 245          the 243 bytes that occur in UTF-8 text (all but C0, C1, F5..FF)
+    246 .. 255        ten merges learnt from TRAINING_CORPUS
+
+Any Python string encodes; eos is <|im_end|>; generation_config.json lists eos ids [2, 0];
+tokenizer_config.json holds a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+VOCAB_SIZE = 256
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN_IDS = [2, 0]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TRAINING_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello there. the end of the story",
+    "emoji 😀 😀 🎉 👍🏽 and a family 👨‍👩‍👧 in text",
+    "你好世界 你好 今天天气很好 我们去公园吧",
+    "日本語のテキスト、ひらがなとカタカナ",
+    "mixed: café naïve Ωmega ∑ 😀你好",
+] * 4
+_BYTES_NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}
+
+
+def make_tiny_tokenizer(path: str) -> str:
+    """Write the tokenizer into directory `path` (created if needed) and return path."""
+    byte_chars = _byte_level_chars()
+    alphabet = [byte_chars[b] for b in range(256) if b not in _BYTES_NEVER_IN_UTF8]
+    assert len(alphabet) == 243 and set(alphabet) <= set(pre_tokenizers.ByteLevel.alphabet())
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(TRAINING_CORPUS, trainer=trainer)
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE, tokenizer.get_vocab_size()
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    hf.save_pretrained(path)
+    _move_chat_template_into_tokenizer_config(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": EOS_TOKEN_IDS}, f)
+    return path
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's printable stand-in character for each byte (bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
+
+
+def _move_chat_template_into_tokenizer_config(path: str) -> None:
+    """Put the template where most published checkpoints keep it, tokenizer_config.json."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["chat_template"] = CHAT_TEMPLATE
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        os.remove(jinja_path)
