@@ -20,6 +20,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
+    vocab_size: int | None = None  # read from the checkpoint by from_args
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -128,7 +129,8 @@ class EngineConfig:
             model=ModelConfig(model=model, tokenizer=tokenizer,
                               dtype=resolve_dtype(dtype, hf_config, model, device),
                               max_model_len=max_model_len, seed=seed,
-                              served_model_name=served_model_name, chat_template=chat_template),
+                              served_model_name=served_model_name, chat_template=chat_template,
+                              vocab_size=getattr(hf_config, "vocab_size", None)),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               num_gpu_blocks_override=num_gpu_blocks_override,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

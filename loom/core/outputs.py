@@ -19,6 +19,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only when resuming after preemption
     sampling_params: SamplingParams
+    eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in block_ids
 

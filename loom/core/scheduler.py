@@ -248,6 +248,7 @@ class Scheduler:
         return NewRequestData(
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids, sampling_params=request.sampling_params,
+            eos_token_ids=sorted(request.eos_token_ids),
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens)
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:

@@ -1,0 +1,29 @@
+"""UniProcExecutor: one rank, in the caller's process. For tests and the offline API."""
+
+from __future__ import annotations
+
+from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.executor.base import Executor, check_num_blocks
+from loom.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def initialize(self) -> int:
+        if self.config.parallel.tensor_parallel_size != 1:
+            raise ValueError("UniProcExecutor runs one rank; use MultiProcExecutor for "
+                             f"tensor_parallel_size={self.config.parallel.tensor_parallel_size}")
+        self.worker = Worker(self.config)
+        self.worker.init_device()
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks()
+        check_num_blocks(self.config, num_blocks,
+                         self.worker.model_runner.kv_cache_bytes_per_block)
+        self.worker.initialize_kv_cache(num_blocks)
+        self.worker.warm_up()
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker = None

@@ -1,0 +1,115 @@
+"""LLMEngine: input processing, the engine core and output processing in one process.
+
+The offline ``LLM`` drives it step by step. Input processing turns a prompt (text
+or token ids) into validated token ids; the engine core schedules and executes;
+the output processor turns token ids back into text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.config import EngineConfig
+from loom.core.engine_core import EngineCore
+from loom.output_processor import OutputProcessor
+from loom.outputs import RequestOutput
+from loom.request import Request
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import Tokenizer, load_tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
+                                                   config.model.chat_template)
+        self.engine_core = EngineCore(config, _make_executor(config))
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_args(model, **kwargs))
+
+    # ----------------------------------------------------------------- input side
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, validated prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list):
+            text, token_ids = None, list(prompt)
+        else:
+            raise TypeError(f"a prompt is a string, a list of token ids or a dict, "
+                            f"not {type(prompt).__name__}")
+        self._validate_prompt(token_ids)
+        return text, token_ids
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        max_model_len = self.config.model.max_model_len
+        vocab_size = self.config.model.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(token_ids) >= max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{max_model_len}; shorten it or raise --max-model-len")
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < (vocab_size or 2**31):
+                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, stream: bool = False) -> None:
+        params = params or SamplingParams()
+        text, token_ids = self.process_prompt(prompt)
+        if params.logit_bias:
+            vocab_size = self.config.model.vocab_size
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias names token {bad[0]} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        engine_ids = self.output_processor.add_request(request_id, text, token_ids, params, stream)
+        for index, engine_id in enumerate(engine_ids):
+            self.engine_core.add_request(Request(
+                engine_id, token_ids, params, eos_token_ids,
+                parent_request_id=request_id, index=index))
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+
+    # ----------------------------------------------------------------- the loop
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs)
+        for engine_request_id, stop in processed.stopped_by_string:
+            self.engine_core.finish_by_stop_string(engine_request_id, stop)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _make_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size == 1:
+        from loom.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    from loom.executor.multiproc import MultiProcExecutor
+
+    return MultiProcExecutor(config)

@@ -1,0 +1,197 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+It never decides anything. It mirrors each scheduled request from the diffs in
+``SchedulerOutput`` (full data once, then new tokens and new blocks), lays the
+step's tokens out flat, requests contiguous in the scheduler's order, and samples
+one token for every request whose computed tokens reach its known tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from loom.config import EngineConfig
+from loom.core.outputs import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+from loom.model.layers.sampler import Sampler, SamplingMetadata
+from loom.model.loader import kv_cache_bytes_per_block, load_hf_config, load_model
+from loom.sampling_params import SamplingParams
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + output tokens the worker knows of
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    stop_ids_for_min_tokens: list[int]  # eos (unless ignore_eos) + stop_token_ids
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, tp_group: TPGroup = SINGLE):
+        self.config = config
+        self.device = device
+        self.tp_group = tp_group
+        self.dtype = torch_dtype(config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.hf_config = load_hf_config(config.model.model)
+        self.model: torch.nn.Module | None = None
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ----------------------------------------------------------------- set-up
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model.model, self.hf_config, dtype=self.dtype,
+                                device=self.device, tp_group=self.tp_group)
+        self.vocab_size = self.hf_config.vocab_size
+
+    @property
+    def kv_cache_bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
+                                        self.tp_group.world_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        # Zeroed: padded reads in attention are masked, but must not be NaN.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.model.num_attention_layers)]
+        self.model.bind_kv_cache(self.kv_caches)
+
+    # ----------------------------------------------------------------- the step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        input_ids, positions, metadata, sample_rows, logits_indices = \
+            self._prepare_inputs(req_ids, scheduler_output.num_scheduled_tokens)
+        with set_forward_context(metadata):
+            hidden_states = self.model(input_ids, positions)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[SampleLogprobs | None] = [None] * len(req_ids)
+        if sample_rows:
+            # Every rank computes logits (the LM head gathers across ranks); rank 0 samples.
+            logits = self.model.compute_logits(hidden_states[logits_indices])
+            if self.tp_group.rank == 0:
+                self._sample(req_ids, sample_rows, logits, sampled, logprobs)
+        has_logprobs = any(entry is not None for entry in logprobs)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                 logprobs=logprobs if has_logprobs else None)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += new.eos_token_ids
+            generator = None
+            if params.seed is not None and not params.is_greedy:
+                generator = torch.Generator(device=self.device)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, token_ids=new.prompt_token_ids + new.output_token_ids,
+                num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
+                stop_ids_for_min_tokens=stop_ids, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens, generator=generator)
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]):
+        num_reqs = len(req_ids)
+        query_lens = np.fromiter((num_scheduled[r] for r in req_ids), np.int64, num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        states = [self.requests[r] for r in req_ids]
+        context_starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
+        seq_lens = context_starts + query_lens
+
+        # positions: each request's computed length, then counting up.
+        # query_lens [2, 3] starts [5, 0] -> [5, 6, 0, 1, 2]
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = (np.arange(num_tokens) - query_start_loc[req_of_token]
+                     + context_starts[req_of_token])
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), np.int64)
+        input_ids = np.empty(num_tokens, np.int64)
+        sample_rows: list[int] = []
+        for i, state in enumerate(states):
+            block_table[i, :len(state.block_ids)] = state.block_ids
+            start, end = int(context_starts[i]), int(seq_lens[i])
+            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
+            state.num_computed_tokens = end
+            if end == len(state.token_ids):
+                sample_rows.append(i)
+        slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+        logits_indices = query_start_loc[1:][sample_rows] - 1
+
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size)
+        return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
+                metadata, sample_rows, torch.from_numpy(logits_indices).to(device))
+
+    def _sample(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
+                sampled: list[list[int]], logprobs: list[SampleLogprobs | None]) -> None:
+        states = [self.requests[req_ids[i]] for i in sample_rows]
+        generators = {}
+        for row, state in enumerate(states):
+            if state.generator is not None:
+                # Seeded by (seed, position): reproducible whatever the batch, even
+                # across a preemption that rebuilds this state.
+                seed = hash((state.sampling_params.seed, len(state.token_ids))) & (2**63 - 1)
+                generators[row] = state.generator.manual_seed(seed)
+        metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.token_ids[:s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states],
+            [s.stop_ids_for_min_tokens for s in states],
+            generators, self.vocab_size, self.device)
+        result = self.sampler(logits, metadata)
+        token_ids = result.sampled_token_ids.tolist()
+        if result.logprobs is not None:
+            lp_ids = result.logprob_token_ids.tolist()
+            lp_values = result.logprobs.tolist()
+            ranks = result.sampled_token_ranks.tolist()
+        for row, i in enumerate(sample_rows):
+            sampled[i] = [token_ids[row]]
+            k = states[row].sampling_params.logprobs
+            if k is not None:
+                logprobs[i] = SampleLogprobs(token_ids=[lp_ids[row][:k + 1]],
+                                             logprobs=[lp_values[row][:k + 1]],
+                                             ranks=[ranks[row]])
