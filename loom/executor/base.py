@@ -8,6 +8,20 @@ from loom.config import EngineConfig
 from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
+class EngineDeadError(RuntimeError):
+    """The workers can no longer run steps; every request in flight has failed and the
+    engine must be rebuilt."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker process exited, stopped heart-beating or raised."""
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
 class Executor(abc.ABC):
     """Contract: ``initialize()`` brings every rank to ready and returns the number of
     KV blocks all of them can hold (the minimum over ranks); ``execute_model`` runs one
@@ -25,6 +39,21 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if any rank is dead or hung; cheap, for idle polling."""
+
+
+def cap_num_blocks(config: EngineConfig, num_blocks: int) -> int:
+    """No more blocks than ``max_num_seqs`` sequences of ``max_model_len`` can fill at once.
+
+    Past that, memory would only keep stale prefix-cache entries, and on CPU every
+    block is zeroed and resident. An explicit ``num_gpu_blocks_override`` is kept as is.
+    """
+    if config.cache.num_gpu_blocks_override is not None:
+        return num_blocks
+    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    return min(num_blocks, config.scheduler.max_num_seqs * blocks_per_seq)
 
 
 def check_num_blocks(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from loom.executor.base import Executor, check_num_blocks
+from loom.executor.base import Executor, cap_num_blocks, check_num_blocks
 from loom.worker.worker import Worker
 
 
@@ -15,7 +15,7 @@ class UniProcExecutor(Executor):
         self.worker = Worker(self.config)
         self.worker.init_device()
         self.worker.load_model()
-        num_blocks = self.worker.determine_num_blocks()
+        num_blocks = cap_num_blocks(self.config, self.worker.determine_num_blocks())
         check_num_blocks(self.config, num_blocks,
                          self.worker.model_runner.kv_cache_bytes_per_block)
         self.worker.initialize_kv_cache(num_blocks)

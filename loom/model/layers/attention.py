@@ -1,0 +1,33 @@
+"""The attention layer: owns this layer's bound KV cache and its backend instance."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.model.attention import get_attn_backend
+from loom.model.attention.metadata import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int, backend: str = "torch") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.impl = get_attn_backend(backend)(num_heads, num_kv_heads, head_dim, scale)
+        # (2, num_blocks, block_size, num_kv_heads, head_dim); bound by the model runner.
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """``query`` (T, H*D), ``key``/``value`` (T, Hkv*D) -> (T, H*D)."""
+        num_tokens = query.shape[0]
+        out = self.impl.forward(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache, get_forward_context())
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,186 @@
+"""Linear layers that own their tensor-parallel sharding.
+
+Column parallel splits the output features across ranks (no communication);
+row parallel splits the input features and sums the partial products with an
+all-reduce. A column-parallel layer followed by a row-parallel one (QKV → O,
+gate_up → down) needs one all-reduce per pair.
+
+Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``,
+which takes the full checkpoint tensor and copies this rank's slice into ``param``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.distributed.parallel_state import SINGLE, TPGroup
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: object = None) -> None:
+    """Copy a replicated (unsharded) tensor whole."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)} but the "
+                         f"parameter has {tuple(param.shape)}; the config does not match "
+                         "the weights")
+    param.data.copy_(loaded_weight)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shard of shape {tuple(src.shape)} does not fit parameter slice "
+                         f"{tuple(dst.shape)}; the config does not match the weights")
+    dst.copy_(src)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 tp_group: TPGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_group: TPGroup = SINGLE) -> None:
+        super().__init__(input_size, output_size, bias, tp_group)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """``y = x W^T`` with W's rows (output features) split across ranks.
+
+    Returns this rank's slice of the output unless ``gather_output``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_group: TPGroup = SINGLE, gather_output: bool = False) -> None:
+        start, end = tp_group.shard_range(output_size)
+        super().__init__(input_size, end - start, bias, tp_group)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        size = param.shape[0]
+        shard = loaded_weight.narrow(0, self.tp_group.rank * size, size)
+        _copy_checked(param.data, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp_group.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (``gate_proj, up_proj → gate_up_proj``); ``shard_id`` is the index into
+    ``output_sizes``. Each rank holds ``[gate_r | up_r]``."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp_group: TPGroup = SINGLE) -> None:
+        for size in output_sizes:
+            tp_group.shard_range(size)  # validates divisibility
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_group)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs a shard_id (0, 1, ...)")
+        tp = self.tp_group.world_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        shard = loaded_weight.narrow(0, self.tp_group.rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections; shard ids ``"q"``, ``"k"``, ``"v"``.
+
+    Query heads are split across ranks. KV heads are split too when there are at
+    least as many as ranks; otherwise each KV head is replicated on
+    ``tp_size // total_num_kv_heads`` consecutive ranks, so that every rank holds
+    the one KV head its query heads attend with."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False,
+                 tp_group: TPGroup = SINGLE) -> None:
+        tp = tp_group.world_size
+        if total_num_heads % tp:
+            raise ValueError(f"{total_num_heads} attention heads are not divisible by "
+                             f"tensor parallel size {tp}")
+        if tp >= total_num_kv_heads:
+            if tp % total_num_kv_heads:
+                raise ValueError(f"tensor parallel size {tp} is not a multiple of the "
+                                 f"{total_num_kv_heads} KV heads")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp // total_num_kv_heads
+        else:
+            if total_num_kv_heads % tp:
+                raise ValueError(f"{total_num_kv_heads} KV heads are not divisible by "
+                                 f"tensor parallel size {tp}")
+            self.num_kv_heads = total_num_kv_heads // tp
+            self.num_kv_head_replicas = 1
+        self.head_size = head_size
+        self.num_heads = total_num_heads // tp
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        # Sizes are per rank already; build the base with tp-scaled totals.
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, tp_group)
+        self.gather_output = False
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        rank = self.tp_group.rank
+        if shard_id == "q":
+            offset, size, shard_index = 0, self.q_size, rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, shard_index = self.kv_size, rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        shard = loaded_weight.narrow(0, shard_index * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(LinearBase):
+    """``y = x W^T`` with W's columns (input features) split across ranks; the input
+    arrives already split (from a column-parallel layer) and partial outputs are
+    summed with an all-reduce. The bias is added once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_group: TPGroup = SINGLE, reduce_results: bool = True) -> None:
+        start, end = tp_group.shard_range(input_size)
+        super().__init__(end - start, output_size, bias, tp_group)
+        self.reduce_results = reduce_results
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            default_weight_loader(param, loaded_weight)
+            return
+        size = param.shape[1]
+        shard = loaded_weight.narrow(1, self.tp_group.rank * size, size)
+        _copy_checked(param.data, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            self.tp_group.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,155 @@
+"""Rotary position embedding, neox style (rotate halves), as Hugging Face Llama.
+
+The inverse frequencies follow ``transformers.modeling_rope_utils`` exactly for the
+rope types below; cos/sin are precomputed in float32 for every position up to
+``max_position_embeddings`` and cast to the query dtype when applied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of ``config`` as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5.x keeps them in ``config.rope_parameters``; older configs use
+    ``rope_scaling`` (with ``type`` or ``rope_type``) plus ``rope_theta``."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the middle interpolated
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_inv_freq(base: float, dim: int, params: dict[str, Any],
+                   max_position: int) -> tuple[torch.Tensor, float]:
+    factor = params.get("factor")
+    original_max = params.get("original_max_position_embeddings", max_position)
+    if factor is None:
+        factor = max_position / original_max
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) \
+        + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float, int]:
+    """``(inv_freq, attention_scaling, rotary_dim)`` for ``config``'s rope type."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    base = params["rope_theta"]
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor",
+                                           getattr(config, "partial_rotary_factor", 1.0)))
+    max_position = config.max_position_embeddings
+    attention_scaling = 1.0
+    if rope_type in ("default", "dynamic"):
+        # dynamic NTK only changes the base beyond max_position_embeddings; within it
+        # (the positions this engine serves) it equals the default.
+        inv_freq = _default_inv_freq(base, rotary_dim)
+    elif rope_type == "linear":
+        inv_freq = _default_inv_freq(base, rotary_dim) / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(_default_inv_freq(base, rotary_dim), params)
+    elif rope_type == "yarn":
+        inv_freq, attention_scaling = _yarn_inv_freq(base, rotary_dim, params, max_position)
+    else:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, "
+                         "linear, dynamic, llama3, yarn")
+    return inv_freq, attention_scaling, rotary_dim
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int,
+                 inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # (P, rotary_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, rotary_dim)
+        cos_sin = torch.stack((emb.cos() * attention_scaling, emb.sin() * attention_scaling))
+        # A float32 buffer not in the state dict; _apply below keeps it float32.
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # (2, P, rotary_dim)
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves but never a dtype cast: cos/sin stay float32.
+        super()._apply(fn, recurse)
+        if self.cos_sin_cache.dtype != torch.float32:
+            self.cos_sin_cache = self.cos_sin_cache.float()
+        return self
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return x * cos + self._rotate_half(x) * sin
+        x_rot, x_pass = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        return torch.cat((x_rot * cos + self._rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query`` (T, H, D), ``key`` (T, Hkv, D), ``positions`` (T,)."""
+        cos = self.cos_sin_cache[0][positions].unsqueeze(1).to(query.dtype)  # (T, 1, rotary_dim)
+        sin = self.cos_sin_cache[1][positions].unsqueeze(1).to(query.dtype)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
+def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+    inv_freq, attention_scaling, rotary_dim = compute_inv_freq(config, head_dim)
+    return RotaryEmbedding(head_dim, rotary_dim, config.max_position_embeddings,
+                           inv_freq, attention_scaling)

@@ -1,0 +1,73 @@
+"""Build a model for one TP rank and stream its weights in."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.loader.gguf_loader import gguf_weights_iterator, load_gguf_config
+from loom.model.loader.safetensors_loader import safetensors_weights_iterator
+from loom.model.models.registry import get_model_architecture, get_model_class
+
+
+def is_gguf(model_path: str) -> bool:
+    return os.path.isfile(model_path) and model_path.endswith(".gguf")
+
+
+def load_hf_config(model_path: str) -> Any:
+    """A ``transformers`` config from an HF checkpoint dir or a ``.gguf`` file."""
+    if is_gguf(model_path):
+        return load_gguf_config(model_path)
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"model path {model_path!r} is neither a checkpoint "
+                                "directory nor a .gguf file")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE) -> nn.Module:
+    """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
+    ``dtype``, load every parameter from ``model_path``, return it in eval mode."""
+    model_cls = get_model_class(get_model_architecture(hf_config))
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, tp_group)
+    if is_gguf(model_path):
+        weights = gguf_weights_iterator(model_path, hf_config, dtype)
+    else:
+        weights = safetensors_weights_iterator(model_path)
+    with torch.no_grad():
+        loaded = model.load_weights(weights)
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"{model_path} lacks weights for {len(missing)} parameters, e.g. "
+                         f"{missing[:5]}; the checkpoint does not match its config")
+    return model.eval()
+
+
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype,
+                             tp_size: int) -> int:
+    """Bytes of K and V for one block of ``block_size`` tokens over all layers, per rank."""
+    head_dim = getattr(hf_config, "head_dim", None) or \
+        hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads_per_rank = max(1, hf_config.num_key_value_heads // tp_size)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return (hf_config.num_hidden_layers * 2 * block_size * kv_heads_per_rank * head_dim
+            * element_size)

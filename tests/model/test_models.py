@@ -1,0 +1,164 @@
+"""Paged prefill + chunked prefill + batched decode match transformers' forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
+                               load_hf_config, load_model)
+
+from .checkpoints import FAMILIES, make_tiny_checkpoint
+from .paged import PagedDriver
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    return {family: make_tiny_checkpoint(family, root / family) for family in FAMILIES}
+
+
+def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = hf_logits.cache.get(path)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf_logits.cache[path] = model
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+hf_logits.cache = {}
+
+
+def run_scenario(model, vocab_size: int, seed: int = 0) -> list[tuple[list[int], torch.Tensor, int]]:
+    """Three prompts (5, 11, 7 tokens), request 1 prefilled in two chunks, a mixed
+    step (chunk + decode), then three batched decode steps with greedy tokens.
+    Returns ``(context, logits of the new tokens, num_new)`` per request per step."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 7)]
+    driver = PagedDriver(model, num_blocks=48, block_size=4, seed=seed)
+    records = []
+
+    def run(work):
+        logits = driver.step(work)
+        offset = 0
+        for _, tokens, num_new in work:
+            records.append((list(tokens), logits[offset:offset + num_new], num_new))
+            offset += num_new
+        return logits
+
+    seqs = [list(p) for p in prompts]
+    # step 1: request 0 and 2 whole, request 1 first chunk of 6
+    run([(0, seqs[0], 5), (1, seqs[1][:6], 6), (2, seqs[2], 7)])
+    seqs[0].append(int(records[0][1][-1].argmax()))
+    # step 2: request 0 decodes while request 1 finishes its prefill (mixed batch)
+    run([(0, seqs[0], 1), (1, seqs[1], 5)])
+    seqs[0].append(int(records[-2][1][-1].argmax()))
+    seqs[1].append(int(records[-1][1][-1].argmax()))
+    seqs[2].append(int(records[2][1][-1].argmax()))
+    # steps 3-5: all three decode together
+    for _ in range(3):
+        logits = run([(i, seqs[i], 1) for i in range(3)])
+        for i in range(3):
+            seqs[i].append(int(logits[i].argmax()))
+    return records
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_forward_matches_transformers(checkpoints, family):
+    path = checkpoints[family]
+    config = load_hf_config(path)
+    model = load_model(path, config, dtype=torch.float32, device=torch.device("cpu"))
+    records = run_scenario(model, config.vocab_size)
+    assert len(records) == 3 + 2 + 9
+    for tokens, logits, num_new in records:
+        assert logits.shape == (num_new, config.vocab_size) and logits.dtype == torch.float32
+        expected = hf_logits(path, tokens)[-num_new:]
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-4)
+
+
+def test_bfloat16_runs_close(checkpoints):
+    path = checkpoints["qwen3"]
+    config = load_hf_config(path)
+    model = load_model(path, config, dtype=torch.bfloat16)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert rope.cos_sin_cache.dtype == torch.float32
+    tokens = list(range(5, 17))
+    driver = PagedDriver(model, dtype=torch.bfloat16)
+    logits = driver.step([(0, tokens, len(tokens))])
+    expected = hf_logits(path, tokens)
+    assert logits.dtype == torch.float32
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_registry_and_sizes(checkpoints):
+    config = load_hf_config(checkpoints["qwen2"])
+    assert get_model_architecture(config) == "Qwen2ForCausalLM"
+    config.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        get_model_architecture(config)
+    config = load_hf_config(checkpoints["llama"])
+    model = load_model(checkpoints["llama"], config)
+    assert model.num_attention_layers == 2
+    assert model.kv_cache_shape(10, 4) == (2, 10, 4, 2, 16)
+    # 2 layers * K,V * 4 tokens * 2 kv heads * 16 dims * 4 bytes
+    assert kv_cache_bytes_per_block(config, 4, torch.float32, 1) == 2 * 2 * 4 * 2 * 16 * 4
+    assert kv_cache_bytes_per_block(config, 4, torch.bfloat16, 2) == 2 * 2 * 4 * 1 * 16 * 2
+
+
+def test_tied_embeddings_share_weight(checkpoints):
+    path = checkpoints["llama_tied_rope3"]
+    model = load_model(path, load_hf_config(path))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_pickle_checkpoints_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    from loom.model.loader.safetensors_loader import safetensors_weights_iterator
+
+    with pytest.raises(ValueError, match="safetensors"):
+        next(safetensors_weights_iterator(str(tmp_path)))
+
+
+def test_forward_without_kv_cache_for_profiling(checkpoints):
+    """Before the KV cache exists (memory profiling) a prefill-only batch still runs:
+    each request attends causally over its own new tokens."""
+    from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+
+    path = checkpoints["qwen2"]
+    config = load_hf_config(path)
+    model = load_model(path, config)
+    prompts = [list(range(3, 9)), list(range(20, 29))]
+    starts = [0, 6, 15]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(15, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([6, 9], dtype=torch.int32),
+        block_table=torch.zeros(2, 1, dtype=torch.int32),
+        query_start_loc_cpu=starts, seq_lens_cpu=[6, 9], max_query_len=9, max_seq_len=9,
+        block_size=4)
+    input_ids = torch.tensor(prompts[0] + prompts[1])
+    positions = torch.tensor(list(range(6)) + list(range(9)))
+    with torch.inference_mode(), set_forward_context(metadata):
+        logits = model.compute_logits(model(input_ids, positions))
+    torch.testing.assert_close(logits[6:], hf_logits(path, prompts[1]), atol=ATOL, rtol=1e-4)
+
+
+def test_vocab_padding_when_tp_does_not_divide_vocab():
+    from loom.distributed.parallel_state import TPGroup
+    from loom.model.layers.embedding import VocabParallelEmbedding
+
+    full = torch.randn(5, 3)
+    rank0 = VocabParallelEmbedding(5, 3, TPGroup(0, 2, None))
+    rank1 = VocabParallelEmbedding(5, 3, TPGroup(1, 2, None))
+    for layer in (rank0, rank1):
+        layer.weight_loader(layer.weight, full)
+    torch.testing.assert_close(rank0.weight, full[:3])
+    torch.testing.assert_close(rank1.weight[:2], full[3:])
+    assert torch.all(rank1.weight[2] == 0)
