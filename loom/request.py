@@ -65,6 +65,9 @@ class Request:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        if index and sampling_params.seed is not None:
+            # Sequence i of a seeded n > 1 request samples with seed + i, as in vLLM.
+            sampling_params = sampling_params.clone(seed=sampling_params.seed + index)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
