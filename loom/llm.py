@@ -23,7 +23,11 @@ class LLM:
     Keyword arguments follow vLLM: ``dtype``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
     ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``memory_utilization``,
-    ``tensor_parallel_size``, ``seed``, ``tokenizer``, ``chat_template``, ``device``.
+    ``tensor_parallel_size``, ``seed``, ``tokenizer``, ``chat_template``, ``device``;
+    and for worker processes ``distributed_executor_backend`` ("mp" or "uni"),
+    ``nnodes``, ``node_rank``, ``master_addr``, ``master_port``,
+    ``worker_health_timeout_s`` (see docs/multi_node.md). If a worker dies,
+    ``generate`` raises ``WorkerDiedError`` and every later call fails at once.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -11,13 +11,12 @@ from typing import Any
 
 from loom.config import EngineConfig
 from loom.core.engine_core import EngineCore
+from loom.input_processor import InputProcessor, PromptType
 from loom.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
 from loom.request import Request
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer, load_tokenizer
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -25,6 +24,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
                                                    config.model.chat_template)
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.engine_core = EngineCore(config, _make_executor(config))
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -36,46 +36,13 @@ class LLMEngine:
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, validated prompt token ids)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list):
-            text, token_ids = None, list(prompt)
-        else:
-            raise TypeError(f"a prompt is a string, a list of token ids or a dict, "
-                            f"not {type(prompt).__name__}")
-        self._validate_prompt(token_ids)
-        return text, token_ids
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        max_model_len = self.config.model.max_model_len
-        vocab_size = self.config.model.vocab_size
-        if not token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(token_ids) >= max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{max_model_len}; shorten it or raise --max-model-len")
-        for token_id in token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < (vocab_size or 2**31):
-                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+        return self.input_processor.process_prompt(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, stream: bool = False) -> None:
         params = params or SamplingParams()
         text, token_ids = self.process_prompt(prompt)
-        if params.logit_bias:
-            vocab_size = self.config.model.vocab_size
-            bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
-            if bad:
-                raise ValueError(f"logit_bias names token {bad[0]} outside the vocabulary "
-                                 f"[0, {vocab_size})")
+        self.input_processor.validate_params(params)
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         engine_ids = self.output_processor.add_request(request_id, text, token_ids, params, stream)
         for index, engine_id in enumerate(engine_ids):
@@ -106,7 +73,9 @@ class LLMEngine:
 
 
 def _make_executor(config: EngineConfig):
-    if config.parallel.tensor_parallel_size == 1:
+    """Worker processes for more than one rank or when asked for
+    (``distributed_executor_backend="mp"``); otherwise the worker runs in-process."""
+    if not config.parallel.use_worker_processes:
         from loom.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)

@@ -37,6 +37,19 @@ class TPGroup:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (e.g. the KV blocks every rank can hold)."""
+        if self.world_size == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
     def shard_range(self, size: int) -> tuple[int, int]:
         """[start, end) of this rank's equal share of ``size`` (which must divide)."""
         if size % self.world_size:
@@ -47,3 +60,23 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     device: str, timeout_s: float = 600.0) -> TPGroup:
+    """Join the ranks' process group (TCP store at master_addr:master_port, gloo on
+    CPU, NCCL on CUDA) and return this rank's TP group over all of them."""
+    import datetime
+
+    if world_size == 1:
+        return SINGLE
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(rank, world_size, dist.group.WORLD)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

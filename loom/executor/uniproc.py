@@ -15,7 +15,8 @@ class UniProcExecutor(Executor):
         self.worker = Worker(self.config)
         self.worker.init_device()
         self.worker.load_model()
-        num_blocks = cap_num_blocks(self.config, self.worker.determine_num_blocks())
+        self.profiled_num_blocks = self.worker.determine_num_blocks()
+        num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
         check_num_blocks(self.config, num_blocks,
                          self.worker.model_runner.kv_cache_bytes_per_block)
         self.worker.initialize_kv_cache(num_blocks)

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from loom.config import EngineConfig
-from loom.core.outputs import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from loom.core.outputs import (ModelRunnerOutput, NewRequestData, SampleLogprobs,
+                               SchedulerOutput)
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.sampler import Sampler, SamplingMetadata
@@ -75,6 +76,41 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_attention_layers)]
         self.model.bind_kv_cache(self.kv_caches)
+
+    def profile_run(self) -> int:
+        """Run the largest step the scheduler can send, for the memory profiler.
+
+        ``max_num_batched_tokens`` prompt tokens split over up to ``max_num_seqs``
+        fake requests, each prefilled from position 0 and sampled (top-p/top-k, the
+        costly path), on a throwaway KV cache just large enough. Returns that
+        cache's bytes, which the caller excludes from the activation peak.
+        """
+        scheduler = self.config.scheduler
+        num_tokens = min(scheduler.max_num_batched_tokens,
+                         scheduler.max_num_seqs * (self.config.model.max_model_len - 1))
+        num_reqs = min(scheduler.max_num_seqs, num_tokens)
+        # 10 tokens over 4 requests -> [3, 3, 2, 2]
+        lengths = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
+        blocks_per_req = [-(-length // self.block_size) for length in lengths]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+        new_reqs, first_block = [], 0
+        for i, (length, num_blocks) in enumerate(zip(lengths, blocks_per_req)):
+            new_reqs.append(NewRequestData(
+                req_id=f"profile-{i}", prompt_token_ids=[0] * length, output_token_ids=[],
+                sampling_params=params, eos_token_ids=[],
+                block_ids=list(range(first_block, first_block + num_blocks)),
+                num_computed_tokens=0))
+            first_block += num_blocks
+        self.initialize_kv_cache(first_block)
+        try:
+            self.execute_model(SchedulerOutput(
+                scheduled_new_reqs=new_reqs, scheduled_cached_reqs=[],
+                num_scheduled_tokens={r.req_id: n for r, n in zip(new_reqs, lengths)},
+                total_num_scheduled_tokens=num_tokens, finished_req_ids=[]))
+        finally:
+            self.requests.clear()
+            self.initialize_kv_cache(0)
+        return first_block * self.kv_cache_bytes_per_block
 
     # ----------------------------------------------------------------- the step
 

@@ -1,0 +1,132 @@
+"""Signal: a small named numpy array in shared memory, one slot per rank.
+
+The engine creates (owns) each signal and always unlinks it; workers attach by
+name and only read and write slots. Names carry the engine instance's id, so two
+engines on one host never share a segment.
+
+    ready = Signal.create(f"loom-{instance_id}-ready", (world_size,), np.int32)
+    ready = Signal.attach(name, (world_size,), np.int32)  # in a worker
+    ready.array[rank] = 1
+"""
+
+from __future__ import annotations
+
+import weakref
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+
+class Signal:
+    def __init__(self, shm: shared_memory.SharedMemory, shape: tuple[int, ...],
+                 dtype: np.dtype, owner: bool) -> None:
+        self.name = shm.name
+        self.owner = owner
+        self._shm = shm
+        self.array = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
+        # The owner unlinks even if close() is never called (an exception, a GC, exit).
+        self._finalizer = weakref.finalize(self, _release, shm, owner)
+
+    @classmethod
+    def create(cls, name: str, shape: tuple[int, ...], dtype=np.int64) -> Signal:
+        dtype = np.dtype(dtype)
+        size = max(1, int(np.prod(shape)) * dtype.itemsize)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        signal = cls(shm, shape, dtype, owner=True)
+        signal.array[...] = 0
+        return signal
+
+    @classmethod
+    def attach(cls, name: str, shape: tuple[int, ...], dtype=np.int64) -> Signal:
+        # On Python < 3.13 attaching registers the segment with this process's resource
+        # tracker, which unlinks it (and warns) when the process exits: undo that. A
+        # child spawned by the owner shares the owner's tracker (its fd is inherited)
+        # and must leave the owner's registration alone.
+        shares_owner_tracker = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        if not shares_owner_tracker:
+            try:
+                resource_tracker.unregister(shm._name, "shared_memory")
+            except Exception:  # the tracker is best effort; never fail an attach on it
+                pass
+        return cls(shm, shape, np.dtype(dtype), owner=False)
+
+    def close(self) -> None:
+        """Detach; the owner also unlinks. Idempotent."""
+        self.array = None
+        self._finalizer()
+
+
+def _release(shm: shared_memory.SharedMemory, unlink: bool) -> None:
+    try:
+        shm.close()
+    except BufferError:  # a view of the buffer is still alive; the unlink still counts
+        pass
+    if unlink:
+        try:
+            shm.unlink()
+        except FileNotFoundError:  # an orphaned worker got there first
+            resource_tracker.unregister(shm._name, "shared_memory")
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment by name if it still exists (an orphaned worker's last duty)."""
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        shm.close()
+        shm.unlink()  # also unregisters it from this process's resource tracker
+    except FileNotFoundError:
+        pass
+
+
+class WorkerSignals:
+    """The signals between an engine and its ranks, one slot per rank:
+
+    loaded[rank] = 1          weights in place, after a barrier over the ranks
+    profiled_blocks[rank] = n KV blocks every rank can hold (already MIN-reduced)
+    ready[rank] = 1           KV cache allocated, warmed up, in the event loop
+    heartbeat[rank] = time    written every event-loop iteration, idle or busy
+    """
+
+    FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64, "ready": np.int32,
+              "heartbeat": np.float64}
+
+    def __init__(self, signals: dict[str, Signal]) -> None:
+        self._signals = signals
+        self.loaded = signals["loaded"].array
+        self.profiled_blocks = signals["profiled_blocks"].array
+        self.ready = signals["ready"].array
+        self.heartbeat = signals["heartbeat"].array
+
+    @staticmethod
+    def names(instance_id: str) -> dict[str, str]:
+        return {field: f"loom-{instance_id}-{field}" for field in WorkerSignals.FIELDS}
+
+    @classmethod
+    def create(cls, instance_id: str, world_size: int) -> WorkerSignals:
+        signals: dict[str, Signal] = {}
+        try:
+            for field, name in cls.names(instance_id).items():
+                signals[field] = Signal.create(name, (world_size,), cls.FIELDS[field])
+        except BaseException:
+            for signal in signals.values():
+                signal.close()
+            raise
+        return cls(signals)
+
+    @classmethod
+    def attach(cls, instance_id: str, world_size: int) -> WorkerSignals:
+        return cls({field: Signal.attach(name, (world_size,), cls.FIELDS[field])
+                    for field, name in cls.names(instance_id).items()})
+
+    @property
+    def segment_names(self) -> list[str]:
+        return [signal.name for signal in self._signals.values()]
+
+    def close(self) -> None:
+        self.loaded = self.profiled_blocks = self.ready = self.heartbeat = None
+        for signal in self._signals.values():
+            signal.close()

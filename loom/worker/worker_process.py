@@ -1,0 +1,269 @@
+"""One rank's process, in the seed's order (``run_worker_proc``):
+
+    init_distributed -> init_device -> load_model (loaded) -> initialize_kv_cache
+    (profile, MIN over ranks, profiled_blocks) -> warm_up -> report_ready (ready)
+    -> event_loop (heartbeat every iteration) -> exit on Shutdown
+
+A worker only executes: it never decides. Any failure is reported to the engine as
+a ``WorkerFailure`` and ends the process with status 1. A worker whose parent died
+(the engine, or ``loom worker`` on another host) cleans up after it and exits.
+
+On the engine's host a rank writes the shared-memory ``WorkerSignals``; on another
+host it sends the same facts as ``RemoteStatus`` messages over the task queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+from loom.config import EngineConfig
+from loom.ipc.signal import WorkerSignals, unlink_segment
+from loom.ipc.task_queue import (ExecuteModel, RemoteStatus, Shutdown, StepResult,
+                                 TaskQueueAddresses, TaskQueueClient, WorkerFailure)
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5  # the event loop wakes at least this often when idle
+REMOTE_STATUS_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to start; handed to the spawned process."""
+
+    config: EngineConfig
+    rank: int
+    instance_id: str
+    addresses: TaskQueueAddresses
+    master_addr: str
+    master_port: int
+    parent_pid: int
+    local: bool  # on the engine's host: write the shared-memory signals
+    log_level: str = "WARNING"  # the engine's, so workers log as it does
+
+
+class StatusReporter:
+    """Writes this rank's signals: shared memory locally, messages from another host."""
+
+    def __init__(self, spec: WorkerSpec, queue: TaskQueueClient) -> None:
+        self.rank = spec.rank
+        self.queue = queue
+        self.signals = (WorkerSignals.attach(spec.instance_id, spec.config.parallel.world_size)
+                        if spec.local else None)
+        self.loaded = self.ready = False
+        self.profiled_blocks = 0
+        self._last_sent = 0.0
+
+    def set(self, **facts) -> None:
+        for name, value in facts.items():
+            setattr(self, name, value)
+            if self.signals is not None:
+                getattr(self.signals, name)[self.rank] = value
+        self.beat(force=True)
+
+    def beat(self, force: bool = False) -> None:
+        now = time.time()
+        if self.signals is not None:
+            self.signals.heartbeat[self.rank] = now
+        elif force or now - self._last_sent >= REMOTE_STATUS_INTERVAL_S:
+            self.queue.send(RemoteStatus(rank=self.rank, loaded=self.loaded, ready=self.ready,
+                                         profiled_blocks=self.profiled_blocks, heartbeat=now))
+            self._last_sent = now
+
+    def close(self) -> None:
+        if self.signals is not None:
+            self.signals.close()
+
+
+# ----------------------------------------------------------------- the life cycle
+
+
+def run_worker_proc(spec: WorkerSpec) -> None:
+    """The spawned process's target."""
+    _configure_process(spec)
+    queue = TaskQueueClient(spec.addresses)
+    status = None
+    exit_code = 0
+    try:
+        status = StatusReporter(spec, queue)
+        started = time.monotonic()
+        tp_group = init_distributed(spec)
+        worker = init_device(spec, tp_group)
+        load_model(worker, status)
+        loaded = time.monotonic()
+        num_blocks = initialize_kv_cache(worker, status)
+        warm_up(worker)
+        report_ready(status)
+        logger.info("rank %d ready: loaded in %.1fs, profiled and allocated %d KV blocks in "
+                    "%.1fs", spec.rank, loaded - started, num_blocks, time.monotonic() - loaded)
+        event_loop(worker, queue, status, spec)
+    except BaseException as exc:  # report anything, even a KeyboardInterrupt, then exit 1
+        exit_code = 1
+        logger.error("worker rank %d failed: %s: %s", spec.rank, type(exc).__name__, exc)
+        try:
+            queue.send(WorkerFailure(rank=spec.rank, error=f"{type(exc).__name__}: {exc}",
+                                     exc_type=type(exc).__name__,
+                                     traceback=traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        from loom.distributed.parallel_state import destroy_distributed
+
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
+        if status is not None:
+            status.close()
+        queue.close()
+    sys.exit(exit_code)
+
+
+def init_distributed(spec: WorkerSpec):
+    from loom.distributed.parallel_state import init_distributed as join_group
+
+    parallel = spec.config.parallel
+    return join_group(spec.rank, parallel.world_size, spec.master_addr, spec.master_port,
+                      spec.config.device, timeout_s=parallel.worker_start_timeout_s)
+
+
+def init_device(spec: WorkerSpec, tp_group):
+    from loom.worker.worker import Worker
+
+    worker = Worker(spec.config, spec.rank, tp_group)
+    worker.init_device()
+    return worker
+
+
+def load_model(worker, status: StatusReporter) -> None:
+    worker.load_model()
+    worker.tp_group.barrier()
+    status.set(loaded=True)
+
+
+def initialize_kv_cache(worker, status: StatusReporter) -> int:
+    """Profile, publish the block count every rank can hold, allocate (capped) blocks."""
+    from loom.executor.base import cap_num_blocks, check_num_blocks
+
+    profiled_blocks = worker.determine_num_blocks()  # the same on every rank: MIN-reduced
+    status.set(profiled_blocks=profiled_blocks)
+    num_blocks = cap_num_blocks(worker.config, profiled_blocks)
+    check_num_blocks(worker.config, num_blocks, worker.model_runner.kv_cache_bytes_per_block)
+    worker.initialize_kv_cache(num_blocks)
+    return num_blocks
+
+
+def warm_up(worker) -> None:
+    worker.warm_up()
+
+
+def report_ready(status: StatusReporter) -> None:
+    status.set(ready=True)
+
+
+def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: WorkerSpec) -> None:
+    """Block on the task queue; wake at least every HEARTBEAT_INTERVAL_S to beat and
+    to notice a dead parent. Returns on Shutdown."""
+    timeout_ms = int(HEARTBEAT_INTERVAL_S * 1000)
+    is_rank0 = spec.rank == 0
+    while True:
+        status.beat()
+        message = queue.poll(timeout_ms)
+        if message is None:
+            if os.getppid() != spec.parent_pid:
+                logger.warning("worker rank %d: parent %d is gone; exiting", spec.rank,
+                               spec.parent_pid)
+                _clean_up_after_dead_parent(spec)
+                return
+            continue
+        if isinstance(message, Shutdown):
+            return
+        assert isinstance(message, ExecuteModel)
+        output = worker.execute_model(message.scheduler_output)
+        if is_rank0:
+            queue.send(StepResult(step=message.step, output=output))
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _configure_process(spec: WorkerSpec) -> None:
+    # Ctrl-C reaches the whole process group; the engine decides how to stop us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.getLevelName(spec.log_level),
+                        format=f"%(asctime)s loom-worker-{spec.rank} %(levelname)s %(message)s")
+    if spec.config.device == "cpu":
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // spec.config.parallel.ranks_per_node))
+
+
+def _clean_up_after_dead_parent(spec: WorkerSpec) -> None:
+    """The engine died without shutting down (SIGKILL): remove what it owned."""
+    if not spec.local:
+        return
+    for name in WorkerSignals.names(spec.instance_id).values():
+        unlink_segment(name)
+    for address in (spec.addresses.broadcast, spec.addresses.results):
+        if address.startswith("ipc://"):
+            shutil.rmtree(os.path.dirname(address.removeprefix("ipc://")), ignore_errors=True)
+
+
+# ----------------------------------------------------------------- `loom worker`
+
+
+def run_node(config: EngineConfig) -> int:
+    """Run node ``node_rank``'s ranks for an engine on node 0 (``loom worker``).
+
+    Spawns the ranks, which join the engine's process group and task queue on
+    master_addr, and waits for them. SIGTERM/SIGINT stop them. Returns the first
+    non-zero exit status of a rank, or 0 when the engine shut them down.
+    """
+    import multiprocessing
+
+    parallel = config.parallel
+    if parallel.nnodes == 1 or parallel.node_rank == 0:
+        raise ValueError("`loom worker` runs the ranks of a node other than 0; give "
+                         "--nnodes > 1 and --node-rank >= 1 (node 0 runs the engine)")
+    addresses = TaskQueueAddresses.tcp(parallel.master_addr, parallel.master_port)
+    context = multiprocessing.get_context("spawn")
+    first_rank = parallel.node_rank * parallel.ranks_per_node
+    processes = []
+    for rank in range(first_rank, first_rank + parallel.ranks_per_node):
+        spec = WorkerSpec(config=config, rank=rank, instance_id=f"node{parallel.node_rank}",
+                          addresses=addresses, master_addr=parallel.master_addr,
+                          master_port=parallel.master_port, parent_pid=os.getpid(), local=False)
+        process = context.Process(target=run_worker_proc, args=(spec,), daemon=True,
+                                  name=f"loom-worker-{rank}")
+        process.start()
+        processes.append(process)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            for process in processes:
+                process.join(0.5)
+                if process.exitcode not in (None, 0):
+                    logger.error("rank process %s exited with %s", process.name,
+                                 process.exitcode)
+                    return 1
+            if all(process.exitcode == 0 for process in processes):
+                return 0
+    except (KeyboardInterrupt, SystemExit):
+        return 130
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
