@@ -1,0 +1,306 @@
+"""AsyncLLM: the API server's handle on an engine core running in its own process.
+
+Input processing (validation) and output processing (detokenization, stop strings,
+n > 1 fan-out) run here, in the server's event loop; the engine core runs in a child
+process (``loom/core/engine_core_proc.py``). One output-handler task reads the core's
+socket and puts each ``RequestOutput`` into its request's asyncio queue; the
+``RequestStream`` that ``add_request`` returns reads that queue. Closing the stream
+early (a client that disconnected, a cancelled task) aborts the request in the core,
+freeing its KV blocks.
+
+When the core process dies or reports a failed step, every request in flight gets an
+``EngineDeadError`` and the ``on_dead`` callbacks run (the server answers 503 and exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from loom.config import EngineConfig
+from loom.core.engine_core_proc import (AbortRequests, EngineCoreFailed, EngineCoreMessage,
+                                        EngineCoreOutputs, EngineCoreProcess, EngineCoreReady,
+                                        EngineCoreRequest, FinishRequests, Shutdown)
+from loom.executor.base import EngineDeadError
+from loom.input_processor import InputProcessor
+from loom.metrics import ServerMetrics
+from loom.output_processor import OutputProcessor
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than --max-num-waiting allows; retry later."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (e.g. the shutdown timeout passed while draining)."""
+
+
+@dataclass
+class _TrackedRequest:
+    queue: asyncio.Queue
+    num_sequences: int
+
+
+class RequestStream:
+    """The RequestOutputs of one request, as an async iterator.
+
+    Closing it (``aclose``), or cancelling the task that awaits it, before the last
+    output aborts the request in the engine core.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+        self.llm = llm
+        self.request_id = request_id
+        self._queue = queue
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        if isinstance(item, Exception):
+            self._finished = True
+            raise item
+        self._finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.llm.abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, max_num_waiting: int | None = None,
+                 log_requests: bool = True) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
+                                                   config.model.chat_template)
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = ServerMetrics(config.model.name)
+        self.max_num_waiting = max_num_waiting
+        self.log_requests = log_requests
+        self.dead_error: EngineDeadError | None = None
+        self.on_dead: list[Callable[[], None]] = []
+        self._eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self._requests: dict[str, _TrackedRequest] = {}
+        self._num_sequences = 0  # engine requests in flight, n per user request
+        self._core = EngineCoreProcess(config)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+        self._output_task: asyncio.Task | None = None
+        self._shutting_down = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ----------------------------------------------------------------- life cycle
+
+    async def start(self) -> int:
+        """Start the engine core process and wait until it can serve; returns its KV blocks."""
+        self._sync_context = zmq.Context()
+        self._input_socket = self._sync_context.socket(zmq.PUSH)
+        self._input_socket.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
+        self._input_socket.bind(self._core.input_address)
+        self._async_context = zmq.asyncio.Context()
+        self._output_socket = self._async_context.socket(zmq.PULL)
+        self._output_socket.setsockopt(zmq.RCVHWM, 0)
+        self._output_socket.bind(self._core.output_address)
+        self._core.start()
+        while True:
+            if await self._output_socket.poll(200):
+                message = self._decoder.decode(await self._output_socket.recv())
+                if isinstance(message, EngineCoreReady):
+                    break
+                if isinstance(message, EngineCoreFailed):
+                    raise RuntimeError(message.message)
+            elif not self._core.is_alive():
+                raise RuntimeError(f"the engine core process exited with code "
+                                   f"{self._core.exitcode} while loading the model")
+        asyncio.get_running_loop().add_reader(self._core.sentinel, self._on_core_exit)
+        self._output_task = asyncio.create_task(self._handle_outputs(), name="loom-outputs")
+        return message.num_blocks
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core (it finishes its current step) and close the sockets."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._core.sentinel)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        if self._core.is_alive():
+            self._send(Shutdown())
+        await loop.run_in_executor(None, self._core.join, timeout)
+        self._input_socket.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._requests)
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, stream: bool = True) -> RequestStream:
+        """Send a request to the engine core; its outputs come as deltas if ``stream``,
+        else as one final RequestOutput.
+
+        ``prompt_token_ids`` and ``params`` must have passed ``input_processor``.
+        Raises QueueFullError or EngineDeadError at once; the stream raises
+        EngineDeadError or RequestAbortedError if the request cannot finish.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.max_num_waiting is not None:
+            # Sequences beyond what one batch can run have to wait.
+            waiting = self._num_sequences + params.n - self.config.scheduler.max_num_seqs
+            if waiting > self.max_num_waiting:
+                raise QueueFullError(f"the server has {self._num_sequences} sequences in flight "
+                                     f"and at most {self.max_num_waiting} may wait; retry later")
+        engine_request_ids = self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, stream)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._requests[request_id] = _TrackedRequest(queue, params.n)
+        self._num_sequences += params.n
+        self._idle.clear()
+        now = time.time()
+        for index, engine_request_id in enumerate(engine_request_ids):
+            self.metrics.record_sequence_added(engine_request_id, len(prompt_token_ids), now)
+            self._send(EngineCoreRequest(
+                request_id=engine_request_id, prompt_token_ids=prompt_token_ids,
+                sampling_params=params, eos_token_ids=self._eos_token_ids, arrival_time=now,
+                parent_request_id=request_id, index=index))
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids),
+                        params)
+        return RequestStream(self, request_id, queue)
+
+    async def wait_until_idle(self) -> None:
+        """Return once no request is in flight."""
+        await self._idle.wait()
+
+    def abort(self, request_id: str, reason: str | None = None) -> None:
+        """Abort a request; with a ``reason``, its stream raises RequestAbortedError."""
+        tracked = self._untrack(request_id)
+        if tracked is None:
+            return
+        if reason is not None:
+            tracked.queue.put_nowait(RequestAbortedError(reason))
+        engine_request_ids = self.output_processor.abort_request(request_id)
+        for engine_request_id in engine_request_ids:
+            self.metrics.forget_sequence(engine_request_id)
+        if engine_request_ids and not self.is_dead:
+            self._send(AbortRequests(engine_request_ids))
+        if self.log_requests:
+            logger.info("aborted request %s", request_id)
+
+    def abort_all(self, reason: str) -> None:
+        for request_id in list(self._requests):
+            self.abort(request_id, reason)
+
+    def _untrack(self, request_id: str) -> _TrackedRequest | None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._num_sequences -= tracked.num_sequences
+            if not self._requests:
+                self._idle.set()
+        return tracked
+
+    # ----------------------------------------------------------------- outputs
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                message = self._decoder.decode(await self._output_socket.recv())
+                if isinstance(message, EngineCoreFailed):
+                    self._fail(message.message)
+                    return
+                if isinstance(message, EngineCoreOutputs):
+                    self._process_outputs(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 — a bug here must not hang every client
+            logger.exception("output handler failed")
+            self._fail(f"the server's output handler failed: {type(error).__name__}: {error}")
+
+    def _process_outputs(self, message: EngineCoreOutputs) -> None:
+        now = time.time()
+        self.metrics.record_scheduler_stats(message.stats)
+        self.metrics.record_core_outputs(message.outputs, now)
+        processed = self.output_processor.process_outputs(message.outputs)
+        if processed.stopped_by_string:
+            self._send(FinishRequests(processed.stopped_by_string))
+            for engine_request_id, _ in processed.stopped_by_string:
+                self.metrics.record_sequence_finished(engine_request_id, "stop", now)
+        for output in processed.request_outputs:
+            tracked = self._requests.get(output.request_id)
+            if tracked is None:
+                continue
+            tracked.queue.put_nowait(output)
+            if output.finished:
+                self._untrack(output.request_id)
+
+    def _on_core_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._core.sentinel)
+        if not self._shutting_down and self.dead_error is None:
+            asyncio.create_task(self._core_died())
+
+    async def _core_died(self) -> None:
+        """Deliver what the core sent before it died, then fail everything in flight."""
+        if self._output_task is not None:
+            self._output_task.cancel()
+        message = None
+        while self.dead_error is None and await self._output_socket.poll(100):
+            received = self._decoder.decode(await self._output_socket.recv())
+            if isinstance(received, EngineCoreFailed):
+                message = received.message
+            elif isinstance(received, EngineCoreOutputs):
+                self._process_outputs(received)
+        self._fail(message or f"the engine core process died (exit code {self._core.exitcode})")
+
+    def _fail(self, message: str) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("engine is dead: %s", message)
+        self.dead_error = EngineDeadError(message)
+        self.output_processor.fail_all(message)
+        for tracked in self._requests.values():
+            tracked.queue.put_nowait(self.dead_error)
+        self._requests.clear()
+        self._num_sequences = 0
+        self._idle.set()
+        for callback in self.on_dead:
+            callback()
+
+    def _send(self, message) -> None:
+        self._input_socket.send(self._encoder.encode(message), copy=False)

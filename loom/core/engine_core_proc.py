@@ -1,0 +1,264 @@
+"""The engine core in its own process, driven over ZMQ with msgspec messages.
+
+    API server ── PUSH ─▶ EngineCoreInput  (add / abort / finish / shutdown)  ─▶ PULL ┐
+               ◀─ PULL ── EngineCoreMessage (ready / outputs+stats / failed) ◀─ PUSH ┘ core
+
+The API process binds both sockets (ipc paths in a fresh temporary directory, so
+two servers never collide) and the core connects. The core's loop: take every
+pending input, step while there is work, and block on the input socket when there
+is none (waking every ``_HEALTH_CHECK_INTERVAL_S`` only to check the workers and
+that its parent lives). Every iteration that did anything sends one
+``EngineCoreOutputs`` batch carrying the scheduler's stats, so the API side's
+gauges follow aborts too. An exception in a step is fatal: the core sends
+``EngineCoreFailed`` and exits non-zero; the API side fails every request.
+
+Nothing here imports torch; the executor (and with it torch) is built in the child.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from loom.config import EngineConfig
+from loom.core.outputs import EngineCoreOutput
+from loom.core.scheduler import SchedulerStats
+from loom.request import Request, RequestStatus
+from loom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_CHECK_INTERVAL_S = 1.0
+
+
+# ----------------------------------------------------------------- API server -> core
+
+class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
+    """One sequence to generate (a request with n > 1 sends n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    parent_request_id: str
+    index: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag="finish"):
+    """Sequences whose detokenized text reached a stop string: (request id, stop string)."""
+
+    stops: list[tuple[str, str]]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | FinishRequests | Shutdown
+
+
+# ----------------------------------------------------------------- core -> API server
+
+class EngineCoreReady(msgspec.Struct, tag="ready"):
+    num_blocks: int
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float
+
+
+class EngineCoreFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
+
+
+# ----------------------------------------------------------------- the child side
+
+class EngineCoreProc:
+    """Runs ``EngineCore`` in this process, fed and read over the two sockets."""
+
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+        self.context = zmq.Context()
+        self.output_socket = self.context.socket(zmq.PUSH)
+        self.output_socket.connect(output_address)
+        self.input_socket = self.context.socket(zmq.PULL)
+        self.input_socket.connect(input_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+        self.parent_pid = os.getppid()
+        self.should_shutdown = False
+        self.engine_core = _make_engine_core(config)
+        self._send(EngineCoreReady(num_blocks=self.engine_core.num_blocks))
+
+    def run(self) -> None:
+        while not self.should_shutdown:
+            if not self.engine_core.has_unfinished_requests():
+                self._wait_for_input()
+            self._process_inputs()
+            if self.should_shutdown:
+                break
+            outputs = self.engine_core.step()
+            self._send(EngineCoreOutputs(outputs, self.engine_core.get_stats(), time.time()))
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+        self.context.destroy(linger=1000)
+
+    def _wait_for_input(self) -> None:
+        """Block until a message arrives; meanwhile check the workers and the parent."""
+        while not self.input_socket.poll(_HEALTH_CHECK_INTERVAL_S * 1000):
+            if os.getppid() != self.parent_pid:
+                logger.error("the API server process is gone; engine core exiting")
+                self.should_shutdown = True
+                return
+            # Present on executors whose workers live in other processes.
+            check_health = getattr(self.engine_core.executor, "check_health", None)
+            if check_health is not None:
+                check_health()
+
+    def _process_inputs(self) -> None:
+        core = self.engine_core
+        while self.input_socket.poll(0):
+            message = self.decoder.decode(self.input_socket.recv(copy=False))
+            if isinstance(message, EngineCoreRequest):
+                self._add_request(message)
+            elif isinstance(message, AbortRequests):
+                core.abort_requests(message.request_ids)
+            elif isinstance(message, FinishRequests):
+                for request_id, stop in message.stops:
+                    core.finish_by_stop_string(request_id, stop)
+            else:
+                self.should_shutdown = True
+
+    def _add_request(self, message: EngineCoreRequest) -> None:
+        try:
+            self.engine_core.add_request(Request(
+                message.request_id, message.prompt_token_ids, message.sampling_params,
+                frozenset(message.eos_token_ids), arrival_time=message.arrival_time,
+                parent_request_id=message.parent_request_id, index=message.index))
+        except ValueError as error:  # the API side validates, so this is a bug there
+            self._send(EngineCoreOutputs(
+                [EngineCoreOutput(req_id=message.request_id, new_token_ids=[],
+                                  finish_reason=RequestStatus.FINISHED_ERROR.finish_reason.value,
+                                  stop_reason=str(error))],
+                self.engine_core.get_stats(), time.time()))
+
+    def _send(self, message: EngineCoreMessage) -> None:
+        self.output_socket.send(self.encoder.encode(message), copy=False)
+
+
+def _make_engine_core(config: EngineConfig):
+    from loom.core.engine_core import EngineCore
+    from loom.llm_engine import _make_executor
+
+    # Worker processes or an in-process worker, as config.parallel says.
+    return EngineCore(config, _make_executor(config))
+
+
+def run_engine_core(config_msgpack: bytes, input_address: str, output_address: str) -> None:
+    """The child process's entry point. Exits 1 after reporting any failure.
+
+    The config arrives as msgpack (it is a tree of frozen dataclasses), not pickled.
+    """
+    config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
+    # The API server owns shutdown (it drains on SIGTERM, then sends Shutdown), so a
+    # signal sent to the whole process group must not kill the core under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    proc = None
+    try:
+        proc = EngineCoreProc(config, input_address, output_address)
+        proc.run()
+    except BaseException as error:  # noqa: BLE001 — reported to the API side, then exit 1
+        message = f"engine core failed: {type(error).__name__}: {error}"
+        logger.error("%s\n%s", message, traceback.format_exc())
+        _report_failure(input_address, output_address, message, proc)
+        os._exit(1)
+    proc.shutdown()
+
+
+def _report_failure(input_address: str, output_address: str, message: str,
+                    proc: EngineCoreProc | None) -> None:
+    try:
+        if proc is None:  # failed while loading: no socket yet
+            context = zmq.Context()
+            socket = context.socket(zmq.PUSH)
+            socket.connect(output_address)
+        else:
+            context, socket = proc.context, proc.output_socket
+        socket.send(msgspec.msgpack.encode(EngineCoreFailed(message)))
+        context.destroy(linger=2000)
+    except Exception:  # noqa: BLE001 — the exit code still tells the parent
+        pass
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the API server dies, however it dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the idle loop's parent check ends the core
+
+
+# ----------------------------------------------------------------- the parent side
+
+class EngineCoreProcess:
+    """Starts, watches and stops the engine core process; owns its socket paths."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._socket_dir = tempfile.mkdtemp(prefix="loom-engine-")
+        self.input_address = f"ipc://{self._socket_dir}/input"
+        self.output_address = f"ipc://{self._socket_dir}/output"
+        self.process: multiprocessing.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=run_engine_core, name="loom-engine-core", daemon=False,
+            args=(msgspec.msgpack.encode(self.config), self.input_address, self.output_address))
+        self.process.start()
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the process to exit (after Shutdown was sent); kill it at the timeout."""
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                logger.warning("engine core did not exit in %.0f s; killing it", timeout)
+                self.process.kill()
+                self.process.join(5)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
+
+Bodies are validated straight from JSON in strict mode: a number where a string
+belongs, a string where a number belongs, ``NaN`` or ``Infinity`` are all 400s that
+name the field. Unknown fields are ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_MAX_N = 128  # OpenAI's limit on n
+_MAX_TOP_LOGPROBS = 20
+_SEED = Field(default=None, ge=-(2**63), lt=2**64)
+
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields both endpoints share, with OpenAI's defaults; vLLM's extras at the end."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=_MAX_N)
+    temperature: float | None = None  # None: 1.0
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = _SEED
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the context limit
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,150 @@
+"""POST /v1/chat/completions: messages through the chat template, then one prompt.
+
+A stream opens each choice with a ``{"role": "assistant", "content": ""}`` delta, as
+OpenAI and vLLM do, then sends text deltas; the last delta of a choice carries its
+finish_reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from starlette.responses import JSONResponse, Response
+
+from loom.async_llm import AsyncLLM, RequestStream
+from loom.entrypoints.openai.protocol import ChatCompletionRequest
+from loom.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, SSEResponse, bad_request,
+                                                    check_model, engine_error, finite, input_error,
+                                                    merge_generators, new_id, now_s, parse_body,
+                                                    resolve_max_tokens, sorted_top_logprobs, sse,
+                                                    to_sampling_params, usage)
+from loom.input_processor import InvalidInputError
+from loom.outputs import CompletionOutput, Logprob
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.max_model_len = engine.config.model.max_model_len
+
+    async def create(self, body: bytes) -> Response:
+        request = parse_body(ChatCompletionRequest, body)
+        check_model(request.model, self.model_name)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        token_ids = self._render(request)
+        requested = (request.max_completion_tokens if request.max_completion_tokens is not None
+                     else request.max_tokens)
+        max_tokens = resolve_max_tokens(requested, len(token_ids), self.max_model_len, "messages")
+        params = to_sampling_params(request, max_tokens,
+                                    (request.top_logprobs or 0) if request.logprobs else None,
+                                    "top_logprobs")
+        try:
+            self.engine.input_processor.validate_params(params)
+        except InvalidInputError as error:
+            raise input_error(error, error.param) from None
+        request_id = new_id("chatcmpl")
+        try:
+            stream = self.engine.add_request(request_id, None, token_ids, params,
+                                             stream=request.stream)
+        except Exception as error:  # noqa: BLE001 — queue full or engine dead
+            raise engine_error(error) from None
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, len(token_ids), stream))
+        return await self._full(request, request_id, len(token_ids), stream)
+
+    def _render(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [message.model_dump(exclude_none=True) for message in request.messages]
+        try:
+            token_ids = self.engine.tokenizer.apply_chat_template(
+                messages, request.add_generation_prompt, **(request.chat_template_kwargs or {}))
+        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as error:
+            raise bad_request(f"the chat template failed on these messages: {error}",
+                              param="messages") from None
+        try:
+            self.engine.input_processor.validate_prompt(token_ids, param="messages")
+        except InvalidInputError as error:
+            raise input_error(error, "messages") from None
+        return token_ids
+
+    async def _full(self, request: ChatCompletionRequest, request_id: str,
+                    num_prompt_tokens: int, stream: RequestStream) -> Response:
+        output = None
+        try:
+            async for _, output in merge_generators([stream]):
+                pass
+        except Exception as error:  # noqa: BLE001 — the engine died or aborted the request
+            raise engine_error(error) from None
+        choices, num_completion_tokens = [], 0
+        for seq in output.outputs:
+            _raise_if_error(seq)
+            num_completion_tokens += len(seq.token_ids)
+            choices.append({
+                "index": seq.index, "message": {"role": "assistant", "content": seq.text},
+                "logprobs": _logprobs(seq, request.top_logprobs or 0),
+                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": now_s(),
+            "model": self.model_name, "choices": choices,
+            "usage": usage(num_prompt_tokens, num_completion_tokens)})
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str,
+                      num_prompt_tokens: int, stream: RequestStream) -> AsyncIterator[str]:
+        created = now_s()
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], with_usage: dict | None = None) -> str:
+            data: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk",
+                                    "created": created, "model": self.model_name,
+                                    "choices": choices}
+            if include_usage:
+                data["usage"] = with_usage
+            return sse(data)
+
+        num_completion_tokens = 0
+        try:
+            for index in range(request.n):
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for _, output in merge_generators([stream]):
+                for seq in output.outputs:
+                    _raise_if_error(seq)
+                    num_completion_tokens += len(seq.token_ids)
+                    delta = {"content": seq.text} if seq.text or not seq.finished else {}
+                    yield chunk([{"index": seq.index, "delta": delta,
+                                  "logprobs": _logprobs(seq, request.top_logprobs or 0),
+                                  "finish_reason": seq.finish_reason,
+                                  "stop_reason": seq.stop_reason}])
+            if include_usage:
+                yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
+        except OpenAIError as error:
+            yield sse(error.body())
+        except Exception as error:  # noqa: BLE001 — the engine died or aborted us mid-stream
+            yield sse(engine_error(error).body())
+        yield SSE_DONE
+
+
+def _raise_if_error(seq: CompletionOutput) -> None:
+    if seq.finish_reason == "error":
+        raise OpenAIError(500, f"the engine failed this request: {seq.stop_reason}",
+                          "server_error")
+
+
+def _logprobs(seq: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+    """OpenAI's chat logprobs object for this output's tokens."""
+    if seq.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(seq.token_ids, seq.logprobs):
+        item = _token_logprob(entry[token_id])
+        item["top_logprobs"] = [_token_logprob(lp) for _, lp in sorted_top_logprobs(entry, num_top)]
+        content.append(item)
+    return {"content": content}
+
+
+def _token_logprob(logprob: Logprob) -> dict[str, Any]:
+    token = logprob.decoded_token or ""
+    return {"token": token, "logprob": finite(logprob.logprob), "bytes": list(token.encode())}

@@ -1,0 +1,80 @@
+"""InputProcessor: a user's prompt and sampling params -> validated token ids.
+
+Shared by the offline ``LLMEngine`` and the API server, so both accept and reject
+exactly the same inputs. Each rejection is a ``ValueError`` subclass that names the
+field at fault, so the server can answer 400 with ``param`` filled in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.config import ModelConfig
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InvalidInputError(ValueError):
+    """A prompt or parameter the engine cannot take; ``param`` names it."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(InvalidInputError):
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message, param, code="context_length_exceeded")
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
+        self.tokenizer = tokenizer
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, validated prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list):
+            text, token_ids = None, list(prompt)
+        else:
+            raise TypeError(f"a prompt is a string, a list of token ids or a dict, "
+                            f"not {type(prompt).__name__}")
+        self.validate_prompt(token_ids)
+        return text, token_ids
+
+    def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        if not token_ids:
+            raise InvalidInputError("the prompt is empty; give at least one token", param)
+        if len(token_ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                "shorten it or raise --max-model-len", param)
+        for token_id in token_ids:
+            if (not isinstance(token_id, int) or isinstance(token_id, bool)
+                    or not 0 <= token_id < self.vocab_size):
+                raise InvalidInputError(f"prompt token id {token_id!r} is outside the vocabulary "
+                                        f"[0, {self.vocab_size})", param)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this vocabulary."""
+        for token_id in params.logit_bias or ():
+            if not 0 <= int(token_id) < self.vocab_size:
+                raise InvalidInputError(f"logit_bias names token {token_id} outside the vocabulary "
+                                        f"[0, {self.vocab_size})", "logit_bias")
+        for token_id in params.stop_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidInputError(f"stop_token_ids names token {token_id} outside the "
+                                        f"vocabulary [0, {self.vocab_size})", "stop_token_ids")

@@ -1,0 +1,146 @@
+"""Prometheus metrics of the API server, under vLLM's names so its dashboards work.
+
+Every metric is named ``vllm:<name>`` and labelled ``model_name``, with the meaning
+vLLM (v1) gives it:
+
+    vllm:num_requests_running          gauge      sequences in the running batch
+    vllm:num_requests_waiting          gauge      sequences waiting to be scheduled
+    vllm:kv_cache_usage_perc           gauge      share of KV blocks in use, 0..1
+    vllm:prefix_cache_queries_total    counter    prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_hits_total       counter    of which were found
+    vllm:num_preemptions_total         counter    sequences preempted for lack of KV blocks
+    vllm:prompt_tokens_total           counter    prompt tokens of sequences that started
+    vllm:generation_tokens_total       counter    tokens generated
+    vllm:request_success_total         counter    finished sequences, by finished_reason
+    vllm:time_to_first_token_seconds   histogram  arrival -> first generated token
+    vllm:inter_token_latency_seconds   histogram  between consecutive token batches
+    vllm:time_per_output_token_seconds histogram  per sequence: (e2e - ttft) / (tokens - 1)
+    vllm:e2e_request_latency_seconds   histogram  arrival -> finish
+
+Counts are per sequence: a request with n = 4 is four sequences. Times are measured
+in the API process, where requests arrive and tokens leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from loom.core.outputs import EngineCoreOutput
+from loom.core.scheduler import SchedulerStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # no *_created series, as in vLLM
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class _SequenceTimes:
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class ServerMetrics:
+    """One registry per server, so two servers in one process never share counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str):
+            return Gauge(f"vllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(f"vllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(f"vllm:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences running.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Preempted sequences.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._request_success = Counter("vllm:request_success", "Finished sequences.",
+                                        ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between token batches.", _LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("time_per_output_token_seconds",
+                                               "Mean time per output token after the first.",
+                                               _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "End-to-end request latency.", _REQUEST_BUCKETS)
+        self._sequences: dict[str, _SequenceTimes] = {}
+        self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ----------------------------------------------------------------- recording
+
+    def record_sequence_added(self, engine_request_id: str, num_prompt_tokens: int,
+                              arrival_time: float) -> None:
+        self._sequences[engine_request_id] = _SequenceTimes(arrival_time, num_prompt_tokens)
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """Set the gauges; advance counters by what the core's cumulative totals grew."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.prefix_cache_queries.inc(
+            max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self._last_stats = stats
+
+    def record_core_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:
+        for out in outputs:
+            times = self._sequences.get(out.req_id)
+            if times is None:
+                continue
+            if out.new_token_ids:
+                self.generation_tokens.inc(len(out.new_token_ids))
+                if times.first_token_time is None:
+                    times.first_token_time = now
+                    self.prompt_tokens.inc(times.num_prompt_tokens)
+                    self.time_to_first_token.observe(now - times.arrival_time)
+                else:
+                    self.inter_token_latency.observe(now - times.last_token_time)
+                times.last_token_time = now
+                times.num_generation_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.record_sequence_finished(out.req_id, out.finish_reason, now)
+
+    def record_sequence_finished(self, engine_request_id: str, finish_reason: str,
+                                 now: float) -> None:
+        """A sequence ended (in the core, at a stop string, or aborted)."""
+        times = self._sequences.pop(engine_request_id, None)
+        if times is None or finish_reason in ("abort", "error"):
+            return
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        self.e2e_request_latency.observe(now - times.arrival_time)
+        if times.first_token_time is not None and times.num_generation_tokens > 1:
+            self.time_per_output_token.observe((times.last_token_time - times.first_token_time)
+                                               / (times.num_generation_tokens - 1))
+
+    def forget_sequence(self, engine_request_id: str) -> None:
+        self._sequences.pop(engine_request_id, None)
