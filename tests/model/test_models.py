@@ -105,7 +105,7 @@ def test_registry_and_sizes(checkpoints):
     config = load_hf_config(checkpoints["llama"])
     model = load_model(checkpoints["llama"], config)
     assert model.num_attention_layers == 2
-    assert model.kv_cache_shape(10, 4) == (2, 10, 4, 2, 16)
+    assert model.kv_cache_shape(10, 4) == (2, 2, 10, 4, 16)
     # 2 layers * K,V * 4 tokens * 2 kv heads * 16 dims * 4 bytes
     assert kv_cache_bytes_per_block(config, 4, torch.float32, 1) == 2 * 2 * 4 * 2 * 16 * 4
     assert kv_cache_bytes_per_block(config, 4, torch.bfloat16, 2) == 2 * 2 * 4 * 1 * 16 * 2
@@ -162,3 +162,21 @@ def test_vocab_padding_when_tp_does_not_divide_vocab():
     torch.testing.assert_close(rank0.weight, full[:3])
     torch.testing.assert_close(rank1.weight[:2], full[3:])
     assert torch.all(rank1.weight[2] == 0)
+
+
+def test_unwritten_cache_slots_are_never_read(checkpoints):
+    """Batched decode of requests with different context lengths reads only written
+    slots, so the KV cache need not be zeroed: a NaN-filled cache gives the same logits."""
+    path = checkpoints["llama"]
+    model = load_model(path, load_hf_config(path))
+    prompts = [list(range(3, 3 + n)) for n in (9, 2, 5)]
+    results = []
+    for fill in (0.0, float("nan")):
+        driver = PagedDriver(model, num_blocks=16, block_size=4)
+        for attn in model.attention_layers:
+            attn.kv_cache.fill_(fill)
+        driver.step([(i, p, len(p)) for i, p in enumerate(prompts)])
+        decoded = [p + [7] for p in prompts]
+        results.append(driver.step([(i, p, 1) for i, p in enumerate(decoded)]))
+    assert torch.isfinite(results[1]).all()
+    assert torch.equal(results[0], results[1])

@@ -6,8 +6,10 @@ A backend instance serves one attention layer. Each forward it
 2. computes causal attention of the new queries over each request's whole context
    (cached tokens plus the new ones), read through ``block_table``.
 
-The KV cache of one layer is ``(2, num_blocks, block_size, num_kv_heads, head_dim)``:
+The KV cache of one layer is ``(2, num_kv_heads, num_blocks, block_size, head_dim)``:
 index 0 holds keys, 1 values; slot ``s`` is ``(s // block_size, s % block_size)``.
+Heads outermost, so that gathering a context's slots gives each head's keys as one
+contiguous ``(S, head_dim)`` matrix, ready for a matmul.
 """
 
 from __future__ import annotations

@@ -8,16 +8,17 @@ requests contiguous and in batch order. For request i its new tokens are
     request 0: | computed (cached K/V) | new (3) |      query_start_loc = [0, 3, 4]
     request 1: | computed ............................ | new (1) |
 
-Each new token's K/V is written to ``kv_cache[:, slot]`` with
-``slot = block_id * block_size + offset`` (``slot_mapping``); attention then reads
+Each new token's K/V is written to slot ``block_id * block_size + offset``
+(``slot_mapping``) of the layer's KV cache; attention then reads
 the whole context of request i through ``block_table[i]``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,17 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per-step values derived by the attention backend (gather indices, masks), built
+    # by the first layer that needs them and reused by the others; see ``cached``.
+    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,
+                                     compare=False)
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per step (per ``key``); later calls return the same value."""
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = build()
+        return value
 
     @property
     def num_reqs(self) -> int:

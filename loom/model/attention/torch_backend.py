@@ -1,9 +1,10 @@
 """Reference attention backend in plain PyTorch; runs on CPU and CUDA.
 
-Decode requests (one new token) are batched: one gather of their context from the
-paged cache and one SDPA with a length mask. Requests with several new tokens
+Decode requests (one new token) are batched: one gather of their contexts from the
+paged cache and two matmuls with a length mask. Requests with several new tokens
 (prefill, chunked prefill) run one SDPA each with a causal mask offset by the
-number of tokens already in the cache.
+number of tokens already in the cache. Gather indices and masks are built once per
+step (``AttentionMetadata.cached``) and shared by all layers.
 
 GQA without copying K/V: the G = H / Hkv query heads that share a KV head are laid
 out as G "query rows" of that KV head, ``(…, H, D) -> (…, Hkv, G, D)``, which is how
@@ -11,6 +12,8 @@ Hugging Face's ``repeat_kv`` pairs them (query head h reads KV head h // G).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -25,77 +28,144 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
         if kv_cache is not None:
             self._write_kv(key, value, kv_cache, metadata.slot_mapping)
-        if kv_cache is not None and metadata.is_pure_decode:
-            return self._decode(query, kv_cache, metadata.block_table, metadata.seq_lens,
-                                metadata.max_seq_len, metadata.block_size)
+            if metadata.is_pure_decode:
+                slots, mask = metadata.cached(("decode", query.dtype),
+                                              lambda: _decode_plan(metadata, None, query.dtype))
+                return self._decode(query, kv_cache, slots, mask)
         output = torch.empty_like(query)
+        plan = metadata.cached(("plan", kv_cache is None),
+                               lambda: _StepPlan.build(metadata, kv_cache is None))
         starts = metadata.query_start_loc_cpu
-        seq_lens = metadata.seq_lens_cpu
-
-        decode_reqs: list[int] = []
-        for i in range(metadata.num_reqs):
+        for i in plan.single:
             start, end = starts[i], starts[i + 1]
-            if end - start == 1 and kv_cache is not None:
-                decode_reqs.append(i)
-                continue
-            if kv_cache is None:
-                k, v = key[start:end], value[start:end]
+            if kv_cache is None or metadata.seq_lens_cpu[i] == end - start:
+                # nothing cached before these tokens: attend to them directly
+                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:
-                k, v = self._gather_one(kv_cache, metadata.block_table[i], seq_lens[i],
-                                        metadata.block_size)
-            output[start:end] = self._prefill(query[start:end], k, v)
-        if decode_reqs:
-            req_index = torch.tensor(decode_reqs, device=query.device)
-            token_index = torch.tensor([starts[i] for i in decode_reqs], device=query.device)
-            max_len = max(seq_lens[i] for i in decode_reqs)
-            output[token_index] = self._decode(
-                query[token_index], kv_cache, metadata.block_table[req_index],
-                metadata.seq_lens[req_index], max_len, metadata.block_size)
+                slots = metadata.cached(("context", i), partial(_context_slots, metadata, i))
+                k, v = self._gather(kv_cache, slots)
+            mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype),
+                                   partial(_prefill_mask, end - start, k.shape[1], self.group,
+                                           query.dtype, query.device))
+            output[start:end] = self._prefill(query[start:end], k, v, mask)
+        if plan.decode:
+            slots, mask = metadata.cached(("decode_subset", query.dtype),
+                                          lambda: _decode_plan(metadata, plan.decode,
+                                                               query.dtype))
+            token_index = metadata.cached(("decode_tokens",), lambda: torch.tensor(
+                [starts[i] for i in plan.decode], device=query.device))
+            output[token_index] = self._decode(query[token_index], kv_cache, slots, mask)
         return output
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
 
     @staticmethod
     def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        # (Hkv, num_slots, D) <- (Hkv, T, D)
+        kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
+                                                                 key.transpose(0, 1))
+        kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
+                                                                 value.transpose(0, 1))
 
     @staticmethod
-    def _gather_one(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
-                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_blocks = -(-seq_len // block_size)
-        kv = kv_cache[:, block_ids[:num_blocks].long()]  # (2, nb, bs, Hkv, D)
-        kv = kv.flatten(1, 2)[:, :seq_len]  # (2, S, Hkv, D)
+    def _gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of ``slots`` (N,), each (Hkv, N, D), contiguous."""
+        _, num_kv_heads, _, _, head_dim = kv_cache.shape
+        kv = kv_cache.view(2 * num_kv_heads, -1, head_dim).index_select(1, slots)
+        kv = kv.view(2, num_kv_heads, slots.shape[0], head_dim)
         return kv[0], kv[1]
 
-    def _prefill(self, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor) -> torch.Tensor:
-        """``query`` (Q, H, D) are the last Q positions of a context of S = len(key)."""
-        q_len, seq_len = query.shape[0], key.shape[0]
-        group = self.num_heads // self.num_kv_heads
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+        """``query`` (Q, H, D) are the last Q positions of a context of S tokens whose
+        ``key``/``value`` are (Hkv, S, D); ``mask`` (G*Q, S) additive."""
+        q_len = query.shape[0]
         # (Q, Hkv*G, D) -> (Hkv, G*Q, D): row g*Q + j is query j of head (kv_head, g)
-        q = query.view(q_len, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(self.num_kv_heads, group * q_len, self.head_dim)
-        k, v = key.transpose(0, 1), value.transpose(0, 1)  # (Hkv, S, D)
-        # query j sits at position S - Q + j and sees keys 0 .. S - Q + j
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]  # (Q, S)
-        mask = mask.repeat(group, 1)  # (G*Q, S)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        out = out.view(self.num_kv_heads, group, q_len, self.head_dim).permute(2, 0, 1, 3)
+        q = query.view(q_len, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(self.num_kv_heads, self.group * q_len, self.head_dim)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=self.scale)
+        out = out.view(self.num_kv_heads, self.group, q_len, self.head_dim).permute(2, 0, 1, 3)
         return out.reshape(q_len, self.num_heads, self.head_dim)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
-        """One new token per request: ``query`` (B, H, D) over contexts of ``seq_lens``."""
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """One new token per request: ``query`` (B, H, D) over the contexts whose
+        ``slots`` are (B*L,) and ``mask`` (1, B, 1, L) additive.
+
+        Two batched matmuls, not SDPA: at one query row per head, CPU SDPA kernels
+        are several times slower. Softmax in float32, as Hugging Face's eager path."""
         batch = query.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        num_blocks = -(-max_seq_len // block_size)
-        kv = kv_cache[:, block_table[:, :num_blocks].long()]  # (2, B, nb, bs, Hkv, D)
-        kv = kv.flatten(2, 3)[:, :, :max_seq_len]  # (2, B, L, Hkv, D)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, Hkv, L, D)
-        q = query.view(batch, self.num_kv_heads, group, self.head_dim)  # (B, Hkv, G, D)
-        positions = torch.arange(max_seq_len, device=query.device)
-        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return out.reshape(batch, self.num_heads, self.head_dim)
+        key, value = self._gather(kv_cache, slots)  # (Hkv, B*L, D) each
+        key = key.view(self.num_kv_heads, batch, -1, self.head_dim)  # (Hkv, B, L, D)
+        value = value.view(self.num_kv_heads, batch, -1, self.head_dim)
+        q = query.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(q, key.transpose(-1, -2))  # (Hkv, B, G, L)
+        probs = torch.add(mask, scores, alpha=self.scale).softmax(-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(query.dtype), value)  # (Hkv, B, G, D)
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+
+
+class _StepPlan:
+    """Which requests of a step decode (one new token, batched over the cache) and
+    which run one by one (several new tokens, or no cache yet)."""
+
+    def __init__(self, decode: list[int], single: list[int]) -> None:
+        self.decode, self.single = decode, single
+
+    @classmethod
+    def build(cls, metadata: AttentionMetadata, no_cache: bool) -> _StepPlan:
+        decode, single = [], []
+        starts = metadata.query_start_loc_cpu
+        for i in range(metadata.num_reqs):
+            (decode if starts[i + 1] - starts[i] == 1 and not no_cache else single).append(i)
+        return cls(decode, single)
+
+
+def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..length-1 of each row of ``block_table``:
+    (R, length) int64. block_size 4, table [[7, 2]] -> [[28, 29, 30, 31, 8, 9, ...]]."""
+    offsets = torch.arange(length, device=block_table.device)
+    blocks = block_table[:, offsets // block_size].long()
+    return blocks * block_size + offsets % block_size
+
+
+def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather slots (B*L,) and additive mask (1, B, 1, L) for the decode requests
+    ``req_index`` (all when None), L their longest context. Positions past a shorter
+    context are masked and read the request's position 0 again, so attention never
+    reads a slot that was not written (the cache may hold NaN: 0 * NaN is NaN)."""
+    block_table, seq_lens = metadata.block_table, metadata.seq_lens
+    if req_index is None:
+        max_len = metadata.max_seq_len
+    else:
+        max_len = max(metadata.seq_lens_cpu[i] for i in req_index)
+        index = torch.tensor(req_index, device=block_table.device)
+        block_table, seq_lens = block_table[index], seq_lens[index]
+    slots = _slots(block_table, max_len, metadata.block_size)  # (B, L)
+    positions = torch.arange(max_len, device=block_table.device)
+    beyond = positions[None, :] >= seq_lens[:, None]  # (B, L)
+    slots = torch.where(beyond, slots[:, :1], slots).flatten()
+    mask = torch.zeros(beyond.shape, dtype=dtype, device=block_table.device)
+    mask.masked_fill_(beyond, float("-inf"))
+    return slots, mask[None, :, None, :]
+
+
+def _context_slots(metadata: AttentionMetadata, i: int) -> torch.Tensor:
+    return _slots(metadata.block_table[i:i + 1], metadata.seq_lens_cpu[i],
+                  metadata.block_size)[0]
+
+
+def _prefill_mask(q_len: int, seq_len: int, group: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """(G*Q, S) additive causal mask: query j sits at position S - Q + j and sees keys
+    0 .. S - Q + j; repeated for the G query rows of each KV head."""
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    hidden = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]  # (Q, S)
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+    mask.masked_fill_(hidden, float("-inf"))
+    return mask.repeat(group, 1)

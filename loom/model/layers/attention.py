@@ -23,7 +23,8 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:
-        """``query`` (T, H*D), ``key``/``value`` (T, Hkv*D) -> (T, H*D)."""
+        """``query`` (T, H, D) or (T, H*D), ``key``/``value`` likewise with Hkv heads; views
+        with strided rows are fine. Returns (T, H*D)."""
         num_tokens = query.shape[0]
         out = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_dim),

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,6 +58,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits")
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)  # (N, vocab_per_rank)
+        logits = linear(hidden_states, self.weight)  # (N, vocab_per_rank)
         logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

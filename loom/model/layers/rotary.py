@@ -111,6 +111,15 @@ def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float, i
 
 
 class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding: with ``x = [x1 | x2]`` (halves of the first
+    ``rotary_dim`` dims) and per-position ``c = cos``, ``s = sin`` of each frequency,
+
+        out = [x1 * c - x2 * s | x2 * c + x1 * s]
+
+    which is Hugging Face's ``x * cos + rotate_half(x) * sin`` bit for bit (its cos and
+    sin repeat the frequencies twice; negating a product is exact). One model shares
+    one instance across its layers; ``cos_sin`` is computed once per step."""
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int,
                  inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
@@ -118,10 +127,9 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.float()[None, :]  # (P, rotary_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, rotary_dim)
-        cos_sin = torch.stack((emb.cos() * attention_scaling, emb.sin() * attention_scaling))
+        cos_sin = torch.stack((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling))
         # A float32 buffer not in the state dict; _apply below keeps it float32.
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # (2, P, rotary_dim)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # (2, P, rotary_dim/2)
 
     def _apply(self, fn, recurse=True):
         # Follow device moves but never a dtype cast: cos/sin stay float32.
@@ -130,23 +138,32 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin_cache = self.cos_sin_cache.float()
         return self
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` (T,), each (T, 1, rotary_dim / 2) in ``dtype``."""
+        cos_sin = self.cos_sin_cache[:, positions].to(dtype)  # (2, T, rotary_dim / 2)
+        return cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return x * cos + self._rotate_half(x) * sin
-        x_rot, x_pass = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        return torch.cat((x_rot * cos + self._rotate_half(x_rot) * sin, x_pass), dim=-1)
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (T, N, head_dim), which may be a strided view; returns a new
+        contiguous tensor."""
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out1, out2 = out[..., :half], out[..., half:self.rotary_dim]
+        torch.mul(x1, cos, out=out1)
+        out1.sub_(x2 * sin)
+        torch.mul(x2, cos, out=out2)
+        out2.add_(x1 * sin)
+        if self.rotary_dim < self.head_dim:
+            out[..., self.rotary_dim:] = x[..., self.rotary_dim:]
+        return out
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``query`` (T, H, D), ``key`` (T, Hkv, D), ``positions`` (T,)."""
-        cos = self.cos_sin_cache[0][positions].unsqueeze(1).to(query.dtype)  # (T, 1, rotary_dim)
-        sin = self.cos_sin_cache[1][positions].unsqueeze(1).to(query.dtype)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        cos, sin = self.cos_sin(positions, query.dtype)
+        return self.apply(query, cos, sin), self.apply(key, cos, sin)
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:

@@ -7,6 +7,8 @@ llama.cpp's converter permutes the rows of Q and K for the ``llama`` architectur
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -14,6 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from loom.model.loader.gguf_dequant import dequantize
+from loom.model.loader.gguf_file import GGUFFile
 
 # GGUF per-layer tensor -> Hugging Face module under model.layers.N
 _LAYER_NAMES = {
@@ -51,18 +56,34 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute`` of Q/K rows (``n_head`` = heads of that tensor)."""
+def reverse_permute(weights: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
+    """Undo llama.cpp's ``permute`` of Q/K rows (``n_head`` = heads of that tensor);
+    numpy arrays or torch tensors."""
     dim = weights.shape[0] // n_head // 2
     w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
 def load_gguf_config(path: str) -> Any:
-    from transformers import AutoConfig
+    """The ``transformers`` config of a GGUF model, memoized per file version.
 
-    config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                        gguf_file=os.path.basename(path))
+    Llama-architecture files are read from their metadata alone (milliseconds); any
+    other architecture, or a llama file with keys loom does not map (rope scaling,
+    experts), goes through ``transformers``, which also parses the tokenizer (seconds).
+    """
+    stat = os.stat(path)
+    return copy.deepcopy(_load_gguf_config(os.path.abspath(path), stat.st_size,
+                                           stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_gguf_config(path: str, size: int, mtime_ns: int) -> Any:
+    config = llama_config_from_metadata(open_gguf(path))
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(os.path.dirname(path),
+                                            gguf_file=os.path.basename(path))
     if not getattr(config, "architectures", None):
         from loom.model.models.registry import get_model_architecture
 
@@ -70,24 +91,84 @@ def load_gguf_config(path: str) -> Any:
     return config
 
 
-def gguf_weights_iterator(path: str, hf_config: Any,
-                          dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to ``dtype``."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def open_gguf(path: str) -> GGUFFile:
+    """A parsed GGUF header, shared by the config and the weight loader of one file."""
+    stat = os.stat(path)
+    return _open_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
 
-    reader = GGUFReader(path)
-    architecture = reader.fields["general.architecture"].contents()
-    permute_qk = architecture == "llama"
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+# llama.cpp metadata key (after "llama.") -> LlamaConfig field, as transformers maps them
+_LLAMA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+
+def llama_config_from_metadata(gguf_file: GGUFFile) -> Any | None:
+    """A ``LlamaConfig`` equal to the one transformers builds for this file, or None
+    when the file is not plain llama (other architecture, Mistral by name, or a
+    ``llama.*`` key outside :data:`_LLAMA_KEYS` such as rope scaling or experts)."""
+    metadata = gguf_file.metadata
+    if metadata.get("general.architecture") != "llama" or \
+            "mistral" in str(metadata.get("general.name", "")).lower():
+        return None
+    arch_keys = {key[len("llama."):] for key in metadata if key.startswith("llama.")}
+    if not arch_keys <= set(_LLAMA_KEYS):
+        return None
+    from transformers import LlamaConfig
+
+    fields = {field: metadata[f"llama.{key}"] for key, field in _LLAMA_KEYS.items()
+              if f"llama.{key}" in metadata}
+    fields.update({field: metadata[key] for key, field in _TOKENIZER_KEYS.items()
+                   if key in metadata})
+    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in metadata:
+        fields["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    fields["tie_word_embeddings"] = "output.weight" not in gguf_file.tensors
+    for int_field in ("max_position_embeddings", "num_hidden_layers", "intermediate_size",
+                      "hidden_size", "head_dim", "num_attention_heads",
+                      "num_key_value_heads", "vocab_size"):
+        if int_field in fields:
+            fields[int_field] = int(fields[int_field])
+    if "general.name" in metadata:
+        fields["_model_name_or_path"] = metadata["general.name"]
+    config = LlamaConfig(architectures=["LlamaForCausalLM"], **fields)
+    config._name_or_path = os.path.dirname(gguf_file.path)
+    return config
+
+
+def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to float32 (the
+    weight loaders cast to the parameter's dtype as they copy)."""
+    gguf_file = open_gguf(path)
+    permute_qk = gguf_file.metadata.get("general.architecture") == "llama"
     num_heads = hf_config.num_attention_heads
     num_kv_heads = hf_config.num_key_value_heads
-    for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+    for info in gguf_file.tensors.values():
+        hf_name = gguf_to_hf_name(info.name)
         if hf_name is None:
             continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        if permute_qk and ".attn_q." in tensor.name:
+        weights = dequantize(gguf_file.tensor_bytes(info), info.ggml_type, info.shape)
+        if permute_qk and ".attn_q." in info.name:
             weights = reverse_permute(weights, num_heads)
-        elif permute_qk and ".attn_k." in tensor.name:
+        elif permute_qk and ".attn_k." in info.name:
             weights = reverse_permute(weights, num_kv_heads)
-        yield hf_name, torch.from_numpy(np.array(weights, copy=True)).to(dtype)
+        yield hf_name, weights

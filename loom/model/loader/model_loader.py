@@ -50,7 +50,7 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_group)
     if is_gguf(model_path):
-        weights = gguf_weights_iterator(model_path, hf_config, dtype)
+        weights = gguf_weights_iterator(model_path, hf_config)
     else:
         weights = safetensors_weights_iterator(model_path)
     with torch.no_grad():

@@ -19,7 +19,7 @@ from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from loom.model.layers.layernorm import RMSNorm
 from loom.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear, default_weight_loader)
-from loom.model.layers.rotary import get_rope
+from loom.model.layers.rotary import RotaryEmbedding, get_rope
 
 
 def head_dim_of(config: Any) -> int:
@@ -28,7 +28,8 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, tp_group: TPGroup,
-                 biases: tuple[bool, bool], qk_norm: bool) -> None:
+                 biases: tuple[bool, bool], qk_norm: bool,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         qkv_bias, o_bias = biases
         self.head_dim = head_dim_of(config)
@@ -45,19 +46,27 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.qk_norm = qk_norm
-        self.rotary_emb = get_rope(config, self.head_dim)
+        self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5, layer_idx=layer_idx)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 Hkv) * D): | q | k | v |
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
+                                                      self.head_dim)  # (T, Hkv, D)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb.apply(q, *cos_sin), self.rotary_emb.apply(k, *cos_sin)
+        else:
+            # q and k are adjacent: rotate both heads' sets in one pass
+            qk = qkv[:, :self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = self.rotary_emb.apply(qk, *cos_sin)  # (T, H + Hkv, D)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = self.attn(q, k, v)
         return self.o_proj(out)
 
@@ -80,21 +89,23 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, tp_group: TPGroup,
-                 biases: tuple[bool, bool], qk_norm: bool) -> None:
+                 biases: tuple[bool, bool], qk_norm: bool,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, tp_group, biases, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_idx, tp_group, biases, qk_norm,
+                                        rotary_emb)
         self.mlp = LlamaMLP(config, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(cos_sin, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -105,16 +116,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_group)
+        self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp_group, biases, qk_norm)
+            LlamaDecoderLayer(config, i, tp_group, biases, qk_norm, self.rotary_emb)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -156,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
         return len(self.model.layers)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's cache, laid out as the attention backend documents."""
         attn = self.attention_layers[0]
-        return (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        return (2, attn.num_kv_heads, num_blocks, block_size, attn.head_dim)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         layers = self.attention_layers
