@@ -98,7 +98,8 @@ class AsyncLLM:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
                                                    config.model.chat_template)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer,
+                                              config.structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(config.model.name)
         self.max_num_waiting = max_num_waiting

@@ -51,6 +51,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
+    group.add_argument("--structured-outputs-backend", "--guided-decoding-backend",
+                       default="auto", choices=["auto", "guidance", "llguidance"],
+                       help="grammar engine for structured outputs (llguidance)")
+    group.add_argument("--structured-outputs-disable-any-whitespace",
+                       "--guided-decoding-disable-any-whitespace", action="store_true",
+                       help="JSON outputs without free whitespace (a request may override)")
+    group.add_argument("--structured-outputs-disable-additional-properties", action="store_true",
+                       help="JSON schemas' objects closed unless they allow additionalProperties")
+    group.add_argument("--speculative-config", type=_json_object, default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 3}\' or \'{"method": "draft_model", '
+                            '"model": PATH, "num_speculative_tokens": 3}\'')
+    group.add_argument("--early-stop-config", type=_json_object, default=None,
+                       help='early stop as JSON, e.g. \'{"enable_early_stop": true, '
+                            '"window_size": 3000, "threshold": 0.99}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +74,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory_bytes", "memory_utilization", "tensor_parallel_size",
              "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port",
              "worker_health_timeout_s", "seed",
-             "device", "chat_template")
+             "device", "chat_template", "structured_outputs_backend",
+             "structured_outputs_disable_any_whitespace",
+             "structured_outputs_disable_additional_properties", "speculative_config",
+             "early_stop_config")
     return {name: getattr(args, name) for name in names}
 
 
@@ -106,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=lambda args, chat=(name == "chat"): _generate(args, chat))
     _add_serve_command(commands)
     _add_worker_command(commands)
+    from loom.bench.cli import add_bench_command
+
+    add_bench_command(commands)
     return parser
 
 
@@ -159,6 +180,18 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
     return value
 
 

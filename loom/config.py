@@ -113,12 +113,127 @@ class ParallelConfig:
         return self.distributed_executor_backend == "mp"
 
 
+_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding (loom/structured_output/). One engine, llguidance,
+    behind the names vLLM uses for it ("auto", "guidance")."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False  # JSON without free whitespace (default per request)
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in _STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured outputs backend must be one of "
+                             f"{', '.join(_STRUCTURED_OUTPUTS_BACKENDS)}, got {self.backend!r} "
+                             "(see docs/structured_outputs.md for why xgrammar is not offered)")
+
+
+_SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative_decoding.md): each step a proposer drafts up
+    to ``num_speculative_tokens`` tokens per request, the target model verifies them in
+    its next forward and rejection sampling keeps the output distribution exact.
+
+    ``ngram``: prompt lookup over the request's own tokens (the longest suffix of
+    ``prompt_lookup_min..prompt_lookup_max`` tokens seen before proposes what followed).
+    ``draft_model``: ``model``, a smaller checkpoint with the same tokenizer, run greedily.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # the draft checkpoint (draft_model only)
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(_SPECULATIVE_METHODS)},"
+                             f" got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be positive, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs 'model': the path of a "
+                             "smaller checkpoint with the same tokenizer")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative method 'ngram' takes no 'model'; use 'draft_model'")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots booked past a request's scheduled tokens for the proposer to write:
+        a draft model computes K/V for its own drafts; n-gram lookup needs none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        return _config_from_value(cls, value, "speculative_config")
+
+
+@dataclass(frozen=True)
+class EarlyStopConfig:
+    """FastDeploy's early stop, ``repetition`` strategy: a request stops (finish_reason
+    "stop", stop_reason "early_stop") once the probability of its sampled token has been
+    above ``threshold`` for ``window_size`` consecutive tokens. The probability is the
+    token's under the request's sampling distribution before top-k/top-p/min-p
+    truncation (after bias, penalties and temperature; temperature 1 for greedy)."""
+
+    enable_early_stop: bool = False
+    strategy: str = "repetition"
+    window_size: int = 3000
+    threshold: float = 0.99
+
+    def __post_init__(self) -> None:
+        if self.strategy != "repetition":
+            raise ValueError(f"early stop strategy must be 'repetition', got {self.strategy!r}")
+        if self.window_size < 1:
+            raise ValueError(f"early stop window_size must be positive, got {self.window_size}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise ValueError(f"early stop threshold must be in [0, 1), got {self.threshold}")
+
+    @classmethod
+    def from_value(cls, value: EarlyStopConfig | dict | str | None) -> EarlyStopConfig | None:
+        return _config_from_value(cls, value, "early_stop_config")
+
+
+def _config_from_value(cls, value, name: str):
+    """A sub-config from itself, a dict, or its JSON text (as ``--speculative-config``)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None
+    early_stop: EarlyStopConfig | None = None
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -152,6 +267,11 @@ class EngineConfig:
         served_model_name: str | None = None,
         chat_template: str | None = None,
         device: str = "auto",
+        structured_outputs_backend: str = "auto",
+        structured_outputs_disable_any_whitespace: bool = False,
+        structured_outputs_disable_additional_properties: bool = False,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
+        early_stop_config: EarlyStopConfig | dict | str | None = None,
     ) -> EngineConfig:
         """Build a config from user arguments, reading the checkpoint's config for defaults."""
         from loom.model.loader import load_hf_config
@@ -169,6 +289,9 @@ class EngineConfig:
                              f"max_position_embeddings {limit}; lower --max-model-len")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(max_model_len, 8192))
+        speculative = SpeculativeConfig.from_value(speculative_config)
+        if speculative is not None and speculative.model is not None:
+            _check_draft_model(speculative.model, hf_config)
         return cls(
             model=ModelConfig(model=model, tokenizer=tokenizer,
                               dtype=resolve_dtype(dtype, hf_config, model, device),
@@ -187,6 +310,12 @@ class EngineConfig:
                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                     master_port=master_port,
                                     worker_health_timeout_s=worker_health_timeout_s),
+            structured_outputs=StructuredOutputsConfig(
+                backend=structured_outputs_backend,
+                disable_any_whitespace=structured_outputs_disable_any_whitespace,
+                disable_additional_properties=structured_outputs_disable_additional_properties),
+            speculative=speculative,
+            early_stop=EarlyStopConfig.from_value(early_stop_config),
             device=device,
         )
 
@@ -220,6 +349,19 @@ def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
     if device == "cpu" and dtype == "float16":
         dtype = "bfloat16"
     return dtype
+
+
+def _check_draft_model(path: str, target_hf_config) -> None:
+    from loom.model.loader import load_hf_config
+
+    if not os.path.exists(path):
+        raise ValueError(f"draft model {path!r} does not exist; give a Hugging Face directory "
+                         "or a .gguf file")
+    draft_vocab = getattr(load_hf_config(path), "vocab_size", None)
+    target_vocab = getattr(target_hf_config, "vocab_size", None)
+    if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:
+        raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is smaller than the "
+                         f"target's ({target_vocab}); the draft must share the target's tokenizer")
 
 
 def _max_position_embeddings(hf_config) -> int | None:

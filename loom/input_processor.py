@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loom.config import ModelConfig
+from loom.config import ModelConfig, StructuredOutputsConfig
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -31,10 +31,12 @@ class ContextLengthError(InvalidInputError):
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer,
+                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
         self.tokenizer = tokenizer
+        self.structured_outputs_config = structured_outputs_config
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, validated prompt token ids)."""
@@ -78,3 +80,13 @@ class InputProcessor:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidInputError(f"stop_token_ids names token {token_id} outside the "
                                         f"vocabulary [0, {self.vocab_size})", "stop_token_ids")
+        if params.structured_outputs is not None:
+            # Compiling here (well under a millisecond, no tokenizer needed) makes a bad
+            # schema, regex or grammar this request's error, never the engine core's.
+            from loom.structured_output import GrammarError, validate_structured_outputs
+
+            try:
+                validate_structured_outputs(params.structured_outputs,
+                                            self.structured_outputs_config)
+            except GrammarError as error:
+                raise InvalidInputError(str(error), "structured_outputs") from None

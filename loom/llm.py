@@ -26,7 +26,10 @@ class LLM:
     ``tensor_parallel_size``, ``seed``, ``tokenizer``, ``chat_template``, ``device``;
     and for worker processes ``distributed_executor_backend`` ("mp" or "uni"),
     ``nnodes``, ``node_rank``, ``master_addr``, ``master_port``,
-    ``worker_health_timeout_s`` (see docs/multi_node.md). If a worker dies,
+    ``worker_health_timeout_s`` (see docs/multi_node.md). ``speculative_config`` and
+    ``early_stop_config`` take a dict (or JSON text), see docs/speculative_decoding.md:
+    ``{"method": "ngram", "num_speculative_tokens": 3}``,
+    ``{"enable_early_stop": True, "window_size": 3000, "threshold": 0.99}``. If a worker dies,
     ``generate`` raises ``WorkerDiedError`` and every later call fails at once.
     """
 

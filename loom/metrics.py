@@ -9,6 +9,10 @@ vLLM (v1) gives it:
     vllm:prefix_cache_queries_total    counter    prompt tokens looked up in the prefix cache
     vllm:prefix_cache_hits_total       counter    of which were found
     vllm:num_preemptions_total         counter    sequences preempted for lack of KV blocks
+    vllm:spec_decode_num_drafts_total  counter    (request, step) pairs that verified drafts
+    vllm:spec_decode_num_draft_tokens_total     counter  draft tokens verified
+    vllm:spec_decode_num_accepted_tokens_total  counter  of which accepted (their ratio is
+                                                         the acceptance rate)
     vllm:prompt_tokens_total           counter    prompt tokens of sequences that started
     vllm:generation_tokens_total       counter    tokens generated
     vllm:request_success_total         counter    finished sequences, by finished_reason
@@ -74,6 +78,12 @@ class ServerMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preempted sequences.")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts",
+                                              "Steps in which a sequence verified drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                                    "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter("vllm:request_success", "Finished sequences.",
@@ -110,6 +120,12 @@ class ServerMetrics:
             max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.spec_decode_num_drafts.inc(
+            max(0, stats.spec_decode_num_drafts - last.spec_decode_num_drafts))
+        self.spec_decode_num_draft_tokens.inc(
+            max(0, stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens))
+        self.spec_decode_num_accepted_tokens.inc(
+            max(0, stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens))
         self._last_stats = stats
 
     def record_core_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:

@@ -57,6 +57,10 @@ class RequestState:
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    # prompt_logprobs: None for the first token, then one dict per prompt token, filled
+    # chunk by chunk from sequence 0; handed out once when streaming.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_reported: bool = False
 
     @property
     def finished(self) -> bool:
@@ -92,6 +96,8 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None))
         state = RequestState(request_id, prompt, prompt_token_ids, params, stream, sequences)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.requests[request_id] = state
         for seq in sequences:
             self._sequences[seq.engine_request_id] = (state, seq)
@@ -132,6 +138,10 @@ class OutputProcessor:
             state, seq = entry
             if seq.finished:
                 continue
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs += self._convert_logprobs(out.prompt_logprobs)
+            if not out.new_token_ids and not out.finished:
+                continue  # a prefill chunk's prompt logprobs only
             if state.first_token_time is None:
                 state.first_token_time = now
                 state.num_cached_tokens = out.num_cached_tokens
@@ -167,14 +177,21 @@ class OutputProcessor:
         return ProcessedOutputs(outputs, stopped_by_string)
 
     def _append_logprobs(self, seq: SequenceState, logprobs: SampleLogprobs) -> None:
+        for entry, values in zip(self._convert_logprobs(logprobs), logprobs.logprobs):
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += values[0]
+            seq.num_new_logprobs += 1
+
+    def _convert_logprobs(self, logprobs: SampleLogprobs) -> list[dict[int, Logprob]]:
+        """One dict per token: the token itself with its rank, then the top-k by rank."""
         decode = self.tokenizer.decode
+        entries = []
         for token_ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks):
             entry = {token_ids[0]: Logprob(values[0], rank, decode([token_ids[0]]))}
             for k, (token_id, value) in enumerate(zip(token_ids[1:], values[1:]), start=1):
                 entry.setdefault(token_id, Logprob(value, k, decode([token_id])))
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += values[0]
-            seq.num_new_logprobs += 1
+            entries.append(entry)
+        return entries
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         completions = []
@@ -198,7 +215,12 @@ class OutputProcessor:
         metrics = {"arrival_time": state.arrival_time}
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
+        prompt_logprobs = state.prompt_logprobs
+        if state.stream:
+            prompt_logprobs = None if state.prompt_logprobs_reported else prompt_logprobs
+            state.prompt_logprobs_reported = True
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
-            finished=state.finished, num_cached_tokens=state.num_cached_tokens, metrics=metrics)
+            finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs, metrics=metrics)

@@ -68,6 +68,10 @@ class Request:
         if index and sampling_params.seed is not None:
             # Sequence i of a seeded n > 1 request samples with seed + i, as in vLLM.
             sampling_params = sampling_params.clone(seed=sampling_params.seed + index)
+        if index and sampling_params.prompt_logprobs is not None:
+            # The prompt's logprobs are reported once, by sequence 0; the others may
+            # then share its blocks through the prefix cache.
+            sampling_params = sampling_params.clone(prompt_logprobs=None)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -84,10 +88,29 @@ class Request:
         self.stop_reason: int | str | None = None
         # Chained hashes of this request's full blocks, grown by the KV cache manager.
         self.block_hashes: list[int] = []
+        # Speculative decoding: draft tokens to verify in the next step, after the last
+        # token (never part of all_token_ids until accepted).
+        self.spec_token_ids: list[int] = []
+        # Early stop: how many tokens in a row were sampled above the threshold.
+        self.num_confident_tokens = 0
+        # prompt_logprobs: prompt tokens 1 .. n whose logprobs were already reported
+        # (a preempted request recomputes its prompt; those are not sent twice).
+        self.num_prompt_logprobs_sent = 0
+        # Its grammar and matcher when sampling_params.structured_outputs is set
+        # (a loom.structured_output.StructuredOutputRequest, set by the engine core).
+        self.structured_output_request = None
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

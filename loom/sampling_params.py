@@ -6,9 +6,59 @@ msgspec Struct so it crosses the engine → worker boundary without pickle.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 _MAX_LOGPROBS = 20
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrain the output to a grammar: exactly one of ``json`` (a JSON schema, as a
+    dict or its JSON text), ``regex``, ``choice`` (one of these strings), ``grammar``
+    (EBNF/GBNF or Lark) or ``json_object`` (any JSON object). vLLM's names.
+
+    ``disable_any_whitespace`` forbids free whitespace in JSON (one space after ``:``
+    and ``,`` is still emitted compactly); ``disable_additional_properties`` makes
+    objects without ``additionalProperties`` closed. ``None``: the server default.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("SamplingParams.structured_outputs needs exactly one of json, regex, "
+                             f"choice, grammar or json_object, got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs choice must be a non-empty list "
+                             "of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: what the grammar cache is keyed by (with ``kind``)."""
+        value = getattr(self, self.kind) if self.kind != "json_object" else "{}"
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -31,6 +81,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,15 +22,32 @@ class ExecutorLike(Protocol):
     def shutdown(self) -> None: ...
 
 
+class StructuredOutputLike(Protocol):
+    """loom.structured_output.StructuredOutputManager, handed in (it is not core code)."""
+
+    def add_request(self, request: Request) -> None: ...
+    def take_failed(self) -> list[tuple[Request, str]]: ...
+    def wait_for_compiles(self, timeout: float) -> None: ...
+    def grammar_bitmask(self, requests: list[Request]) -> bytes: ...
+    def shutdown(self) -> None: ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: ExecutorLike) -> None:
+    def __init__(self, config: EngineConfig, executor: ExecutorLike,
+                 structured_output: StructuredOutputLike | None = None) -> None:
         self.config = config
         self.executor = executor
+        self.structured_output = structured_output
         self.num_blocks = executor.initialize()
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
+                                   config.speculative, config.early_stop)
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None and self.structured_output is None:
+            raise ValueError("this engine was built without structured outputs support")
         self.scheduler.add_request(request)
+        if self.structured_output is not None:
+            self.structured_output.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -44,12 +61,49 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        if self.structured_output is None:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.executor.execute_model(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        failed = self._finish_failed_grammars()
         scheduler_output = self.scheduler.schedule()
+        self._attach_grammar_bitmask(scheduler_output)
+        if (scheduler_output.is_empty and not scheduler_output.finished_req_ids
+                and self.scheduler.has_unfinished_requests()):
+            # Only requests whose grammar is compiling are left: wait for one, briefly.
+            self.structured_output.wait_for_compiles(0.05)
+            return failed
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar did not compile end with an error (the API side validates
+        grammars first, so this is rare); never an exception in the step."""
+        outputs = []
+        for request, error in self.structured_output.take_failed():
+            message = f"the grammar failed to compile: {error}"
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR,
+                                           message)
+            outputs.append(EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                            finish_reason="error", stop_reason=message))
+        return outputs
+
+    def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Allowed-token bits for each grammar-constrained request that samples this step."""
+        requests = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            if (request.use_structured_output
+                    and request.num_computed_tokens + num_tokens >= request.num_tokens):
+                requests.append(request)
+        if requests:
+            scheduler_output.structured_output_req_ids = [r.request_id for r in requests]
+            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(requests)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self.executor.shutdown()

@@ -41,8 +41,11 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of ``request``: its blocks and its token count."""
-        if not self.enable_caching:
+        """The longest cached prefix of ``request``: its blocks and its token count.
+
+        None for a request that wants prompt logprobs: it computes its whole prompt,
+        since a hit would skip the logits those need (as in vLLM)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         # Hits may cover at most num_tokens - 1 tokens: the last one is recomputed.
@@ -56,19 +59,21 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens this step.
 
         ``new_computed_blocks`` are prefix-cache hits of a request being scheduled
-        from waiting. Returns the newly allocated blocks, or None (and changes
-        nothing) when the pool cannot hold them.
+        from waiting. ``num_lookahead_tokens`` more slots are booked but not computed
+        (a draft model writes its drafts' K/V there). Returns the newly allocated
+        blocks, or None (and changes nothing) when the pool cannot hold them.
 
-            | computed (incl. hits) | new this step | ... room in the last block |
+            | computed (incl. hits) | new this step | lookahead | ... rest of the last block |
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_required = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
         num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
         # Hits sitting idle in the free queue are not free for this allocation.
         num_idle_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)

@@ -9,6 +9,14 @@ prefix caching (a new request's computed tokens start at its cached length) and
 decode (a gap of one token). When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed, and it goes back to the front of the
 waiting queue to be recomputed, keeping the tokens it has produced.
+
+Speculative decoding fits the same rule: a request's draft tokens (proposed by the
+workers in the previous step) count as tokens to compute, so a decoding request
+schedules ``1 + num_drafts`` tokens; what the runner rejects is rolled back from
+``num_computed_tokens``, and those KV slots are simply written again later.
+
+    | computed | last token | drafts (spec_token_ids) | lookahead (draft model) |
+               |<-- scheduled this step -------------->|<-- booked, not computed ->|
 """
 
 from __future__ import annotations
@@ -18,10 +26,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loom.config import CacheConfig, SchedulerConfig
+from loom.config import CacheConfig, EarlyStopConfig, SchedulerConfig, SpeculativeConfig
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                               NewRequestData, SchedulerOutput)
+                               NewRequestData, SampleLogprobs, SchedulerOutput)
 from loom.request import Request, RequestStatus
 
 
@@ -33,12 +41,20 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int  # of which found (cumulative)
     num_preemptions: int  # cumulative
+    spec_decode_num_drafts: int = 0  # steps in which a request verified drafts (cumulative)
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified (cumulative)
+    spec_decode_num_accepted_tokens: int = 0  # of which accepted (cumulative)
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, speculative_config: SpeculativeConfig | None = None,
+                 early_stop_config: EarlyStopConfig | None = None) -> None:
         self.config = scheduler_config
+        self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
+                                     if speculative_config else 0)
+        self.early_stop = (early_stop_config if early_stop_config is not None
+                           and early_stop_config.enable_early_stop else None)
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching)
@@ -53,6 +69,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
 
     # ----------------------------------------------------------------- requests in
 
@@ -92,6 +111,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
@@ -100,18 +120,25 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
+                                 token_budget)
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
-            new_blocks = self.kv_cache.allocate_slots(request, num_new_tokens)
+            new_blocks = self._allocate(request, num_new_tokens)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-                new_blocks = self.kv_cache.allocate_slots(request, num_new_tokens)
+                new_blocks = self._allocate(request, num_new_tokens)
             if new_blocks is None:
                 break  # this request was itself preempted; it was the last one
+            if request.spec_token_ids:
+                # The budget may cut drafts off: keep those that fit.
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                del request.spec_token_ids[max(num_spec, 0):]
+                if request.spec_token_ids:
+                    scheduled_spec_tokens[request.request_id] = list(request.spec_token_ids)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             cached_reqs.append(self._cached_request_data(request))
@@ -119,12 +146,17 @@ class Scheduler:
 
         # 2. Waiting requests, in arrival order, while there is room. Not after a
         #    preemption: the pool is full and the preempted request goes first.
+        #    A request whose grammar is still compiling keeps its place but lets others by.
+        skipped: deque[Request] = deque()
         while (self.waiting and token_budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.use_structured_output and not request.structured_output_request.is_ready:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks)
+            new_blocks = self._allocate(request, num_new_tokens, computed_blocks, num_hit_tokens)
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -138,6 +170,7 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             new_reqs.append(self._new_request_data(request))
+        self.waiting.extendleft(reversed(skipped))
 
         forgotten, self._forgotten_req_ids = self._forgotten_req_ids, set()
         return SchedulerOutput(
@@ -146,6 +179,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
             finished_req_ids=sorted(forgotten),
+            scheduled_spec_decode_tokens=scheduled_spec_tokens,
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -158,24 +192,48 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            start = request.num_computed_tokens
             request.num_computed_tokens += num_tokens
             i = row.get(req_id)
             sampled = runner_output.sampled_token_ids[i] if i is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:
+                # Accepted drafts, then one sampled token; the rejected drafts' K/V is stale.
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decode_num_drafts += 1
+                self.spec_decode_num_draft_tokens += len(drafts)
+                self.spec_decode_num_accepted_tokens += num_accepted
+            prompt_logprobs = self._new_prompt_logprobs(
+                request, start, runner_output.prompt_logprobs[i]
+                if runner_output.prompt_logprobs and i is not None else None)
             if not sampled:
-                continue  # a prefill chunk that did not reach the last prompt token
+                # A prefill chunk that did not reach the last prompt token.
+                if prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[],
+                                                    prompt_logprobs=prompt_logprobs))
+                continue
+            probs = (runner_output.sampled_token_probs[i]
+                     if runner_output.sampled_token_probs else None)
             new_token_ids = []
-            for token_id in sampled:
+            for j, token_id in enumerate(sampled):
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                if self._check_stop(request):
+                if (self._check_stop(request) or self._advance_grammar(request, token_id)
+                        or (probs is not None and self._check_early_stop(request, probs[j]))):
                     break
             logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
+            if logprobs is not None and len(new_token_ids) < len(sampled):
+                logprobs = _slice_logprobs(logprobs, 0, len(new_token_ids))
+            if not request.is_finished:
+                request.spec_token_ids = self._next_drafts(request, runner_output, i)
             reason = request.status.finish_reason
             outputs.append(EngineCoreOutput(
                 req_id=req_id, new_token_ids=new_token_ids,
                 finish_reason=reason.value if reason else None,
                 stop_reason=request.stop_reason, logprobs=logprobs,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                prompt_logprobs=prompt_logprobs))
             if request.is_finished:
                 finished.append(request)
         if finished:
@@ -199,7 +257,10 @@ class Scheduler:
             kv_cache_usage=self.kv_cache.usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens)
 
     # ----------------------------------------------------------------- internals
 
@@ -222,10 +283,78 @@ class Scheduler:
             return True
         return False
 
+    def _check_early_stop(self, request: Request, prob: float) -> bool:
+        """FastDeploy's repetition rule: stop once ``window_size`` tokens in a row were
+        sampled with probability above ``threshold`` (not before min_tokens)."""
+        if self.early_stop is None:
+            return False
+        if prob > self.early_stop.threshold:
+            request.num_confident_tokens += 1
+        else:
+            request.num_confident_tokens = 0
+        if (request.num_confident_tokens >= self.early_stop.window_size
+                and request.num_output_tokens >= request.sampling_params.min_tokens):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = "early_stop"
+            return True
+        return False
+
+    def _next_drafts(self, request: Request, runner_output: ModelRunnerOutput,
+                     i: int) -> list[int]:
+        """The proposer's drafts for ``request``'s next step, cut to what it may still
+        produce: its last accepted draft plus the bonus token must fit max_model_len and
+        max_tokens. None for grammar-constrained requests (their bitmask covers one
+        position per step)."""
+        if runner_output.spec_token_ids is None or request.use_structured_output:
+            return []
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return list(runner_output.spec_token_ids[i][:max(room, 0)])
+
+    def _new_prompt_logprobs(self, request: Request, start: int,
+                             logprobs: SampleLogprobs | None) -> SampleLogprobs | None:
+        """The part of a chunk's prompt logprobs not reported before. The chunk began
+        at position ``start``, so it covers prompt tokens ``start + 1, ...``; after a
+        preemption the prompt is recomputed and its first tokens were already sent."""
+        if logprobs is None:
+            return None
+        skip = max(0, request.num_prompt_logprobs_sent - start)
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent,
+                                               start + len(logprobs.ranks))
+        if skip >= len(logprobs.ranks):
+            return None
+        return _slice_logprobs(logprobs, skip, len(logprobs.ranks)) if skip else logprobs
+
+    def _allocate(self, request: Request, num_new_tokens: int, computed_blocks=None,
+                  num_hit_tokens: int = 0):
+        """``allocate_slots`` plus the lookahead slots a draft model writes, within
+        max_model_len."""
+        end = max(request.num_computed_tokens, num_hit_tokens) + num_new_tokens
+        lookahead = max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+        return self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks, lookahead)
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's grammar; True if that finished the request
+        (the grammar is complete: stop; or it rejected the token: error)."""
+        if not request.use_structured_output:
+            return False
+        try:
+            complete = request.structured_output_request.accept_token(token_id)
+        except ValueError as error:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = str(error)
+            return True
+        if complete:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return complete
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_workers(request)
@@ -262,3 +391,8 @@ class Scheduler:
             req_id=req_id, new_token_ids=request.all_token_ids[num_sent:],
             new_block_ids=block_ids[num_blocks_sent:],
             num_computed_tokens=request.num_computed_tokens)
+
+
+def _slice_logprobs(logprobs: SampleLogprobs, start: int, end: int) -> SampleLogprobs:
+    return SampleLogprobs(token_ids=logprobs.token_ids[start:end],
+                          logprobs=logprobs.logprobs[start:end], ranks=logprobs.ranks[start:end])

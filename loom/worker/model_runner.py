@@ -4,6 +4,11 @@ It never decides anything. It mirrors each scheduled request from the diffs in
 ``SchedulerOutput`` (full data once, then new tokens and new blocks), lays the
 step's tokens out flat, requests contiguous in the scheduler's order, and samples
 one token for every request whose computed tokens reach its known tokens.
+
+With speculative decoding a request's scheduled tokens run past its known tokens
+into its drafts; it gets one logits row per draft plus one, and the rejection
+sampler keeps the accepted drafts and samples one more. After sampling, rank 0's
+proposer drafts the next step's tokens (``ModelRunnerOutput.spec_token_ids``).
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from loom.core.outputs import (ModelRunnerOutput, NewRequestData, SampleLogprobs
                                SchedulerOutput)
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
-from loom.model.layers.sampler import Sampler, SamplingMetadata
+from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.loader import kv_cache_bytes_per_block, load_hf_config, load_model
 from loom.sampling_params import SamplingParams
+from loom.spec_decode.draft_model import DraftModelProposer
+from loom.spec_decode.ngram_proposer import NgramProposer
+from loom.spec_decode.rejection_sampler import RejectionSampler
 
+_PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose logits are materialised at once
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,8 +64,18 @@ class ModelRunner:
         self.hf_config = load_hf_config(config.model.model)
         self.model: torch.nn.Module | None = None
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
+        # Proposers run on rank 0 only, after sampling.
+        spec = config.speculative
+        self.ngram_proposer = self.draft_proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.ngram_proposer = NgramProposer(spec.num_speculative_tokens,
+                                                spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None and tp_group.rank == 0:
+            self.draft_proposer = DraftModelProposer(config, device, self.dtype)
 
     # ----------------------------------------------------------------- set-up
 
@@ -64,18 +83,30 @@ class ModelRunner:
         self.model = load_model(self.config.model.model, self.hf_config, dtype=self.dtype,
                                 device=self.device, tp_group=self.tp_group)
         self.vocab_size = self.hf_config.vocab_size
+        if self.draft_proposer is not None:
+            self.draft_proposer.load_model()
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
-                                        self.tp_group.world_size)
+        """Per block of the pool: this rank's share of the target's K/V, plus a draft
+        model's K/V (counted on every rank, so that all size their pools alike)."""
+        target = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
+                                          self.tp_group.world_size)
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return target
+        return target + kv_cache_bytes_per_block(load_hf_config(spec.model), self.block_size,
+                                                 self.dtype, 1)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        # Zeroed: padded reads in attention are masked, but must not be NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Not zeroed: attention never reads a slot before writing it (padded decode
+        # reads repeat the request's position 0), so pages are touched only as used.
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_attention_layers)]
         self.model.bind_kv_cache(self.kv_caches)
+        if self.draft_proposer is not None:
+            self.draft_proposer.initialize_kv_cache(num_blocks)
 
     def profile_run(self) -> int:
         """Run the largest step the scheduler can send, for the memory profiler.
@@ -120,20 +151,35 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, metadata, sample_rows, logits_indices = \
-            self._prepare_inputs(req_ids, scheduler_output.num_scheduled_tokens)
+            self._prepare_inputs(req_ids, scheduler_output.num_scheduled_tokens, spec_tokens)
         with set_forward_context(metadata):
             hidden_states = self.model(input_ids, positions)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[SampleLogprobs | None] = [None] * len(req_ids)
+        probs: list[list[float]] | None = None
         if sample_rows:
             # Every rank computes logits (the LM head gathers across ranks); rank 0 samples.
+            # Rows: each sampling request's last position, then the draft positions.
             logits = self.model.compute_logits(hidden_states[logits_indices])
             if self.tp_group.rank == 0:
-                self._sample(req_ids, sample_rows, logits, sampled, logprobs)
+                if scheduler_output.grammar_bitmask is not None:
+                    self._apply_grammar_bitmask(scheduler_output, req_ids, sample_rows, logits)
+                if spec_tokens or self.early_stop:
+                    probs = self._verify(req_ids, sample_rows, spec_tokens, logits, sampled,
+                                         logprobs)
+                else:
+                    self._sample(req_ids, sample_rows, logits, sampled, logprobs)
+        prompt_logprobs = self._prompt_logprobs(req_ids, metadata, hidden_states)
+        spec_token_ids = None
+        if self.tp_group.rank == 0 and (self.ngram_proposer or self.draft_proposer):
+            spec_token_ids = self._propose(req_ids, sampled, input_ids, positions, metadata)
         has_logprobs = any(entry is not None for entry in logprobs)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 logprobs=logprobs if has_logprobs else None)
+                                 logprobs=logprobs if has_logprobs else None,
+                                 spec_token_ids=spec_token_ids, sampled_token_probs=probs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -157,7 +203,8 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]):
+    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int],
+                        spec_tokens: dict[str, list[int]] | None = None):
         num_reqs = len(req_ids)
         query_lens = np.fromiter((num_scheduled[r] for r in req_ids), np.int64, num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, np.int64)
@@ -177,16 +224,31 @@ class ModelRunner:
         block_table = np.zeros((num_reqs, max_blocks), np.int64)
         input_ids = np.empty(num_tokens, np.int64)
         sample_rows: list[int] = []
+        num_drafts = [0] * num_reqs
         for i, state in enumerate(states):
             block_table[i, :len(state.block_ids)] = state.block_ids
             start, end = int(context_starts[i]), int(seq_lens[i])
-            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
+            drafts = spec_tokens.get(req_ids[i]) if spec_tokens else None
+            if drafts:
+                # | computed | last token, drafts |: the drafts follow the known tokens.
+                assert end == len(state.token_ids) + len(drafts), f"{req_ids[i]}: drafts cut"
+                input_ids[query_start_loc[i]:query_start_loc[i + 1]] = \
+                    state.token_ids[start:] + drafts
+                num_drafts[i] = len(drafts)
+            else:
+                input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
             state.num_computed_tokens = end
-            if end == len(state.token_ids):
+            if end >= len(state.token_ids):
                 sample_rows.append(i)
         slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
+        # Last positions first (one per sampling request), then each one's draft rows:
+        # drafts [2, 0, 1], queries ending before [10, 13, 21] -> [9, 12, 20, 7, 8, 19]
         logits_indices = query_start_loc[1:][sample_rows] - 1
+        if any(num_drafts):
+            logits_indices = np.concatenate([logits_indices] + [
+                np.arange(query_start_loc[i + 1] - 1 - num_drafts[i], query_start_loc[i + 1] - 1)
+                for i in sample_rows if num_drafts[i]])
 
         device = self.device
         metadata = AttentionMetadata(
@@ -201,6 +263,16 @@ class ModelRunner:
             block_size=self.block_size)
         return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
                 metadata, sample_rows, torch.from_numpy(logits_indices).to(device))
+
+    @staticmethod
+    def _apply_grammar_bitmask(scheduler_output: SchedulerOutput, req_ids: list[str],
+                               sample_rows: list[int], logits: torch.Tensor) -> None:
+        """-inf on the tokens each grammar-constrained request may not sample; in place."""
+        from loom.structured_output.bitmask import apply_grammar_bitmask
+
+        logits_row = {req_ids[i]: row for row, i in enumerate(sample_rows)}
+        rows = [logits_row.get(req_id, -1) for req_id in scheduler_output.structured_output_req_ids]
+        apply_grammar_bitmask(logits, rows, scheduler_output.grammar_bitmask)
 
     def _sample(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
                 sampled: list[list[int]], logprobs: list[SampleLogprobs | None]) -> None:
@@ -231,3 +303,100 @@ class ModelRunner:
                 logprobs[i] = SampleLogprobs(token_ids=[lp_ids[row][:k + 1]],
                                              logprobs=[lp_values[row][:k + 1]],
                                              ranks=[ranks[row]])
+
+    def _verify(self, req_ids: list[str], sample_rows: list[int],
+                spec_tokens: dict[str, list[int]], logits: torch.Tensor,
+                sampled: list[list[int]], logprobs: list[SampleLogprobs | None]
+                ) -> list[list[float]] | None:
+        """Rejection-sample the drafts (requests without drafts sample as usual); with
+        early stop on, also return each sampled token's probability."""
+        states = [self.requests[req_ids[i]] for i in sample_rows]
+        drafts = [spec_tokens.get(req_ids[i], []) for i in sample_rows]
+        # One metadata row per logits row: row j of a request sees its drafts before j as
+        # output tokens and samples position len(token_ids) + j.
+        rows = [(state, d, len(d)) for state, d in zip(states, drafts)]  # bonus rows
+        rows += [(state, d, j) for state, d in zip(states, drafts) for j in range(len(d))]
+        row_seeds = {}
+        for row, (state, d, j) in enumerate(rows):
+            if state.generator is not None:
+                position = len(state.token_ids) + j
+                row_seeds[row] = (state.generator,
+                                  hash((state.sampling_params.seed, position)) & (2**63 - 1))
+        metadata = SamplingMetadata.build(
+            [state.sampling_params for state, _, _ in rows],
+            [state.token_ids[:state.num_prompt_tokens] for state, _, _ in rows],
+            [state.output_token_ids + d[:j] for state, d, j in rows],
+            [state.stop_ids_for_min_tokens for state, _, _ in rows],
+            {}, self.vocab_size, self.device)
+        result = self.rejection_sampler(logits, metadata, drafts, row_seeds,
+                                        want_probs=self.early_stop)
+        probs: list[list[float]] = [[] for _ in req_ids]
+        offset = 0
+        for row, i in enumerate(sample_rows):
+            tokens = result.token_ids[row]
+            sampled[i] = tokens
+            end = offset + len(tokens)
+            k = states[row].sampling_params.logprobs
+            if k is not None:
+                logprobs[i] = SampleLogprobs(
+                    token_ids=[ids[:k + 1] for ids in result.logprob_token_ids[offset:end]],
+                    logprobs=[values[:k + 1] for values in result.logprobs[offset:end]],
+                    ranks=result.ranks[offset:end])
+            if result.probs is not None:
+                probs[i] = result.probs[offset:end]
+            offset = end
+        return probs if result.probs is not None else None
+
+    def _prompt_logprobs(self, req_ids: list[str], metadata: AttentionMetadata,
+                         hidden_states: torch.Tensor) -> list[SampleLogprobs | None] | None:
+        """For requests asking for prompt logprobs, the raw logprobs of each prompt token
+        this chunk's logits predict: positions start .. min(end, num_prompt - 1) - 1
+        predict tokens start + 1 .. (every rank computes logits; rank 0 keeps them)."""
+        result: list[SampleLogprobs | None] | None = None
+        starts = metadata.query_start_loc_cpu
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = metadata.seq_lens_cpu[i] - (starts[i + 1] - starts[i])
+            end = min(metadata.seq_lens_cpu[i], state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            token_ids = torch.tensor(state.token_ids[start + 1:end + 1], device=self.device)
+            entry = SampleLogprobs(token_ids=[], logprobs=[], ranks=[])
+            for first in range(0, end - start, _PROMPT_LOGPROBS_CHUNK):
+                last = min(first + _PROMPT_LOGPROBS_CHUNK, end - start)
+                logits = self.model.compute_logits(
+                    hidden_states[starts[i] + first:starts[i] + last]).float()
+                ids, values, ranks = gather_logprobs(torch.log_softmax(logits, dim=-1),
+                                                     token_ids[first:last], k)
+                entry.token_ids += ids.tolist()
+                entry.logprobs += values.tolist()
+                entry.ranks += ranks.tolist()
+            if self.tp_group.rank == 0:
+                if result is None:
+                    result = [None] * len(req_ids)
+                result[i] = entry
+        return result
+
+    def _propose(self, req_ids: list[str], sampled: list[list[int]], input_ids: torch.Tensor,
+                 positions: torch.Tensor, metadata: AttentionMetadata) -> list[list[int]]:
+        """Drafts for the next step of every request that sampled this step."""
+        proposals: list[list[int]] = [[] for _ in req_ids]
+        rows = [i for i, tokens in enumerate(sampled) if tokens]
+        if self.ngram_proposer is not None:
+            for i in rows:
+                proposals[i] = self.ngram_proposer.propose(self.requests[req_ids[i]].token_ids
+                                                           + sampled[i])
+            return proposals
+        self.draft_proposer.catch_up(input_ids, positions, metadata)
+        if rows:
+            states = [self.requests[req_ids[i]] for i in rows]
+            drafts = self.draft_proposer.propose(
+                [sampled[i][-1] for i in rows],
+                [len(state.token_ids) + len(sampled[i]) - 1 for state, i in zip(states, rows)],
+                [state.block_ids for state in states], self.vocab_size)
+            for i, row_drafts in zip(rows, drafts):
+                proposals[i] = row_drafts
+        return proposals

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ class StatusReporter:
         self.loaded = self.ready = False
         self.profiled_blocks = 0
         self._last_sent = 0.0
+        self._stop_beats = threading.Event()
+        self._beater: threading.Thread | None = None
 
     def set(self, **facts) -> None:
         for name, value in facts.items():
@@ -77,7 +80,23 @@ class StatusReporter:
                                          profiled_blocks=self.profiled_blocks, heartbeat=now))
             self._last_sent = now
 
+    def start_background_beats(self) -> None:
+        """Beat from a daemon thread, so one long step (a large prefill on a loaded
+        CPU) is not taken for a hang. Shared-memory heartbeats only: the task queue's
+        socket is not thread-safe, so remote ranks beat between steps."""
+        if self.signals is None:
+            return
+        def beat_forever() -> None:
+            while not self._stop_beats.wait(HEARTBEAT_INTERVAL_S):
+                self.signals.heartbeat[self.rank] = time.time()
+
+        self._beater = threading.Thread(target=beat_forever, name="heartbeat", daemon=True)
+        self._beater.start()
+
     def close(self) -> None:
+        self._stop_beats.set()
+        if self._beater is not None:
+            self._beater.join()  # before the shared memory it writes goes away
         if self.signals is not None:
             self.signals.close()
 
@@ -173,6 +192,7 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
     to notice a dead parent. Returns on Shutdown."""
     timeout_ms = int(HEARTBEAT_INTERVAL_S * 1000)
     is_rank0 = spec.rank == 0
+    status.start_background_beats()
     while True:
         status.beat()
         message = queue.poll(timeout_ms)

@@ -316,7 +316,6 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty",
      None),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo", None),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens",
      None),

@@ -24,6 +24,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "get 503) before aborting them and exiting")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="do not log each request")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (needs --tool-call-parser)')
+    group.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                       help="how to find tool calls in the model's text for tool_choice auto")
+    group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="split <think>...</think> into reasoning_content in chat responses")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
 

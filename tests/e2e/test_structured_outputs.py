@@ -1,0 +1,116 @@
+"""Structured outputs offline: a random tiny model can only produce what the grammar
+allows, so every constrained output must parse and validate, batched with plain ones."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from loom import LLM, SamplingParams
+from loom.input_processor import InvalidInputError
+from loom.sampling_params import StructuredOutputsParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                 "maxItems": 3},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["red", "green", "blue"]
+GBNF = 'root ::= "(" expr ")"\nexpr ::= num (("+" | "*") num){0,4}\nnum ::= [1-9] [0-9]?'
+GBNF_AS_REGEX = r"\([1-9][0-9]?([+*][1-9][0-9]?){0,4}\)"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    engine = LLM(tiny_llama, dtype="float32", max_model_len=512, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def _constraints():
+    return [
+        ("json", StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)),
+        ("json_ws", StructuredOutputsParams(json=PERSON)),  # bounded free whitespace
+        ("regex", StructuredOutputsParams(regex=REGEX)),
+        ("choice", StructuredOutputsParams(choice=CHOICES)),
+        ("grammar", StructuredOutputsParams(grammar=GBNF)),
+        ("json_object", StructuredOutputsParams(json_object=True, disable_any_whitespace=True)),
+    ]
+
+
+def _check(kind: str, text: str) -> None:
+    if kind.startswith("json"):
+        value = json.loads(text)
+        if kind == "json_object":
+            assert isinstance(value, dict)
+        else:
+            jsonschema.validate(value, PERSON)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    else:
+        assert re.fullmatch(GBNF_AS_REGEX, text), text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_outputs_validate_in_a_batch_with_plain_ones(llm, temperature):
+    constraints = _constraints()
+    seeds = range(2) if temperature else range(1)  # greedy output ignores the seed
+    prompts, params = [], []
+    for seed in seeds:
+        for kind, constraint in constraints:
+            prompts.append(f"{kind} {seed}")
+            params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=480,
+                                         structured_outputs=constraint))
+        prompts.append(f"plain {seed}")
+        params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=12,
+                                     ignore_eos=True))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    kinds = [kind for _ in seeds for kind in [k for k, _ in constraints] + ["plain"]]
+    for kind, output in zip(kinds, outputs):
+        completion = output.outputs[0]
+        if kind == "plain":
+            assert completion.finish_reason == "length" and len(completion.token_ids) == 12
+            continue
+        assert completion.finish_reason == "stop", (kind, completion.text)
+        _check(kind, completion.text)
+
+
+def test_n_sequences_and_chat_follow_the_grammar(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=100,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    [output] = llm.generate("emails", params, use_tqdm=False)
+    assert len(output.outputs) == 3
+    for completion in output.outputs:
+        assert re.fullmatch(REGEX, completion.text) and completion.finish_reason == "stop"
+    [chat] = llm.chat([{"role": "user", "content": "pick a colour"}],
+                      SamplingParams(temperature=1.0, seed=1, max_tokens=20,
+                                     structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                      use_tqdm=False)
+    assert chat.outputs[0].text in CHOICES
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputsParams(json={"type": "nonsense"}),
+    StructuredOutputsParams(regex="(unclosed"),
+    StructuredOutputsParams(grammar="root ::= missing"),
+])
+def test_malformed_constraints_are_rejected_before_the_engine(llm, constraint):
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate("x", SamplingParams(structured_outputs=constraint), use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    # The engine is unharmed.
+    [output] = llm.generate("x", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
