@@ -304,6 +304,8 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options", None),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", None),
     ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n", None),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", None),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 _MAX_N = 128  # OpenAI's limit on n
 _MAX_TOP_LOGPROBS = 20
@@ -83,6 +83,14 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None,
+                             info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
 
 class CompletionRequest(SamplingFields):
