@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,27 +18,25 @@ from .test_models import run_scenario
 TP_FAMILIES = ("qwen2", "qwen3", "llama_tied_rope3")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _scenario_logits(path: str, tp_group: TPGroup) -> list[torch.Tensor]:
     config = load_hf_config(path)
     model = load_model(path, config, dtype=torch.float32, tp_group=tp_group)
     return [logits for _, logits, _ in run_scenario(model, config.vocab_size)]
 
 
-def _worker(rank: int, world_size: int, port: int, paths: list[str], out_path: str) -> None:
+def _worker(rank: int, world_size: int, store_path: str, paths: list[str],
+            out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    # A file store, not TCP: with TCP, rank 0 hosts the store, and its exit could race
+    # rank 1's teardown (seen once as std::terminate / SIGABRT in rank 1).
+    dist.init_process_group("gloo", init_method=f"file://{store_path}",
                             rank=rank, world_size=world_size)
     try:
         group = TPGroup(rank, world_size, dist.group.WORLD)
         results = {path: _scenario_logits(path, group) for path in paths}
         if rank == 0:
             torch.save(results, out_path)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -48,7 +44,7 @@ def _worker(rank: int, world_size: int, port: int, paths: list[str], out_path: s
 def test_tp2_matches_tp1(tmp_path):
     paths = [make_tiny_checkpoint(f, tmp_path / f) for f in TP_FAMILIES]
     out_path = str(tmp_path / "tp2.pt")
-    mp.spawn(_worker, args=(2, _free_port(), paths, out_path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), paths, out_path), nprocs=2, join=True)
     tp2 = torch.load(out_path)
     for path in paths:
         tp1 = _scenario_logits(path, TPGroup())
