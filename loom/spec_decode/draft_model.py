@@ -105,14 +105,5 @@ class DraftModelProposer:
                         * self.block_size + pos % self.block_size)
         seq_lens = pos + 1
         query_start_loc = np.arange(num_reqs + 1, dtype=np.int64)
-        device = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size)
+        return AttentionMetadata.from_numpy(slot_mapping, query_start_loc, seq_lens,
+                                            block_table, self.block_size, self.device)

@@ -251,16 +251,8 @@ class ModelRunner:
                 for i in sample_rows if num_drafts[i]])
 
         device = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size)
+        metadata = AttentionMetadata.from_numpy(slot_mapping, query_start_loc, seq_lens,
+                                                block_table, self.block_size, device)
         return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
                 metadata, sample_rows, torch.from_numpy(logits_indices).to(device))
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -46,6 +47,22 @@ class AttentionMetadata:
         if value is None:
             value = self._derived[key] = build()
         return value
+
+    @classmethod
+    def from_numpy(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
+                   seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+        """Build a step's metadata from the runner's int64 numpy arrays."""
+        return cls(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size)
 
     @property
     def num_reqs(self) -> int:
