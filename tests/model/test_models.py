@@ -68,8 +68,21 @@ def run_scenario(model, vocab_size: int, seed: int = 0) -> list[tuple[list[int],
     return records
 
 
+@pytest.fixture(params=["native", "torch_ops"])
+def kernels(request, monkeypatch):
+    """Run with loom's native CPU kernels, and again with the PyTorch ops that stand
+    in for them (no compiler, LOOM_NATIVE_KERNELS=0, CUDA)."""
+    import loom.kernels
+
+    if request.param == "torch_ops":
+        monkeypatch.setattr(loom.kernels, "_module", None)
+    else:
+        assert loom.kernels.native_ops() is not None
+    return request.param
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_paged_forward_matches_transformers(checkpoints, family):
+def test_paged_forward_matches_transformers(checkpoints, family, kernels):
     path = checkpoints[family]
     config = load_hf_config(path)
     model = load_model(path, config, dtype=torch.float32, device=torch.device("cpu"))
@@ -81,7 +94,7 @@ def test_paged_forward_matches_transformers(checkpoints, family):
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-4)
 
 
-def test_bfloat16_runs_close(checkpoints):
+def test_bfloat16_runs_close(checkpoints, kernels):
     path = checkpoints["qwen3"]
     config = load_hf_config(path)
     model = load_model(path, config, dtype=torch.bfloat16)

@@ -14,6 +14,7 @@ from loom.model.attention.metadata import (AttentionMetadata, get_forward_contex
 # name -> "module:Class", imported on first use so optional kernels cost nothing.
 _BACKENDS: dict[str, str] = {
     "torch": "loom.model.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "loom.model.attention.cpu_backend:CpuAttentionBackend",
 }
 
 

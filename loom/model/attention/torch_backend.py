@@ -37,17 +37,7 @@ class TorchAttentionBackend(AttentionBackend):
                                lambda: _StepPlan.build(metadata, kv_cache is None))
         starts = metadata.query_start_loc_cpu
         for i in plan.single:
-            start, end = starts[i], starts[i + 1]
-            if kv_cache is None or metadata.seq_lens_cpu[i] == end - start:
-                # nothing cached before these tokens: attend to them directly
-                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-            else:
-                slots = metadata.cached(("context", i), partial(_context_slots, metadata, i))
-                k, v = self._gather(kv_cache, slots)
-            mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype),
-                                   partial(_prefill_mask, end - start, k.shape[1], self.group,
-                                           query.dtype, query.device))
-            output[start:end] = self._prefill(query[start:end], k, v, mask)
+            self._prefill_request(i, query, key, value, kv_cache, metadata, output)
         if plan.decode:
             slots, mask = metadata.cached(("decode_subset", query.dtype),
                                           lambda: _decode_plan(metadata, plan.decode,
@@ -56,6 +46,22 @@ class TorchAttentionBackend(AttentionBackend):
                 [starts[i] for i in plan.decode], device=query.device))
             output[token_index] = self._decode(query[token_index], kv_cache, slots, mask)
         return output
+
+    def _prefill_request(self, i: int, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, kv_cache: torch.Tensor | None,
+                         metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        """Request ``i``'s new tokens by one SDPA over its context, into ``output``."""
+        start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+        if kv_cache is None or metadata.seq_lens_cpu[i] == end - start:
+            # nothing cached before these tokens: attend to them directly
+            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+        else:
+            slots = metadata.cached(("context", i), partial(_context_slots, metadata, i))
+            k, v = self._gather(kv_cache, slots)
+        mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype),
+                               partial(_prefill_mask, end - start, k.shape[1], self.group,
+                                       query.dtype, query.device))
+        output[start:end] = self._prefill(query[start:end], k, v, mask)
 
     @property
     def group(self) -> int:

@@ -6,10 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.kernels import native_ops
+
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim (one native
+    kernel on the CPU, with the same roundings)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            ops = native_ops()
+            if ops is not None:
+                return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -11,7 +11,7 @@ from loom.model.attention.metadata import get_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int, backend: str = "torch") -> None:
+                 layer_idx: int, backend: str = "cpu") -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

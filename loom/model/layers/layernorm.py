@@ -1,10 +1,21 @@
-"""RMSNorm, computed in float32 and cast back, as Hugging Face Llama does."""
+"""RMSNorm, computed in float32 and cast back, as Hugging Face Llama does.
+
+On the CPU (float32, bfloat16) one native kernel does the residual add and the
+norm in place (``loom.kernels``); elsewhere, PyTorch ops with the same roundings."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.kernels import native_ops
+
+
+def _native(x: torch.Tensor):
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return native_ops()
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +33,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``x + residual`` becomes the new
-        residual stream and ``(norm(x + residual), x + residual)`` is returned."""
+        residual stream and ``(norm(x + residual), x + residual)`` is returned; the
+        native path writes them into ``x`` and ``residual``, which must not be views
+        of anything the caller still needs."""
+        ops = _native(x)
+        if ops is not None and self.weight.dtype == x.dtype:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if x.is_contiguous() and residual.is_contiguous():
+                ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = residual + x

@@ -8,10 +8,19 @@ rope types below; cos/sin are precomputed in float32 for every position up to
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from loom.kernels import native_ops
+
+
+class RopeStep(NamedTuple):
+    """One step's rotary inputs: ``cos``/``sin`` are None on the native path."""
+    positions: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -158,6 +167,23 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_dim:
             out[..., self.rotary_dim:] = x[..., self.rotary_dim:]
         return out
+
+    def step_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        """What ``rotate`` needs for one step's ``positions`` (T,), built once per step
+        and shared by the layers: the positions for the native kernel (CPU, float32 or
+        bfloat16), or cos and sin gathered for the PyTorch path."""
+        if positions.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+                and native_ops() is not None:
+            return RopeStep(positions.long(), None, None)
+        return RopeStep(positions, *self.cos_sin(positions, dtype))
+
+    def rotate(self, x: torch.Tensor, step: RopeStep) -> torch.Tensor:
+        """``x`` (T, N, head_dim) rotated; in place on the native path, where ``x`` may
+        be a strided view (of the fused qkv output, say) and is returned."""
+        if step.cos is None:
+            native_ops().rotary_embedding(x, step.positions, self.cos_sin_cache)
+            return x
+        return self.apply(x, step.cos, step.sin)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.kernels import native_ops
 from loom.model.loader.gguf_loader import gguf_weights_iterator, load_gguf_config
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
@@ -47,6 +48,8 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype``, load every parameter from ``model_path``, return it in eval mode."""
     model_cls = get_model_class(get_model_architecture(hf_config))
+    if torch.device(device).type == "cpu":
+        native_ops()  # build (or load) the CPU kernels now, not inside the first step
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_group)
     if is_gguf(model_path):

@@ -19,7 +19,7 @@ from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from loom.model.layers.layernorm import RMSNorm
 from loom.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear, default_weight_loader)
-from loom.model.layers.rotary import RotaryEmbedding, get_rope
+from loom.model.layers.rotary import RopeStep, RotaryEmbedding, get_rope
 
 
 def head_dim_of(config: Any) -> int:
@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5, layer_idx=layer_idx)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: RopeStep, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # (T, (H + 2 Hkv) * D): | q | k | v |
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
@@ -60,12 +59,12 @@ class LlamaAttention(nn.Module):
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary_emb.apply(q, *cos_sin), self.rotary_emb.apply(k, *cos_sin)
+            q, k = self.rotary_emb.rotate(q, rope), self.rotary_emb.rotate(k, rope)
         else:
             # q and k are adjacent: rotate both heads' sets in one pass
             qk = qkv[:, :self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = self.rotary_emb.apply(qk, *cos_sin)  # (T, H + Hkv, D)
+            qk = self.rotary_emb.rotate(qk, rope)  # (T, H + Hkv, D)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = self.attn(q, k, v)
         return self.o_proj(out)
@@ -98,14 +97,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
+    def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin, hidden_states)
+        hidden_states = self.self_attn(rope, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -124,10 +123,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        rope = self.rotary_emb.step_inputs(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual)
+            hidden_states, residual = layer(rope, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -1,0 +1,71 @@
+"""loom's native CPU kernels, compiled on first use.
+
+``native_ops()`` returns the extension module built from ``csrc/cpu_ops.cpp`` (fused
+RMSNorm, SiLU*mul, rotary, KV-cache write, paged attention), or None when it cannot
+be had: ``LOOM_NATIVE_KERNELS=0``, no C++ compiler, or a failed build (logged once).
+Callers keep a PyTorch path for None, which is also what runs on CUDA.
+
+The build takes about a minute and is cached per source hash and machine in
+``$LOOM_CACHE_DIR/kernels`` (default ``~/.cache/loom/kernels``); processes started
+at once (tensor-parallel ranks) wait on one build through a file lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_UNSET = object()
+_module: object = _UNSET
+
+
+def _build_dir() -> Path:
+    root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "kernels"
+    import torch
+
+    key = hashlib.sha256(_SOURCE.read_bytes()
+                         + f"{torch.__version__}{platform.machine()}".encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    return root / key
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (part of the cache key: the build uses -march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def native_ops() -> ModuleType | None:
+    global _module
+    if _module is _UNSET:
+        _module = _load()
+    return _module  # type: ignore[return-value]
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("LOOM_NATIVE_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load(name="loom_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build_dir),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"],
+                    verbose=False)
+    except Exception as exc:  # no compiler, build error: fall back to PyTorch ops
+        logger.warning("loom native CPU kernels unavailable, using PyTorch ops (%s)",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None

@@ -1,0 +1,594 @@
+// loom's CPU kernels: the small per-layer ops of a decoder step, one call each,
+// and paged attention that reads K/V where they lie in the block pool.
+//
+// Built on first use by loom/kernels/__init__.py (torch.utils.cpp_extension, -O3
+// -march=native). Every kernel takes float32 or bfloat16 and computes in float32;
+// a bf16 result is rounded once where the PyTorch reference rounds (documented per
+// kernel), so bf16 outputs match the reference ops they replace. Parallel loops use
+// ATen's thread pool (at::parallel_for), the same threads as torch's own ops.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// float32 and bfloat16 only: the dtypes loom runs on the CPU.
+#define LOOM_DISPATCH(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                       \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace {
+
+// Scalar helpers written so that `#pragma omp simd` loops over them vectorize:
+// bf16 <-> float as integer shifts (round to nearest even, NaN kept), and an exp
+// without libm calls (max error about 2 ulp; 0 below -87.3, as float underflows).
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+}
+
+// Round through the storage type: identity for float, round-to-nearest-even for bf16.
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+inline float fast_exp(float x) {
+  // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2], exp(r) by a degree-6 polynomial
+  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, clamped));
+  float p = 1.3888889e-3f;
+  p = std::fma(p, r, 8.3333333e-3f);
+  p = std::fma(p, r, 4.1666667e-2f);
+  p = std::fma(p, r, 1.6666667e-1f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return x < -87.3f ? 0.f : p * scale;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+void check_float_or_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+// Per row of x (N, H): out = w * round(x * rsqrt(mean(x^2) + eps)), as
+// `weight * F.rms_norm(x.float(), eps=eps).to(dtype)`.
+template <typename T>
+void rms_norm_row(T* out, const T* x, const T* w, int64_t hidden, float eps) {
+  float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float v = to_float(x[i]);
+    sumsq += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float normed = round_to<T>(to_float(x[i]) * inv);
+    out[i] = from_float<T>(to_float(w[i]) * normed);
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype must match x");
+  x = x.contiguous();
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  auto out = torch::empty_like(x);
+  LOOM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(op + r * hidden, xp + r * hidden, wp, hidden, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+template <typename T>
+void add_into(T* dst, const T* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(to_float(x[i]) + to_float(dst[i]));
+}
+
+// residual <- round(x + residual); x <- rms_norm(residual) * w, in place: the
+// `x = residual + x; return norm(x), x` of a pre-norm decoder layer.
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  check_cpu(x, "x");
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "x and residual must be contiguous");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, residual and weight must share a dtype");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  LOOM_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* xr = xp + r * hidden;
+        scalar_t* rr = rp + r * hidden;
+        add_into(rr, xr, hidden);
+        rms_norm_row(xr, rr, wp, hidden, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- SiLU * up
+
+template <typename T>
+void silu_and_mul_row(T* out, const T* gate, int64_t width) {
+  const T* up = gate + width;
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float g = to_float(gate[i]);
+    const float silu = round_to<T>(g / (1.f + fast_exp(-g)));
+    out[i] = from_float<T>(silu * to_float(up[i]));
+  }
+}
+
+// x (N, 2I) = [gate | up] -> (N, I) = round(round(silu(gate)) * up), as
+// `F.silu(gate) * up` in the storage dtype.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_cpu(x, "x");
+  check_float_or_bf16(x, "x");
+  x = x.contiguous();
+  const int64_t width = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = width;
+  auto out = torch::empty(sizes, x.options());
+  LOOM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_and_mul_row(op + r * width, xp + r * 2 * width, width);
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- rotary
+
+template <typename T>
+void rotate_row(T* row, const float* cs, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(row[i]), x2 = to_float(row[half + i]);
+    const float c = cs[i], s = cs[half + i];
+    const float o1 = round_to<T>(x1 * c) - round_to<T>(x2 * s);
+    const float o2 = round_to<T>(x2 * c) + round_to<T>(x1 * s);
+    row[i] = from_float<T>(o1);
+    row[half + i] = from_float<T>(o2);
+  }
+}
+
+// Neox rotary in place on x (T, N, D) (rows may be strided, last dim contiguous):
+// with halves x1, x2 of the first rotary_dim dims and c, s = cos, sin at the token's
+// position (float32 cache (2, P, rotary_dim / 2), rounded to x's dtype first),
+//   x1' = round(round(x1 c) - round(x2 s)),  x2' = round(round(x2 c) + round(x1 s))
+// which is Hugging Face's `x * cos + rotate_half(x) * sin` in x's dtype.
+void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin_cache) {
+  check_cpu(x, "x");
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be (T, N, D) with a contiguous last dim");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous float32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  positions = positions.contiguous();
+  const int64_t tokens = x.size(0), heads = x.size(1);
+  const int64_t half = cos_sin_cache.size(2), max_pos = cos_sin_cache.size(1);
+  TORCH_CHECK(2 * half <= x.size(2), "rotary_dim exceeds head_dim");
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  LOOM_DISPATCH(x.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> cs(2 * half);
+      for (int64_t t = begin; t < end; ++t) {
+        TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range");
+        const float* c = cache + pos[t] * half;
+        const float* s = cache + max_pos * half + pos[t] * half;
+        for (int64_t i = 0; i < half; ++i) {
+          cs[i] = round_to<scalar_t>(c[i]);
+          cs[half + i] = round_to<scalar_t>(s[i]);
+        }
+        for (int64_t h = 0; h < heads; ++h) rotate_row(xp + t * s0 + h * s1, cs.data(), half);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- paged KV cache
+
+// kv_cache (2, Hkv, num_blocks, block_size, D); key/value (T, Hkv, D), rows strided.
+// Slot s of a head is row s of that head's (num_blocks * block_size, D) matrix.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+                    torch::Tensor slot_mapping) {
+  check_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+              value.scalar_type() == kv_cache.scalar_type(), "key/value/kv_cache dtypes differ");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value last dim must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t tokens = key.size(0), kv_heads = kv_cache.size(1);
+  const int64_t head_dim = kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  LOOM_DISPATCH(kv_cache.scalar_type(), "write_kv_cache", [&] {
+    scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    const scalar_t* vp = value.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t slot = slots[t];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " out of range");
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(cache + (h * num_slots + slot) * head_dim,
+                    kp + t * key.stride(0) + h * key.stride(1), head_dim * sizeof(scalar_t));
+        std::memcpy(cache + ((kv_heads + h) * num_slots + slot) * head_dim,
+                    vp + t * value.stride(0) + h * value.stride(1), head_dim * sizeof(scalar_t));
+      }
+    }
+  });
+}
+
+// Causal attention of each request's new queries over its whole context, read in
+// place from the paged cache (the new tokens' K/V must already be written).
+//
+// query (T, H, D) rows strided, last dim contiguous; out (T, H, D) contiguous;
+// block_table (B, W) int32; seq_lens (B,) int32 (context length after this step);
+// query_start_loc (B + 1,) int32. Query j of request b sits at position
+// seq_lens[b] - q_len + j and sees keys 0 .. that position.
+//
+// Work is split into items (request, KV head, tile of up to kTile query tokens);
+// an item's G * tile query rows share each K/V row it loads. Scores and softmax
+// in float32 (two passes over the keys), the output rounded once.
+constexpr int64_t kTile = 16;
+
+template <typename T>
+void attention_item(T* out, const T* query, const T* cache, const int32_t* blocks,
+                    int64_t q_stride0, int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
+                    int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
+                    int64_t first_token, int64_t q_len, int64_t context, int64_t j0, int64_t j1,
+                    float scale, std::vector<float>& buf) {
+  const int64_t rows = (j1 - j0) * group;
+  const int64_t past = context - q_len;  // keys before the first new token
+  const int64_t num_keys = past + j1;    // the tile's last query sees keys [0, past + j1)
+  buf.resize(rows * head_dim * 2 + rows * num_keys + 2 * head_dim);
+  float* q = buf.data();                 // (rows, D)
+  float* acc = q + rows * head_dim;      // (rows, D)
+  float* scores = acc + rows * head_dim; // (rows, num_keys)
+  float* row_f = scores + rows * num_keys;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < group; ++g)
+      load_row(query + (first_token + j) * q_stride0 + (kv_head * group + g) * q_stride1,
+               q + ((j - j0) * group + g) * head_dim, head_dim);
+  const T* keys = cache + kv_head * num_slots * head_dim;
+  const T* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
+
+  for (int64_t p = 0; p < num_keys; ++p) {
+    const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
+    load_row(keys + slot * head_dim, row_f, head_dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = past + j0 + r / group + 1;
+      scores[r * num_keys + p] = p < visible ? dot(q + r * head_dim, row_f, head_dim) * scale
+                                             : -std::numeric_limits<float>::infinity();
+    }
+  }
+  std::vector<float> inv_sum(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * num_keys;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_keys; ++p) max = std::max(max, s[p]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < num_keys; ++p) {
+      s[p] = fast_exp(s[p] - max);
+      sum += s[p];
+    }
+    inv_sum[r] = 1.f / sum;
+  }
+  std::fill(acc, acc + rows * head_dim, 0.f);
+  for (int64_t p = 0; p < num_keys; ++p) {
+    const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
+    load_row(values + slot * head_dim, row_f, head_dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = scores[r * num_keys + p];
+      if (w == 0.f) continue;
+      float* a = acc + r * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row_f[d];
+    }
+  }
+  const int64_t heads = kv_heads * group;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (j - j0) * group + g;
+      T* o = out + ((first_token + j) * heads + kv_head * group + g) * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d)
+        o[d] = from_float<T>(acc[r * head_dim + d] * inv_sum[r]);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+// Lane i of the result is the sum of v[i]'s 16 lanes (a transpose-and-add tree).
+inline __m512 reduce16(const __m512* v) {
+  __m512 s8[8], s4[4];
+  for (int i = 0; i < 8; ++i)
+    s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s8[2 * i]), b = _mm512_castps_pd(s8[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// acc[r] += sum_p w[r][p] * V[p] for R rows at once, accumulators in registers.
+template <int VC, int R>
+void weighted_values(float* acc, const float* weights, int64_t weights_stride,
+                     const c10::BFloat16* const* value_rows, int64_t num_keys) {
+  __m512 a[R][VC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < VC; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_keys; ++p) {
+    __m512 v[VC];
+    for (int c = 0; c < VC; ++c) v[c] = load_bf16x16(value_rows[p] + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r * weights_stride + p]);
+      for (int c = 0; c < VC; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < VC; ++c) _mm512_storeu_ps(acc + r * VC * 16 + 16 * c, a[r][c]);
+}
+
+// The bf16 item with AVX512-BF16: q.k with vdpbf16ps (bf16 pairs, float32 sums, as
+// a bf16 matmul accumulates; 16 keys reduced together), probabilities rounded to
+// bf16 before weighting V (as Hugging Face's eager attention casts them), V widened
+// to float32 and summed in registers. head_dim is 32, 64 or 128.
+template <int VC>  // head_dim / 16
+void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
+                         const c10::BFloat16* cache, const int32_t* blocks, int64_t q_stride0,
+                         int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
+                         int64_t block_size, int64_t group, int64_t kv_head,
+                         int64_t first_token, int64_t q_len, int64_t context, int64_t j0,
+                         int64_t j1, float scale, std::vector<float>& buf,
+                         std::vector<const c10::BFloat16*>& rows_ptr) {
+  constexpr int64_t head_dim = VC * 16;
+  constexpr int R = 16 / VC;  // rows per pass of the V sum
+  const int64_t rows = (j1 - j0) * group;
+  const int64_t padded_rows = (rows + R - 1) / R * R;
+  const int64_t past = context - q_len;
+  const int64_t num_keys = past + j1;
+  const int64_t key_stride = (num_keys + 15) / 16 * 16;
+  buf.resize(padded_rows * head_dim + padded_rows * key_stride + rows * head_dim / 2 + 16);
+  float* acc = buf.data();                                     // (padded_rows, D)
+  float* scores = acc + padded_rows * head_dim;                // (padded_rows, key_stride)
+  auto* q = reinterpret_cast<c10::BFloat16*>(scores + padded_rows * key_stride);  // (rows, D)
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(q + r * head_dim,
+                query + (first_token + j0 + r / group) * q_stride0 +
+                    (kv_head * group + r % group) * q_stride1,
+                head_dim * sizeof(c10::BFloat16));
+  const c10::BFloat16* keys = cache + kv_head * num_slots * head_dim;
+  const c10::BFloat16* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
+  rows_ptr.resize(2 * key_stride);
+  const c10::BFloat16** key_rows = rows_ptr.data();
+  const c10::BFloat16** value_rows = key_rows + key_stride;
+  for (int64_t p = 0; p < key_stride; ++p) {
+    const int64_t pp = std::min(p, num_keys - 1);  // the tail repeats the last key
+    const int64_t slot = blocks[pp / block_size] * block_size + pp % block_size;
+    key_rows[p] = keys + slot * head_dim;
+    value_rows[p] = values + slot * head_dim;
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t p0 = 0; p0 < key_stride; p0 += 16) {
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh qc[VC / 2];
+      for (int c = 0; c < VC / 2; ++c)
+        qc[c] = (__m512bh)_mm512_loadu_si512(q + r * head_dim + 32 * c);
+      __m512 partial[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < VC / 2; ++c)
+          sum = _mm512_dpbf16_ps(sum, qc[c], (__m512bh)_mm512_loadu_si512(key_rows[p0 + i] + 32 * c));
+        partial[i] = sum;
+      }
+      const int64_t visible = past + j0 + r / group + 1;  // keys [0, visible)
+      const __mmask16 hidden = _mm512_cmpge_epi32_mask(
+          _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0))),
+          _mm512_set1_epi32(static_cast<int>(visible)));
+      const __m512 s = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(scores + r * key_stride + p0, _mm512_mask_mov_ps(s, hidden, neg_inf));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * key_stride;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < key_stride; ++p) max = std::max(max, s[p]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < key_stride; ++p) {
+      const float e = fast_exp(s[p] - max);
+      sum += e;
+      s[p] = e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t p = 0; p < key_stride; ++p)  // softmax rounded to bf16, as .to(bf16)
+      s[p] = round_to<c10::BFloat16>(s[p] * inv);
+  }
+  std::fill(scores + rows * key_stride, scores + padded_rows * key_stride, 0.f);
+  for (int64_t r = 0; r < padded_rows; r += R)
+    weighted_values<VC, R>(acc + r * head_dim, scores + r * key_stride, key_stride, value_rows,
+                           num_keys);
+  const int64_t heads = kv_heads * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* o = out + ((first_token + j0 + r / group) * heads + kv_head * group + r % group) * head_dim;
+    const float* a = acc + r * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<c10::BFloat16>(a[d]);
+  }
+}
+constexpr bool kHaveBf16Kernel = true;
+#else
+constexpr bool kHaveBf16Kernel = false;
+#endif
+
+// Requests with more than max_query_len new tokens are skipped (their rows of out
+// are left as they are), for the caller to run with a prefill kernel.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
+                     torch::Tensor block_table, torch::Tensor seq_lens,
+                     torch::Tensor query_start_loc, double scale, int64_t max_query_len) {
+  check_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+              out.scalar_type() == kv_cache.scalar_type(), "query/out/kv_cache dtypes differ");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be (T, H, D), last dim contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous, shaped as query");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              query_start_loc.scalar_type() == at::kInt, "block_table, seq_lens, query_start_loc must be int32");
+  block_table = block_table.contiguous();
+  const int64_t kv_heads = kv_cache.size(1), block_size = kv_cache.size(3);
+  const int64_t head_dim = kv_cache.size(4), num_slots = kv_cache.size(2) * block_size;
+  const int64_t heads = query.size(1), group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == head_dim, "head counts/dims do not match");
+  seq_lens = seq_lens.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  const int64_t num_reqs = seq_lens.size(0), width = block_table.size(1);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_table.size(0) == num_reqs,
+              "query_start_loc must have one more entry than seq_lens and block_table rows");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+
+  struct Item { int64_t req, kv_head, j0, j1; };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len <= lens[b], "request ", b, " has more new tokens than context");
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= width, "block_table too narrow");
+    if (q_len > max_query_len) continue;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t j = 0; j < q_len; j += kTile)
+        items.push_back({b, h, j, std::min(j + kTile, q_len)});
+  }
+  LOOM_DISPATCH(kv_cache.scalar_type(), "paged_attention", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* qp = query.data_ptr<scalar_t>();
+    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      std::vector<const c10::BFloat16*> ptrs;
+      (void)ptrs;
+      for (int64_t i = begin; i < end; ++i) {
+        const Item& it = items[i];
+        const int64_t q_len = starts[it.req + 1] - starts[it.req];
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (std::is_same_v<scalar_t, c10::BFloat16> &&
+            (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+          using bf16 = c10::BFloat16;
+          auto* o = reinterpret_cast<bf16*>(op);
+          auto* q = reinterpret_cast<const bf16*>(qp);
+          auto* kv = reinterpret_cast<const bf16*>(cache);
+          const int32_t* blocks = table + it.req * width;
+          const float sc = static_cast<float>(scale);
+          const int64_t s0 = query.stride(0), s1 = query.stride(1);
+          if (head_dim == 32)
+            attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs);
+          else if (head_dim == 64)
+            attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs);
+          else
+            attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs);
+          continue;
+        }
+#endif
+        attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
+                       kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
+                       starts[it.req], q_len, lens[it.req], it.j0, it.j1,
+                       static_cast<float>(scale), buf);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary, in place");
+  m.def("write_kv_cache", &write_kv_cache, "copy new K/V into their cache slots");
+  m.def("paged_attention", &paged_attention, "causal attention over paged K/V");
+}

@@ -1,0 +1,43 @@
+"""CPU attention backend on loom's native kernels (``loom.kernels``).
+
+Same cache layout and results as the torch backend, without its gathers: new K/V
+go to their slots in one call, and one call runs attention for every request
+(decodes, speculative verification, prefill chunks), reading each context where
+it lies in the block pool. In float32, prefill chunks longer than
+``MAX_NATIVE_QUERY_LEN`` run one SDPA each, as in the torch backend, whose
+matmuls win there. Without the kernels (no compiler, ``LOOM_NATIVE_KERNELS=0``), on CUDA,
+and in the profiling run before the cache exists, it is the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.kernels import native_ops
+from loom.model.attention.metadata import AttentionMetadata
+from loom.model.attention.torch_backend import TorchAttentionBackend
+
+# Longest query (new tokens of one request) the native kernel takes in float32; the
+# bf16 kernel (AVX512-BF16) beats SDPA at every length measured, up to 256 new
+# tokens over a 1,000-token context (benchmarks/kernels.py).
+MAX_NATIVE_QUERY_LEN = {torch.float32: 256, torch.bfloat16: 1 << 30}
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
+        ops = native_ops()
+        if kv_cache is None or ops is None or query.device.type != "cpu":
+            return super().forward(query, key, value, kv_cache, metadata)
+        ops.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        max_query_len = MAX_NATIVE_QUERY_LEN.get(query.dtype, 0)
+        ops.paged_attention(output, query, kv_cache, metadata.block_table, metadata.seq_lens,
+                            metadata.query_start_loc, self.scale, max_query_len)
+        if metadata.max_query_len > max_query_len:
+            starts = metadata.query_start_loc_cpu
+            for i in range(metadata.num_reqs):
+                if starts[i + 1] - starts[i] > max_query_len:
+                    self._prefill_request(i, query, key, value, kv_cache, metadata, output)
+        return output

@@ -1,0 +1,168 @@
+"""loom's native CPU kernels against the PyTorch ops they replace.
+
+The kernels are built on first use (about half a minute, then cached); these tests
+fail, rather than skip, when the build does: on a machine with a compiler the
+native path is what serves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.kernels import native_ops
+from loom.model.attention.metadata import AttentionMetadata
+from loom.model.attention.torch_backend import TorchAttentionBackend
+from loom.model.layers.rotary import RotaryEmbedding, _default_inv_freq
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = native_ops()
+    assert module is not None, "the native CPU kernels failed to build (see the log)"
+    return module
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: summation order only; bf16: at most one unit in the last place
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(ops, dtype):
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 576, dtype=dtype) * 3, torch.randn(576, dtype=dtype)
+    expected = w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
+    _close(ops.rms_norm(x, w, 1e-5), expected, dtype)
+    # a strided view (a slice of q in Qwen3's q_norm) is read correctly
+    wide = torch.randn(7, 2, 576, dtype=dtype)
+    _close(ops.rms_norm(wide[:, 1], w, 1e-5),
+           w * F.rms_norm(wide[:, 1].float(), (576,), eps=1e-5).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(ops, dtype):
+    torch.manual_seed(0)
+    x, residual = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+    w = torch.randn(64, dtype=dtype)
+    total = residual + x
+    expected = w * F.rms_norm(total.float(), (64,), eps=1e-6).to(dtype)
+    ops.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(residual, total)  # the sum is rounded once, as `residual + x`
+    _close(x, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(ops, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 2 * 1536, dtype=dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    _close(ops.silu_and_mul(x), F.silu(gate) * up, dtype)
+    big = torch.tensor([[-200.0, 90.0, 1.0, 2.0]], dtype=dtype)  # exp under/overflow
+    _close(ops.silu_and_mul(big), F.silu(big[:, :2]) * big[:, 2:], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_in_place_matches_reference(ops, dtype, rotary_dim):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, rotary_dim, 4096, _default_inv_freq(10000.0, rotary_dim))
+    qkv = torch.randn(6, (4 + 2 * 2) * 64, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 4095, 17, 300])
+    qk = qkv[:, :6 * 64].view(6, 6, 64)  # strided rows: a view of the fused qkv output
+    expected = rope.apply(qk, *rope.cos_sin(positions, dtype))
+    untouched = qkv[:, 6 * 64:].clone()
+    ops.rotary_embedding(qk, positions, rope.cos_sin_cache)
+    assert torch.equal(qk, expected)  # same roundings as the PyTorch ops, bit for bit
+    assert torch.equal(qkv[:, 6 * 64:], untouched)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rotary_embedding(qk, torch.tensor([0, 0, 0, 0, 0, 4096]), rope.cos_sin_cache)
+
+
+def _paged_case(context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size,
+                dtype, seed=0):
+    """A shuffled paged cache holding every context, and the step's metadata."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, slots, starts = [], [], [0]
+    for ctx, q in zip(context_lens, query_lens):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx)]
+        starts.append(starts[-1] + q)
+    width = max(len(t) for t in tables)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_start_loc_cpu=starts, seq_lens_cpu=list(context_lens),
+        max_query_len=max(query_lens), max_seq_len=max(context_lens), block_size=block_size)
+    tokens = starts[-1]
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
+        tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    return cache, metadata, q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),   # SmolLM2-135M
+    (4, 4, 32, 4),    # no GQA, tiny blocks
+    (8, 2, 128, 32),  # wider heads
+    (6, 2, 48, 8),    # a head_dim the AVX512 path does not take
+])
+def test_paged_attention_matches_torch_backend(ops, dtype, heads, kv_heads, head_dim,
+                                               block_size):
+    # decodes, a spec-decode style verify (4), a chunk over a cached prefix (50), a
+    # prefill from scratch (40) and a query tile boundary (17), contexts crossing blocks
+    context_lens = [1, 37, 300, 50 + 61, 40, 17 + 3, 129]
+    query_lens = [1, 1, 4, 50, 40, 17, 1]
+    cache, metadata, q, k, v = _paged_case(context_lens, query_lens, heads, kv_heads,
+                                           head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    reference_cache = cache.clone()
+    expected = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, reference_cache, metadata)
+    ops.write_kv_cache(k, v, cache, metadata.slot_mapping)
+    assert torch.equal(cache, reference_cache)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    ops.paged_attention(out, q, cache, metadata.block_table, metadata.seq_lens,
+                        metadata.query_start_loc, scale, 1 << 30)
+    # bf16: the reference rounds scores to bf16 before softmax (a bf16 matmul); the
+    # kernel keeps them in float32, so results differ by a few bf16 units
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_paged_attention_leaves_long_queries_to_the_caller(ops):
+    cache, metadata, q, k, v = _paged_case([10, 30, 5], [1, 20, 5], 4, 2, 64, 16, torch.float32)
+    ops.write_kv_cache(k, v, cache, metadata.slot_mapping)
+    out = torch.full(q.shape, 7.0)
+    ops.paged_attention(out, q, cache, metadata.block_table, metadata.seq_lens,
+                        metadata.query_start_loc, 0.125, 5)
+    assert torch.all(out[1:21] == 7.0)  # request 1 (20 new tokens) skipped
+    assert not torch.any(out[0] == 7.0) and not torch.any(out[21:] == 7.0)
+
+
+def test_bad_arguments_raise_not_crash(ops):
+    cache, metadata, q, k, v = _paged_case([10], [1], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.write_kv_cache(k, v, cache, torch.tensor([10**6]))
+    with pytest.raises(RuntimeError, match="block_table too narrow"):
+        ops.paged_attention(torch.empty_like(q), q, cache, metadata.block_table,
+                            torch.tensor([100], dtype=torch.int32), metadata.query_start_loc,
+                            0.125, 1 << 30)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.paged_attention(torch.empty_like(q), q.bfloat16(), cache, metadata.block_table,
+                            metadata.seq_lens, metadata.query_start_loc, 0.125, 1 << 30)
