@@ -166,3 +166,24 @@ def test_bad_arguments_raise_not_crash(ops):
     with pytest.raises(RuntimeError, match="dtypes differ"):
         ops.paged_attention(torch.empty_like(q), q.bfloat16(), cache, metadata.block_table,
                             metadata.seq_lens, metadata.query_start_loc, 0.125, 1 << 30)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemv_matches_linear(ops, rows, with_bias):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    weight = torch.randn(1000, 576, dtype=torch.bfloat16)  # 1000: a partial last block
+    bias = torch.randn(1000, dtype=torch.bfloat16) if with_bias else None
+    out = ops.linear_bf16_small(x, weight, bias)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    # float32 sums in another order, one bf16 rounding of the result
+    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
+
+
+def test_bf16_gemv_declines_what_it_does_not_take(ops):
+    weight = torch.randn(64, 64, dtype=torch.bfloat16)
+    assert ops.linear_bf16_small(torch.randn(9, 64, dtype=torch.bfloat16), weight, None) is None
+    assert ops.linear_bf16_small(torch.randn(1, 64), weight.float(), None) is None
+    assert ops.linear_bf16_small(torch.randn(1, 48, dtype=torch.bfloat16),
+                                 weight[:, :48].contiguous(), None) is None  # K % 32

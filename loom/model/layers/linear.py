@@ -16,15 +16,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.kernels import native_ops
+
+
+# Rows of x up to which loom's bf16 GEMV kernel beats ATen/oneDNN on this CPU
+# (benchmarks/kernels.py): each weight row is read once for all of them.
+NATIVE_GEMV_MAX_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that a single bf16 row on CPU (a batch-1 decode step, a
-    matrix-vector product) goes to ATen's bf16 GEMV instead of oneDNN's GEMM, which
-    reads the weights at about 2/3 of the speed (benchmarks/profile_step.py)."""
-    if x.shape[0] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
-            or not torch._C._get_mkldnn_enabled():
+    """``F.linear``, except for a decode step's few bf16 rows on the CPU, which go to
+    loom's GEMV kernel (``loom.kernels``), or without it to ATen's GEMV for a single
+    row: oneDNN's GEMM reads the weights at about 2/3 of the speed there."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] > NATIVE_GEMV_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    ops = native_ops()
+    if ops is not None:
+        out = ops.linear_bf16_small(x, weight, bias)
+        if out is not None:
+            return out
+    if x.shape[0] != 1 or not torch._C._get_mkldnn_enabled():
         return F.linear(x, weight, bias)
     torch._C._set_mkldnn_enabled(False)
     try:
