@@ -187,3 +187,26 @@ def test_bf16_gemv_declines_what_it_does_not_take(ops):
     assert ops.linear_bf16_small(torch.randn(1, 64), weight.float(), None) is None
     assert ops.linear_bf16_small(torch.randn(1, 48, dtype=torch.bfloat16),
                                  weight[:, :48].contiguous(), None) is None  # K % 32
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
+def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
+    """Every CPU bf16 path of ``linear`` (GEMV kernel, packed oneDNN, ATen) gives
+    F.linear's result; packed oneDNN bit for bit."""
+    import loom.kernels
+    from loom.model.layers.linear import linear, pack_weight
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    weight = torch.randn(200, 576, dtype=torch.bfloat16)
+    bias = torch.randn(200, dtype=torch.bfloat16)
+    packed = pack_weight(weight)
+    assert packed is not None
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(linear(x, weight, bias, packed), expected, atol=0.1, rtol=1e-2)
+    if rows > 2:  # past the GEMV kernel: oneDNN on the packed weight
+        assert torch.equal(linear(x, weight, bias, packed), expected)
+    monkeypatch.setattr(loom.kernels, "_module", None)
+    torch.testing.assert_close(linear(x, weight, bias), expected, atol=0.1, rtol=1e-2)
+    monkeypatch.setenv("LOOM_CPU_PACKED_WEIGHTS", "0")
+    assert pack_weight(weight) is None

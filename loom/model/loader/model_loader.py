@@ -62,6 +62,10 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
     if missing:
         raise ValueError(f"{model_path} lacks weights for {len(missing)} parameters, e.g. "
                          f"{missing[:5]}; the checkpoint does not match its config")
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return model.eval()
 
 
