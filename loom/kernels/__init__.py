@@ -47,6 +47,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel's binary sits in the environment's
+    bin directory, which is not on PATH when the environment is not activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def native_ops() -> ModuleType | None:
     global _module
     if _module is _UNSET:
@@ -60,12 +72,16 @@ def _load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        _put_ninja_on_path()
+
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         return load(name="loom_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build_dir),
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"],
                     verbose=False)
     except Exception as exc:  # no compiler, build error: fall back to PyTorch ops
-        logger.warning("loom native CPU kernels unavailable, using PyTorch ops (%s)",
-                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        detail = " | ".join(([lines[0]] + [line for line in lines if "error" in line][:3])
+                            if lines else [type(exc).__name__])
+        logger.warning("loom native CPU kernels unavailable, using PyTorch ops: %s", detail)
         return None
