@@ -329,3 +329,73 @@ def test_metadata_skip_flags():
     seeded = build([SamplingParams(temperature=0.0, seed=1), SamplingParams(seed=2)],
                    generators={0: torch.Generator(), 1: torch.Generator()})
     assert list(seeded.generators) == [1]  # greedy rows never advance their generator
+
+
+# --- top_k / top_p over a real-sized vocabulary -----------------------------------------
+
+
+def reference_top_k_top_p(logits, top_k, top_p):
+    """The definition, by one full ascending sort (what the sampler avoids doing)."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1)
+    vocab_size = logits.shape[-1]
+    kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum_(dim=-1)
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.clone().scatter_(1, sorted_ids, sorted_logits)
+
+
+def test_candidate_filtering_equals_full_sort_reference():
+    """Rows that settle among 256 candidates, among 4,096, and only with all V; ties at
+    the k-th largest; -inf entries; limited and unlimited rows in one batch."""
+    from loom.model.layers.sampler import apply_top_k_top_p
+
+    vocab = 10_000
+    torch.manual_seed(0)
+    base = torch.randn(vocab, dtype=torch.float64)
+    cases = [  # (logits row, top_k, top_p)
+        (base * 8, vocab, 0.9),          # peaked: settles at 256
+        (base * 1.5, vocab, 0.9),        # needs 4,096
+        (base * 0.1, vocab, 0.999),      # nearly flat: full sort
+        (base * 3, 300, 1.0),            # k above 256
+        (base * 3, 5_000, 0.95),         # k above 4,096
+        (base * 3, 50, 0.8),             # both, settles at 256
+        (torch.where(base > 0, base, -math.inf) * 2, vocab, 0.99),  # -inf half
+        (torch.cat([torch.full((10,), 5.0), base[10:]]), 4, 1.0),  # ties at the k-th largest
+        (torch.cat([torch.full((300,), 5.0), base[300:]]), 100, 1.0),  # ties past 256
+        (base, vocab, 1.0),              # no filtering in a filtered batch
+    ]
+    logits = torch.stack([row for row, _, _ in cases]).float()
+    top_k = torch.tensor([k for _, k, _ in cases])
+    top_p = torch.tensor([p for _, _, p in cases], dtype=torch.float32)
+    got = apply_top_k_top_p(logits, top_k, top_p)
+    expected = reference_top_k_top_p(logits, top_k, top_p)
+    kept, kept_expected = got > float("-inf"), expected > float("-inf")
+    for row in range(len(cases)):
+        assert torch.equal(kept[row], kept_expected[row]), f"case {row}"
+    assert torch.equal(got[kept], logits[kept])  # kept logits are untouched
+    # the same cases through the top_k-only and top_p-only paths
+    got = apply_top_k_top_p(logits, top_k, None)
+    assert torch.equal(got > float("-inf"),
+                       reference_top_k_top_p(logits, top_k, torch.ones(len(cases))) > float("-inf"))
+    got = apply_top_k_top_p(logits, None, top_p)
+    assert torch.equal(got > float("-inf"), reference_top_k_top_p(
+        logits, torch.full((len(cases),), vocab), top_p) > float("-inf"))
+
+
+def test_sampling_with_top_p_follows_filtered_softmax_on_a_large_vocab():
+    vocab = 5_000
+    torch.manual_seed(1)
+    logits = torch.randn(1, vocab) * 4
+    params = [SamplingParams(top_p=0.5)]
+    counts = torch.zeros(vocab)
+    for _ in range(40):
+        tokens = sample(logits.expand(250, -1).contiguous(), params * 250).sampled_token_ids
+        counts += torch.bincount(tokens, minlength=vocab)
+    probs = torch.softmax(reference_top_k_top_p(logits, torch.tensor([vocab]),
+                                                torch.tensor([0.5]))[0], -1)
+    kept = probs > 0
+    assert counts[~kept].sum() == 0
+    assert chi2_pvalue(counts[kept], probs[kept]) > 1e-3

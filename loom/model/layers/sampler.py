@@ -16,11 +16,13 @@ model think this token was". Where a raw logit is -inf, its logprob is reported 
 finite and JSON-safe.
 
 A request is greedy when temperature < 1e-5 or top_k == 1; its token is exactly the argmax
-of the processed logits. Random rows sample with the exponential race: with
-q ~ Exp(1) i.i.d., ``argmax(probs / q)`` is distributed as ``probs`` (each token's
-1/q_i ranks like an arrival time with rate p_i). A request with a seed draws its q row
-from its own generator, so its tokens do not depend on which requests share the batch
-or where it sits; all other rows draw from the global RNG in one call.
+of the processed logits. Random rows sample by inverting the CDF: one uniform u per row,
+the token is the first whose cumulative probability exceeds u. With top_k/top_p the
+kept set is found among each row's largest logits (``torch.topk`` of 256, then 4,096
+candidates, a full sort only for rows whose kept set is larger), never by sorting the
+whole vocabulary, and the CDF runs over those candidates. A request with a seed draws
+its u from its own generator, so its tokens do not depend on which requests share the
+batch or where it sits; all other rows draw from the global RNG in one call.
 
 The caller's ``logits`` tensor is never modified.
 """
@@ -235,17 +237,37 @@ class Sampler(nn.Module):
     def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """The distribution random rows sample from: processed logits / temperature,
         then min_p, top_k and top_p, softmaxed. (B, V), a new tensor."""
+        logits = Sampler._scaled(logits, metadata)
+        if metadata.no_top_k and metadata.no_top_p:
+            return torch.softmax(logits, dim=-1)
+        probs = torch.zeros_like(logits)
+        for rows, values, ids in top_k_top_p_candidates(logits, *Sampler._filters(metadata)):
+            probs[rows] = probs[rows].scatter_(1, ids, torch.softmax(values, dim=-1))
+        return probs
+
+    @staticmethod
+    def _scaled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         logits = logits / metadata.temperature.unsqueeze(1)  # a new tensor from here on
         if not metadata.no_min_p:
             logits = apply_min_p(logits, metadata.min_p)
-        if not (metadata.no_top_k and metadata.no_top_p):
-            logits = apply_top_k_top_p(logits, None if metadata.no_top_k else metadata.top_k,
-                                       None if metadata.no_top_p else metadata.top_p)
-        return torch.softmax(logits, dim=-1)
+        return logits
+
+    @staticmethod
+    def _filters(metadata: SamplingMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None if metadata.no_top_k else metadata.top_k,
+                None if metadata.no_top_p else metadata.top_p)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        return exponential_race(Sampler.sampling_probs(logits, metadata), metadata.generators)
+        logits = Sampler._scaled(logits, metadata)
+        uniform = row_uniforms(logits.shape[0], metadata.generators, logits.device)
+        if metadata.no_top_k and metadata.no_top_p:
+            return inverse_cdf(torch.softmax(logits, dim=-1), uniform)
+        sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        for rows, values, ids in top_k_top_p_candidates(logits, *Sampler._filters(metadata)):
+            picked = inverse_cdf(torch.softmax(values, dim=-1), uniform[rows])
+            sampled[rows] = ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+        return sampled
 
 
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor,
@@ -295,39 +317,110 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
+CANDIDATE_SIZES = (256, 4096)  # top-k sizes tried for the kept set before a full sort
+
+
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
+                           top_p: torch.Tensor | None
+                           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each row's kept set under top_k, then top_p, as candidates: a list of
+    ``(rows, values, ids)`` groups covering every row once, ``values`` (r, K) the rows'
+    K largest logits in descending order with -inf where dropped, ``ids`` their token ids
+    (rows that filter nothing come as they are: all V logits, unsorted).
+
+    top_k keeps every token tied with the k-th largest; top_p renormalises over what
+    top_k kept and keeps the smallest top set whose mass reaches top_p (a token stays
+    while the mass strictly above it is below top_p, so the most likely always stays).
+    top_k == vocab_size and top_p == 1.0 are no-ops. A row is settled with K candidates
+    when its kept set provably ends inside them; the rest retry with more, and finally
+    with all V (a full sort of those rows only).
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    neg_inf = float("-inf")
+    log_norm = torch.logsumexp(logits, dim=-1) if top_p is not None else None
+    pending = torch.arange(num_rows, device=device)
+    groups = []
+    # rows that filter nothing keep their logits as they are, unsorted
+    unfiltered = torch.ones(num_rows, dtype=torch.bool, device=device)
+    if top_k is not None:
+        unfiltered &= top_k >= vocab_size
+    if top_p is not None:
+        unfiltered &= top_p >= 1.0
+    if bool(unfiltered.any()):
+        rows = unfiltered.nonzero().squeeze(1)
+        all_ids = torch.arange(vocab_size, device=device).expand(rows.shape[0], -1)
+        groups.append((rows, logits[rows], all_ids))
+        pending = (~unfiltered).nonzero().squeeze(1)
+        if pending.numel() == 0:
+            return groups
+    for size in [k for k in CANDIDATE_SIZES if k < vocab_size] + [vocab_size]:
+        rows = pending
+        values, ids = logits[rows].topk(size, dim=-1)  # descending
+        limited = top_k[rows] < vocab_size if top_k is not None else None
+        if top_k is not None:
+            k = top_k[rows]
+            kth = values.gather(1, (k.clamp(max=size) - 1).unsqueeze(1))  # (r, 1)
+            values = values.masked_fill(values < kth, neg_inf)
+            # a limited row's kept set ends inside the candidates when its k-th largest
+            # is among them and the last candidate fell below it (was not tied)
+            top_k_inside = ~limited | ((k <= size) & (values[:, -1] == neg_inf))
+        if top_p is not None:
+            norm = log_norm[rows]
+            if top_k is not None:  # limited rows renormalise over what top_k kept
+                norm = torch.where(limited, torch.logsumexp(values, dim=-1), norm)
+            probs = torch.exp(values - norm.unsqueeze(1))
+            mass_above = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            values = values.masked_fill(mass_above >= top_p[rows].unsqueeze(1), neg_inf)
+            # the top_p set ends inside the candidates once their mass reaches top_p
+            reached = probs.sum(dim=-1) >= top_p[rows]
+        if size == vocab_size:
+            settled = torch.ones(rows.shape[0], dtype=torch.bool, device=device)
+        elif top_p is None:  # top_k only: unlimited rows keep the whole vocabulary
+            settled = top_k_inside & limited
+        elif top_k is None:
+            settled = reached
+        else:
+            settled = top_k_inside & (limited | reached)
+        if bool(settled.all()):
+            groups.append((rows, values, ids))
+            break
+        done = settled.nonzero().squeeze(1)
+        if done.numel():
+            groups.append((rows[done], values[done], ids[done]))
+        pending = rows[~settled]
+    return groups
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's top_k tokens, then the smallest top set holding top_p of the mass.
-
-    One ascending sort serves both. top_k keeps every token tied with the k-th largest;
-    top_p renormalises over what top_k kept and always keeps the most likely token.
-    top_k == vocab_size and top_p == 1.0 are no-ops.
-    """
-    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending, (B, V)
-    vocab_size = logits.shape[-1]
-    if top_k is not None:
-        kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # (B, 1)
-        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    if top_p is not None:
-        # ascending cumulative mass; a token is dropped while everything up to and
-        # including it holds no more than 1 - top_p.
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum_(dim=-1)
-        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, sorted_ids, sorted_logits)
+    """``logits`` with -inf on every token top_k/top_p drop (see
+    ``top_k_top_p_candidates``); a new tensor."""
+    out = torch.full_like(logits, float("-inf"))
+    for rows, values, ids in top_k_top_p_candidates(logits, top_k, top_p):
+        out[rows] = out[rows].scatter_(1, ids, values)
+    return out
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample one token per row from ``probs`` (B, V) via argmax(probs / q), q ~ Exp(1)."""
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+def row_uniforms(num_rows: int, generators: dict[int, torch.Generator],
+                 device: torch.device | str) -> torch.Tensor:
+    """One U[0, 1) draw per row (float64); rows in ``generators`` draw from their own."""
+    uniform = torch.empty(num_rows, dtype=torch.float64, device=device)
+    if len(generators) < num_rows:
+        uniform.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # Exp(1) can round to 0 in float32; a 0 would turn a zero-probability token into nan.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+        uniform[row:row + 1].uniform_(generator=generator)
+    return uniform
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` (R, N), the first index whose cumulative probability
+    exceeds ``uniform`` times the row's total; zero-probability entries are never
+    chosen. The CDF is summed in float64."""
+    cdf = probs.double().cumsum_(dim=-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[1] - 1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
