@@ -413,14 +413,40 @@ def row_uniforms(num_rows: int, generators: dict[int, torch.Generator],
     return uniform
 
 
+_CDF_CHUNK = 256
+
+
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row of ``probs`` (R, N), the first index whose cumulative probability
-    exceeds ``uniform`` times the row's total; zero-probability entries are never
-    chosen. The CDF is summed in float64."""
-    cdf = probs.double().cumsum_(dim=-1)
-    target = (uniform * cdf[:, -1]).unsqueeze(1)
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return picked.clamp_(max=probs.shape[1] - 1)
+    """Per row of ``probs`` (R, N), non-negative and not necessarily normalised, the
+    first index whose cumulative probability exceeds ``uniform`` times the row's total;
+    zero-probability entries are never chosen.
+
+    Two levels, so that no running sum spans the whole row: sums of chunks of 256
+    (float32, then a float64 running sum over the chunks) pick the chunk, a float64
+    running sum inside it picks the entry. One read of ``probs`` and O(R * 256) more,
+    where a float64 cumsum of a 49k vocabulary costs a large batch tens of ms."""
+    num_rows, width = probs.shape
+    if width <= _CDF_CHUNK:
+        cdf = probs.double().cumsum_(dim=-1)
+        target = (uniform * cdf[:, -1]).unsqueeze(1)
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=width - 1)
+    pad = -width % _CDF_CHUNK
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    chunks = probs.view(num_rows, -1, _CDF_CHUNK)  # (R, C, 256)
+    chunk_cdf = chunks.sum(dim=-1).double().cumsum_(dim=-1)  # (R, C)
+    target = uniform * chunk_cdf[:, -1]  # (R,)
+    chunk = torch.searchsorted(chunk_cdf, target.unsqueeze(1), right=True).squeeze(1)
+    chunk.clamp_(max=chunk_cdf.shape[1] - 1)
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0).unsqueeze(1))
+                         .squeeze(1), torch.zeros_like(target))
+    rows = torch.arange(num_rows, device=probs.device)
+    inside = chunks[rows, chunk].double().cumsum_(dim=-1)  # (R, 256)
+    offset = torch.searchsorted(inside, (target - before).unsqueeze(1), right=True).squeeze(1)
+    # rounding can put the target at the chunk's very end: take its last positive entry
+    last_positive = (_CDF_CHUNK - 1) - (chunks[rows, chunk] > 0).flip(-1).int().argmax(dim=-1)
+    offset = torch.minimum(offset, last_positive)
+    return (chunk * _CDF_CHUNK + offset).clamp_(max=width - 1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
