@@ -399,3 +399,18 @@ def test_sampling_with_top_p_follows_filtered_softmax_on_a_large_vocab():
     kept = probs > 0
     assert counts[~kept].sum() == 0
     assert chi2_pvalue(counts[kept], probs[kept]) > 1e-3
+
+
+@pytest.mark.parametrize("width", [7, 256, 1000, 49152])
+def test_inverse_cdf_equals_one_running_sum(width):
+    from loom.model.layers.sampler import inverse_cdf
+
+    torch.manual_seed(width)
+    probs = torch.softmax(torch.randn(64, width) * 3, dim=-1)
+    probs[:, ::3] = 0.0  # zero-probability entries are never picked
+    uniform = torch.rand(64, dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    got = inverse_cdf(probs, uniform)
+    assert torch.equal(got, expected)
+    assert not torch.any(got % 3 == 0)
