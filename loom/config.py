@@ -21,6 +21,9 @@ class ModelConfig:
     served_model_name: str | None = None
     chat_template: str | None = None
     vocab_size: int | None = None  # read from the checkpoint by from_args
+    # Dummy steps at start-up so the first real step at each batch size is not slower
+    # (Worker.warm_up; benchmarks/warm_up.md). Off: start faster.
+    enable_warm_up: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -272,6 +275,7 @@ class EngineConfig:
         structured_outputs_disable_additional_properties: bool = False,
         speculative_config: SpeculativeConfig | dict | str | None = None,
         early_stop_config: EarlyStopConfig | dict | str | None = None,
+        enable_warm_up: bool = True,
     ) -> EngineConfig:
         """Build a config from user arguments, reading the checkpoint's config for defaults."""
         from loom.model.loader import load_hf_config
@@ -297,7 +301,8 @@ class EngineConfig:
                               dtype=resolve_dtype(dtype, hf_config, model, device),
                               max_model_len=max_model_len, seed=seed,
                               served_model_name=served_model_name, chat_template=chat_template,
-                              vocab_size=getattr(hf_config, "vocab_size", None)),
+                              vocab_size=getattr(hf_config, "vocab_size", None),
+                              enable_warm_up=enable_warm_up),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               num_gpu_blocks_override=num_gpu_blocks_override,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

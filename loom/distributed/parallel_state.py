@@ -7,10 +7,14 @@ exists, so single-rank code paths need no ``torch.distributed`` at all.
 
 from __future__ import annotations
 
+import datetime
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,21 +66,61 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+# The store the ranks met through: a TCP server inside rank 0's process, which
+# destroy_distributed also uses to leave in order.
+_store: dist.Store | None = None
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
                      device: str, timeout_s: float = 600.0) -> TPGroup:
-    """Join the ranks' process group (TCP store at master_addr:master_port, gloo on
-    CPU, NCCL on CUDA) and return this rank's TP group over all of them."""
-    import datetime
-
+    """Join the ranks' process group (TCP store at master_addr:master_port, hosted by
+    rank 0; gloo on CPU, NCCL on CUDA) and return this rank's TP group over all of them."""
+    global _store
     if world_size == 1:
         return SINGLE
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                           timeout=timeout)
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     return TPGroup(rank, world_size, dist.group.WORLD)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(timeout_s: float = 3.0) -> None:
+    """Leave the process group in order, rank 0 last; never raises.
+
+    Rank 0's process hosts the store, so a rank still tearing down when rank 0
+    exits can lose it mid-call (seen as SIGABRT in rank 1). So: every rank says it
+    has arrived and waits for all others (no collective is then in flight); ranks
+    1..N-1 destroy their group and say they have left; rank 0 waits for that, then
+    destroys its own. Each wait gives up after ``timeout_s`` (a rank that died never
+    arrives) and teardown goes on. ``timeout_s=0`` skips the waits (after a failure,
+    when peers may be stuck in a collective).
+    """
+    global _store
+    if not dist.is_initialized():
+        return
+    store, _store = _store, None
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if store is None or timeout_s <= 0:
+        _quietly(dist.destroy_process_group)
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _quietly(store.set, f"loom/shutdown/arrived/{rank}", "1")
+    _quietly(store.wait, [f"loom/shutdown/arrived/{r}" for r in range(world_size)], timeout)
+    if rank != 0:
+        _quietly(dist.destroy_process_group)
+        _quietly(store.set, f"loom/shutdown/left/{rank}", "1")
+        return
+    _quietly(store.wait, [f"loom/shutdown/left/{r}" for r in range(1, world_size)], timeout)
+    _quietly(dist.destroy_process_group)
+
+
+def _quietly(call, *args) -> None:
+    """Teardown goes on whatever one step raised (a peer gone, a wait timed out)."""
+    try:
+        call(*args)
+    except Exception as exc:
+        logger.warning("distributed teardown: %s failed: %s: %s",
+                       getattr(call, "__name__", call), type(exc).__name__, exc)

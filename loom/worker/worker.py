@@ -10,12 +10,14 @@ by ``UniProcExecutor``, or by ``worker_process.run_worker_proc`` in its own proc
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from loom.config import EngineConfig
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.sampling_params import SamplingParams
 from loom.worker import memory
 from loom.worker.model_runner import ModelRunner
 
@@ -92,10 +94,83 @@ class Worker:
         return int(self.cpu_total_memory * utilization) - used_after_load - activation_peak
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def warm_up(self) -> None:
-        """Nothing yet measurably speeds up steady-state steps on CPU."""
+        """One dummy decode step at each batch size 1, 2, ... before any request.
+
+        On CPU, oneDNN builds a matmul kernel the first time it meets a shape, so the
+        first step at each decode batch size ran about 1.5 ms (CPU) slower than the
+        next (benchmarks/warm_up.md). Prefill chunks are not warmed: any token count
+        up to max_num_batched_tokens may come, and there it is lost in the step.
+        Batch sizes go up to max_num_seqs, at most WARM_UP_MAX_BATCH, and stop once
+        WARM_UP_BUDGET_S has passed on any rank (every rank runs the same steps, so
+        collectives stay in step). Nothing on CUDA yet (no CUDA graphs). Off with
+        ``enable_warm_up=False``.
+        """
+        if not self.config.model.enable_warm_up or self.device.type != "cpu":
+            return
+        block_ids = self._warm_up_block_ids()
+        if len(block_ids) > self.num_blocks:
+            return  # a cache too small to lend the dummy requests their blocks
+        started = time.monotonic()
+        max_batch = min(self.config.scheduler.max_num_seqs,
+                        self.config.scheduler.max_num_batched_tokens, WARM_UP_MAX_BATCH)
+        finished: list[str] = []
+        for batch in range(max_batch + 1):  # 0: the one-token prefill the others read
+            step = dummy_step(batch, block_ids, finished)
+            self.model_runner.execute_model(step)
+            finished = list(step.num_scheduled_tokens)
+            within_budget = time.monotonic() - started < WARM_UP_BUDGET_S
+            if not self.tp_group.all_reduce_min(int(within_budget)):
+                break
+        self.model_runner.execute_model(dummy_step(None, block_ids, finished))
+        assert not self.model_runner.requests, "warm-up left requests in the model runner"
+        logger.info("rank %d: warmed up decode batch sizes 1..%d of %d in %.2fs", self.rank,
+                    batch, max_batch, time.monotonic() - started)
+
+    def _warm_up_block_ids(self) -> list[int]:
+        """The real cache's first blocks: enough for two tokens and a draft model's
+        lookahead. No request holds them yet, and whichever gets them writes each
+        slot before attention reads it."""
+        spec = self.config.speculative
+        num_tokens = DUMMY_PROMPT_LEN + (spec.num_lookahead_tokens if spec else 0)
+        return list(range(-(-num_tokens // self.config.cache.block_size)))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+
+# Warm-up time grows as the square of the largest batch; past 64 a cold first step
+# costs its 1-2 ms in a step of 60 ms or more.
+WARM_UP_MAX_BATCH = 64
+WARM_UP_BUDGET_S = 2.5  # a slow machine or a large model warms up fewer batch sizes
+DUMMY_PROMPT_LEN = 2
+_DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def dummy_step(batch: int | None, block_ids: list[int], finished: list[str]) -> SchedulerOutput:
+    """A warm-up step that also makes the runner forget the ``finished`` requests.
+
+    Batch 0: one request prefills one token into slot 0. Batch b: b new requests of
+    two tokens, the first counted as computed (as a prefix-cache hit would be), so
+    each computes one token over a context of two: a pure decode step of b tokens.
+    All share ``block_ids`` (slot 0 read, slot 1 overwritten). None: nothing runs.
+    """
+    if batch is None:
+        req_ids, prompt = [], []
+    elif batch == 0:
+        req_ids, prompt = ["warm-up-prefill"], [0]
+    else:
+        req_ids, prompt = [f"warm-up-{batch}-{i}" for i in range(batch)], [0] * DUMMY_PROMPT_LEN
+    num_computed = len(prompt) - 1 if batch else 0
+    new_reqs = [NewRequestData(req_id=req_id, prompt_token_ids=prompt, output_token_ids=[],
+                               sampling_params=_DUMMY_PARAMS, eos_token_ids=[],
+                               block_ids=block_ids, num_computed_tokens=num_computed)
+                for req_id in req_ids]
+    num_scheduled = {req_id: len(prompt) - num_computed for req_id in req_ids}
+    return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=[],
+                           num_scheduled_tokens=num_scheduled,
+                           total_num_scheduled_tokens=sum(num_scheduled.values()),
+                           finished_req_ids=finished)

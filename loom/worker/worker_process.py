@@ -2,7 +2,8 @@
 
     init_distributed -> init_device -> load_model (loaded) -> initialize_kv_cache
     (profile, MIN over ranks, profiled_blocks) -> warm_up -> report_ready (ready)
-    -> event_loop (heartbeat every iteration) -> exit on Shutdown
+    -> event_loop (heartbeat every iteration) -> on Shutdown: tear_down (ranks leave
+    the process group in order, rank 0 last) -> exit 0
 
 A worker only executes: it never decides. Any failure is reported to the engine as
 a ``WorkerFailure`` and ends the process with status 1. A worker whose parent died
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # the event loop wakes at least this often when idle
 REMOTE_STATUS_INTERVAL_S = 1.0
+# Each of teardown's two waits for the other ranks; both well within the executor's
+# SHUTDOWN_GRACE_S, after which it kills the workers.
+TEARDOWN_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -118,10 +122,12 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         load_model(worker, status)
         loaded = time.monotonic()
         num_blocks = initialize_kv_cache(worker, status)
+        profiled = time.monotonic()
         warm_up(worker)
         report_ready(status)
         logger.info("rank %d ready: loaded in %.1fs, profiled and allocated %d KV blocks in "
-                    "%.1fs", spec.rank, loaded - started, num_blocks, time.monotonic() - loaded)
+                    "%.1fs, warmed up in %.1fs", spec.rank, loaded - started, num_blocks,
+                    profiled - loaded, time.monotonic() - profiled)
         event_loop(worker, queue, status, spec)
     except BaseException as exc:  # report anything, even a KeyboardInterrupt, then exit 1
         exit_code = 1
@@ -133,16 +139,8 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         except Exception:
             pass
     finally:
-        from loom.distributed.parallel_state import destroy_distributed
-
-        try:
-            destroy_distributed()
-        except Exception:
-            pass
-        if status is not None:
-            status.close()
-        queue.close()
-    sys.exit(exit_code)
+        tear_down(status, queue, clean=exit_code == 0)
+    _exit(exit_code)
 
 
 def init_distributed(spec: WorkerSpec):
@@ -209,6 +207,31 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
         output = worker.execute_model(message.scheduler_output)
         if is_rank0:
             queue.send(StepResult(step=message.step, output=output))
+
+
+def tear_down(status: StatusReporter | None, queue: TaskQueueClient, clean: bool) -> None:
+    """Leave the process group (after a clean stop in order, rank 0 last, see
+    ``destroy_distributed``), then close the signals and the queue. Errors are
+    logged, never raised: teardown must not turn a clean stop into a failure."""
+    from loom.distributed.parallel_state import destroy_distributed
+
+    destroy_distributed(timeout_s=TEARDOWN_WAIT_S if clean else 0.0)
+    for close in ([status.close] if status is not None else []) + [queue.close]:
+        try:
+            close()
+        except Exception as exc:
+            logger.warning("worker teardown: %s failed: %s: %s", close.__qualname__,
+                           type(exc).__name__, exc)
+
+
+def _exit(exit_code: int) -> None:
+    """Exit without interpreter finalisation. Everything is closed by now; what
+    finalisation would still run (destructors of torch.distributed's C++ objects, in
+    no set order) must not turn a clean exit into an abort and a core dump."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 # ----------------------------------------------------------------- helpers
