@@ -23,9 +23,9 @@ model are deterministic, so ``q_j`` is one-hot: accept with probability ``p_j(d_
 and on a rejection sample ``p_j`` without ``d_j``.
 
 Randomness: a seeded request's row at position ``t`` re-seeds the request's generator
-with ``(seed, t)`` and draws the exponential noise of the exponential race first, then
-the acceptance uniform; a row without drafts thus samples exactly the token the plain
-sampler would.
+with ``(seed, t)`` and draws the uniform of the inverse-CDF sample first, then the
+acceptance uniform; a row without drafts thus samples exactly the token the plain
+sampler would (same uniform, same CDF over the vocabulary in id order).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs, inverse_cdf
 
 
 @dataclass
@@ -73,7 +73,8 @@ class RejectionSampler:
             emitted_if_stop = target_argmax
         else:
             probs = Sampler.sampling_probs(processed, metadata)  # (B + D, V)
-            noise, uniform = self._noise(probs, row_seeds or {})
+            sample_uniform, uniform = self._uniforms(probs.shape[0], row_seeds or {},
+                                                     probs.device)
             draft_p = probs[draft_rows]  # (D, V)
             p_of_draft = draft_p.gather(1, drafts.unsqueeze(1)).squeeze(1)
             if draft_probs is None:
@@ -86,8 +87,8 @@ class RejectionSampler:
             # Rounding can empty max(p - q, 0) where a rejection was (nearly) impossible.
             empty = recovered.sum(dim=-1) <= 0
             recovered[empty] = draft_p[empty]
-            probs[draft_rows] = recovered  # unnormalised: the race does not need it
-            emitted_if_stop = probs.div_(noise).argmax(dim=-1)
+            probs[draft_rows] = recovered  # unnormalised: inverse_cdf does not need it
+            emitted_if_stop = inverse_cdf(probs, sample_uniform)
             if not metadata.all_random:
                 is_greedy = metadata.is_greedy
                 accepted = torch.where(is_greedy[draft_rows],
@@ -131,17 +132,17 @@ class RejectionSampler:
         return out
 
     @staticmethod
-    def _noise(probs: torch.Tensor, row_seeds: dict[int, tuple[torch.Generator, int]]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exp(1) noise for the exponential race (R, V) and a uniform per row (R,)."""
-        noise = torch.empty_like(probs)
-        uniform = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
-        if len(row_seeds) < probs.shape[0]:
-            noise.exponential_()
+    def _uniforms(num_rows: int, row_seeds: dict[int, tuple[torch.Generator, int]],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: the uniform of the inverse-CDF sample (float64, drawn first, as the
+        plain sampler draws it) and the acceptance uniform (float32)."""
+        sample_uniform = torch.empty(num_rows, dtype=torch.float64, device=device)
+        uniform = torch.empty(num_rows, dtype=torch.float32, device=device)
+        if len(row_seeds) < num_rows:
+            sample_uniform.uniform_()
             uniform.uniform_()
         for row, (generator, seed) in row_seeds.items():
             generator.manual_seed(seed)
-            noise[row].exponential_(generator=generator)
-            uniform[row] = torch.rand((), generator=generator, device=probs.device)
-        # Exp(1) can round to 0 in float32; a 0 would turn a zero-probability token into nan.
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny), uniform
+            sample_uniform[row:row + 1].uniform_(generator=generator)
+            uniform[row] = torch.rand((), generator=generator, device=device)
+        return sample_uniform, uniform

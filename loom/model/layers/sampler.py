@@ -17,10 +17,10 @@ finite and JSON-safe.
 
 A request is greedy when temperature < 1e-5 or top_k == 1; its token is exactly the argmax
 of the processed logits. Random rows sample by inverting the CDF: one uniform u per row,
-the token is the first whose cumulative probability exceeds u. With top_k/top_p the
-kept set is found among each row's largest logits (``torch.topk`` of 256, then 4,096
-candidates, a full sort only for rows whose kept set is larger), never by sorting the
-whole vocabulary, and the CDF runs over those candidates. A request with a seed draws
+the token is the first whose cumulative probability (vocabulary in id order) exceeds u.
+With top_k/top_p the kept set is found among each row's largest logits (``torch.topk``
+of 256, then 4,096 candidates, a full sort only for rows whose kept set is larger),
+never by sorting the whole vocabulary. A request with a seed draws
 its u from its own generator, so its tokens do not depend on which requests share the
 batch or where it sits; all other rows draw from the global RNG in one call.
 
@@ -259,15 +259,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        logits = Sampler._scaled(logits, metadata)
+        # The CDF runs over the vocabulary in id order, as the rejection sampler's does,
+        # so that a seeded row samples the same token on either path.
         uniform = row_uniforms(logits.shape[0], metadata.generators, logits.device)
-        if metadata.no_top_k and metadata.no_top_p:
-            return inverse_cdf(torch.softmax(logits, dim=-1), uniform)
-        sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        for rows, values, ids in top_k_top_p_candidates(logits, *Sampler._filters(metadata)):
-            picked = inverse_cdf(torch.softmax(values, dim=-1), uniform[rows])
-            sampled[rows] = ids.gather(1, picked.unsqueeze(1)).squeeze(1)
-        return sampled
+        return inverse_cdf(Sampler.sampling_probs(logits, metadata), uniform)
 
 
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor,
