@@ -4,7 +4,7 @@ Three tables, each A/B interleaved in one process (min and median of --iters run
 
 1. weight matmuls of SmolLM2-135M's 30 layers (212 MB of bf16 weights, more than the
    L3, so weights stream from memory as in a real step) at 1-64 rows: F.linear,
-   ATen GEMV (one row), oneDNN on pre-packed weights, loom's GEMV kernel;
+   ATen GEMV (one row), oneDNN on pre-packed weights;
 2. paged attention: loom's kernel against the torch backend (gather + matmuls, or
    SDPA for prefill) for decode batches, a prefill and a long chunk;
 3. a whole model step (profile_step.PagedBatch) with the native kernels on and off.
@@ -51,14 +51,13 @@ def fmt(times: list[float]) -> str:
 
 
 def matmul_table(iters: int) -> None:
-    ops = loom.kernels.native_ops()
     torch.manual_seed(0)
     layers = [[torch.randn(n, k, dtype=torch.bfloat16) for n, k in SHAPES] for _ in range(30)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
     nbytes = sum(w.numel() * 2 for layer in layers for w in layer)
     print(f"\n## 30 layers' weight matmuls ({nbytes / 1e6:.0f} MB bf16), ms min / median")
-    print("| rows | F.linear | ATen GEMV | oneDNN packed | loom GEMV |")
-    print("|---|---|---|---|---|")
+    print("| rows | F.linear | ATen GEMV | oneDNN packed |")
+    print("|---|---|---|---|")
 
     def run(kind: str, x: dict[int, torch.Tensor]):
         def step():
@@ -71,23 +70,19 @@ def matmul_table(iters: int) -> None:
                         torch._C._set_mkldnn_enabled(False)
                         F.linear(xi, w)
                         torch._C._set_mkldnn_enabled(True)
-                    elif kind == "packed":
-                        torch.ops.mkldnn._linear_pointwise(xi, p, None, "none", [], "")
                     else:
-                        ops.linear_bf16_small(xi, w, None)
+                        torch.ops.mkldnn._linear_pointwise(xi, p, None, "none", [], "")
         return step
 
     for rows in (1, 2, 3, 4, 8, 32, 64):
         x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
-        kinds = ["plain", "packed"] + (["gemv"] if rows == 1 else []) + \
-            (["native"] if ops is not None and rows <= 8 else [])
+        kinds = ["plain", "packed"] + (["gemv"] if rows == 1 else [])
         results = {kind: [] for kind in kinds}
         for _ in range(iters):  # interleaved
             for kind in kinds:
                 results[kind] += timed(run(kind, x), 1)
         cell = {k: fmt(v) for k, v in results.items()}
-        print(f"| {rows} | {cell['plain']} | {cell.get('gemv', '–')} | {cell['packed']} | "
-              f"{cell.get('native', '–')} |")
+        print(f"| {rows} | {cell['plain']} | {cell.get('gemv', '–')} | {cell['packed']} |")
 
 
 def attention_table(iters: int) -> None:

@@ -582,79 +582,6 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// out (M, N) = x (M, K) @ weight (N, K)^T (+ bias), bf16 in and out, float32 sums,
-// for the few rows of a decode step: every weight row is read once for all M rows
-// of x, 16 output columns at a time (vdpbf16ps, then one transpose-and-add).
-// K must be a multiple of 32 and M at most 8.
-template <int M>
-void gemv_bf16_block(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
-                     const c10::BFloat16* bias, int64_t n0, int64_t n1, int64_t N, int64_t K) {
-  constexpr int C = M == 1 ? 16 : M == 2 ? 8 : M <= 4 ? 4 : 2;  // columns per pass
-  for (int64_t n = n0; n < n1; n += C) {
-    const int64_t cols = std::min<int64_t>(C, n1 - n);
-    __m512 acc[16];  // acc[m * C + i]: row m of x, column n + i
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      __m512bh xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int i = 0; i < C; ++i) {
-        const __m512bh wv =
-            (__m512bh)_mm512_loadu_si512(w + (n + std::min<int64_t>(i, cols - 1)) * K + k);
-        for (int m = 0; m < M; ++m) acc[m * C + i] = _mm512_dpbf16_ps(acc[m * C + i], xv[m], wv);
-      }
-    }
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, reduce16(acc));
-    for (int m = 0; m < M; ++m)
-      for (int64_t i = 0; i < cols; ++i) {
-        const float b = bias ? to_float(bias[n + i]) : 0.f;
-        out[m * N + n + i] = from_float<c10::BFloat16>(sums[m * C + i] + b);
-      }
-  }
-}
-#endif
-
-// Returns an undefined tensor when the shapes are not ones the kernel takes (the
-// caller then uses F.linear).
-torch::Tensor linear_bf16_small(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 || x.dim() != 2 ||
-      x.size(0) > 8 || x.size(0) == 0 || x.size(1) % 32 != 0 || !weight.is_contiguous() ||
-      !x.is_contiguous() || weight.size(1) != x.size(1) || !x.device().is_cpu())
-    return torch::Tensor();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
-  const c10::BFloat16* bp = nullptr;
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "bias must be bf16 (N,)");
-    bp = reinterpret_cast<const c10::BFloat16*>(b.data_ptr());
-  }
-  auto* op = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
-  const int64_t blocks = (N + 15) / 16;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 16, n1 = std::min(end * 16, N);
-    switch (M) {
-      case 1: gemv_bf16_block<1>(op, xp, wp, bp, n0, n1, N, K); break;
-      case 2: gemv_bf16_block<2>(op, xp, wp, bp, n0, n1, N, K); break;
-      case 3: gemv_bf16_block<3>(op, xp, wp, bp, n0, n1, N, K); break;
-      case 4: gemv_bf16_block<4>(op, xp, wp, bp, n0, n1, N, K); break;
-      case 5: gemv_bf16_block<5>(op, xp, wp, bp, n0, n1, N, K); break;
-      case 6: gemv_bf16_block<6>(op, xp, wp, bp, n0, n1, N, K); break;
-      case 7: gemv_bf16_block<7>(op, xp, wp, bp, n0, n1, N, K); break;
-      default: gemv_bf16_block<8>(op, xp, wp, bp, n0, n1, N, K); break;
-    }
-  });
-  return out;
-#else
-  return torch::Tensor();
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -663,6 +590,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary, in place");
   m.def("write_kv_cache", &write_kv_cache, "copy new K/V into their cache slots");
-  m.def("linear_bf16_small", &linear_bf16_small, "x @ w.T (+ b) for at most 8 bf16 rows");
   m.def("paged_attention", &paged_attention, "causal attention over paged K/V");
 }

@@ -18,13 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
-from loom.kernels import native_ops
-
-
-# Rows of x up to which loom's bf16 GEMV kernel beats oneDNN on this CPU
-# (benchmarks/kernels.py): it reads each weight row once for all rows, where
-# oneDNN pays for more passes; with pre-packed weights oneDNN wins from 3 rows on.
-NATIVE_GEMV_MAX_ROWS = {True: 2, False: 4}  # {weights packed for oneDNN: rows}
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -34,7 +27,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     Unpacked, oneDNN re-lays the weights out on every call; packed, a batch-8 step
     of SmolLM2's layer matmuls runs 40% faster, batch 32 25% (benchmarks/kernels.py).
     The cost is a second copy of each packed weight: the plain one stays for the
-    GEMV kernel, the embedding it may be tied to, and checkpoint reloads."""
+    one-row GEMV, the embedding it may be tied to, and checkpoint reloads."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
             or os.environ.get("LOOM_CPU_PACKED_WEIGHTS", "1") == "0" \
             or not torch.backends.mkldnn.is_available():
@@ -47,27 +40,24 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with CPU bf16 fast paths: a decode step's few rows go to loom's
-    GEMV kernel (``loom.kernels``), more rows to oneDNN with the ``packed`` weight
-    (``pack_weight``); without the kernel, one row goes to ATen's GEMV, which reads
-    the weights at 1.5x oneDNN's unpacked speed there."""
+    """``F.linear`` with CPU bf16 fast paths (benchmarks/kernels.py, quiet machine, 30
+    layers of SmolLM2): one row goes to ATen's GEMV (5.6 ms against oneDNN's 9.2
+    unpacked, 7.1 packed), more rows to oneDNN with the ``packed`` weight (``pack_weight``;
+    batch 8: 7.7 against 10.4 ms, batch 32: 12.4 against 15.9)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-    if rows <= NATIVE_GEMV_MAX_ROWS[packed is not None]:
-        ops = native_ops()
-        out = ops.linear_bf16_small(x, weight, bias) if ops is not None else None
-        if out is not None:
-            return out
+    if rows == 1:
+        if not torch._C._get_mkldnn_enabled():
+            return F.linear(x, weight, bias)
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            torch._C._set_mkldnn_enabled(True)
     if packed is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    if rows != 1 or not torch._C._get_mkldnn_enabled():
-        return F.linear(x, weight, bias)
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return F.linear(x, weight, bias)
-    finally:
-        torch._C._set_mkldnn_enabled(True)
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
