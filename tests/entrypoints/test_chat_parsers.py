@@ -1,4 +1,5 @@
-"""Reasoning and tool-call parsers on crafted text, whole and streamed in awkward pieces."""
+"""Reasoning and tool-call parsers (hermes, llama3_json, mistral) on crafted text, whole and
+streamed in awkward pieces."""
 
 from __future__ import annotations
 
@@ -124,6 +125,81 @@ def test_hermes_streamed_deltas_join_into_the_same_calls():
         assert all(c["id"] for c in calls)
         assert [json.loads(c["arguments"]) for c in calls] == \
             [json.loads(c.arguments) for c in expected]
+
+
+# ----------------------------------------------------------------- llama3_json and mistral
+
+LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3, '
+          '"opts": {"units": "C", "note": "a}b\\"c{"}}}; {"name": "get_time", "parameters": {}}')
+MISTRAL = ('I will look that up. [TOOL_CALLS][{"name": "get_weather", "arguments": '
+           '{"city": "Paris", "days": 3, "opts": {"units": "C", "note": "a}b\\"c{"}}}, '
+           '{"name": "get_time", "arguments": {}}]')
+WEATHER = {"city": "Paris", "days": 3, "opts": {"units": "C", "note": 'a}b"c{'}}
+
+
+def _stream(parser_name: str, deltas: list[str]) -> tuple[str, list[dict]]:
+    streamer = get_tool_parser(parser_name).streaming()
+    content, tool_deltas = "", []
+    for delta in deltas:
+        c, t = streamer.feed(delta)
+        content, tool_deltas = content + c, tool_deltas + t
+    c, t = streamer.finish()
+    return content + c, _join_tool_deltas(tool_deltas + t)
+
+
+@pytest.mark.parametrize("name, text, content, calls", [
+    ("llama3_json", LLAMA3, None, [("get_weather", WEATHER), ("get_time", {})]),
+    ("llama3_json", ' \n{"name": "get_time", "arguments": {"zone": "UTC"}}\n', None,
+     [("get_time", {"zone": "UTC"})]),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}', None,  # cut off
+     [("get_time", {"zone": "UTC"})]),
+    ("llama3_json", 'The answer is {"name": "x"}.', 'The answer is {"name": "x"}.', []),
+    ("llama3_json", '{"answer": 4} is JSON', '{"answer": 4} is JSON', []),
+    ("llama3_json", '<|python_tag|>search.call(q="x")', '<|python_tag|>search.call(q="x")', []),
+    ("llama3_json", "<|pyth", "<|pyth", []),
+    ("llama3_json", '{"name": "get_time", "parameters": {}} then text',
+     "then text", [("get_time", {})]),
+    ("mistral", MISTRAL, "I will look that up.", [("get_weather", WEATHER), ("get_time", {})]),
+    ("mistral", "Plain text, [TOOL_CALL not the token", "Plain text, [TOOL_CALL not the token", []),
+    ("mistral", "[TOOL_CALLS] not JSON", "[TOOL_CALLS] not JSON", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', None, [("get_time", {})]),
+])
+def test_json_tool_parsers_whole_and_streamed(name, text, content, calls):
+    got_content, got_calls = get_tool_parser(name).extract(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert len({c.id for c in got_calls}) == len(got_calls)
+    for deltas in splits(text):
+        streamed_content, streamed = _stream(name, deltas)
+        assert (streamed_content.strip() if calls else streamed_content) == (content or ""), deltas
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == calls, deltas
+        assert all(c["id"] for c in streamed)
+
+
+def test_json_tool_parsers_stream_arguments_before_the_call_ends():
+    streamer = get_tool_parser("llama3_json").streaming()
+    assert streamer.feed('<|python_tag|>{"name": "get_wea') == ("", [])
+    content, deltas = streamer.feed('ther", "parameters": {"city": "Pa')
+    assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[1]["function"]["arguments"] == '{"city": "Pa'
+    _, deltas = streamer.feed('ris"}}')
+    assert deltas == [{"index": 0, "function": {"arguments": 'ris"}'}}]
+
+
+def test_mistral_tool_call_ids_are_nine_alphanumerics():
+    # Mistral's chat templates reject other ids when the calls come back as history.
+    _, calls = get_tool_parser("mistral").extract(MISTRAL)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+
+
+def test_unknown_tool_parser_and_serve_flag():
+    from loom.cli import build_parser
+
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; choose one of hermes"):
+        get_tool_parser("nope")
+    for name in ("hermes", "llama3_json", "mistral"):
+        args = build_parser().parse_args(["serve", "--tool-call-parser", name])
+        assert args.tool_call_parser == name
 
 
 # ----------------------------------------------------------------- tool choice

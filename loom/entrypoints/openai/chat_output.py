@@ -3,7 +3,7 @@ off first (``--reasoning-parser``), then tool calls by the request's tool choice
 
     named     the text is the arguments of the named function          finish_reason as is
     required  the text is a JSON array of {"name", "parameters"}        "tool_calls"
-    auto      the tool parser finds calls in the text (hermes)          "tool_calls" if any
+    auto      --tool-call-parser's parser finds calls in the text      "tool_calls" if any
     none      plain content
 """
 
@@ -14,12 +14,12 @@ from typing import Any
 from loom.entrypoints.openai.reasoning_parsers import ReasoningParser
 from loom.entrypoints.openai.structured_outputs import (RequiredToolCallStreamer,
                                                         parse_required_tool_calls)
-from loom.entrypoints.openai.tool_parsers import HermesToolParser, ToolCall, tool_call_id
+from loom.entrypoints.openai.tool_parsers import ToolCall, ToolParser, tool_call_id
 
 
 class ChatOutputBuilder:
     def __init__(self, tool_choice: str = "none", tool_name: str | None = None,
-                 tool_parser: HermesToolParser | None = None,
+                 tool_parser: ToolParser | None = None,
                  reasoning_parser: ReasoningParser | None = None) -> None:
         self.tool_choice = tool_choice
         self.tool_name = tool_name

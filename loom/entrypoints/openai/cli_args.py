@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from loom.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
@@ -26,7 +28,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="do not log each request")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto" (needs --tool-call-parser)')
-    group.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+    group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                        help="how to find tool calls in the model's text for tool_choice auto")
     group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> into reasoning_content in chat responses")
