@@ -2,10 +2,11 @@
 tiny Llama (float32).
 
 Greedy output with n-gram and with draft-model speculation equals output without, token
-for token, for a batch of mixed lengths, with chunked prefill and with preemption;
-drafts are accepted. Seeded sampled output is reproducible with speculation. Early stop
-ends a near-certain request after its window. Prompt logprobs equal transformers'
-log_softmax at every prompt position, with prefills chunked.
+for token, for a batch of mixed lengths, with chunked prefill and with preemption, and
+with a draft model beside a target sharded over two ranks; drafts are accepted. Seeded
+sampled output is reproducible with speculation. Early stop ends a near-certain request
+after its window. Prompt logprobs equal transformers' log_softmax at every prompt
+position, with prefills chunked.
 """
 
 from __future__ import annotations
@@ -99,6 +100,28 @@ def test_greedy_output_equals_output_without_speculation(tiny_llama, draft_1laye
     assert stats.spec_decode_num_accepted_tokens > 0
     assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     if method == "draft_same":  # the target drafting for itself: every draft is right
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    if config_name == "preemption":
+        assert stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("config_name", ["default", "preemption"])
+@pytest.mark.parametrize("method", ["draft_same", "draft_1layer"])
+def test_draft_model_with_tensor_parallel_equals_output_without(tiny_llama, draft_1layer,
+                                                                expected, method, config_name):
+    """TP=2 in worker processes: the draft model runs unsharded on rank 0 only, beside
+    rank 0's shard of the target; greedy tokens equal those of TP=1 without speculation."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3,
+            "model": tiny_llama if method == "draft_same" else draft_1layer}
+    with LLM(tiny_llama, dtype="float32", speculative_config=spec, tensor_parallel_size=2,
+             **{"max_model_len": 256, **CONFIGS[config_name]}) as llm:
+        assert type(llm.engine.engine_core.executor).__name__ == "MultiProcExecutor"
+        got = generate_greedy(llm)
+        stats = llm.engine.engine_core.get_stats()
+    for i, (g, e) in enumerate(zip(got, expected[config_name])):
+        assert g == e, f"prompt {i}: TP=2 with {method} {g} != without {e}"
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    if method == "draft_same":
         assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     if config_name == "preemption":
         assert stats.num_preemptions > 0
