@@ -19,7 +19,7 @@ from loom.model.attention.torch_backend import TorchAttentionBackend
 
 # Longest query (new tokens of one request) the native kernel takes in float32; the
 # bf16 kernel (AVX512-BF16) beats SDPA at every length measured, up to 256 new
-# tokens over a 1,000-token context (benchmarks/kernels.py).
+# tokens over a 1,000-token context (benchmarks/cpu_kernels.py).
 MAX_NATIVE_QUERY_LEN = {torch.float32: 256, torch.bfloat16: 1 << 30}
 
 

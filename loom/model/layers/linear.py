@@ -25,7 +25,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     where that does not apply (not bf16 on the CPU, ``LOOM_CPU_PACKED_WEIGHTS=0``).
 
     Unpacked, oneDNN re-lays the weights out on every call; packed, a batch-8 step
-    of SmolLM2's layer matmuls runs 40% faster, batch 32 25% (benchmarks/kernels.py).
+    of SmolLM2's layer matmuls runs 40% faster, batch 32 25% (benchmarks/cpu_kernels.py).
     The cost is a second copy of each packed weight: the plain one stays for the
     one-row GEMV, the embedding it may be tied to, and checkpoint reloads."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
@@ -40,7 +40,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with CPU bf16 fast paths (benchmarks/kernels.py, quiet machine, 30
+    """``F.linear`` with CPU bf16 fast paths (benchmarks/cpu_kernels.py, quiet machine, 30
     layers of SmolLM2): one row goes to ATen's GEMV (5.6 ms against oneDNN's 9.2
     unpacked, 7.1 packed), more rows to oneDNN with the ``packed`` weight (``pack_weight``;
     batch 8: 7.7 against 10.4 ms, batch 32: 12.4 against 15.9)."""

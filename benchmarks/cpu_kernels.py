@@ -9,8 +9,8 @@ Three tables, each A/B interleaved in one process (min and median of --iters run
    SDPA for prefill) for decode batches, a prefill and a long chunk;
 3. a whole model step (profile_step.PagedBatch) with the native kernels on and off.
 
-    python benchmarks/kernels.py                 # all three
-    python benchmarks/kernels.py --only matmul   # one table
+    python benchmarks/cpu_kernels.py                 # all three
+    python benchmarks/cpu_kernels.py --only matmul   # one table
 
 On a shared machine set OMP_WAIT_POLICY=PASSIVE; the min is the steadier figure.
 """
