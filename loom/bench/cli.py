@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-DATASET_NAMES = ("random", "shared-prefix", "sharegpt-synthetic")
+DATASET_NAMES = ("random", "shared-prefix", "sharegpt-synthetic", "repeat")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -74,7 +74,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def add_dataset_args(parser, with_seed: bool = True) -> None:
     """Dataset flags; ``with_seed=False`` where the engine's ``--seed`` already seeds them."""
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
+    group.add_argument("--dataset-name", default="random", choices=DATASET_NAMES,
+                       help="repeat: copy a code passage (drafts help; see datasets.py)")
     group.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     group.add_argument("--random-input-len", type=int, default=128)
     group.add_argument("--random-output-len", type=int, default=128)
@@ -102,6 +103,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset-name", default="random", choices=("random", "repeat"),
+                        help="random tokens, or repeat: copy a code passage of about "
+                             "--input-len tokens (drafts help)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],

@@ -1,4 +1,4 @@
-"""Benchmark prompts: ``random``, ``shared-prefix`` and ``sharegpt-synthetic``.
+"""Benchmark prompts: ``random``, ``shared-prefix``, ``sharegpt-synthetic`` and ``repeat``.
 
 Every dataset is seeded and returns ``SampleRequest``s: prompt text, its token ids
 when a tokenizer was given, the prompt length and the number of tokens to generate
@@ -14,6 +14,13 @@ ShareGPT conversations vLLM benchmarks with (long right tail, median well below 
 mean): input median 100 tokens, sigma 1.1 (mean ~180); output median 150, sigma 0.9
 (mean ~225); clipped to [4, 1024] each and to 2,048 together, vLLM's own filter for
 ShareGPT. The text itself is random, as in ``random``.
+
+``repeat`` is a workload where speculative drafts help: each request asks the model to
+copy a passage of synthetic Python (seeded identifiers and numbers in a few function
+shapes), "Repeat the following code exactly: ...", as one user message under the
+tokenizer's chat template. Prompt lookup (n-gram) then finds what the model writes in the
+prompt. The prompt is about the input length, template included (the passage ends at a
+whole line); without a tokenizer, the plain message at about 4 characters per token.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     prompt_token_ids: list[int] | None = None
+    # The request as one user message, for chat endpoints, where ``prompt`` is that
+    # message under the chat template (``repeat``); None: send ``prompt``.
+    chat_message: str | None = None
 
 
 class PromptMaker:
@@ -89,6 +99,84 @@ class PromptMaker:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+
+REPEAT_INSTRUCTION = "Repeat the following code exactly, without any comment:\n\n"
+_WORDS = ("count", "total", "items", "value", "index", "result", "buffer", "score", "limit",
+          "offset", "name", "key", "node", "path", "size", "step", "left", "right", "queue",
+          "table", "price", "weight", "record", "entry", "line", "token", "width", "level",
+          "depth", "cache", "batch", "owner", "label", "range", "delta", "state", "color")
+_FUNCTIONS = (
+    "def {f}({a}, {b}):\n    {c} = []\n    for {i} in range(len({a})):\n"
+    "        if {a}[{i}] % {n} == {m}:\n            {c}.append({a}[{i}] * {b})\n"
+    "    return {c}\n",
+    "def {f}({a}):\n    {c} = {{}}\n    for {i} in {a}:\n        {c}[{i}] = {c}.get({i}, 0) + {n}\n"
+    "    return sorted({c}.items(), key=lambda pair: pair[1])\n",
+    "class {F}:\n    def __init__(self, {a}, {b}={n}):\n        self.{a} = {a}\n"
+    "        self.{b} = {b}\n\n    def {f}(self, {i}):\n"
+    "        return self.{a} * {i} + self.{b} - {m}\n",
+    "def {f}({a}, {b}={n}):\n    {c} = 0\n    while {a} > {b}:\n        {a} //= {m} + 1\n"
+    "        {c} += 1\n    return {c}\n",
+    "def {f}({a}, {b}):\n    if not {a}:\n        return {b}\n"
+    "    {c} = {a}[len({a}) // 2]\n    return [{i} for {i} in {a} if {i} < {c}] + [{c}] * {m}\n",
+)
+
+
+class RepeatPromptMaker:
+    """Prompts asking to copy a passage of synthetic code, ``make(length)`` as PromptMaker."""
+
+    def __init__(self, tokenizer: TokenizerLike | None, rng: np.random.Generator) -> None:
+        self.tokenizer = tokenizer
+        self.rng = rng
+        hf = getattr(tokenizer, "hf", tokenizer)
+        self.template = hf if getattr(hf, "chat_template", None) else None
+
+    def make(self, length: int) -> tuple[str, list[int] | None]:
+        text, ids, _ = self.make_with_message(length)
+        return text, ids
+
+    def make_with_message(self, length: int) -> tuple[str, list[int] | None, str]:
+        """(prompt text, its ids or None, the user message) of about ``length`` tokens:
+        functions until the prompt reaches it, then whole lines cut back to fit."""
+        lines: list[str] = []
+        while self._size(lines) < length:
+            lines += ([""] if lines else []) + self._function().splitlines()
+        while len(lines) > 1 and self._size(lines) > length:
+            lines.pop()
+        message = self._message(lines)
+        text = self._prompt(message)
+        return text, (self._ids(text) if self.tokenizer is not None else None), message
+
+    def _function(self) -> str:
+        words = self.rng.choice(len(_WORDS), size=10)
+        names = [_WORDS[int(words[2 * j])] + "_" + _WORDS[int(words[2 * j + 1])]
+                 for j in range(5)]
+        f, a, b, c, i = names
+        numbers = self.rng.integers(2, 100, size=2)
+        shape = _FUNCTIONS[int(self.rng.integers(len(_FUNCTIONS)))]
+        return shape.format(f=f, F="".join(part.title() for part in f.split("_")), a=a, b=b,
+                            c=c, i=i, n=int(numbers[0]), m=int(numbers[1]))
+
+    @staticmethod
+    def _message(lines: list[str]) -> str:
+        return REPEAT_INSTRUCTION + "\n".join(lines).rstrip() + "\n"
+
+    def _prompt(self, message: str) -> str:
+        if self.template is None:
+            return message
+        return self.template.apply_chat_template([{"role": "user", "content": message}],
+                                                 tokenize=False, add_generation_prompt=True)
+
+    def _ids(self, text: str) -> list[int]:
+        # The template writes any BOS itself.
+        return list(self.tokenizer.encode(text, add_special_tokens=self.template is None))
+
+    def _size(self, lines: list[str]) -> int:
+        """Tokens of the prompt with these passage lines (without a tokenizer, estimated)."""
+        prompt = self._prompt(self._message(lines))
+        if self.tokenizer is None:
+            return -(-len(prompt) // 4)
+        return len(self._ids(prompt))
 
 
 def _lengths(rng: np.random.Generator, count: int, mean_len: int, range_ratio: float) -> np.ndarray:
@@ -170,6 +258,21 @@ def sharegpt_synthetic_requests(num_requests: int, tokenizer: TokenizerLike | No
     return requests
 
 
+def repeat_requests(num_requests: int, input_len: int, output_len: int,
+                    range_ratio: float = 0.0, tokenizer: TokenizerLike | None = None,
+                    seed: int = 0) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    maker = RepeatPromptMaker(tokenizer, rng)
+    input_lens = _lengths(rng, num_requests, input_len, range_ratio)
+    output_lens = _lengths(rng, num_requests, output_len, range_ratio)
+    requests = []
+    for in_len, out_len in zip(input_lens, output_lens):
+        text, ids, message = maker.make_with_message(int(in_len))
+        prompt_len = len(ids) if ids is not None else -(-len(text) // 4)
+        requests.append(SampleRequest(text, prompt_len, int(out_len), ids, chat_message=message))
+    return requests
+
+
 def make_requests(args, tokenizer: TokenizerLike | None) -> list[SampleRequest]:
     """The requests the dataset flags in ``add_dataset_args`` describe."""
     if args.num_prompts < 1:
@@ -181,4 +284,7 @@ def make_requests(args, tokenizer: TokenizerLike | None) -> list[SampleRequest]:
         return shared_prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len,
                                       args.random_output_len, args.num_prefixes, tokenizer,
                                       args.seed)
+    if args.dataset_name == "repeat":
+        return repeat_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, tokenizer, args.seed)
     return sharegpt_synthetic_requests(args.num_prompts, tokenizer, args.seed)

@@ -14,6 +14,10 @@ Per request, all times in seconds from the moment the request was sent:
   ``e2el``, in milliseconds), counted over the whole run's duration.
 
 Percentiles interpolate linearly between samples (``numpy.percentile``'s default).
+
+Speculative decoding, from the engine's counters read before and after the run (drafts:
+request-steps that verified drafts): acceptance rate = accepted / draft tokens;
+acceptance length = 1 + accepted / drafts, the tokens one such step gives a request.
 Nothing here imports torch.
 """
 
@@ -128,6 +132,30 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
     return metrics
 
 
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_metrics(before: Sequence[float], after: Sequence[float]) -> dict[str, float]:
+    """The speculative-decoding figures between two readings of ``SPEC_DECODE_COUNTERS``;
+    empty when no draft was verified in between."""
+    drafts, draft_tokens, accepted = (b - a for a, b in zip(before, after, strict=True))
+    if draft_tokens <= 0:
+        return {}
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / draft_tokens,
+            "spec_decode_acceptance_length": 1 + accepted / drafts}
+
+
+def format_spec_decode(metrics: dict[str, object]) -> str:
+    """One line, or "" without speculative decoding figures."""
+    if "spec_decode_acceptance_rate" not in metrics:
+        return ""
+    return (f"Speculative decoding: {metrics['spec_decode_acceptance_rate']:.1%} of "
+            f"{metrics['spec_decode_num_draft_tokens']:.0f} draft tokens accepted, "
+            f"{metrics['spec_decode_acceptance_length']:.2f} tokens per verifying step")
+
+
 def format_table(metrics: dict[str, object], title: str = "Serving Benchmark Result") -> str:
     """vLLM's result block: counts and throughputs, then mean/median/p99 per latency."""
     lines = [f"{' ' + title + ' ':=^60}"]
@@ -156,5 +184,12 @@ def format_table(metrics: dict[str, object], title: str = "Serving Benchmark Res
             key = f"{stat}_{name}_ms"
             if key in metrics:
                 row(f"{stat_label} {name.upper()} (ms):", metrics[key])
+    if "spec_decode_acceptance_rate" in metrics:
+        lines.append(f"{' Speculative Decoding ':-^60}")
+        row("Acceptance rate (%):", 100 * metrics["spec_decode_acceptance_rate"])
+        row("Acceptance length:", metrics["spec_decode_acceptance_length"])
+        row("Drafts:", int(metrics["spec_decode_num_drafts"]))
+        row("Draft tokens:", int(metrics["spec_decode_num_draft_tokens"]))
+        row("Accepted tokens:", int(metrics["spec_decode_num_accepted_tokens"]))
     lines.append("=" * 60)
     return "\n".join(lines)

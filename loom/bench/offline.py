@@ -11,7 +11,13 @@ given; one engine serves them all, each shape warmed up first), timed step by st
     | prefill steps (until every request has its first token) | decode steps ... |
 
 prefill time = sum of the first region's steps; decode step = median of the rest.
-Each is the median over ``--num-iters`` batches after ``--num-iters-warmup``.
+Each is the median over ``--num-iters`` batches after ``--num-iters-warmup``. With
+speculative decoding a decode step can give a request several tokens: decode tokens/s
+is the mean output tokens of the batch per decode step over the median step.
+``--dataset-name repeat`` times prompts that ask to copy code (drafts help).
+
+Both report the engine's speculative-decoding acceptance over the measured run
+(``metrics.spec_decode_metrics``) when speculation is on.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from loom.bench.datasets import make_requests
+from loom.bench.metrics import format_spec_decode, spec_decode_metrics
 
 
 def _build_llm(args: argparse.Namespace):
@@ -34,6 +41,12 @@ def _build_llm(args: argparse.Namespace):
     started = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     return llm, time.perf_counter() - started
+
+
+def _spec_decode_counters(llm) -> tuple[int, int, int]:
+    stats = llm.engine.engine_core.get_stats()
+    return (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens)
 
 
 def _write(record: dict[str, Any], path: str | None) -> None:
@@ -56,32 +69,38 @@ def throughput_main(args: argparse.Namespace) -> int:
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
                   for r in requests]
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        spec_before = _spec_decode_counters(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         elapsed = time.perf_counter() - start
+        spec = spec_decode_metrics(spec_before, _spec_decode_counters(llm))
     finally:
         llm.shutdown()
     num_input = sum(len(r.prompt_token_ids) for r in requests)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     record = {
         "label": args.label, "model": args.model, "dataset_name": args.dataset_name,
-        "num_prompts": len(requests), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+        "num_prompts": len(requests), "dtype": llm.engine.config.model.dtype,
+        "max_num_seqs": args.max_num_seqs,
         "load_s": load_s, "elapsed_s": elapsed,
         "total_input_tokens": num_input, "total_output_tokens": num_output,
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": num_output / elapsed,
         "total_tokens_per_s": (num_input + num_output) / elapsed,
+        "speculative_config": args.speculative_config, **spec,
     }
     print(f"Throughput: {record['requests_per_s']:.2f} requests/s, "
           f"{record['total_tokens_per_s']:.1f} total tokens/s, "
           f"{record['output_tokens_per_s']:.1f} output tokens/s")
+    if spec:
+        print(format_spec_decode(record))
     _write(record, args.result_file)
     return 0
 
 
 def _time_batch(engine, prompt_ids: list[list[int]], output_len: int,
-                tag: str) -> tuple[float, list[float]]:
-    """(prefill seconds, decode step seconds) of one batch run to completion."""
+                tag: str) -> tuple[float, list[float], int]:
+    """(prefill seconds, decode step seconds, decode tokens) of one batch run to completion."""
     from loom import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
@@ -92,6 +111,7 @@ def _time_batch(engine, prompt_ids: list[list[int]], output_len: int,
         waiting_first.add(request_id)
     prefill_s = 0.0
     decode_steps: list[float] = []
+    decode_tokens = 0
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         outputs = engine.step()
@@ -101,7 +121,8 @@ def _time_batch(engine, prompt_ids: list[list[int]], output_len: int,
             waiting_first.difference_update(o.request_id for o in outputs)
         else:
             decode_steps.append(elapsed)
-    return prefill_s, decode_steps
+            decode_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return prefill_s, decode_steps, decode_tokens
 
 
 def latency_main(args: argparse.Namespace) -> int:
@@ -113,10 +134,12 @@ def latency_main(args: argparse.Namespace) -> int:
     llm, load_s = _build_llm(args)
     records = []
     try:
-        from loom.bench.datasets import PromptMaker
+        from loom.bench.datasets import PromptMaker, RepeatPromptMaker
 
-        maker = PromptMaker(llm.get_tokenizer(), np.random.default_rng(args.seed))
-        # Fresh prompts for every batch, so the prefix cache never shortens a prefill.
+        maker_class = RepeatPromptMaker if args.dataset_name == "repeat" else PromptMaker
+        maker = maker_class(llm.get_tokenizer(), np.random.default_rng(args.seed))
+        # Fresh prompts for every batch, so the prefix cache never shortens a prefill (but
+        # for the chat template and instruction repeat prompts share).
         def batch(size: int) -> list[list[int]]:
             return [maker.make(args.input_len)[1] for _ in range(size)]
 
@@ -124,39 +147,52 @@ def latency_main(args: argparse.Namespace) -> int:
             for size in args.batch_size:  # every shape once, with a short output
                 _time_batch(llm.engine, batch(size), min(8, args.output_len), f"w{warmup}-{size}")
         for size in args.batch_size:
+            spec_before = _spec_decode_counters(llm)
             records.append(_latency_at(llm.engine, size, batch, args))
+            records[-1].update(spec_decode_metrics(spec_before, _spec_decode_counters(llm)))
+            if format_spec_decode(records[-1]):
+                print(f"  {format_spec_decode(records[-1])}", flush=True)
     finally:
         llm.shutdown()
-    record = {"label": args.label, "model": args.model, "dtype": args.dtype,
-              "input_len": args.input_len, "output_len": args.output_len,
-              "num_iters": args.num_iters, "load_s": load_s, "results": records}
+    record = {"label": args.label, "model": args.model, "dtype": llm.engine.config.model.dtype,
+              "dataset_name": args.dataset_name, "input_len": args.input_len,
+              "output_len": args.output_len, "num_iters": args.num_iters,
+              "speculative_config": args.speculative_config, "load_s": load_s,
+              "results": records}
     _write(record, args.result_file)
     return 0
 
 
 def _latency_at(engine, batch_size: int, batch, args: argparse.Namespace) -> dict[str, Any]:
     prefills, steps, e2e = [], [], []
+    decode_tokens = prompt_tokens = 0
     for iteration in range(args.num_iters):
+        prompts = batch(batch_size)
+        prompt_tokens += sum(len(ids) for ids in prompts)
         start = time.perf_counter()
-        prefill_s, decode_steps = _time_batch(engine, batch(batch_size), args.output_len,
-                                              f"b{batch_size}-{iteration}")
+        prefill_s, decode_steps, tokens = _time_batch(engine, prompts, args.output_len,
+                                                      f"b{batch_size}-{iteration}")
         e2e.append(time.perf_counter() - start)
         prefills.append(prefill_s)
         steps.extend(decode_steps)
+        decode_tokens += tokens
     prefill = statistics.median(prefills)
     step = statistics.median(steps) if steps else float("nan")
+    tokens_per_step = decode_tokens / len(steps) if steps else float("nan")
     total = statistics.median(e2e)
     record = {
         "batch_size": batch_size, "median_prefill_s": prefill,
-        "prefill_tokens_per_s": batch_size * args.input_len / prefill,
+        "prefill_tokens_per_s": prompt_tokens / args.num_iters / prefill,
         "median_decode_step_s": step,
         "p90_decode_step_s": float(np.percentile(steps, 90)) if steps else float("nan"),
-        "decode_tokens_per_s": batch_size / step if steps else float("nan"),
+        "decode_tokens_per_step": tokens_per_step,
+        "decode_tokens_per_s": tokens_per_step / step if steps else float("nan"),
         "median_e2e_s": total, "output_tokens_per_s": batch_size * args.output_len / total,
     }
     print(f"Latency (batch {batch_size}, {args.input_len} in, {args.output_len} out): "
           f"prefill {prefill * 1000:.1f} ms ({record['prefill_tokens_per_s']:.0f} tok/s), "
-          f"decode step {step * 1000:.2f} ms ({record['decode_tokens_per_s']:.1f} tok/s), "
+          f"decode step {step * 1000:.2f} ms, {tokens_per_step:.2f} tokens "
+          f"({record['decode_tokens_per_s']:.1f} tok/s), "
           f"end to end {total:.2f} s ({record['output_tokens_per_s']:.1f} output tok/s)",
           flush=True)
     return record

@@ -9,6 +9,10 @@ for a fixed output length: ``max_tokens`` plus ``ignore_eos: true`` (understood 
 vLLM and llama-server). Requests leave on a gamma/Poisson schedule (``arrivals.py``),
 at most ``--max-concurrency`` at a time; the metrics are ``metrics.py``'s.
 
+With speculative decoding, the server's ``/metrics`` counters (loom's and vLLM's
+``vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``), read before and after
+the run, give the acceptance rate and length (``metrics.py``).
+
 Output token counts come from the server's ``usage`` when it reports one, otherwise
 from re-tokenizing the text (with ``--tokenizer``), otherwise from the chunks with text.
 TTFT ends at the first chunk carrying ``choices`` (vLLM's rule, so a chat stream's
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from typing import Any
@@ -31,7 +36,11 @@ from tqdm.auto import tqdm
 
 from loom.bench.arrivals import arrival_times
 from loom.bench.datasets import SampleRequest, TokenizerLike, make_requests, random_requests
-from loom.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
+from loom.bench.metrics import (SPEC_DECODE_COUNTERS, RequestResult, compute_metrics,
+                                format_table, parse_goodput, spec_decode_metrics)
+
+_SAMPLE_LINE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)")  # name{labels} value
+
 
 def load_bench_tokenizer(name: str | None) -> TokenizerLike | None:
     if name is None:
@@ -67,7 +76,8 @@ class OpenAIStreamClient:
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.chat:
-            body["messages"] = [{"role": "user", "content": request.prompt}]
+            body["messages"] = [{"role": "user",
+                                 "content": request.chat_message or request.prompt}]
         else:
             body["prompt"] = request.prompt
         return body
@@ -140,6 +150,27 @@ class OpenAIStreamClient:
         return num_text_chunks
 
 
+async def _spec_decode_counters(client: httpx.AsyncClient,
+                                base_url: str) -> tuple[float, ...] | None:
+    """``SPEC_DECODE_COUNTERS`` from the server's Prometheus ``/metrics`` (summed over
+    labels), or None when it has no such counters."""
+    try:
+        response = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    names = {f"vllm:spec_decode_{name}_total": i for i, name in enumerate(SPEC_DECODE_COUNTERS)}
+    totals = [0.0] * len(names)
+    found = False
+    for line in response.text.splitlines():
+        match = _SAMPLE_LINE.match(line)
+        if match and match.group(1) in names:
+            totals[names[match.group(1)]] += float(match.group(2))
+            found = True
+    return tuple(totals) if found else None
+
+
 async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
     response = await client.get(f"{base_url}/v1/models")
     response.raise_for_status()
@@ -185,6 +216,7 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
             progress.update(1)
             return result
 
+        spec_before = await _spec_decode_counters(client, base_url)
         send_at = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
         start = time.perf_counter()
         tasks = []
@@ -196,6 +228,7 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
+        spec_after = await _spec_decode_counters(client, base_url)
 
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     metrics = compute_metrics(results, duration, parse_goodput(args.goodput), percentiles)
@@ -209,6 +242,8 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
         "ignore_eos": args.ignore_eos, "requests_with_other_output_len": wrong_length,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **metrics,
     }
+    if spec_before is not None and spec_after is not None:
+        record.update(spec_decode_metrics(spec_before, spec_after))
     if args.save_detailed:
         record["input_lens"] = [r.prompt_len for r in results]
         record["output_lens"] = [r.output_len for r in results]

@@ -1,4 +1,5 @@
-"""Benchmark datasets: lengths, seeding, shared prefixes, the ShareGPT-shaped distribution."""
+"""Benchmark datasets: lengths, seeding, shared prefixes, the ShareGPT-shaped distribution,
+copy-the-code prompts."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from loom.bench.datasets import (random_requests, sharegpt_lengths, sharegpt_synthetic_requests,
+from loom.bench.datasets import (REPEAT_INSTRUCTION, random_requests, repeat_requests,
+                                 sharegpt_lengths, sharegpt_synthetic_requests,
                                  shared_prefix_requests)
 
 
@@ -57,3 +59,24 @@ def test_sharegpt_synthetic_shape():
     assert 130 <= np.median(outputs) <= 170 and outputs.mean() > 1.3 * np.median(outputs)
     requests = sharegpt_synthetic_requests(10, seed=0)
     assert [r.output_len for r in requests] == sharegpt_lengths(10, seed=0)[1].tolist()
+
+
+def test_repeat_requests_ask_to_copy_code_under_the_chat_template(tokenizer):
+    requests = repeat_requests(6, input_len=200, output_len=32, tokenizer=tokenizer, seed=3)
+    assert [r.prompt for r in requests] == \
+        [r.prompt for r in repeat_requests(6, 200, 32, tokenizer=tokenizer, seed=3)]
+    assert len({r.chat_message for r in requests}) == 6
+    for r in requests:
+        assert r.chat_message.startswith(REPEAT_INSTRUCTION) and "def " in r.chat_message
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": r.chat_message}],
+                                                 tokenize=False, add_generation_prompt=True)
+        assert r.prompt == rendered
+        assert r.prompt_token_ids == tokenizer.encode(r.prompt, add_special_tokens=False)
+        assert r.prompt_len == len(r.prompt_token_ids)
+        assert 150 <= r.prompt_len <= 200 and r.output_len == 32
+
+
+def test_repeat_requests_without_tokenizer_are_plain_messages():
+    requests = repeat_requests(2, input_len=100, output_len=8, seed=0)
+    assert all(r.prompt == r.chat_message and r.prompt_token_ids is None for r in requests)
+    assert all(r.prompt_len == -(-len(r.prompt) // 4) <= 100 for r in requests)
