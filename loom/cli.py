@@ -66,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--early-stop-config", type=_json_object, default=None,
                        help='early stop as JSON, e.g. \'{"enable_early_stop": true, '
                             '"window_size": 3000, "threshold": 0.99}\'')
+    group.add_argument("--enable-warm-up", action=argparse.BooleanOptionalAction, default=True,
+                       help="dummy decode steps at start-up so that the first step at each "
+                            "batch size is not slower (benchmarks/warm_up.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "device", "chat_template", "structured_outputs_backend",
              "structured_outputs_disable_any_whitespace",
              "structured_outputs_disable_additional_properties", "speculative_config",
-             "early_stop_config")
+             "early_stop_config", "enable_warm_up")
     return {name: getattr(args, name) for name in names}
 
 
