@@ -296,6 +296,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
 // an item's G * tile query rows share each K/V row it loads. Scores and softmax
 // in float32 (two passes over the keys), the output rounded once.
 constexpr int64_t kTile = 16;
+constexpr int64_t kSerialWork = 1 << 13;  // rows x keys below which one thread runs it all
 
 template <typename T>
 void attention_item(T* out, const T* query, const T* cache, const int32_t* blocks,
@@ -531,6 +532,7 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
 
   struct Item { int64_t req, kv_head, j0, j1; };
   std::vector<Item> items;
+  int64_t work = 0;  // query rows x keys over all items
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK(q_len <= lens[b], "request ", b, " has more new tokens than context");
@@ -539,12 +541,16 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t j = 0; j < q_len; j += kTile)
         items.push_back({b, h, j, std::min(j + kTile, q_len)});
+    work += kv_heads * q_len * group * lens[b];
   }
   LOOM_DISPATCH(kv_cache.scalar_type(), "paged_attention", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* qp = query.data_ptr<scalar_t>();
     const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    // A batch-1 decode is a few microseconds of work: waking the pool costs more.
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    const int64_t grain = work < kSerialWork ? std::max<int64_t>(num_items, 1) : 1;
+    at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       std::vector<const c10::BFloat16*> ptrs;
       (void)ptrs;
