@@ -189,3 +189,14 @@ def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
     torch.testing.assert_close(linear(x, weight, bias), expected, atol=0.1, rtol=1e-2)
     monkeypatch.setenv("LOOM_CPU_PACKED_WEIGHTS", "0")
     assert pack_weight(weight) is None
+
+
+def test_cpu_backend_falls_back_where_the_kernels_do_not_apply(ops):
+    """float16 (no native kernel) runs the torch backend's path and gives its result."""
+    from loom.model.attention.cpu_backend import CpuAttentionBackend
+
+    cache, metadata, q, k, v = _paged_case([20, 7], [1, 7], 4, 2, 64, 16, torch.float16)
+    reference_cache = cache.clone()
+    expected = TorchAttentionBackend(4, 2, 64, 0.125).forward(q, k, v, reference_cache, metadata)
+    got = CpuAttentionBackend(4, 2, 64, 0.125).forward(q, k, v, cache, metadata)
+    assert torch.equal(got, expected) and torch.equal(cache, reference_cache)

@@ -5,8 +5,8 @@ go to their slots in one call, and one call runs attention for every request
 (decodes, speculative verification, prefill chunks), reading each context where
 it lies in the block pool. In float32, prefill chunks longer than
 ``MAX_NATIVE_QUERY_LEN`` run one SDPA each, as in the torch backend, whose
-matmuls win there. Without the kernels (no compiler, ``LOOM_NATIVE_KERNELS=0``), on CUDA,
-and in the profiling run before the cache exists, it is the torch backend.
+matmuls win there. Without the kernels (no compiler, ``LOOM_NATIVE_KERNELS=0``), on CUDA, in
+float16, and in the profiling run before the cache exists, it is the torch backend.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
         ops = native_ops()
-        if kv_cache is None or ops is None or query.device.type != "cpu":
+        if kv_cache is None or ops is None or query.device.type != "cpu" \
+                or query.dtype not in MAX_NATIVE_QUERY_LEN:
             return super().forward(query, key, value, kv_cache, metadata)
         ops.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
