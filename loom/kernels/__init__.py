@@ -66,6 +66,16 @@ def native_ops() -> ModuleType | None:
     return _module  # type: ignore[return-value]
 
 
+def native_ops_for(device, dtype) -> ModuleType | None:
+    """The kernels if they apply to tensors on ``device`` in ``dtype`` (the CPU, float32
+    or bfloat16), else None: the one check every caller makes before the native path."""
+    import torch
+
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return native_ops()
+
+
 def _load() -> ModuleType | None:
     if os.environ.get("LOOM_NATIVE_KERNELS", "1") == "0":
         return None

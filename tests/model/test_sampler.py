@@ -347,11 +347,19 @@ def reference_top_k_top_p(logits, top_k, top_p):
     return logits.clone().scatter_(1, sorted_ids, sorted_logits)
 
 
+def apply_top_k_top_p(logits, top_k, top_p):
+    """The logits with -inf on every token top_k/top_p drop, from the sampler's candidates."""
+    from loom.model.layers.sampler import top_k_top_p_candidates
+
+    out = torch.full_like(logits, float("-inf"))
+    for rows, values, ids in top_k_top_p_candidates(logits, top_k, top_p):
+        out[rows] = out[rows].scatter_(1, ids, values)
+    return out
+
+
 def test_candidate_filtering_equals_full_sort_reference():
     """Rows that settle among 256 candidates, among 4,096, and only with all V; ties at
     the k-th largest; -inf entries; limited and unlimited rows in one batch."""
-    from loom.model.layers.sampler import apply_top_k_top_p
-
     vocab = 10_000
     torch.manual_seed(0)
     base = torch.randn(vocab, dtype=torch.float64)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.kernels import native_ops
+from loom.kernels import native_ops_for
 from loom.model.attention.metadata import AttentionMetadata
 from loom.model.attention.torch_backend import TorchAttentionBackend
 
@@ -27,9 +27,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
-        ops = native_ops()
-        if kv_cache is None or ops is None or query.device.type != "cpu" \
-                or query.dtype not in MAX_NATIVE_QUERY_LEN:
+        ops = native_ops_for(query.device, query.dtype)
+        if kv_cache is None or ops is None:
             return super().forward(query, key, value, kv_cache, metadata)
         ops.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import native_ops
+from loom.kernels import native_ops_for
 
 
 class SiluAndMul(nn.Module):
@@ -14,9 +14,8 @@ class SiluAndMul(nn.Module):
     kernel on the CPU, with the same roundings)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            ops = native_ops()
-            if ops is not None:
-                return ops.silu_and_mul(x)
+        ops = native_ops_for(x.device, x.dtype)
+        if ops is not None:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -9,13 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import native_ops
-
-
-def _native(x: torch.Tensor):
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return native_ops()
+from loom.kernels import native_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +30,7 @@ class RMSNorm(nn.Module):
         residual stream and ``(norm(x + residual), x + residual)`` is returned; the
         native path writes them into ``x`` and ``residual``, which must not be views
         of anything the caller still needs."""
-        ops = _native(x)
+        ops = native_ops_for(x.device, x.dtype)
         if ops is not None and self.weight.dtype == x.dtype:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)

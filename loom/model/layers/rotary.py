@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from loom.kernels import native_ops
+from loom.kernels import native_ops, native_ops_for
 
 
 class RopeStep(NamedTuple):
@@ -172,8 +172,7 @@ class RotaryEmbedding(nn.Module):
         """What ``rotate`` needs for one step's ``positions`` (T,), built once per step
         and shared by the layers: the positions for the native kernel (CPU, float32 or
         bfloat16), or cos and sin gathered for the PyTorch path."""
-        if positions.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
-                and native_ops() is not None:
+        if native_ops_for(positions.device, dtype) is not None:
             return RopeStep(positions.long(), None, None)
         return RopeStep(positions, *self.cos_sin(positions, dtype))
 
@@ -184,12 +183,6 @@ class RotaryEmbedding(nn.Module):
             native_ops().rotary_embedding(x, step.positions, self.cos_sin_cache)
             return x
         return self.apply(x, step.cos, step.sin)
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query`` (T, H, D), ``key`` (T, Hkv, D), ``positions`` (T,)."""
-        cos, sin = self.cos_sin(positions, query.dtype)
-        return self.apply(query, cos, sin), self.apply(key, cos, sin)
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:

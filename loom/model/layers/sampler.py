@@ -387,16 +387,6 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
     return groups
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """``logits`` with -inf on every token top_k/top_p drop (see
-    ``top_k_top_p_candidates``); a new tensor."""
-    out = torch.full_like(logits, float("-inf"))
-    for rows, values, ids in top_k_top_p_candidates(logits, top_k, top_p):
-        out[rows] = out[rows].scatter_(1, ids, values)
-    return out
-
-
 def row_uniforms(num_rows: int, generators: dict[int, torch.Generator],
                  device: torch.device | str) -> torch.Tensor:
     """One U[0, 1) draw per row (float64); rows in ``generators`` draw from their own."""
