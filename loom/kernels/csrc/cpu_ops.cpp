@@ -295,6 +295,51 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
 // Work is split into items (request, KV head, tile of up to kTile query tokens);
 // an item's G * tile query rows share each K/V row it loads. Scores and softmax
 // in float32 (two passes over the keys), the output rounded once.
+// Decode attention reads each request's K and V from blocks scattered over the
+// cache, mostly from DRAM: one miss after another they cost 3x the arithmetic. While
+// one item computes, this asks for the next item's K/V rows (into L2) a slice per
+// 16 keys, spread out so the requests overlap the arithmetic instead of stalling it.
+class BlockPrefetcher {
+ public:
+  void reset(const char* cache, const int32_t* blocks, int64_t num_keys, int64_t kv_head,
+             int64_t kv_heads, int64_t num_slots, int64_t block_size, int64_t row_bytes,
+             int64_t steps) {
+    keys_ = cache + kv_head * num_slots * row_bytes;
+    values_ = cache + (kv_heads + kv_head) * num_slots * row_bytes;
+    blocks_ = blocks;
+    block_bytes_ = block_size * row_bytes;
+    num_blocks_ = (num_keys + block_size - 1) / block_size;
+    last_block_bytes_ = (num_keys - (num_blocks_ - 1) * block_size) * row_bytes;
+    const int64_t lines = (num_keys * row_bytes + 63) / 64;
+    per_step_ = (lines + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1);
+    block_ = 0;
+    offset_ = 0;
+    block_end_ = num_blocks_ > 1 ? block_bytes_ : last_block_bytes_;
+  }
+  void clear() { num_blocks_ = 0; block_ = 0; }
+  // The next per_step_ cache lines of K and of V.
+  void step() {
+    for (int64_t n = 0; n < per_step_ && block_ < num_blocks_; ++n) {
+      const int64_t at = static_cast<int64_t>(blocks_[block_]) * block_bytes_ + offset_;
+      __builtin_prefetch(keys_ + at, 0, 3);
+      __builtin_prefetch(values_ + at, 0, 3);
+      offset_ += 64;
+      if (offset_ >= block_end_) {
+        offset_ = 0;
+        ++block_;
+        block_end_ = block_ + 1 < num_blocks_ ? block_bytes_ : last_block_bytes_;
+      }
+    }
+  }
+
+ private:
+  const char* keys_ = nullptr;
+  const char* values_ = nullptr;
+  const int32_t* blocks_ = nullptr;
+  int64_t block_bytes_ = 0, last_block_bytes_ = 0, num_blocks_ = 0, block_end_ = 0;
+  int64_t per_step_ = 0, block_ = 0, offset_ = 0;
+};
+
 constexpr int64_t kTile = 16;
 constexpr int64_t kSerialWork = 1 << 13;  // rows x keys below which one thread runs it all
 
@@ -420,7 +465,8 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
                          int64_t block_size, int64_t group, int64_t kv_head,
                          int64_t first_token, int64_t q_len, int64_t context, int64_t j0,
                          int64_t j1, float scale, std::vector<float>& buf,
-                         std::vector<const c10::BFloat16*>& rows_ptr) {
+                         std::vector<const c10::BFloat16*>& rows_ptr,
+                         BlockPrefetcher& prefetcher) {
   constexpr int64_t head_dim = VC * 16;
   constexpr int R = 16 / VC;  // rows per pass of the V sum
   const int64_t rows = (j1 - j0) * group;
@@ -451,6 +497,7 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t p0 = 0; p0 < key_stride; p0 += 16) {
+    prefetcher.step();
     for (int64_t r = 0; r < rows; ++r) {
       __m512bh qc[VC / 2];
       for (int c = 0; c < VC / 2; ++c)
@@ -549,14 +596,26 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
     const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
     // A batch-1 decode is a few microseconds of work: waking the pool costs more.
     const int64_t num_items = static_cast<int64_t>(items.size());
+    auto q_len_of = [&](const Item& it) -> int64_t { return starts[it.req + 1] - starts[it.req]; };
     const int64_t grain = work < kSerialWork ? std::max<int64_t>(num_items, 1) : 1;
     at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       std::vector<const c10::BFloat16*> ptrs;
       (void)ptrs;
+      BlockPrefetcher prefetcher;
       for (int64_t i = begin; i < end; ++i) {
         const Item& it = items[i];
-        const int64_t q_len = starts[it.req + 1] - starts[it.req];
+        if (i + 1 < end) {
+          const Item& next = items[i + 1];
+          const int64_t next_q_len = starts[next.req + 1] - starts[next.req];
+          prefetcher.reset(reinterpret_cast<const char*>(cache), table + next.req * width,
+                           lens[next.req] - next_q_len + next.j1, next.kv_head, kv_heads,
+                           num_slots, block_size, head_dim * sizeof(scalar_t),
+                           (lens[it.req] - q_len_of(it) + it.j1 + 15) / 16);
+        } else {
+          prefetcher.clear();
+        }
+        const int64_t q_len = q_len_of(it);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (std::is_same_v<scalar_t, c10::BFloat16> &&
             (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
@@ -569,13 +628,13 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
           const int64_t s0 = query.stride(0), s1 = query.stride(1);
           if (head_dim == 32)
             attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs);
+                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
           else if (head_dim == 64)
             attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs);
+                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
           else
             attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs);
+                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
           continue;
         }
 #endif
