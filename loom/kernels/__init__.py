@@ -1,7 +1,8 @@
 """loom's native CPU kernels, compiled on first use.
 
-``native_ops()`` returns the extension module built from ``csrc/cpu_ops.cpp`` (fused
-RMSNorm, SiLU*mul, rotary, KV-cache write, paged attention), or None when it cannot
+``native_ops()`` returns the extension module built from ``csrc/`` (fused RMSNorm,
+SiLU*mul, rotary, KV-cache write, paged attention in ``cpu_ops.cpp``; the bf16 matmul
+of linear layers in ``bf16_gemm.cpp``), or None when it cannot
 be had: ``LOOM_NATIVE_KERNELS=0``, no C++ compiler, or a failed build (logged once).
 Callers keep a PyTorch path for None, which is also what runs on CUDA.
 
@@ -21,7 +22,12 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "bf16_gemm.cpp"]  # cpu_ops.cpp holds the bindings
+# OpenMP: at::parallel_for runs on torch's OpenMP pool only when the extension is
+# built with it (without, every "parallel" loop silently runs on one thread); the
+# extension links the libgomp torch already loaded.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
 _UNSET = object()
 _module: object = _UNSET
 
@@ -30,7 +36,8 @@ def _build_dir() -> Path:
     root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "kernels"
     import torch
 
-    key = hashlib.sha256(_SOURCE.read_bytes()
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()))
+                         + " ".join(_FLAGS).encode()
                          + f"{torch.__version__}{platform.machine()}".encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     return root / key
@@ -86,9 +93,9 @@ def _load() -> ModuleType | None:
 
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(name="loom_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"],
-                    verbose=False)
+        return load(name="loom_cpu_ops", sources=[str(path) for path in _SOURCES],
+                    build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
+                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, build error: fall back to PyTorch ops
         lines = [line for line in str(exc).splitlines() if line.strip()]
         detail = " | ".join(([lines[0]] + [line for line in lines if "error" in line][:3])

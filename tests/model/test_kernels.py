@@ -168,27 +168,61 @@ def test_bad_arguments_raise_not_crash(ops):
                             metadata.seq_lens, metadata.query_start_loc, 0.125, 1 << 30)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 40, 200])
 def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
-    """Every CPU bf16 path of ``linear`` (ATen GEMV, packed oneDNN) gives F.linear's
-    result; packed oneDNN bit for bit."""
+    """Every CPU bf16 path of ``linear`` (loom's bf16_linear, packed oneDNN, ATen GEMV)
+    gives F.linear's result; packed oneDNN bit for bit."""
     import loom.kernels
     from loom.model.layers.linear import linear, pack_weight
 
     torch.manual_seed(rows)
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
-    weight = torch.randn(200, 576, dtype=torch.bfloat16)
+    weight = torch.randn(200, 576, dtype=torch.bfloat16)  # 200: a partial last panel
     bias = torch.randn(200, dtype=torch.bfloat16)
+    expected = F.linear(x, weight, bias)
     packed = pack_weight(weight)
     assert packed is not None
-    expected = F.linear(x, weight, bias)
+    # loom's kernel sums in another order than oneDNN: results differ by bf16 rounding
     torch.testing.assert_close(linear(x, weight, bias, packed), expected, atol=0.1, rtol=1e-2)
-    if rows > 1:  # oneDNN on the packed weight
+    torch.testing.assert_close(linear(x, weight, None, packed), F.linear(x, weight),
+                               atol=0.1, rtol=1e-2)
+    x3 = x.view(1, rows, 576)  # leading dims are flattened and restored
+    assert linear(x3, weight, bias, packed).shape == (1, rows, 200)
+    monkeypatch.setattr(loom.kernels, "_module", None)  # no native kernels: oneDNN's layout
+    packed = pack_weight(weight)
+    assert packed is not None
+    torch.testing.assert_close(linear(x, weight, bias, packed), expected, atol=0.1, rtol=1e-2)
+    if rows > 1:
         assert torch.equal(linear(x, weight, bias, packed), expected)
-    monkeypatch.setattr(loom.kernels, "_module", None)
     torch.testing.assert_close(linear(x, weight, bias), expected, atol=0.1, rtol=1e-2)
     monkeypatch.setenv("LOOM_CPU_PACKED_WEIGHTS", "0")
     assert pack_weight(weight) is None
+
+
+def test_bf16_linear_is_exact_on_exact_inputs(ops):
+    """Small integers multiply and sum exactly in float32: the kernel must give exactly
+    the integer matmul, for row counts around its 6-row blocks and 96-row chunks and
+    output counts around its 64-wide panels."""
+    if not ops.bf16_gemm_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    for rows, n, k in [(1, 64, 2), (5, 65, 576), (6, 127, 64), (13, 960, 34), (97, 200, 1536),
+                       (200, 64, 576)]:
+        x = torch.randint(-4, 5, (rows, k), generator=gen).bfloat16()
+        weight = torch.randint(-4, 5, (n, k), generator=gen).bfloat16()
+        bias = torch.randint(-8, 9, (n,), generator=gen).bfloat16()
+        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+        ops.bf16_linear(out, x, ops.pack_bf16_weight(weight), bias)
+        exact = x.double() @ weight.double().T + bias.double()
+        assert torch.equal(out, exact.bfloat16()), (rows, n, k)
+        out32 = torch.empty((rows, n), dtype=torch.float32)  # an LM head's unrounded logits
+        ops.bf16_linear(out32, x, ops.pack_bf16_weight(weight), bias)
+        assert torch.equal(out32, exact.float()), (rows, n, k)
+    with pytest.raises(RuntimeError, match="even number"):
+        ops.pack_bf16_weight(torch.zeros(8, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.bf16_linear(torch.empty(2, 8, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.bfloat16),
+                        ops.pack_bf16_weight(torch.zeros(8, 4, dtype=torch.bfloat16)), None)
 
 
 def test_cpu_backend_falls_back_where_the_kernels_do_not_apply(ops):

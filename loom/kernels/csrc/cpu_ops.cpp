@@ -7,6 +7,8 @@
 // kernel), so bf16 outputs match the reference ops they replace. Parallel loops use
 // ATen's thread pool (at::parallel_for), the same threads as torch's own ops.
 
+#include "bf16_gemm.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -656,4 +658,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "neox rotary, in place");
   m.def("write_kv_cache", &write_kv_cache, "copy new K/V into their cache slots");
   m.def("paged_attention", &paged_attention, "causal attention over paged K/V");
+  m.def("bf16_gemm_available", &loom::bf16_gemm_available,
+        "whether bf16_linear runs here (AVX512-BF16)");
+  m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout");
+  m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
 }

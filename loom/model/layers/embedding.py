@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
-from loom.model.layers.linear import linear, pack_weight
+from loom.model.layers.linear import PackedWeight, linear, pack_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; each rank computes its vocab range and the
     ranges are gathered so every rank returns the full ``(N, vocab_size)``."""
 
-    packed_weight: torch.Tensor | None = None  # see linear.pack_weight
+    packed_weight: PackedWeight | None = None  # see linear.pack_weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits")
@@ -63,6 +63,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight = pack_weight(self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, packed=self.packed_weight)  # (N, vocab)
+        # (N, vocab); float32 straight from the sums where the CPU kernel allows: bf16
+        # logits tie tokens one bf16 step (0.125 at 25) apart
+        logits = linear(hidden_states, self.weight, packed=self.packed_weight, float_output=True)
         logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

@@ -18,34 +18,71 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.kernels import native_ops_for
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (N, K) reordered once into oneDNN's blocked bf16 layout, or None
-    where that does not apply (not bf16 on the CPU, ``LOOM_CPU_PACKED_WEIGHTS=0``).
+class PackedWeight:
+    """A linear layer's bf16 weight laid out once for a CPU matmul kernel: loom's own
+    (``bf16_linear``, AVX512-BF16) or, on other CPUs, oneDNN's blocked layout."""
 
-    Unpacked, oneDNN re-lays the weights out on every call; packed, a batch-8 step
-    of SmolLM2's layer matmuls runs 40% faster, batch 32 25% (benchmarks/cpu_kernels.py).
-    The cost is a second copy of each packed weight: the plain one stays for the
-    one-row GEMV, the embedding it may be tied to, and checkpoint reloads."""
+    __slots__ = ("data", "out_features", "_ops")
+
+    def __init__(self, data: torch.Tensor, out_features: int, ops=None) -> None:
+        self.data = data
+        self.out_features = out_features
+        self._ops = ops  # the native kernels for loom's layout, None for oneDNN's
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+               float_output: bool = False) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for a 2-d ``x`` whose last dim is contiguous;
+        with ``float_output`` loom's kernel returns its float32 sums unrounded."""
+        if self._ops is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+        out = torch.empty((x.shape[0], self.out_features),
+                          dtype=torch.float32 if float_output else x.dtype)
+        self._ops.bf16_linear(out, x, self.data, bias)
+        return out
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` (N, K) reordered once for a CPU bf16 matmul, or None where that does
+    not apply (not bf16 on the CPU, ``LOOM_CPU_PACKED_WEIGHTS=0``).
+
+    With the native kernels on an AVX512-BF16 CPU: loom's ``bf16_linear`` panels, for
+    every batch size (30 layers of SmolLM2, benchmarks/cpu_kernels.py: 1 row 4.0 ms
+    against ATen's GEMV 5.3, 32 rows 9.1 against packed oneDNN 12.9, 128 rows 28.7
+    against 34.7). Elsewhere oneDNN's blocked layout, which it would otherwise redo
+    on every call (batch 8 40% faster packed). The cost is a second copy of each
+    packed weight: the plain one stays for the embedding it may be tied to, the
+    fallbacks and checkpoint reloads."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
-            or os.environ.get("LOOM_CPU_PACKED_WEIGHTS", "1") == "0" \
-            or not torch.backends.mkldnn.is_available():
+            or os.environ.get("LOOM_CPU_PACKED_WEIGHTS", "1") == "0":
+        return None
+    ops = native_ops_for(weight.device, weight.dtype)
+    if ops is not None and ops.bf16_gemm_available() and weight.shape[1] % 2 == 0:
+        return PackedWeight(ops.pack_bf16_weight(weight.detach()), weight.shape[0], ops)
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32),
+                            weight.shape[0])
     except (RuntimeError, AttributeError):
         return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with CPU bf16 fast paths (benchmarks/cpu_kernels.py, quiet machine, 30
-    layers of SmolLM2): one row goes to ATen's GEMV (5.6 ms against oneDNN's 9.2
-    unpacked, 7.1 packed), more rows to oneDNN with the ``packed`` weight (``pack_weight``;
-    batch 8: 7.7 against 10.4 ms, batch 32: 12.4 against 15.9)."""
+           packed: PackedWeight | None = None, float_output: bool = False) -> torch.Tensor:
+    """``F.linear`` with CPU bf16 fast paths: the ``packed`` weight (``pack_weight``) for
+    any number of rows; without one, a single row goes to ATen's GEMV (5.6 ms for 30
+    layers of SmolLM2 against oneDNN's 9.2 unpacked). ``float_output``: the result may
+    be float32 where the kernel has it unrounded (an LM head's logits)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
+    if packed is not None:
+        if x.dim() == 2 and x.stride(-1) == 1:
+            return packed.matmul(x, bias, float_output)
+        flat = x.reshape(-1, x.shape[-1])
+        return packed.matmul(flat, bias, float_output).view(*x.shape[:-1], packed.out_features)
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
     if rows == 1:
         if not torch._C._get_mkldnn_enabled():
@@ -55,8 +92,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight, bias)
         finally:
             torch._C._set_mkldnn_enabled(True)
-    if packed is not None and x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -91,7 +126,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed_weight: torch.Tensor | None = None  # see pack_weight
+        self.packed_weight: PackedWeight | None = None  # see pack_weight
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:

@@ -1,0 +1,183 @@
+// y = x W^T (+ bias) for bfloat16 x and W on CPUs with AVX512-BF16, float32 sums.
+//
+// A linear layer's weight (N, K) is packed once (pack_bf16_weight) into panels of 64
+// output features: panel p holds, for each pair of input features k = 2i, 2i+1, the
+// 64 features' two weights side by side ((N/64, K/2, 64, 2), zero-padded to whole
+// panels). One vdpbf16ps then multiplies a broadcast pair of x's features into 16
+// outputs, and a panel's weights stream in the order the kernel reads them.
+//
+// The micro-kernel keeps up to 6 rows x 64 outputs of sums in 24 registers. Panels
+// are split across threads; a panel is read from memory once per 96 rows and then
+// from L2. Decode batches (tens of rows) stream the weights once per step, about as
+// fast as memory allows, where oneDNN's kernels reach half the machine's bf16 peak
+// at these shapes (benchmarks/cpu_kernels.py). Sums are rounded to bf16 once
+// (round to nearest even), as torch rounds a bf16 matmul's float32 result, or kept
+// in float32 (an LM head's logits: two tokens one bf16 step apart stay apart).
+
+#include "bf16_gemm.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LOOM_HAVE_BF16_GEMM 1
+#else
+#define LOOM_HAVE_BF16_GEMM 0
+#endif
+
+namespace loom {
+namespace {
+
+constexpr int64_t kPanel = 64;    // output features per panel: 4 vectors of 16
+constexpr int64_t kRowBlock = 6;  // rows per micro-kernel call
+constexpr int64_t kMaxRowChunk = 96;  // rows that share one pass over a panel
+
+#if LOOM_HAVE_BF16_GEMM
+// Rows [0, MR) of x times one panel, over the whole K; writes `cols` (<= 64) outputs.
+// `prefetch` (or null) is the next stretch of weights the thread will read: its
+// `prefetch_lines` cache lines are requested into L2 a few per pair of features.
+template <int MR, typename OutT>
+void micro_kernel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel,
+                  int64_t pairs, const float* bias, OutT* y, int64_t ldy,
+                  int64_t cols, const char* prefetch, int64_t prefetch_lines) {
+  __m512 acc[MR][4];
+  for (int v = 0; v < 4; ++v) {
+    const __m512 init = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) acc[r][v] = init;
+  }
+  const int32_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
+  const auto* w = reinterpret_cast<const __m512i*>(panel);
+  const int64_t per_pair = prefetch ? (prefetch_lines + pairs - 1) / pairs : 0;
+  const char* prefetch_end = prefetch + 64 * prefetch_lines;
+  for (int64_t i = 0; i < pairs; ++i, w += 4) {
+    for (int64_t l = 0; l < per_pair && prefetch < prefetch_end; ++l, prefetch += 64)
+      __builtin_prefetch(prefetch, 0, 2);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 3);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[r][i]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+    }
+  }
+  for (int v = 0; v < 4; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < MR; ++r) {
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, acc[r][v]);
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask,
+                                 (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
+    }
+  }
+}
+
+// All `rows` rows times one panel; while they compute, the panel at `next` (or
+// null) is prefetched, a share per row block.
+template <typename OutT>
+void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
+                      const c10::BFloat16* panel, int64_t pairs, const float* bias,
+                      OutT* y, int64_t ldy, int64_t cols, const c10::BFloat16* next) {
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t panel_lines = pairs * kPanel * 2 * 2 / 64;
+  const int64_t lines = (panel_lines + blocks - 1) / blocks;
+  const char* prefetch = reinterpret_cast<const char*>(next);
+  for (int64_t b = 0, r = 0; b < blocks; ++b, r += kRowBlock) {
+    const c10::BFloat16* xb = x + r * ldx;
+    OutT* yb = y + r * ldy;
+    const char* pf = next ? prefetch + 64 * std::min(b * lines, panel_lines) : nullptr;
+    const int64_t pf_lines = std::max<int64_t>(std::min(lines, panel_lines - b * lines), 0);
+    switch (std::min(kRowBlock, rows - r)) {
+      case 6: micro_kernel<6, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+      case 5: micro_kernel<5, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+      case 4: micro_kernel<4, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+      case 3: micro_kernel<3, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+      case 2: micro_kernel<2, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+      default: micro_kernel<1, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool bf16_gemm_available() { return LOOM_HAVE_BF16_GEMM; }
+
+torch::Tensor pack_bf16_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
+              weight.dim() == 2, "pack_bf16_weight takes a 2-d bfloat16 CPU tensor");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % 2 == 0, "pack_bf16_weight needs an even number of input features, got ", k);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  // (N, K) -> zero-pad N -> (panels, 64, K/2, 2) -> (panels, K/2, 64, 2)
+  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(LOOM_HAVE_BF16_GEMM, "bf16_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+              x.stride(1) == 1, "x must be a 2-d bfloat16 CPU tensor, last dim contiguous");
+  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+              out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "out must be (rows of x, N) bfloat16 or float32, last dim contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2,
+              "packed must come from pack_bf16_weight");
+  const int64_t rows = x.size(0), n = out.size(1), pairs = packed.size(1);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(x.size(1) == 2 * pairs, "x has ", x.size(1), " features, the weight ", 2 * pairs);
+  TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, "out has ", n,
+              " columns, the packed weight ", panels * kPanel);
+  torch::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " entries");
+    bias_f = torch::zeros({panels * kPanel}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(bias->reshape({n}));
+  }
+  if (rows == 0) return;
+#if LOOM_HAVE_BF16_GEMM
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const int64_t ldx = x.stride(0), ldy = out.stride(0);
+  // Equal chunks of whole row blocks, at most kMaxRowChunk rows each.
+  const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
+  const int64_t chunk_rows = ((rows + chunks - 1) / chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
+  auto run = [&](auto* yp) {
+    // Work item (chunk of rows, panel), panels inner: with few rows each thread takes
+    // a contiguous run of panels and reads only its share of the weights.
+    at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t chunk = item / panels, p = item % panels;
+        const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
+        if (nrows <= 0) continue;
+        const int64_t next = item + 1 < end ? (item + 1) % panels : -1;
+        rows_times_panel(xp + r0 * ldx, ldx, nrows, wp + p * pairs * kPanel * 2, pairs,
+                         bp ? bp + p * kPanel : nullptr, yp + r0 * ldy + p * kPanel, ldy,
+                         std::min(kPanel, n - p * kPanel),
+                         next >= 0 ? wp + next * pairs * kPanel * 2 : nullptr);
+      }
+    });
+  };
+  if (out.scalar_type() == at::kFloat)
+    run(out.data_ptr<float>());
+  else
+    run(out.data_ptr<c10::BFloat16>());
+#endif
+}
+
+}  // namespace loom

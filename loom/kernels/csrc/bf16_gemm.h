@@ -1,0 +1,18 @@
+// bfloat16 matmul for linear layers on CPUs with AVX512-BF16 (bf16_gemm.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace loom {
+
+// Whether this build has the kernel (the compiler targeted AVX512-BF16).
+bool bf16_gemm_available();
+
+// weight (N, K) bf16, K even -> the panel layout bf16_linear reads.
+torch::Tensor pack_bf16_weight(torch::Tensor weight);
+
+// out (M, N) = x (M, K) @ weight^T (+ bias), weight given packed; out bf16 or float32.
+void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                 c10::optional<torch::Tensor> bias);
+
+}  // namespace loom
