@@ -437,29 +437,51 @@ inline __m512 load_bf16x16(const c10::BFloat16* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// acc[r] += sum_p w[r][p] * V[p] for R rows at once, accumulators in registers.
+// acc[r] = sum_p w[r][p] * V[p] for R rows at once, accumulators in registers. The
+// weights are bf16 (`probs`, num_keys even, zero past the last key): vdpbf16ps takes
+// keys in pairs, a broadcast pair of weights times V's two rows interleaved by
+// unpack{lo,hi}_epi16. Those interleave within 128-bit lanes, so the sums come out
+// with dims permuted, and are put back in order once at the end.
 template <int VC, int R>
-void weighted_values(float* acc, const float* weights, int64_t weights_stride,
+void weighted_values(float* acc, const uint16_t* probs, int64_t probs_stride,
                      const c10::BFloat16* const* value_rows, int64_t num_keys) {
-  __m512 a[R][VC];
+  constexpr int C = VC / 2;  // 32-dim chunks of a V row
+  __m512 lo[R][C], hi[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < VC; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < num_keys; ++p) {
-    __m512 v[VC];
-    for (int c = 0; c < VC; ++c) v[c] = load_bf16x16(value_rows[p] + 16 * c);
+    for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_keys; p += 2) {
+    __m512bh vlo[C], vhi[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(value_rows[p] + 32 * c);
+      const __m512i b = _mm512_loadu_si512(value_rows[p + 1] + 32 * c);
+      vlo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      vhi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
     for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(weights[r * weights_stride + p]);
-      for (int c = 0; c < VC; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+      int32_t pair;
+      std::memcpy(&pair, probs + r * probs_stride + p, sizeof(pair));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) {
+        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, vlo[c]);
+        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, vhi[c]);
+      }
     }
   }
+  // lane i of lo holds dim 8(i/4) + i%4 of its chunk, of hi dim 8(i/4) + 4 + i%4
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < VC; ++c) _mm512_storeu_ps(acc + r * VC * 16 + 16 * c, a[r][c]);
+    for (int c = 0; c < C; ++c) {
+      float* a = acc + r * VC * 16 + 32 * c;
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], first, hi[r][c]));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], second, hi[r][c]));
+    }
 }
 
 // The bf16 item with AVX512-BF16: q.k with vdpbf16ps (bf16 pairs, float32 sums, as
 // a bf16 matmul accumulates; 16 keys reduced together), probabilities rounded to
-// bf16 before weighting V (as Hugging Face's eager attention casts them), V widened
-// to float32 and summed in registers. head_dim is 32, 64 or 128.
+// bf16 (as Hugging Face's eager attention casts them) and multiplied into V with
+// vdpbf16ps too, float32 sums in registers. head_dim is 32, 64 or 128.
 template <int VC>  // head_dim / 16
 void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
                          const c10::BFloat16* cache, const int32_t* blocks, int64_t q_stride0,
@@ -476,10 +498,12 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
   const int64_t past = context - q_len;
   const int64_t num_keys = past + j1;
   const int64_t key_stride = (num_keys + 15) / 16 * 16;
-  buf.resize(padded_rows * head_dim + padded_rows * key_stride + rows * head_dim / 2 + 16);
+  buf.resize(padded_rows * head_dim + padded_rows * key_stride + rows * head_dim / 2 +
+             padded_rows * key_stride / 2 + 16);
   float* acc = buf.data();                                     // (padded_rows, D)
   float* scores = acc + padded_rows * head_dim;                // (padded_rows, key_stride)
   auto* q = reinterpret_cast<c10::BFloat16*>(scores + padded_rows * key_stride);  // (rows, D)
+  auto* probs = reinterpret_cast<uint16_t*>(q + rows * head_dim);  // (padded_rows, key_stride)
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(q + r * head_dim,
                 query + (first_token + j0 + r / group) * q_stride0 +
@@ -531,14 +555,15 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
       s[p] = e;
     }
     const float inv = 1.f / sum;
+    uint16_t* pr = probs + r * key_stride;
 #pragma omp simd
     for (int64_t p = 0; p < key_stride; ++p)  // softmax rounded to bf16, as .to(bf16)
-      s[p] = round_to<c10::BFloat16>(s[p] * inv);
+      pr[p] = from_float<c10::BFloat16>(s[p] * inv).x;
   }
-  std::fill(scores + rows * key_stride, scores + padded_rows * key_stride, 0.f);
+  std::fill(probs + rows * key_stride, probs + padded_rows * key_stride, uint16_t{0});
   for (int64_t r = 0; r < padded_rows; r += R)
-    weighted_values<VC, R>(acc + r * head_dim, scores + r * key_stride, key_stride, value_rows,
-                           num_keys);
+    weighted_values<VC, R>(acc + r * head_dim, probs + r * key_stride, key_stride, value_rows,
+                           (num_keys + 1) / 2 * 2);
   const int64_t heads = kv_heads * group;
   for (int64_t r = 0; r < rows; ++r) {
     c10::BFloat16* o = out + ((first_token + j0 + r / group) * heads + kv_head * group + r % group) * head_dim;
