@@ -7,7 +7,29 @@ allocator's counters.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import psutil
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed heap memory mapped for reuse; False where not glibc.
+
+    A step allocates and frees the same activations every time. glibc's defaults
+    move its mmap threshold with the sizes it sees and give the heap's free top back
+    to the kernel past a trim threshold, so the next step's allocations page-fault
+    again (about 2,500 faults, 10 MB of fresh pages, per step of 256 mixed requests).
+    Fixed at the largest mmap threshold (32 MiB) and a 1 GiB trim threshold, freed
+    memory is reused; the process's resident set stays at its high-water mark.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 def process_rss() -> int:

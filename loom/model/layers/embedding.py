@@ -63,8 +63,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight = pack_weight(self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # (N, vocab); float32 straight from the sums where the CPU kernel allows: bf16
-        # logits tie tokens one bf16 step (0.125 at 25) apart
-        logits = linear(hidden_states, self.weight, packed=self.packed_weight, float_output=True)
+        # (N, vocab); float32 straight from the sums where the CPU kernel allows (bf16
+        # logits tie tokens one bf16 step, 0.125 at 25, apart), in a buffer kept from
+        # step to step (layers/scratch.py): valid until this head's next call
+        logits = linear(hidden_states, self.weight, packed=self.packed_weight,
+                        float_output=True, out_owner=self)
         logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

@@ -19,6 +19,7 @@ from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.kernels import native_ops_for
+from loom.model.layers.scratch import scratch
 
 
 class PackedWeight:
@@ -33,13 +34,16 @@ class PackedWeight:
         self._ops = ops  # the native kernels for loom's layout, None for oneDNN's
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
-               float_output: bool = False) -> torch.Tensor:
+               float_output: bool = False, out_owner: object = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for a 2-d ``x`` whose last dim is contiguous;
-        with ``float_output`` loom's kernel returns its float32 sums unrounded."""
+        with ``float_output`` loom's kernel returns its float32 sums unrounded, into
+        ``out_owner``'s scratch buffer if given (``scratch``)."""
         if self._ops is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
-        out = torch.empty((x.shape[0], self.out_features),
-                          dtype=torch.float32 if float_output else x.dtype)
+        shape = (x.shape[0], self.out_features)
+        dtype = torch.float32 if float_output else x.dtype
+        out = (torch.empty(shape, dtype=dtype) if out_owner is None
+               else scratch(out_owner, shape, dtype, x.device))
         self._ops.bf16_linear(out, x, self.data, bias)
         return out
 
@@ -71,18 +75,21 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PackedWeight | None = None, float_output: bool = False) -> torch.Tensor:
+           packed: PackedWeight | None = None, float_output: bool = False,
+           out_owner: object = None) -> torch.Tensor:
     """``F.linear`` with CPU bf16 fast paths: the ``packed`` weight (``pack_weight``) for
     any number of rows; without one, a single row goes to ATen's GEMV (5.6 ms for 30
     layers of SmolLM2 against oneDNN's 9.2 unpacked). ``float_output``: the result may
-    be float32 where the kernel has it unrounded (an LM head's logits)."""
+    be float32 where the kernel has it unrounded (an LM head's logits); ``out_owner``:
+    the result may live in that owner's scratch buffer, valid until its next call."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if packed is not None:
         if x.dim() == 2 and x.stride(-1) == 1:
-            return packed.matmul(x, bias, float_output)
+            return packed.matmul(x, bias, float_output, out_owner)
         flat = x.reshape(-1, x.shape[-1])
-        return packed.matmul(flat, bias, float_output).view(*x.shape[:-1], packed.out_features)
+        return packed.matmul(flat, bias, float_output, out_owner).view(
+            *x.shape[:-1], packed.out_features)
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
     if rows == 1:
         if not torch._C._get_mkldnn_enabled():

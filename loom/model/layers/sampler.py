@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loom.model.layers.scratch import scratch
 from loom.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5  # temperature below this is greedy (as in vLLM)
@@ -239,7 +240,11 @@ class Sampler(nn.Module):
         then min_p, top_k and top_p, softmaxed. (B, V), a new tensor."""
         logits = Sampler._scaled(logits, metadata)
         if metadata.no_top_k and metadata.no_top_p:
-            return torch.softmax(logits, dim=-1)
+            # into a buffer kept across steps: a fresh (256, 49152) tensor page-faults
+            # for 15 ms (layers/scratch.py); the caller owns the result until then
+            return torch.softmax(logits, dim=-1,
+                                 out=scratch("sampling_probs", logits.shape, logits.dtype,
+                                             logits.device))
         probs = torch.zeros_like(logits)
         for rows, values, ids in top_k_top_p_candidates(logits, *Sampler._filters(metadata)):
             probs[rows] = probs[rows].scatter_(1, ids, torch.softmax(values, dim=-1))
@@ -247,7 +252,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _scaled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        logits = logits / metadata.temperature.unsqueeze(1)  # a new tensor from here on
+        # a new tensor from here on (a scratch buffer: see sampling_probs)
+        logits = torch.div(logits, metadata.temperature.unsqueeze(1),
+                           out=scratch("scaled_logits", logits.shape, logits.dtype,
+                                       logits.device))
         if not metadata.no_min_p:
             logits = apply_min_p(logits, metadata.min_p)
         return logits
