@@ -109,6 +109,35 @@ def test_bfloat16_runs_close(checkpoints, kernels):
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch):
+    """bf16 on the CPU: the decoder layers in one native call (NativeLayers) give the
+    modules' forward bit for bit, through prefill chunks, mixed steps and decodes;
+    Qwen3 (q/k norm) keeps the modules."""
+    from loom.kernels import native_ops
+
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("no native bf16 kernels on this CPU")
+    path = checkpoints[family]
+    config = load_hf_config(path)
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        model = load_model(path, config, dtype=torch.bfloat16)
+        original = PagedDriver.__init__
+
+        def bf16_driver(self, model, *args, **kwargs):
+            original(self, model, *args, **{**kwargs, "dtype": torch.bfloat16})
+
+        monkeypatch.setattr(PagedDriver, "__init__", bf16_driver)
+        results[setting] = run_scenario(model, config.vocab_size)
+        monkeypatch.setattr(PagedDriver, "__init__", original)
+        assert bool(model.model._native_plan) == (setting == "1" and family != "qwen3")
+    for (_, python, _), (_, native, _) in zip(results["0"], results["1"]):
+        assert torch.equal(python, native)
+
+
 def test_registry_and_sizes(checkpoints):
     config = load_hf_config(checkpoints["qwen2"])
     assert get_model_architecture(config) == "Qwen2ForCausalLM"

@@ -684,6 +684,65 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
   });
 }
 
+// ---------------------------------------------------------------- decoder layers
+
+// A Llama-style model's decoder layers over one step, in C++ so that the ~25 small
+// tensor ops per layer cost no Python (about 1.5 ms of a 9 ms batch-1 step). The same
+// kernels, on the same tensors, in the same order as the modules' forward on the CPU
+// (LlamaDecoderLayer with the `cpu` attention backend), so the results are identical.
+// Per layer `weights` holds 10 tensors: input norm weight, qkv packed, qkv bias, o
+// packed, o bias, post-attention norm weight, gate_up packed, gate_up bias, down
+// packed, down bias (an empty tensor for no bias); every matmul is loom's bf16_linear.
+// Returns (hidden, residual) after the last layer, for the final norm.
+std::vector<torch::Tensor> decoder_layers(
+    torch::Tensor hidden, const std::vector<torch::Tensor>& weights,
+    const std::vector<torch::Tensor>& kv_caches, torch::Tensor positions,
+    torch::Tensor cos_sin_cache, torch::Tensor slot_mapping, torch::Tensor block_table,
+    torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,
+    double eps) {
+  constexpr size_t kPerLayer = 10;
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(weights.size() == layers * kPerLayer, "decoder_layers: ", kPerLayer,
+              " weights per layer expected");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be (T, H), contiguous");
+  const int64_t tokens = hidden.size(0), width = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  auto bias = [](const torch::Tensor& b) {
+    return b.numel() ? c10::optional<torch::Tensor>(b) : c10::optional<torch::Tensor>();
+  };
+  auto linear = [&](const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& b,
+                    int64_t out_features) {
+    auto out = torch::empty({tokens, out_features}, x.options());
+    loom::bf16_linear(out, x, packed, bias(b));
+    return out;
+  };
+  torch::Tensor residual = hidden;
+  torch::Tensor x;
+  for (size_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * kPerLayer;
+    if (l == 0)
+      x = rms_norm(hidden, w[0], eps);
+    else
+      fused_add_rms_norm(x, residual, w[0], eps);
+    auto qkv = linear(x, w[1], w[2], q_size + 2 * kv_size);
+    auto qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
+    rotary_embedding(qk, positions, cos_sin_cache);
+    auto q = qk.narrow(1, 0, num_heads);
+    auto k = qk.narrow(1, num_heads, num_kv_heads);
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    write_kv_cache(k, v, kv_caches[l], slot_mapping);
+    auto attn = torch::empty({tokens, num_heads, head_dim}, x.options());
+    paged_attention(attn, q, kv_caches[l], block_table, seq_lens, query_start_loc, scale,
+                    std::numeric_limits<int64_t>::max());
+    auto o = linear(attn.view({tokens, q_size}), w[3], w[4], width);
+    fused_add_rms_norm(o, residual, w[5], eps);
+    auto act = silu_and_mul(linear(o, w[6], w[7], 2 * intermediate_size));
+    x = linear(act, w[8], w[9], width);
+  }
+  return {x, residual};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -698,4 +757,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout");
   m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("decoder_layers", &decoder_layers, "a Llama-style model's decoder layers, one step");
 }

@@ -33,6 +33,11 @@ class PackedWeight:
         self.out_features = out_features
         self._ops = ops  # the native kernels for loom's layout, None for oneDNN's
 
+    @property
+    def is_loom_kernel(self) -> bool:
+        """Packed for loom's ``bf16_linear`` (else for oneDNN)."""
+        return self._ops is not None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                float_output: bool = False, out_owner: object = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for a 2-d ``x`` whose last dim is contiguous;
