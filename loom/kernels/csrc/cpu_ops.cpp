@@ -631,54 +631,77 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* qp = query.data_ptr<scalar_t>();
     const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
-    // A batch-1 decode is a few microseconds of work: waking the pool costs more.
     const int64_t num_items = static_cast<int64_t>(items.size());
     auto q_len_of = [&](const Item& it) -> int64_t { return starts[it.req + 1] - starts[it.req]; };
-    const int64_t grain = work < kSerialWork ? std::max<int64_t>(num_items, 1) : 1;
-    at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
-      std::vector<const c10::BFloat16*> ptrs;
-      (void)ptrs;
-      BlockPrefetcher prefetcher;
-      for (int64_t i = begin; i < end; ++i) {
+    // Each thread takes a contiguous run of items of about equal work (query rows x
+    // keys, plus a fixed cost per item): a prefill tile costs ~16x a decode item, and
+    // equal counts left one thread waiting at the barrier in mixed steps. A batch-1
+    // decode is a few microseconds of work: waking the pool costs more.
+    const int64_t threads =
+        work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
+    std::vector<int64_t> bounds(threads + 1, num_items);
+    bounds[0] = 0;
+    if (threads > 1) {
+      std::vector<int64_t> cost(num_items);
+      int64_t total = 0;
+      for (int64_t i = 0; i < num_items; ++i) {
         const Item& it = items[i];
-        if (i + 1 < end) {
-          const Item& next = items[i + 1];
-          const int64_t next_q_len = starts[next.req + 1] - starts[next.req];
-          prefetcher.reset(reinterpret_cast<const char*>(cache), table + next.req * width,
-                           lens[next.req] - next_q_len + next.j1, next.kv_head, kv_heads,
-                           num_slots, block_size, head_dim * sizeof(scalar_t),
-                           (lens[it.req] - q_len_of(it) + it.j1 + 15) / 16);
-        } else {
-          prefetcher.clear();
+        cost[i] = (it.j1 - it.j0) * group * (lens[it.req] - q_len_of(it) + it.j1) + 64 * group;
+        total += cost[i];
+      }
+      int64_t t = 1, sum = 0;
+      for (int64_t i = 0; i < num_items && t < threads; ++i) {
+        sum += cost[i];
+        while (t < threads && sum * threads >= total * t) bounds[t++] = i + 1;
+      }
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+      for (int64_t thread = first_thread; thread < last_thread; ++thread) {
+        const int64_t begin = bounds[thread], end = bounds[thread + 1];
+        std::vector<float> buf;
+        std::vector<const c10::BFloat16*> ptrs;
+        (void)ptrs;
+        BlockPrefetcher prefetcher;
+        for (int64_t i = begin; i < end; ++i) {
+          const Item& it = items[i];
+          if (i + 1 < end) {
+            const Item& next = items[i + 1];
+            const int64_t next_q_len = starts[next.req + 1] - starts[next.req];
+            prefetcher.reset(reinterpret_cast<const char*>(cache), table + next.req * width,
+                             lens[next.req] - next_q_len + next.j1, next.kv_head, kv_heads,
+                             num_slots, block_size, head_dim * sizeof(scalar_t),
+                             (lens[it.req] - q_len_of(it) + it.j1 + 15) / 16);
+          } else {
+            prefetcher.clear();
+          }
+          const int64_t q_len = q_len_of(it);
+  #if defined(__AVX512F__) && defined(__AVX512BF16__)
+          if (std::is_same_v<scalar_t, c10::BFloat16> &&
+              (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+            using bf16 = c10::BFloat16;
+            auto* o = reinterpret_cast<bf16*>(op);
+            auto* q = reinterpret_cast<const bf16*>(qp);
+            auto* kv = reinterpret_cast<const bf16*>(cache);
+            const int32_t* blocks = table + it.req * width;
+            const float sc = static_cast<float>(scale);
+            const int64_t s0 = query.stride(0), s1 = query.stride(1);
+            if (head_dim == 32)
+              attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+            else if (head_dim == 64)
+              attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+            else
+              attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+            continue;
+          }
+  #endif
+          attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
+                         kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
+                         starts[it.req], q_len, lens[it.req], it.j0, it.j1,
+                         static_cast<float>(scale), buf);
         }
-        const int64_t q_len = q_len_of(it);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        if (std::is_same_v<scalar_t, c10::BFloat16> &&
-            (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
-          using bf16 = c10::BFloat16;
-          auto* o = reinterpret_cast<bf16*>(op);
-          auto* q = reinterpret_cast<const bf16*>(qp);
-          auto* kv = reinterpret_cast<const bf16*>(cache);
-          const int32_t* blocks = table + it.req * width;
-          const float sc = static_cast<float>(scale);
-          const int64_t s0 = query.stride(0), s1 = query.stride(1);
-          if (head_dim == 32)
-            attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
-          else if (head_dim == 64)
-            attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
-          else
-            attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                   it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
-          continue;
-        }
-#endif
-        attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
-                       kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
-                       starts[it.req], q_len, lens[it.req], it.j0, it.j1,
-                       static_cast<float>(scale), buf);
       }
     });
   });

@@ -63,6 +63,7 @@ class SamplingMetadata:
     all_random: bool
     no_top_p: bool  # flags over the random rows only
     no_top_k: bool
+    no_temperature: bool  # every temperature is 1.0: nothing to divide by
     no_min_p: bool
     no_penalties: bool
     no_repetition_penalty: bool
@@ -177,6 +178,7 @@ class SamplingMetadata:
             all_greedy=all(is_greedy),
             all_random=not any(is_greedy),
             no_top_p=all(p.top_p >= 1.0 for p in random_params),
+            no_temperature=all(p.temperature == 1.0 for p in random_params),
             no_top_k=all(p.top_k <= 0 or p.top_k >= vocab_size for p in random_params),
             no_min_p=all(p.min_p <= 0.0 for p in random_params),
             no_penalties=no_penalties,
@@ -252,7 +254,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _scaled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        # a new tensor from here on (a scratch buffer: see sampling_probs)
+        """Logits / temperature, then min_p: a new tensor (a scratch buffer, see
+        sampling_probs), or ``logits`` itself when both are no-ops (x / 1.0 == x)."""
+        if metadata.no_temperature and metadata.no_min_p:
+            return logits
         logits = torch.div(logits, metadata.temperature.unsqueeze(1),
                            out=scratch("scaled_logits", logits.shape, logits.dtype,
                                        logits.device))
