@@ -3,8 +3,8 @@
 Three tables, each A/B interleaved in one process (min and median of --iters runs):
 
 1. weight matmuls of SmolLM2-135M's 30 layers (212 MB of bf16 weights, more than the
-   L3, so weights stream from memory as in a real step) at 1-64 rows: F.linear,
-   ATen GEMV (one row), oneDNN on pre-packed weights;
+   L3, so weights stream from memory as in a real step) at 1-256 rows: F.linear,
+   ATen GEMV (one row), oneDNN on pre-packed weights, loom's bf16_linear (AVX512-BF16);
 2. paged attention: loom's kernel against the torch backend (gather + matmuls, or
    SDPA for prefill) for decode batches, a prefill and a long chunk;
 3. a whole model step (profile_step.PagedBatch) with the native kernels on and off.
@@ -52,17 +52,22 @@ def fmt(times: list[float]) -> str:
 
 def matmul_table(iters: int) -> None:
     torch.manual_seed(0)
+    ops = loom.kernels.native_ops()
+    mine = ops is not None and ops.bf16_gemm_available()
     layers = [[torch.randn(n, k, dtype=torch.bfloat16) for n, k in SHAPES] for _ in range(30)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
+    panels = [[ops.pack_bf16_weight(w) for w in layer] for layer in layers] if mine else None
     nbytes = sum(w.numel() * 2 for layer in layers for w in layer)
     print(f"\n## 30 layers' weight matmuls ({nbytes / 1e6:.0f} MB bf16), ms min / median")
-    print("| rows | F.linear | ATen GEMV | oneDNN packed |")
-    print("|---|---|---|---|")
+    print("| rows | F.linear | ATen GEMV | oneDNN packed | loom bf16_linear |")
+    print("|---|---|---|---|---|")
 
     def run(kind: str, x: dict[int, torch.Tensor]):
+        outs = {n: torch.empty(x[576].shape[0], n, dtype=torch.bfloat16) for n, _ in SHAPES}
+
         def step():
-            for layer, layer_packed in zip(layers, packed):
-                for w, p in zip(layer, layer_packed):
+            for i, (layer, layer_packed) in enumerate(zip(layers, packed)):
+                for j, (w, p) in enumerate(zip(layer, layer_packed)):
                     xi = x[w.shape[1]]
                     if kind == "plain":
                         F.linear(xi, w)
@@ -70,19 +75,22 @@ def matmul_table(iters: int) -> None:
                         torch._C._set_mkldnn_enabled(False)
                         F.linear(xi, w)
                         torch._C._set_mkldnn_enabled(True)
+                    elif kind == "loom":
+                        ops.bf16_linear(outs[w.shape[0]], xi, panels[i][j])
                     else:
                         torch.ops.mkldnn._linear_pointwise(xi, p, None, "none", [], "")
         return step
 
-    for rows in (1, 2, 3, 4, 8, 32, 64):
+    for rows in (1, 2, 4, 8, 32, 64, 128, 256):
         x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
-        kinds = ["plain", "packed"] + (["gemv"] if rows == 1 else [])
+        kinds = ["plain", "packed"] + (["gemv"] if rows == 1 else []) + (["loom"] if mine else [])
         results = {kind: [] for kind in kinds}
         for _ in range(iters):  # interleaved
             for kind in kinds:
                 results[kind] += timed(run(kind, x), 1)
         cell = {k: fmt(v) for k, v in results.items()}
-        print(f"| {rows} | {cell['plain']} | {cell.get('gemv', '–')} | {cell['packed']} |")
+        print(f"| {rows} | {cell['plain']} | {cell.get('gemv', '–')} | {cell['packed']} | "
+              f"{cell.get('loom', '–')} |")
 
 
 def attention_table(iters: int) -> None:

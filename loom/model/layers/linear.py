@@ -58,9 +58,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     not apply (not bf16 on the CPU, ``LOOM_CPU_PACKED_WEIGHTS=0``).
 
     With the native kernels on an AVX512-BF16 CPU: loom's ``bf16_linear`` panels, for
-    every batch size (30 layers of SmolLM2, benchmarks/cpu_kernels.py: 1 row 4.0 ms
-    against ATen's GEMV 5.3, 32 rows 9.1 against packed oneDNN 12.9, 128 rows 28.7
-    against 34.7). Elsewhere oneDNN's blocked layout, which it would otherwise redo
+    every batch size (30 layers of SmolLM2, benchmarks/cpu_kernels.py: 1 row 5.2 ms
+    against ATen's GEMV 5.4, 32 rows 9.1 against packed oneDNN 13.1, 128 rows 28.8
+    against 34.2). Elsewhere oneDNN's blocked layout, which it would otherwise redo
     on every call (batch 8 40% faster packed). The cost is a second copy of each
     packed weight: the plain one stays for the embedding it may be tied to, the
     fallbacks and checkpoint reloads."""
