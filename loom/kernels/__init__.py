@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "bf16_gemm.cpp"]  # cpu_ops.cpp holds the bindings
+_HEADERS = [_CSRC / "bf16_gemm.h"]
 # OpenMP: at::parallel_for runs on torch's OpenMP pool only when the extension is
 # built with it (without, every "parallel" loop silently runs on one thread); the
 # extension links the libgomp torch already loaded.
@@ -36,7 +37,7 @@ def _build_dir() -> Path:
     root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "kernels"
     import torch
 
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()))
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
                          + " ".join(_FLAGS).encode()
                          + f"{torch.__version__}{platform.machine()}".encode()
                          + _cpu_flags().encode()).hexdigest()[:16]

@@ -24,6 +24,7 @@ from loom.core.outputs import (ModelRunnerOutput, NewRequestData, SampleLogprobs
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from loom.model.layers.scratch import reserve
 from loom.model.loader import kv_cache_bytes_per_block, load_hf_config, load_model
 from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
@@ -143,6 +144,13 @@ class ModelRunner:
                 scheduled_new_reqs=new_reqs, scheduled_cached_reqs=[],
                 num_scheduled_tokens={r.req_id: n for r, n in zip(new_reqs, lengths)},
                 total_num_scheduled_tokens=num_tokens, finished_req_ids=[]))
+            # The sampler's persistent workspaces at their largest (the step above took
+            # the top-p/top-k path, which does not use them), counted in the peak; made
+            # in inference mode, as the steps that use them run.
+            with torch.inference_mode():
+                for name in ("scaled_logits", "sampling_probs"):
+                    reserve(name, (scheduler.max_num_seqs, self.vocab_size), torch.float32,
+                            self.device)
         finally:
             self.requests.clear()
             self.initialize_kv_cache(0)

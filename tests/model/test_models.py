@@ -138,6 +138,23 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
         assert torch.equal(python, native)
 
 
+def test_native_layer_stack_leaves_row_parallel_biases_to_the_modules(tmp_path):
+    """A Llama with attention/MLP biases: o_proj and down_proj add theirs after the bf16
+    rounding, which bf16_linear would not reproduce, so the modules run (no plan)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from .checkpoints import _COMMON
+
+    config = LlamaConfig(**_COMMON, vocab_size=256, attention_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), load_hf_config(str(tmp_path)), dtype=torch.bfloat16)
+    driver = PagedDriver(model, dtype=torch.bfloat16)
+    logits = driver.step([(0, list(range(5, 12)), 7)])
+    assert torch.isfinite(logits).all()
+    assert model.model._native_plan is False
+
+
 def test_registry_and_sizes(checkpoints):
     config = load_hf_config(checkpoints["qwen2"])
     assert get_model_architecture(config) == "Qwen2ForCausalLM"

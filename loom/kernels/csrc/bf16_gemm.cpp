@@ -8,9 +8,11 @@
 //
 // The micro-kernel keeps up to 6 rows x 64 outputs of sums in 24 registers. Panels
 // are split across threads; a panel is read from memory once per 96 rows and then
-// from L2. Decode batches (tens of rows) stream the weights once per step, about as
-// fast as memory allows, where oneDNN's kernels reach half the machine's bf16 peak
-// at these shapes (benchmarks/cpu_kernels.py). Sums are rounded to bf16 once
+// from L2 while it fits there (128 B per input feature: 72 KB at K = 576, 512 KB at
+// K = 4096; wider layers stream it again per 6-row block, no blocking over K yet).
+// Decode batches (tens of rows) stream the weights once per step, about as fast as
+// memory allows, where oneDNN's kernels reach half the machine's bf16 peak at these
+// shapes (benchmarks/cpu_kernels.py). Sums are rounded to bf16 once
 // (round to nearest even), as torch rounds a bf16 matmul's float32 result, or kept
 // in float32 (an LM head's logits: two tokens one bf16 step apart stay apart).
 
@@ -53,7 +55,7 @@ void micro_kernel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* pane
   for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
   const auto* w = reinterpret_cast<const __m512i*>(panel);
   const int64_t per_pair = prefetch ? (prefetch_lines + pairs - 1) / pairs : 0;
-  const char* prefetch_end = prefetch + 64 * prefetch_lines;
+  const char* prefetch_end = prefetch ? prefetch + 64 * prefetch_lines : nullptr;
   for (int64_t i = 0; i < pairs; ++i, w += 4) {
     for (int64_t l = 0; l < per_pair && prefetch < prefetch_end; ++l, prefetch += 64)
       __builtin_prefetch(prefetch, 0, 2);
@@ -97,7 +99,8 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
     const c10::BFloat16* xb = x + r * ldx;
     OutT* yb = y + r * ldy;
     const char* pf = next ? prefetch + 64 * std::min(b * lines, panel_lines) : nullptr;
-    const int64_t pf_lines = std::max<int64_t>(std::min(lines, panel_lines - b * lines), 0);
+    const int64_t pf_lines =
+        next ? std::max<int64_t>(std::min(lines, panel_lines - b * lines), 0) : 0;
     switch (std::min(kRowBlock, rows - r)) {
       case 6: micro_kernel<6, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
       case 5: micro_kernel<5, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;

@@ -239,11 +239,13 @@ class Sampler(nn.Module):
     @staticmethod
     def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """The distribution random rows sample from: processed logits / temperature,
-        then min_p, top_k and top_p, softmaxed. (B, V), a new tensor."""
+        then min_p, top_k and top_p, softmaxed. (B, V), not ``logits``: a new tensor,
+        or the process's "sampling_probs" scratch buffer (layers/scratch.py), valid
+        until the next ``sampling_probs`` call."""
         logits = Sampler._scaled(logits, metadata)
         if metadata.no_top_k and metadata.no_top_p:
             # into a buffer kept across steps: a fresh (256, 49152) tensor page-faults
-            # for 15 ms (layers/scratch.py); the caller owns the result until then
+            # for 15 ms (layers/scratch.py)
             return torch.softmax(logits, dim=-1,
                                  out=scratch("sampling_probs", logits.shape, logits.dtype,
                                              logits.device))
@@ -254,7 +256,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _scaled(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Logits / temperature, then min_p: a new tensor (a scratch buffer, see
+        """Logits / temperature, then min_p: the "scaled_logits" scratch buffer (see
         sampling_probs), or ``logits`` itself when both are no-ops (x / 1.0 == x)."""
         if metadata.no_temperature and metadata.no_min_p:
             return logits

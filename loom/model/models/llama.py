@@ -122,9 +122,10 @@ class NativeLayers(NamedTuple):
     one call: the modules' own weights (packed for loom's bf16 matmul), KV caches and
     sizes. The native stack runs the same kernels in the same order as the modules'
     forward, so results are identical; it saves the Python around ~25 small ops per
-    layer (batch-1 decode step 8.4 -> 7.0 ms on SmolLM2, benchmarks/profile_step.py).
-    It applies on the CPU in bfloat16 with loom's matmul (AVX512-BF16), one rank, the
-    ``cpu`` attention backend, no q/k norm; ``LOOM_NATIVE_LAYERS=0`` turns it off."""
+    layer (SmolLM2 decode step at context 192, benchmarks/profile_step.py: batch 1
+    8.9 -> 7.8 ms, batch 32 19.3 -> 17.8 ms). It applies on the CPU in bfloat16 with
+    loom's matmul (AVX512-BF16), one rank, the ``cpu`` attention backend, no q/k norm,
+    no o_proj/down_proj bias; ``LOOM_NATIVE_LAYERS=0`` turns it off."""
 
     ops: Any
     weights: list[torch.Tensor]
@@ -151,6 +152,9 @@ class NativeLayers(NamedTuple):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if (not isinstance(attn.attn.impl, CpuAttentionBackend)
                     or attn.attn.kv_cache is None
+                    # a row-parallel bias is added after the bf16 rounding (after the
+                    # all-reduce); bf16_linear would add it before: not bit for bit
+                    or attn.o_proj.bias is not None or mlp.down_proj.bias is not None
                     or any(not lin.tp_group.is_single or lin.packed_weight is None
                            or not lin.packed_weight.is_loom_kernel for lin in linears)
                     or any(norm.eps != eps or norm.weight.dtype != hidden_states.dtype
@@ -193,8 +197,10 @@ class LlamaModel(nn.Module):
 
     def _plan_native_layers(self, hidden_states: torch.Tensor) -> NativeLayers | bool:
         """The native layer stack's inputs, or False where it does not apply; kept
-        until ``invalidate_native_layers``. Not kept while no KV cache is bound (the
-        memory profiler's run), so that the first real step plans again."""
+        until ``invalidate_native_layers`` (a re-pack, or ``bind_kv_cache``: the memory
+        profiler's throwaway cache is replaced before the first real step). Not kept
+        while a layer has no KV cache (a forward without one), so a later step plans
+        again."""
         plan = NativeLayers.build(self, hidden_states)
         if plan or all(layer.self_attn.attn.kv_cache is not None for layer in self.layers):
             self._native_plan = plan
