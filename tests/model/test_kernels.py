@@ -7,6 +7,7 @@ native path is what serves."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -234,3 +235,34 @@ def test_cpu_backend_falls_back_where_the_kernels_do_not_apply(ops):
     expected = TorchAttentionBackend(4, 2, 64, 0.125).forward(q, k, v, reference_cache, metadata)
     got = CpuAttentionBackend(4, 2, 64, 0.125).forward(q, k, v, cache, metadata)
     assert torch.equal(got, expected) and torch.equal(cache, reference_cache)
+
+
+def test_kernels_release_the_gil(ops):
+    """A long kernel call lets other Python threads run (the worker's heartbeat thread
+    must keep writing through a step that is one native call): a thread ticking every
+    millisecond ticks many times during one ~70 ms call; holding the GIL, at most once
+    or twice at its edges."""
+    import threading
+
+    if not ops.bf16_gemm_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    packed = ops.pack_bf16_weight(torch.randn(8192, 4096).bfloat16())
+    x = torch.randn(1024, 4096).bfloat16()
+    out = torch.empty(1024, 8192, dtype=torch.bfloat16)
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    ops.bf16_linear(out, x, packed)
+    end = time.perf_counter()
+    done.set()
+    thread.join()
+    assert sum(start < t < end for t in ticks) >= 5, (end - start, len(ticks))
