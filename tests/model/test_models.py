@@ -112,8 +112,8 @@ def test_bfloat16_runs_close(checkpoints, kernels):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch):
     """bf16 on the CPU: the decoder layers in one native call (NativeLayers) give the
-    modules' forward bit for bit, through prefill chunks, mixed steps and decodes;
-    Qwen3 (q/k norm) keeps the modules."""
+    modules' forward bit for bit, through prefill chunks, mixed steps and decodes, for
+    every family (Qwen2's qkv bias, Qwen3's q/k norm, tied embeddings, llama3 rope)."""
     from loom.kernels import native_ops
 
     ops = native_ops()
@@ -133,7 +133,7 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
         monkeypatch.setattr(PagedDriver, "__init__", bf16_driver)
         results[setting] = run_scenario(model, config.vocab_size)
         monkeypatch.setattr(PagedDriver, "__init__", original)
-        assert bool(model.model._native_plan) == (setting == "1" and family != "qwen3")
+        assert bool(model.model._native_plan) == (setting == "1")
     for (_, python, _), (_, native, _) in zip(results["0"], results["1"]):
         assert torch.equal(python, native)
 

@@ -767,9 +767,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
 // tensor ops per layer cost no Python (about 1.1 ms of an 8.9 ms batch-1 step). The same
 // kernels, on the same tensors, in the same order as the modules' forward on the CPU
 // (LlamaDecoderLayer with the `cpu` attention backend), so the results are identical.
-// Per layer `weights` holds 10 tensors: input norm weight, qkv packed, qkv bias, o
+// Per layer `weights` holds 12 tensors: input norm weight, qkv packed, qkv bias, o
 // packed, o bias, post-attention norm weight, gate_up packed, gate_up bias, down
-// packed, down bias (an empty tensor for no bias); every matmul is loom's bf16_linear.
+// packed, down bias, q norm weight, k norm weight (an empty tensor for no bias / no
+// per-head q/k norm, as Qwen3 has); every matmul is loom's bf16_linear.
 // Returns (hidden, residual) after the last layer, for the final norm.
 std::vector<torch::Tensor> decoder_layers(
     torch::Tensor hidden, const std::vector<torch::Tensor>& weights,
@@ -778,7 +779,7 @@ std::vector<torch::Tensor> decoder_layers(
     torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,
     double eps) {
-  constexpr size_t kPerLayer = 10;
+  constexpr size_t kPerLayer = 12;
   const size_t layers = kv_caches.size();
   TORCH_CHECK(weights.size() == layers * kPerLayer, "decoder_layers: ", kPerLayer,
               " weights per layer expected");
@@ -803,10 +804,20 @@ std::vector<torch::Tensor> decoder_layers(
     else
       fused_add_rms_norm(x, residual, w[0], eps);
     auto qkv = linear(x, w[1], w[2], q_size + 2 * kv_size);
-    auto qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
-    rotary_embedding(qk, positions, cos_sin_cache);
-    auto q = qk.narrow(1, 0, num_heads);
-    auto k = qk.narrow(1, num_heads, num_kv_heads);
+    torch::Tensor q, k;
+    if (w[10].numel()) {  // per-head RMSNorm on q and k (new tensors), then rope on each
+      q = rms_norm(qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), w[10], eps);
+      k = rms_norm(qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}), w[11],
+                   eps);
+      rotary_embedding(q, positions, cos_sin_cache);
+      rotary_embedding(k, positions, cos_sin_cache);
+    } else {  // q and k adjacent in qkv: rope on both in one pass, in place
+      auto qk = qkv.narrow(1, 0, q_size + kv_size)
+                    .view({tokens, num_heads + num_kv_heads, head_dim});
+      rotary_embedding(qk, positions, cos_sin_cache);
+      q = qk.narrow(1, 0, num_heads);
+      k = qk.narrow(1, num_heads, num_kv_heads);
+    }
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     write_kv_cache(k, v, kv_caches[l], slot_mapping);
     auto attn = torch::empty({tokens, num_heads, head_dim}, x.options());

@@ -124,8 +124,8 @@ class NativeLayers(NamedTuple):
     forward, so results are identical; it saves the Python around ~25 small ops per
     layer (SmolLM2 decode step at context 192, benchmarks/profile_step.py: batch 1
     8.9 -> 7.8 ms, batch 32 19.3 -> 17.8 ms). It applies on the CPU in bfloat16 with
-    loom's matmul (AVX512-BF16), one rank, the ``cpu`` attention backend, no q/k norm,
-    no o_proj/down_proj bias; ``LOOM_NATIVE_LAYERS=0`` turns it off."""
+    loom's matmul (AVX512-BF16), one rank, the ``cpu`` attention backend, no
+    o_proj/down_proj bias; ``LOOM_NATIVE_LAYERS=0`` turns it off."""
 
     ops: Any
     weights: list[torch.Tensor]
@@ -137,7 +137,7 @@ class NativeLayers(NamedTuple):
     @staticmethod
     def build(model: LlamaModel, hidden_states: torch.Tensor) -> NativeLayers | bool:
         ops = native_ops_for(hidden_states.device, hidden_states.dtype)
-        if (ops is None or hidden_states.dtype != torch.bfloat16 or model.qk_norm
+        if (ops is None or hidden_states.dtype != torch.bfloat16
                 or os.environ.get("LOOM_NATIVE_LAYERS", "1") == "0"
                 or not ops.bf16_gemm_available()):
             return False
@@ -149,7 +149,8 @@ class NativeLayers(NamedTuple):
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm) + (
+                (attn.q_norm, attn.k_norm) if attn.qk_norm else ())
             if (not isinstance(attn.attn.impl, CpuAttentionBackend)
                     or attn.attn.kv_cache is None
                     # a row-parallel bias is added after the bf16 rounding (after the
@@ -167,6 +168,8 @@ class NativeLayers(NamedTuple):
                 for lin in lins:
                     weights += [lin.packed_weight.data,
                                 none if lin.bias is None else lin.bias]
+            weights += ([attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm
+                        else [none, none])
         attn = first.self_attn
         return NativeLayers(ops, weights, kv_caches,
                             (attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -185,7 +188,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, tp_group, biases, qk_norm, self.rotary_emb)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.qk_norm = qk_norm
         self._native_plan: NativeLayers | bool | None = None  # None: not planned yet
 
     def invalidate_native_layers(self) -> None:
