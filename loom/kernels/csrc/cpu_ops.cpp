@@ -490,11 +490,6 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-inline __m512 load_bf16x16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // acc[r] = sum_p w[r][p] * V[p] for R rows at once, accumulators in registers. The
 // weights are bf16 (`probs`, num_keys even, zero past the last key): vdpbf16ps takes
 // keys in pairs, a broadcast pair of weights times V's two rows interleaved by
@@ -636,9 +631,6 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
     for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<c10::BFloat16>(a[d]);
   }
 }
-constexpr bool kHaveBf16Kernel = true;
-#else
-constexpr bool kHaveBf16Kernel = false;
 #endif
 
 // Requests with more than max_query_len new tokens are skipped (their rows of out
