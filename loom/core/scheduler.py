@@ -4,7 +4,8 @@ There is no prefill phase and no decode phase. Each request has
 ``num_computed_tokens`` and ``num_tokens``; a step spends a token budget
 (``max_num_batched_tokens``) closing that gap, running requests first (oldest
 first), then waiting ones while fewer than ``max_num_seqs`` run. That one rule gives
-continuous batching, chunked prefill (a long prompt takes what the budget leaves),
+continuous batching, chunked prefill (a long prompt takes what the budget leaves;
+with ``enable_chunked_prefill`` off it waits, first in line, until it fits whole),
 prefix caching (a new request's computed tokens start at its cached length) and
 decode (a gap of one token). When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed, and it goes back to the front of the
@@ -156,6 +157,9 @@ class Scheduler:
                 continue
             computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            if (not self.config.enable_chunked_prefill
+                    and num_new_tokens < request.num_tokens - num_hit_tokens):
+                break  # chunked prefill off: the whole prompt next step, or later
             new_blocks = self._allocate(request, num_new_tokens, computed_blocks, num_hit_tokens)
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
