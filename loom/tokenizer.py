@@ -70,7 +70,7 @@ class Tokenizer:
             raise ValueError(f"model {self.name} has no chat template; pass --chat-template "
                              "with a Jinja template or a file holding one")
         return self.hf.apply_chat_template(
-            [_flatten_content(message) for message in messages], tools=tools,
+            [template_message(message) for message in messages], tools=tools,
             add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -83,19 +83,65 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """Join OpenAI text parts ([{"type": "text", "text": ...}, ...]) into one string, as vLLM does."""
-    content = message.get("content")
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """One OpenAI chat message as chat templates expect it, as vLLM renders it.
+
+    - content: null or missing -> "" (an assistant turn that only calls tools sends null);
+      a list of text parts ([{"type": "text", "text": ...}, ...]) -> the texts joined by "\n".
+    - tool_calls: each call's ``function.arguments``, a JSON string from the client, -> the
+      object it encodes (templates write ``arguments | tojson`` or iterate its items);
+      missing, empty or not a JSON object -> {}, since failing here would fail every later
+      turn of that conversation. An empty list is dropped.
+    - everything else (role, name, tool_call_id, ...) passes through.
+
+    The caller's message is not modified.
+    """
+    rendered = {**message, "content": _content_text(message.get("content"))}
+    tool_calls = message.get("tool_calls")
+    if tool_calls is None or tool_calls == []:
+        rendered.pop("tool_calls", None)
+        return rendered
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"tool_calls must be a list of calls, not {type(tool_calls).__name__}")
+    rendered["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
+    return rendered
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
-        return message
+        raise ValueError(f"message content must be a string or a list of text parts, "
+                         f"not {type(content).__name__}")
     texts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"message content part of type {kind!r} is not supported; "
                              "only text parts ({'type': 'text', 'text': ...}) are")
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return "\n".join(texts)
+
+
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise ValueError("each of an assistant message's tool_calls must be "
+                         '{"type": "function", "function": {"name": ..., "arguments": ...}}')
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            logger.warning("tool call %r has arguments that are not JSON (%d chars); "
+                           "rendering them as {}", function.get("name"), len(arguments))
+            arguments = None
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None,

@@ -107,11 +107,30 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    # A JSON string from OpenAI's clients; the chat template gets the object it encodes.
+    arguments: str | dict[str, Any] | None = None
+
+
+class AssistantToolCall(OpenAIModel):
+    """A call in an earlier assistant turn, sent back by the client with the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
+    """A turn of the conversation. Content may be null or missing (an assistant turn that
+    only calls tools); other fields a template may read pass through."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # role "assistant"
+    tool_call_id: str | None = None  # role "tool": the call this turn answers
 
 
 class FunctionDefinition(OpenAIModel):

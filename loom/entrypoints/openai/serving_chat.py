@@ -7,7 +7,6 @@ finish_reason.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import jinja2
 from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import AsyncLLM, RequestStream
-from loom.entrypoints.openai.protocol import ChatCompletionRequest
+from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from loom.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, SSEResponse, bad_request,
                                                     check_model, engine_error, finite, input_error,
                                                     merge_generators, new_id, now_s, parse_body,
@@ -31,6 +30,7 @@ from loom.entrypoints.openai.structured_outputs import (check_tool_choice,
 from loom.entrypoints.openai.tool_parsers import get_tool_parser
 from loom.input_processor import InvalidInputError
 from loom.outputs import CompletionOutput, Logprob
+from loom.tokenizer import Tokenizer
 
 
 class OpenAIServingChat:
@@ -96,17 +96,11 @@ class OpenAIServingChat:
         return self.reasoning_parser
 
     def _render(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [_template_message(message.model_dump(exclude_none=True))
-                    for message in request.messages]
-        tools = ([tool.model_dump(exclude_none=True) for tool in request.tools]
-                 if request.tools else None)
-        try:
-            token_ids = self.engine.tokenizer.apply_chat_template(
-                messages, request.add_generation_prompt, tools=tools,
-                **(request.chat_template_kwargs or {}))
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as error:
-            raise bad_request(f"the chat template failed on these messages: {error}",
-                              param="messages") from None
+        text = render_chat_prompt(self.engine.tokenizer, request.messages, request.tools,
+                                  request.add_generation_prompt,
+                                  request.chat_template_kwargs or {})
+        # The template writes any BOS token itself.
+        token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         try:
             self.engine.input_processor.validate_prompt(token_ids, param="messages")
         except InvalidInputError as error:
@@ -179,16 +173,20 @@ class OpenAIServingChat:
         yield SSE_DONE
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Tool-call arguments as objects, as chat templates (Qwen, Hermes) expect them."""
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass
-    return message
+def render_chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
+                       tools: list[ChatTool] | None, add_generation_prompt: bool,
+                       template_kwargs: dict[str, Any]) -> str:
+    """The prompt text of chat messages (also what /tokenize counts); a 400 when the
+    template fails on them."""
+    try:
+        return tokenizer.render_chat_template(
+            [message.model_dump(exclude_none=True) for message in messages],
+            add_generation_prompt,
+            tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
+            **template_kwargs)
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as error:
+        raise bad_request(f"the chat template failed on these messages: {error}",
+                          param="messages") from None
 
 
 def _raise_if_error(seq: CompletionOutput) -> None:
