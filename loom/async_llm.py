@@ -10,12 +10,20 @@ freeing its KV blocks.
 
 When the core process dies or reports a failed step, every request in flight gets an
 ``EngineDeadError`` and the ``on_dead`` callbacks run (the server answers 503 and exits).
+
+A watchdog judges the core's progress, not its liveness: while requests are in
+flight, a message from the core must arrive within ``core_step_bound_s`` (it sends
+one after every step). Past that the core is hung: its stacks go to the log
+(SIGUSR1, faulthandler), it is killed, and everything fails as if it had died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +35,11 @@ import zmq.asyncio
 from loom.config import EngineConfig
 from loom.core.engine_core_proc import (AbortRequests, EngineCoreFailed, EngineCoreMessage,
                                         EngineCoreOutputs, EngineCoreProcess, EngineCoreReady,
-                                        EngineCoreRequest, FinishRequests, Shutdown)
+                                        EngineCoreRequest, FinishRequests, Shutdown,
+                                        core_step_bound_s)
 from loom.executor.base import EngineDeadError
 from loom.input_processor import InputProcessor
+from loom.ipc.debris import remove_debris
 from loom.metrics import ServerMetrics
 from loom.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
@@ -37,6 +47,8 @@ from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+_STACK_DUMP_WAIT_S = 0.5  # for the hung core's faulthandler to write its stacks
 
 
 class QueueFullError(RuntimeError):
@@ -113,6 +125,10 @@ class AsyncLLM:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
         self._output_task: asyncio.Task | None = None
+        self._watchdog_task: asyncio.Task | None = None
+        # Progress: when the core last sent anything, and since when requests wait.
+        self._last_core_message = time.monotonic()
+        self._busy_since = time.monotonic()
         self._shutting_down = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -142,6 +158,7 @@ class AsyncLLM:
                                    f"{self._core.exitcode} while loading the model")
         asyncio.get_running_loop().add_reader(self._core.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._handle_outputs(), name="loom-outputs")
+        self._watchdog_task = asyncio.create_task(self._watch_core(), name="loom-watchdog")
         return message.num_blocks
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -151,8 +168,9 @@ class AsyncLLM:
         self._shutting_down = True
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._core.sentinel)
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
         if self._core.is_alive():
             self._send(Shutdown())
         await loop.run_in_executor(None, self._core.join, timeout)
@@ -193,6 +211,8 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._requests[request_id] = _TrackedRequest(queue, params.n)
         self._num_sequences += params.n
+        if self._idle.is_set():
+            self._busy_since = time.monotonic()
         self._idle.clear()
         now = time.time()
         for index, engine_request_id in enumerate(engine_request_ids):
@@ -243,6 +263,7 @@ class AsyncLLM:
         try:
             while True:
                 message = self._decoder.decode(await self._output_socket.recv())
+                self._last_core_message = time.monotonic()
                 if isinstance(message, EngineCoreFailed):
                     self._fail(message.message)
                     return
@@ -270,6 +291,35 @@ class AsyncLLM:
             tracked.queue.put_nowait(output)
             if output.finished:
                 self._untrack(output.request_id)
+
+    async def _watch_core(self) -> None:
+        bound = core_step_bound_s(self.config)
+        while self.dead_error is None:
+            await asyncio.sleep(min(1.0, bound / 4))
+            if not self._requests:
+                continue
+            silent = time.monotonic() - max(self._last_core_message, self._busy_since)
+            if silent > bound:
+                await self._core_hung(
+                    f"the engine core is hung: {len(self._requests)} request(s) in flight and "
+                    f"no step finished for {silent:.1f}s (bound {bound:.1f}s: "
+                    f"--watchdog-timeout {self.config.parallel.watchdog_timeout_s:g}s + 20 ms "
+                    f"a token of --max-num-batched-tokens "
+                    f"{self.config.scheduler.max_num_batched_tokens} + "
+                    "5s); its stacks are in the log above")
+                return
+
+    async def _core_hung(self, message: str) -> None:
+        logger.error("%s; dumping the engine core's stacks (pid %s)", message, self._core.pid)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._core.sentinel)
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(self._core.pid, signal.SIGUSR1)
+        await asyncio.sleep(_STACK_DUMP_WAIT_S)
+        self._core.kill()
+        # The core's workers die with it (PR_SET_PDEATHSIG); what it owned is debris now.
+        await loop.run_in_executor(None, remove_debris)
+        self._fail(message)
 
     def _on_core_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._core.sentinel)

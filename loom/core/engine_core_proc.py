@@ -12,17 +12,25 @@ that its parent lives). Every iteration that did anything sends one
 gauges follow aborts too. An exception in a step is fatal: the core sends
 ``EngineCoreFailed`` and exits non-zero; the API side fails every request.
 
+The API process judges the core's progress (``AsyncLLM``): with requests in flight,
+one ``EngineCoreOutputs`` must arrive within ``core_step_bound_s``, else the core is
+hung. SIGUSR1 makes the core write every thread's stack to stderr first. Test hook,
+read once at the process's entry: ``LOOM_TEST_STALL_ENGINE_AT_STEP=N`` blocks the
+core's loop forever before its N-th step.
+
 Nothing here imports torch; the executor (and with it torch) is built in the child.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 
@@ -32,12 +40,23 @@ import zmq
 from loom.config import EngineConfig
 from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import SchedulerStats
+from loom.ipc.debris import die_with_parent
 from loom.request import Request, RequestStatus
 from loom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_CHECK_INTERVAL_S = 1.0
+# What the API process adds to a step's bound for the core's own work and for the
+# core to notice a hung worker, kill it and report (MultiProcExecutor._hang).
+CORE_WATCHDOG_MARGIN_S = 5.0
+
+
+def core_step_bound_s(config: EngineConfig) -> float:
+    """The longest the engine core may go without finishing a step while requests wait:
+    the bound of the largest step the scheduler may make, plus the margin."""
+    return (config.parallel.step_bound_s(config.scheduler.max_num_batched_tokens)
+            + CORE_WATCHDOG_MARGIN_S)
 
 
 # ----------------------------------------------------------------- API server -> core
@@ -95,7 +114,10 @@ EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
 class EngineCoreProc:
     """Runs ``EngineCore`` in this process, fed and read over the two sockets."""
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str,
+                 stall_at_step: int | None = None) -> None:
+        self.stall_at_step = stall_at_step
+        self.num_steps = 0
         self.context = zmq.Context()
         self.output_socket = self.context.socket(zmq.PUSH)
         self.output_socket.connect(output_address)
@@ -115,6 +137,11 @@ class EngineCoreProc:
             self._process_inputs()
             if self.should_shutdown:
                 break
+            self.num_steps += 1
+            if self.num_steps == self.stall_at_step:
+                logger.warning("engine core: stalling before step %d "
+                               "(LOOM_TEST_STALL_ENGINE_AT_STEP)", self.num_steps)
+                threading.Event().wait()
             outputs = self.engine_core.step()
             self._send(EngineCoreOutputs(outputs, self.engine_core.get_stats(), time.time()))
 
@@ -183,11 +210,13 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     # signal sent to the whole process group must not kill the core under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the API process asks for stacks
+    stall_at_step = int(os.environ.get("LOOM_TEST_STALL_ENGINE_AT_STEP", "0")) or None
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     proc = None
     try:
-        proc = EngineCoreProc(config, input_address, output_address)
+        proc = EngineCoreProc(config, input_address, output_address, stall_at_step)
         proc.run()
     except BaseException as error:  # noqa: BLE001 — reported to the API side, then exit 1
         message = f"engine core failed: {type(error).__name__}: {error}"
@@ -212,17 +241,6 @@ def _report_failure(input_address: str, output_address: str, message: str,
         pass
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the API server dies, however it dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the idle loop's parent check ends the core
-
-
 # ----------------------------------------------------------------- the parent side
 
 class EngineCoreProcess:
@@ -230,7 +248,7 @@ class EngineCoreProcess:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._socket_dir = tempfile.mkdtemp(prefix="loom-engine-")
+        self._socket_dir = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-engine-")  # ipc.debris
         self.input_address = f"ipc://{self._socket_dir}/input"
         self.output_address = f"ipc://{self._socket_dir}/output"
         self.process: multiprocessing.process.BaseProcess | None = None
@@ -247,11 +265,21 @@ class EngineCoreProcess:
         return self.process.sentinel
 
     @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
     def exitcode(self) -> int | None:
         return self.process.exitcode
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def kill(self) -> None:
+        """SIGKILL, then reap; for a core that no longer makes progress."""
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
 
     def join(self, timeout: float) -> None:
         """Wait for the process to exit (after Shutdown was sent); kill it at the timeout."""

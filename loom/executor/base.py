@@ -22,6 +22,11 @@ class WorkerDiedError(EngineDeadError):
         self.exitcode = exitcode
 
 
+class WorkerHungError(WorkerDiedError):
+    """A worker process lives but makes no progress: a step past its time bound, or an
+    idle event loop that stopped running."""
+
+
 class Executor(abc.ABC):
     """Contract: ``initialize()`` brings every rank to ready and returns the number of
     KV blocks all of them can hold (the minimum over ranks); ``execute_model`` runs one

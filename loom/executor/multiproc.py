@@ -3,9 +3,23 @@
 Start-up: create the signals and the task queue (names and addresses carry this
 instance's id), spawn the ranks, wait for ``ready`` on every rank while checking
 that each process lives. A step: broadcast, wait for rank 0's result, and every
-``HEALTH_CHECK_INTERVAL_S`` check that every process lives and beats. Any failure
-raises ``WorkerDiedError`` naming the rank, stops the other ranks, and every later
-call fails fast with the same error.
+``HEALTH_CHECK_INTERVAL_S`` check that every process lives and makes progress.
+
+Progress, not liveness, is what counts (``check_health``):
+
+    a step in flight longer than its bound      ParallelConfig.step_bound_s(tokens)
+    an idle rank whose event loop is silent     worker_health_timeout_s, counted from
+                                                its last beat or the last step's end
+
+Either is a hang: the stuck ranks' stacks go to the log (faulthandler, SIGUSR1),
+every rank is killed and ``WorkerHungError`` is raised. A rank that exits or
+raises gives ``WorkerDiedError`` naming it. After any failure every later call
+fails fast with the same error.
+
+Every message from the ranks goes through ``_receive``: a status lands in the
+signals, a failure raises, and a step result is kept for the step that waits for
+it, whoever happened to read it (a health check may). A result nobody waits for is
+an ``UnexpectedMessageError``, never dropped.
 
 Whatever happens (an error, a GC'd engine, interpreter exit, SIGTERM) the workers
 are stopped and every shared-memory segment and socket file is removed.
@@ -13,6 +27,7 @@ are stopped and every shared-memory segment and socket file is removed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -23,17 +38,20 @@ import time
 import weakref
 
 from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, cap_num_blocks,
-                                check_num_blocks)
+from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, WorkerHungError,
+                                cap_num_blocks, check_num_blocks)
+from loom.ipc.debris import remove_debris
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import (ExecuteModel, RemoteStatus, Shutdown, StepResult, TaskQueue,
-                                 TaskQueueAddresses, WorkerFailure, new_instance_id)
+                                 TaskQueueAddresses, UnexpectedMessageError, WorkerFailure,
+                                 new_instance_id)
 from loom.worker.worker_process import WorkerSpec, run_worker_proc
 
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_INTERVAL_S = 0.2
 SHUTDOWN_GRACE_S = 5.0
+STACK_DUMP_WAIT_S = 0.5  # for a hung rank's faulthandler to write its stacks
 
 
 class _Resources:
@@ -44,13 +62,13 @@ class _Resources:
         self.queue: TaskQueue | None = None
         self.signals: WorkerSignals | None = None
 
-    def release(self) -> None:
+    def release(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         if self.queue is not None:
             try:
                 self.queue.broadcast(Shutdown())
             except Exception:
                 pass
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        deadline = time.monotonic() + grace_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes:
@@ -72,6 +90,14 @@ class MultiProcExecutor(Executor):
         self._dead: EngineDeadError | None = None
         self._step = 0
         self._last_health_check = 0.0
+        # The step the ranks are running, when it was sent, its bound, and rank 0's
+        # result for it once some receive has read it.
+        self._step_in_flight: int | None = None
+        self._step_sent = 0.0
+        self._step_bound_s = 0.0
+        self._step_tokens = 0
+        self._result: StepResult | None = None
+        self._last_step_end = time.time()
 
     # ----------------------------------------------------------------- start-up
 
@@ -92,6 +118,7 @@ class MultiProcExecutor(Executor):
     def _start_workers(self) -> int:
         parallel = self.config.parallel
         resources = self._resources
+        remove_debris()
         resources.signals = WorkerSignals.create(self.instance_id, parallel.world_size)
         if parallel.nnodes == 1:
             addresses, ipc_dir = TaskQueueAddresses.local(self.instance_id)
@@ -148,13 +175,16 @@ class MultiProcExecutor(Executor):
             raise self._dead
         self._step += 1
         step = self._step
+        parallel = self.config.parallel
+        self._step_tokens = scheduler_output.total_num_scheduled_tokens
+        self._step_bound_s = parallel.step_bound_s(self._step_tokens)
+        self._step_in_flight, self._step_sent = step, time.monotonic()
         try:
             self.queue.broadcast(ExecuteModel(step=step, scheduler_output=scheduler_output))
-            while True:
-                message = self._receive(timeout_ms=int(HEALTH_CHECK_INTERVAL_S * 1000))
-                if isinstance(message, StepResult) and message.step == step:
-                    return message.output
-                if time.monotonic() - self._last_health_check >= HEALTH_CHECK_INTERVAL_S:
+            while self._result is None:
+                self._receive(timeout_ms=int(HEALTH_CHECK_INTERVAL_S * 1000))
+                if (self._result is None and
+                        time.monotonic() - self._last_health_check >= HEALTH_CHECK_INTERVAL_S):
                     self.check_health()
         except EngineDeadError:
             raise
@@ -163,35 +193,88 @@ class MultiProcExecutor(Executor):
             self._fail(EngineDeadError(f"step {step} was interrupted; the engine must be "
                                        "rebuilt"), raise_it=False)
             raise
+        result, self._result, self._step_in_flight = self._result, None, None
+        self._last_step_end = time.time()
+        return result.output
 
     def check_health(self) -> None:
-        """Raise WorkerDiedError if a rank exited or its heartbeat is older than
-        worker_health_timeout_s. Cheap; a server may poll it while idle."""
+        """Raise ``WorkerDiedError`` if a rank exited or failed, ``WorkerHungError`` if it
+        makes no progress (see the module's docstring). Cheap; a server polls it while
+        idle, and ``execute_model`` while it waits."""
         if self._dead is not None:
             raise self._dead
         self._last_health_check = time.monotonic()
         self._receive(timeout_ms=0)
         self._check_processes(during="serving")
-        timeout = self.config.parallel.worker_health_timeout_s
-        ages = time.time() - self.signals.heartbeat
-        for rank, age in enumerate(ages):
-            if age > timeout:
-                self._fail(WorkerDiedError(
-                    f"worker rank {rank} has not sent a heartbeat for {age:.0f}s "
-                    f"(worker_health_timeout_s={timeout:g}); it is hung or its host is gone",
-                    rank=rank))
+        self._check_progress()
 
-    def _receive(self, timeout_ms: int, during: str = "serving"):
-        """The next message; failures raise, remote status lands in the signals."""
+    def _check_progress(self) -> None:
+        parallel = self.config.parallel
+        if self._step_in_flight is not None:
+            elapsed = time.monotonic() - self._step_sent
+            if elapsed > self._step_bound_s:
+                self._hang(
+                    f"step {self._step_in_flight} ({self._step_tokens} tokens) has run for "
+                    f"{elapsed:.1f}s, past its bound of {self._step_bound_s:.1f}s "
+                    f"(--watchdog-timeout {parallel.watchdog_timeout_s:g}s + 20 ms a token)")
+            return
+        now = time.time()
+        timeout = parallel.worker_health_timeout_s
+        for rank, beat in enumerate(self.signals.heartbeat):
+            silent = now - max(float(beat), self._last_step_end)
+            if silent > timeout:
+                self._hang(f"worker rank {rank}'s event loop has not run for {silent:.0f}s "
+                           f"while idle (worker_health_timeout_s={timeout:g}); it is hung or "
+                           "its host is gone", ranks=[rank])
+
+    def _hang(self, message: str, ranks: list[int] | None = None) -> None:
+        """Log every rank's state and the hung local ranks' stacks, kill them all, raise."""
+        now = time.time()
+        states = []
+        for rank in range(self.config.parallel.world_size):
+            started = float(self.signals.step_started[rank])
+            step = int(self.signals.step[rank])
+            states.append(f"rank {rank}: in step {step} for {now - started:.1f}s" if started
+                          else f"rank {rank}: idle after step {step}")
+        if ranks is None:  # the ranks still inside the step in flight (all, if none is)
+            ranks = [rank for rank in range(self.config.parallel.world_size)
+                     if self.signals.step_started[rank]] or list(
+                         range(self.config.parallel.world_size))
+        logger.error("hang: %s; %s. Stacks of the hung local ranks follow.", message,
+                     "; ".join(states))
+        for rank, process in enumerate(self._resources.processes):
+            if rank in ranks and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGUSR1)  # faulthandler: every thread's stack
+        time.sleep(STACK_DUMP_WAIT_S)
+        error = WorkerHungError(f"worker rank {ranks[0]} is hung: {message}", rank=ranks[0])
+        self._dead = error
+        self._resources.release(grace_s=0.0)
+        raise error
+
+    def _receive(self, timeout_ms: int, during: str = "serving") -> None:
+        """Handle every message that is there, waiting up to ``timeout_ms`` for the first:
+        a status lands in the signals, a failure raises, a step result is kept in
+        ``_result`` for the step in flight."""
         message = self.queue.poll(timeout_ms)
-        while isinstance(message, RemoteStatus):
-            for name in ("loaded", "ready", "profiled_blocks"):
-                getattr(self.signals, name)[message.rank] = getattr(message, name)
-            self.signals.heartbeat[message.rank] = time.time()  # our clock, not theirs
+        while message is not None:
+            if isinstance(message, RemoteStatus):
+                for name in ("loaded", "ready", "profiled_blocks", "step", "step_started"):
+                    getattr(self.signals, name)[message.rank] = getattr(message, name)
+                self.signals.heartbeat[message.rank] = time.time()  # our clock, not theirs
+            elif isinstance(message, WorkerFailure):
+                self._raise_failure(message, during)
+            elif (isinstance(message, StepResult) and message.step == self._step_in_flight
+                    and self._result is None):
+                self._result = message
+            else:
+                waiting = (f"step {self._step_in_flight}" if self._step_in_flight is not None
+                           else "no step")
+                self._fail(EngineDeadError(
+                    f"the task queue delivered an unexpected {type(message).__name__} "
+                    f"(step {getattr(message, 'step', '?')}) while waiting for {waiting}",
+                ), cause=UnexpectedMessageError(repr(message)[:200]))
             message = self.queue.poll(0)
-        if isinstance(message, WorkerFailure):
-            self._raise_failure(message, during)
-        return message
 
     def _raise_failure(self, failure: WorkerFailure, during: str) -> None:
         if during == "start-up" and failure.exc_type == "ValueError":
@@ -224,12 +307,13 @@ class MultiProcExecutor(Executor):
                 f"worker rank {rank} (pid {process.pid}) died during {during} with "
                 f"{_describe_exit(process.exitcode)}", rank=rank, exitcode=process.exitcode))
 
-    def _fail(self, error: Exception, raise_it: bool = True) -> None:
+    def _fail(self, error: Exception, raise_it: bool = True,
+              cause: BaseException | None = None) -> None:
         if isinstance(error, EngineDeadError):
             self._dead = error
         self.shutdown()
         if raise_it:
-            raise error
+            raise error from cause
 
     # ----------------------------------------------------------------- stop
 
@@ -245,7 +329,7 @@ class MultiProcExecutor(Executor):
 
     @property
     def shm_names(self) -> list[str]:
-        return list(WorkerSignals.names(self.instance_id).values())
+        return list(WorkerSignals.names(self.instance_id, os.getpid()).values())
 
 
 def _describe_exit(exitcode: int) -> str:

@@ -1,16 +1,24 @@
 """Signal: a small named numpy array in shared memory, one slot per rank.
 
 The engine creates (owns) each signal and always unlinks it; workers attach by
-name and only read and write slots. Names carry the engine instance's id, so two
-engines on one host never share a segment.
+name and only read and write slots. Names carry the owning process's PID and the
+engine instance's id, so two engines on one host never share a segment, and a
+segment whose owner is gone can be recognised as debris:
 
-    ready = Signal.create(f"loom-{instance_id}-ready", (world_size,), np.int32)
+    loom-<owner pid>-<instance id>-<field>        e.g. loom-4242-1f2e3d4c5b6a-ready
+
+    ready = Signal.create(f"loom-{pid}-{instance_id}-ready", (world_size,), np.int32)
     ready = Signal.attach(name, (world_size,), np.int32)  # in a worker
     ready.array[rank] = 1
+
+A whole process group killed at once (the OOM killer, ``docker kill``) leaves its
+segments behind, since no process lives to unlink them; ``loom.ipc.debris`` (run by
+every new engine) removes those whose owner PID no longer runs.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from multiprocessing import resource_tracker, shared_memory
 
@@ -82,17 +90,27 @@ def unlink_segment(name: str) -> None:
         pass
 
 
+def segment_name(owner_pid: int, instance_id: str, field: str) -> str:
+    return f"loom-{owner_pid}-{instance_id}-{field}"
+
+
 class WorkerSignals:
     """The signals between an engine and its ranks, one slot per rank:
 
     loaded[rank] = 1          weights in place, after a barrier over the ranks
     profiled_blocks[rank] = n KV blocks every rank can hold (already MIN-reduced)
     ready[rank] = 1           KV cache allocated, warmed up, in the event loop
-    heartbeat[rank] = time    written every event-loop iteration, idle or busy
+    heartbeat[rank] = time    written by the event loop each iteration (so it means
+                              the loop runs, not merely that the process lives)
+    step[rank] = s            the last step the rank began
+    step_started[rank] = time when it began step[rank]; 0.0 once it finished it
+
+    From ``step`` and ``step_started`` the engine judges progress: a rank inside one
+    step for longer than that step's bound is hung, whatever its process does.
     """
 
     FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64, "ready": np.int32,
-              "heartbeat": np.float64}
+              "heartbeat": np.float64, "step": np.int64, "step_started": np.float64}
 
     def __init__(self, signals: dict[str, Signal]) -> None:
         self._signals = signals
@@ -100,16 +118,20 @@ class WorkerSignals:
         self.profiled_blocks = signals["profiled_blocks"].array
         self.ready = signals["ready"].array
         self.heartbeat = signals["heartbeat"].array
+        self.step = signals["step"].array
+        self.step_started = signals["step_started"].array
 
     @staticmethod
-    def names(instance_id: str) -> dict[str, str]:
-        return {field: f"loom-{instance_id}-{field}" for field in WorkerSignals.FIELDS}
+    def names(instance_id: str, owner_pid: int) -> dict[str, str]:
+        return {field: segment_name(owner_pid, instance_id, field)
+                for field in WorkerSignals.FIELDS}
 
     @classmethod
     def create(cls, instance_id: str, world_size: int) -> WorkerSignals:
+        """Create this instance's segments, owned by this process."""
         signals: dict[str, Signal] = {}
         try:
-            for field, name in cls.names(instance_id).items():
+            for field, name in cls.names(instance_id, os.getpid()).items():
                 signals[field] = Signal.create(name, (world_size,), cls.FIELDS[field])
         except BaseException:
             for signal in signals.values():
@@ -118,9 +140,9 @@ class WorkerSignals:
         return cls(signals)
 
     @classmethod
-    def attach(cls, instance_id: str, world_size: int) -> WorkerSignals:
+    def attach(cls, instance_id: str, world_size: int, owner_pid: int) -> WorkerSignals:
         return cls({field: Signal.attach(name, (world_size,), cls.FIELDS[field])
-                    for field, name in cls.names(instance_id).items()})
+                    for field, name in cls.names(instance_id, owner_pid).items()})
 
     @property
     def segment_names(self) -> list[str]:
@@ -128,5 +150,6 @@ class WorkerSignals:
 
     def close(self) -> None:
         self.loaded = self.profiled_blocks = self.ready = self.heartbeat = None
+        self.step = self.step_started = None
         for signal in self._signals.values():
             signal.close()

@@ -57,10 +57,18 @@ class RemoteStatus(msgspec.Struct, tag="status"):
     ready: bool
     profiled_blocks: int
     heartbeat: float
+    step: int = 0  # as WorkerSignals.step / step_started
+    step_started: float = 0.0
 
 
 EngineToWorker = ExecuteModel | Shutdown
 WorkerToEngine = StepResult | WorkerFailure | RemoteStatus
+
+
+class UnexpectedMessageError(RuntimeError):
+    """A message arrived that its receiver is not waiting for (a result for another
+    step, a second result): the two ends disagree about the protocol's state. Never
+    dropped in silence, since a lost reply is an engine that waits forever."""
 
 
 # ----------------------------------------------------------------- addresses
@@ -74,7 +82,7 @@ class TaskQueueAddresses:
     @classmethod
     def local(cls, instance_id: str) -> tuple[TaskQueueAddresses, str]:
         """ipc:// addresses in a fresh private dir; returns them and the dir to remove."""
-        root = tempfile.mkdtemp(prefix=f"loom-{instance_id}-")
+        root = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-{instance_id}-")  # loom.ipc.debris
         return cls(f"ipc://{os.path.join(root, 'broadcast')}",
                    f"ipc://{os.path.join(root, 'results')}"), root
 

@@ -2,19 +2,29 @@
 
     init_distributed -> init_device -> load_model (loaded) -> initialize_kv_cache
     (profile, MIN over ranks, profiled_blocks) -> warm_up -> report_ready (ready)
-    -> event_loop (heartbeat every iteration) -> on Shutdown: tear_down (ranks leave
-    the process group in order, rank 0 last) -> exit 0
+    -> event_loop (heartbeat every iteration, step and its start time around each
+    step) -> on Shutdown: tear_down (ranks leave the process group in order, rank 0
+    last) -> exit 0
 
 A worker only executes: it never decides. Any failure is reported to the engine as
 a ``WorkerFailure`` and ends the process with status 1. A worker whose parent died
 (the engine, or ``loom worker`` on another host) cleans up after it and exits.
 
 On the engine's host a rank writes the shared-memory ``WorkerSignals``; on another
-host it sends the same facts as ``RemoteStatus`` messages over the task queue.
+host it sends the same facts as ``RemoteStatus`` messages over the task queue. Only
+the event loop writes them, never a helper thread: a beat means the loop runs, and
+the engine judges from the step a rank is in, and since when, whether it progresses.
+SIGUSR1 makes the process write every thread's stack to stderr (the engine sends it
+to a rank it judges hung).
+
+Test hook, read once here at the process's entry: ``LOOM_TEST_STALL_WORKER_AT_STEP=N``
+makes every rank's event loop block forever on step N, as a deadlocked collective or
+an endless kernel would, while the process lives.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shutil
@@ -26,6 +36,7 @@ import traceback
 from dataclasses import dataclass
 
 from loom.config import EngineConfig
+from loom.ipc.debris import die_with_parent
 from loom.ipc.signal import WorkerSignals, unlink_segment
 from loom.ipc.task_queue import (ExecuteModel, RemoteStatus, Shutdown, StepResult,
                                  TaskQueueAddresses, TaskQueueClient, WorkerFailure)
@@ -60,13 +71,14 @@ class StatusReporter:
     def __init__(self, spec: WorkerSpec, queue: TaskQueueClient) -> None:
         self.rank = spec.rank
         self.queue = queue
-        self.signals = (WorkerSignals.attach(spec.instance_id, spec.config.parallel.world_size)
+        self.signals = (WorkerSignals.attach(spec.instance_id, spec.config.parallel.world_size,
+                                             owner_pid=spec.parent_pid)
                         if spec.local else None)
         self.loaded = self.ready = False
         self.profiled_blocks = 0
+        self.step = 0
+        self.step_started = 0.0
         self._last_sent = 0.0
-        self._stop_beats = threading.Event()
-        self._beater: threading.Thread | None = None
 
     def set(self, **facts) -> None:
         for name, value in facts.items():
@@ -81,26 +93,23 @@ class StatusReporter:
             self.signals.heartbeat[self.rank] = now
         elif force or now - self._last_sent >= REMOTE_STATUS_INTERVAL_S:
             self.queue.send(RemoteStatus(rank=self.rank, loaded=self.loaded, ready=self.ready,
-                                         profiled_blocks=self.profiled_blocks, heartbeat=now))
+                                         profiled_blocks=self.profiled_blocks, heartbeat=now,
+                                         step=self.step, step_started=self.step_started))
             self._last_sent = now
 
-    def start_background_beats(self) -> None:
-        """Beat from a daemon thread, so one long step (a large prefill on a loaded
-        CPU) is not taken for a hang. Shared-memory heartbeats only: the task queue's
-        socket is not thread-safe, so remote ranks beat between steps."""
-        if self.signals is None:
-            return
-        def beat_forever() -> None:
-            while not self._stop_beats.wait(HEARTBEAT_INTERVAL_S):
-                self.signals.heartbeat[self.rank] = time.time()
+    def begin_step(self, step: int) -> None:
+        """Locally two stores; a remote rank tells the engine at its next beat."""
+        self.step, self.step_started = step, time.time()
+        if self.signals is not None:
+            self.signals.step[self.rank] = step
+            self.signals.step_started[self.rank] = self.step_started
 
-        self._beater = threading.Thread(target=beat_forever, name="heartbeat", daemon=True)
-        self._beater.start()
+    def end_step(self) -> None:
+        self.step_started = 0.0
+        if self.signals is not None:
+            self.signals.step_started[self.rank] = 0.0
 
     def close(self) -> None:
-        self._stop_beats.set()
-        if self._beater is not None:
-            self._beater.join()  # before the shared memory it writes goes away
         if self.signals is not None:
             self.signals.close()
 
@@ -111,6 +120,7 @@ class StatusReporter:
 def run_worker_proc(spec: WorkerSpec) -> None:
     """The spawned process's target."""
     _configure_process(spec)
+    stall_at_step = int(os.environ.get("LOOM_TEST_STALL_WORKER_AT_STEP", "0")) or None
     queue = TaskQueueClient(spec.addresses)
     status = None
     exit_code = 0
@@ -128,7 +138,7 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         logger.info("rank %d ready: loaded in %.1fs, profiled and allocated %d KV blocks in "
                     "%.1fs, warmed up in %.1fs", spec.rank, loaded - started, num_blocks,
                     profiled - loaded, time.monotonic() - profiled)
-        event_loop(worker, queue, status, spec)
+        event_loop(worker, queue, status, spec, stall_at_step)
     except BaseException as exc:  # report anything, even a KeyboardInterrupt, then exit 1
         exit_code = 1
         logger.error("worker rank %d failed: %s: %s", spec.rank, type(exc).__name__, exc)
@@ -185,12 +195,12 @@ def report_ready(status: StatusReporter) -> None:
     status.set(ready=True)
 
 
-def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: WorkerSpec) -> None:
+def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: WorkerSpec,
+               stall_at_step: int | None = None) -> None:
     """Block on the task queue; wake at least every HEARTBEAT_INTERVAL_S to beat and
     to notice a dead parent. Returns on Shutdown."""
     timeout_ms = int(HEARTBEAT_INTERVAL_S * 1000)
     is_rank0 = spec.rank == 0
-    status.start_background_beats()
     while True:
         status.beat()
         message = queue.poll(timeout_ms)
@@ -203,10 +213,20 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
             continue
         if isinstance(message, Shutdown):
             return
-        assert isinstance(message, ExecuteModel)
+        status.begin_step(message.step)
+        if message.step == stall_at_step:
+            _stall_forever(spec.rank, message.step)
         output = worker.execute_model(message.scheduler_output)
+        status.end_step()
         if is_rank0:
             queue.send(StepResult(step=message.step, output=output))
+
+
+def _stall_forever(rank: int, step: int) -> None:
+    """LOOM_TEST_STALL_WORKER_AT_STEP: a live process whose loop never comes back."""
+    logger.warning("worker rank %d: stalling in step %d (LOOM_TEST_STALL_WORKER_AT_STEP)",
+                   rank, step)
+    threading.Event().wait()
 
 
 def tear_down(status: StatusReporter | None, queue: TaskQueueClient, clean: bool) -> None:
@@ -240,6 +260,9 @@ def _exit(exit_code: int) -> None:
 def _configure_process(spec: WorkerSpec) -> None:
     # Ctrl-C reaches the whole process group; the engine decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the engine asks for stacks
+    if spec.local:
+        die_with_parent()  # a hung rank is killed with the engine (remote: run_node kills)
     logging.basicConfig(level=logging.getLevelName(spec.log_level),
                         format=f"%(asctime)s loom-worker-{spec.rank} %(levelname)s %(message)s")
     if spec.config.device == "cpu":
@@ -253,7 +276,7 @@ def _clean_up_after_dead_parent(spec: WorkerSpec) -> None:
     """The engine died without shutting down (SIGKILL): remove what it owned."""
     if not spec.local:
         return
-    for name in WorkerSignals.names(spec.instance_id).values():
+    for name in WorkerSignals.names(spec.instance_id, spec.parent_pid).values():
         unlink_segment(name)
     for address in (spec.addresses.broadcast, spec.addresses.results):
         if address.startswith("ipc://"):

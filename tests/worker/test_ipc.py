@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 
 from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.ipc.debris import remove_debris
 from loom.ipc.signal import Signal, WorkerSignals
 from loom.ipc.task_queue import (ExecuteModel, Shutdown, StepResult, TaskQueue,
                                  TaskQueueAddresses, TaskQueueClient, new_instance_id)
@@ -28,12 +31,34 @@ def test_signal_is_shared_and_unlinked():
 def test_worker_signals_are_per_instance():
     a, b = WorkerSignals.create(new_instance_id(), 2), WorkerSignals.create(new_instance_id(), 2)
     names = a.segment_names + b.segment_names
-    assert len(set(names)) == 8
+    assert len(set(names)) == 2 * len(WorkerSignals.FIELDS)
     a.ready[0] = 1
     assert b.ready[0] == 0
     a.close()
     b.close()
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+def test_debris_of_dead_owners_is_removed_and_live_owners_kept(tmp_path):
+    """Segments and socket dirs are named after their owner's PID; a new engine removes
+    those whose owner no longer runs, and nothing else."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    left = [shm / f"loom-{dead.pid}-0123456789ab-ready", tmp / f"loom-{dead.pid}-engine-x1"]
+    kept = [shm / f"loom-{os.getpid()}-0123456789ab-ready", shm / "other-segment",
+            tmp / f"loom-{os.getpid()}-engine-y2", tmp / "loom-cache"]
+    for path in left + kept:
+        if path.parent == tmp:
+            path.mkdir()
+            (path / "output").write_text("")
+        else:
+            path.write_bytes(b"\0" * 8)
+    removed = remove_debris(str(shm), str(tmp))
+    assert sorted(removed) == sorted(str(p) for p in left)
+    assert not any(p.exists() for p in left) and all(p.exists() for p in kept)
 
 
 def test_task_queue_round_trip():

@@ -1,0 +1,80 @@
+"""Debris: what loom processes killed all at once leave behind, and its removal.
+
+Every shared-memory segment and socket directory loom creates is named after the
+PID of the process that owns it (and removes it on any exit it lives through):
+
+    /dev/shm/loom-<pid>-<instance id>-<field>     WorkerSignals (loom.ipc.signal)
+    $TMPDIR/loom-<pid>-<instance id>-*/           the task queue's ipc sockets
+    $TMPDIR/loom-<pid>-engine-*/                  the engine core's ipc sockets
+
+Children also ask the kernel to kill them when their parent dies
+(``die_with_parent``), so no process outlives the one that watches it.
+
+A SIGKILL of the whole process group (the OOM killer, ``docker kill``) leaves them
+behind. Each new engine calls ``remove_debris`` first: whatever matches these names
+and belongs to a PID that no longer runs is removed, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^loom-(\d+)-")
+
+
+def remove_debris(shm_dir: str = SHM_DIR, tmp_dir: str | None = None) -> list[str]:
+    """Remove loom segments and socket directories whose owner is gone; returns their paths."""
+    removed = []
+    for directory in (shm_dir, tmp_dir or tempfile.gettempdir()):
+        try:
+            entries = os.listdir(directory)
+        except OSError:  # no /dev/shm (not Linux): nothing can be left there either
+            continue
+        for name in entries:
+            match = _NAME.match(name)
+            if match is None or _pid_alive(int(match.group(1))):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:  # another new engine got there first
+                continue
+            removed.append(path)
+    if removed:
+        logger.warning("removed %d file(s) left by loom processes that no longer run (killed "
+                       "without a chance to clean up): %s", len(removed),
+                       ", ".join(sorted(removed)))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, however it dies (elsewhere
+    the loops' parent checks end it)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
