@@ -4,6 +4,9 @@ the parser is built for every ``loom`` command."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import ssl
 
 from loom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -34,6 +37,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="split <think>...</think> into reasoning_content in chat responses")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    group.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
+                       help='CORS: origins allowed to call the API, a JSON list '
+                            '(default: \'["*"]\', any origin)')
+    group.add_argument("--allowed-methods", type=_json_string_list, default=["*"],
+                       help="CORS: HTTP methods allowed, a JSON list (default: any)")
+    group.add_argument("--allowed-headers", type=_json_string_list, default=["*"],
+                       help="CORS: request headers allowed, a JSON list (default: any)")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: let browsers send cookies and Authorization headers")
+    group.add_argument("--ssl-keyfile", type=_readable_file, default=None,
+                       help="serve HTTPS with this private key (PEM)")
+    group.add_argument("--ssl-certfile", type=_readable_file, default=None,
+                       help="serve HTTPS with this certificate chain (PEM)")
+    group.add_argument("--ssl-ca-certs", type=_readable_file, default=None,
+                       help="CA certificates (PEM) to verify client certificates against")
+    group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
+                       help="client certificates: 0 not asked for, 1 optional, 2 required "
+                            "(Python's ssl.CERT_*; needs --ssl-ca-certs)")
+    group.add_argument("--root-path", default="",
+                       help="the path prefix a reverse proxy serves the API under and strips "
+                            "before forwarding, e.g. /llm (links in /docs carry it)")
 
 
 def _port(text: str) -> int:
@@ -48,3 +72,44 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
     return value
+
+
+def _json_string_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of strings such as '[\"https://example.com\"]', got {text}")
+    return value
+
+
+def _readable_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def ssl_config(args: argparse.Namespace) -> dict:
+    """uvicorn.Config's TLS arguments; a ValueError naming the flag when they do not fit
+    together or the files are not a certificate and its key."""
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate for that key)")
+    if args.ssl_cert_reqs != ssl.CERT_NONE and not args.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to verify client "
+                         "certificates against")
+    if (args.ssl_ca_certs or args.ssl_cert_reqs != ssl.CERT_NONE) and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (HTTPS)")
+    if args.ssl_certfile:
+        try:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+            if args.ssl_ca_certs:
+                context.load_verify_locations(args.ssl_ca_certs)
+        except ssl.SSLError as error:
+            raise ValueError(f"cannot use --ssl-certfile {args.ssl_certfile} with --ssl-keyfile "
+                             f"{args.ssl_keyfile} (or --ssl-ca-certs): {error}; pass a PEM "
+                             "certificate and its private key") from None
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
+            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}

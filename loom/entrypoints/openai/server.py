@@ -7,8 +7,9 @@ Life cycle:
     -> SIGTERM: drain (new requests get 503) for up to --shutdown-timeout, abort what
     is left, exit 0 | engine core died: fail requests in flight, /health 503, exit 1
 
-Every route but /health needs the API key when --api-key is given. Errors are
-OpenAI's ``{"error": {"message", "type", "param", "code"}}``, never a bare 500.
+Every route but /health, /ping and the API docs (/docs, /openapi.json) needs the API
+key when --api-key is given; CORS preflights are answered before the key is asked for.
+Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``, never a bare 500.
 """
 
 from __future__ import annotations
@@ -22,21 +23,32 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import loom
 from loom.async_llm import AsyncLLM
 from loom.config import EngineConfig
-from loom.entrypoints.openai.protocol import error_body
+from loom.entrypoints.openai.cli_args import ssl_config
+from loom.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              error_body)
 from loom.entrypoints.openai.serving_chat import OpenAIServingChat
 from loom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from loom.entrypoints.openai.serving_engine import OpenAIError, cancel_on_disconnect
+from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
+                                                      OpenAIServingTokenization,
+                                                      TokenizeChatRequest,
+                                                      TokenizeCompletionRequest,
+                                                      TokenizeResponse)
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 logger = logging.getLogger("loom.serve")
@@ -44,7 +56,24 @@ logger = logging.getLogger("loom.serve")
 # After the engine died, keep answering (503) this long so clients and probes see
 # why, then exit 1.
 _DEAD_ENGINE_EXIT_DELAY_S = 1.0
-_UNGUARDED_PATHS = ("/health",)
+_UNGUARDED_PATHS = ("/health", "/ping", "/docs", "/docs/oauth2-redirect", "/openapi.json")
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """CORS: which browser pages may call the API."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HttpOptions:
+        return cls(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                   tuple(args.allowed_headers), args.allow_credentials)
+
+
 
 
 class ServerState:
@@ -62,6 +91,7 @@ class ServerState:
         self.created = int(time.time())
         # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
         self.chat_options: dict[str, Any] = {}
+        self.http_options = HttpOptions()
 
     @property
     def healthy(self) -> bool:
@@ -105,7 +135,11 @@ class GuardMiddleware:
         self._expected = f"Bearer {state.api_key}".encode() if state.api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in _UNGUARDED_PATHS:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = _route_path(scope)
+        if path in _UNGUARDED_PATHS or _is_cors_preflight(scope):
             await self.app(scope, receive, send)
             return
         if self._expected is not None:
@@ -116,7 +150,7 @@ class GuardMiddleware:
                     "authentication_error", code="invalid_api_key"), status_code=401)
                 await response(scope, receive, send)
                 return
-        if not self.state.healthy and scope["path"] != "/metrics":
+        if not self.state.healthy and path != "/metrics":
             reason = ("the server is shutting down" if self.state.draining
                       else f"the engine is dead: {self.state.engine.dead_error}")
             response = JSONResponse(error_body(reason, "service_unavailable",
@@ -127,13 +161,70 @@ class GuardMiddleware:
         await self.app(scope, receive, send)
 
 
+def _route_path(scope) -> str:
+    """The path the routes see: without the --root-path prefix if a proxy left it on
+    (Starlette's routing strips it the same way)."""
+    path, root_path = scope["path"], scope.get("root_path", "")
+    if root_path and path.startswith(root_path + "/"):
+        return path[len(root_path):]
+    return path
+
+
+def _is_cors_preflight(scope) -> bool:
+    """OPTIONS with Access-Control-Request-Method: a browser asks before the real request,
+    and never sends credentials with the question."""
+    return (scope["method"] == "OPTIONS"
+            and any(name == b"access-control-request-method" for name, _ in scope["headers"]))
+
+
+def _json_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its raw body itself (so that a bad
+    body is a 400 in OpenAI's envelope, not FastAPI's 422)."""
+    refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+# Request bodies declared with _json_body, added to the schema's components.
+_BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                TokenizeChatRequest, DetokenizeRequest)
+
+
+def _install_openapi(app: FastAPI, bearer_auth: bool) -> None:
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            _, definitions = models_json_schema(
+                [(model, "validation") for model in _BODY_MODELS],
+                ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {})
+            components.setdefault("schemas", {}).update(definitions["$defs"])
+            if bearer_auth:
+                components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"apiKey": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(state: ServerState) -> FastAPI:
     engine = state.engine
+    options = state.http_options
     completion = OpenAIServingCompletion(engine, state.served_model_name)
     chat = OpenAIServingChat(engine, state.served_model_name, **state.chat_options)
-    app = FastAPI(title="loom", version=loom.__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    tokenization = OpenAIServingTokenization(engine.tokenizer, state.served_model_name,
+                                             engine.config.model.max_model_len)
+    app = FastAPI(title="loom", version=loom.__version__, redoc_url=None)
+    _install_openapi(app, bearer_auth=state.api_key is not None)
     app.add_middleware(GuardMiddleware, state=state)
+    # Added last, so outermost: preflights are answered, and every response (a 401 too)
+    # gets its CORS headers, before the guard runs.
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods),
+                       allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> Response:
@@ -159,6 +250,12 @@ def build_app(state: ServerState) -> FastAPI:
         reason = "draining" if state.draining else f"engine dead: {engine.dead_error}"
         return JSONResponse({"status": reason}, status_code=503)
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health probe, as vLLM answers it: the same as /health."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, Any]:
         return {"version": loom.__version__}
@@ -174,15 +271,25 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = await request.body()
         return await cancel_on_disconnect(request, completion.create(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await request.body()
         return await cancel_on_disconnect(request, chat.create(body))
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}},
+              openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
+    async def tokenize(request: Request) -> Response:
+        return tokenization.tokenize(await request.body())
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}},
+              openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        return tokenization.detokenize(await request.body())
 
     return app
 
@@ -217,6 +324,7 @@ def serve(args: argparse.Namespace) -> int:
     from loom.default_model import default_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ssl_config(args)  # a bad combination of TLS flags fails before the model loads
     model = args.model or default_model_path()
     kwargs = engine_kwargs(args)
     # The server runs its workers in their own processes unless told otherwise.
@@ -247,16 +355,19 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
     state.chat_options = {"enable_auto_tool_choice": args.enable_auto_tool_choice,
                           "tool_call_parser": args.tool_call_parser,
                           "reasoning_parser": args.reasoning_parser}
+    state.http_options = HttpOptions.from_args(args)
     engine.on_dead.append(state.engine_died)
     server = _Server(uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5), state)
+                                    timeout_graceful_shutdown=5, root_path=args.root_path,
+                                    **ssl_config(args)), state)
     state.server = server
     serving = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
-        print(f"loom serve: ready on http://{_url_host(host)}:{port}", flush=True)
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"loom serve: ready on {scheme}://{_url_host(host)}:{port}", flush=True)
     try:
         await serving
     finally:
