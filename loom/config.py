@@ -5,10 +5,22 @@ Runtime results (the profiled KV block count) live in runtime objects, never her
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
+DTYPE_CHOICES = (*_DTYPES, *_DTYPE_ALIASES)
+# generation_config.json keys that become a request's defaults, as vLLM applies them.
+_GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                           "max_new_tokens")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,12 @@ class ModelConfig:
     # Dummy steps at start-up so the first real step at each batch size is not slower
     # (Worker.warm_up; benchmarks/warm_up.md). Off: start faster.
     enable_warm_up: bool = True
+    # Sampling defaults for what a request leaves out, as (name, value) pairs in
+    # SamplingParams' names: the checkpoint's generation_config.json under
+    # --generation-config auto, then --override-generation-config (from_args reads them).
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    # Token ids in, token ids out: no tokenizer is loaded, outputs have empty text.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -35,6 +53,13 @@ class ModelConfig:
     def name(self) -> str:
         return self.served_model_name or os.path.basename(self.model.rstrip("/"))
 
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """SamplingParams fields for a request that does not set them (vLLM's
+        ``get_diff_sampling_param``): the offline ``LLM`` when no SamplingParams is given,
+        the server for every field a request omits."""
+        return dict(self.sampling_defaults)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -42,12 +67,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # for tests: a fixed pool size
     kv_cache_memory_bytes: int | None = None  # an explicit KV budget instead of a fraction
-    memory_utilization: float = 0.5  # share of device (CPU: available) memory loom may use
+    # Share of device (CPU: available) memory loom may use; None: 0.5 on CUDA, and on
+    # the CPU a KV cache sized to max_num_seqs x max_model_len under a cap (Worker).
+    memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if not 0.0 < self.memory_utilization <= 1.0:
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be positive, "
@@ -61,12 +88,20 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # Off: a prompt runs whole in one step or waits; a step never holds part of one.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill off, so a long "
+                "prompt could never run; raise --max-num-batched-tokens, lower "
+                "--max-model-len or keep --enable-chunked-prefill")
 
 
 @dataclass(frozen=True)
@@ -79,8 +114,13 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # where node 0's engine binds the store and task queue
     master_port: int | None = None  # None: a free port (one host only)
-    worker_health_timeout_s: float = 30.0  # a busy or idle worker silent this long is dead
+    # An idle rank whose event loop has not run for this long is hung (or its host gone).
+    worker_health_timeout_s: float = 30.0
     worker_start_timeout_s: float = 900.0  # load + profile + warm-up must finish in this
+    # The floor of a step's time bound (``step_bound_s``): a step that runs longer than
+    # its bound is a hang, handled as a dead worker. The engine core is judged the same
+    # way from the API process.
+    watchdog_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -100,6 +140,14 @@ class ParallelConfig:
                              f"tensor_parallel_size={self.tensor_parallel_size}")
         if self.worker_health_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
             raise ValueError("worker timeouts must be positive")
+        if self.watchdog_timeout_s <= 0:
+            raise ValueError(f"watchdog_timeout_s must be positive, got {self.watchdog_timeout_s}")
+
+    def step_bound_s(self, num_scheduled_tokens: int) -> float:
+        """How long a step of this many tokens may run before it counts as a hang: the
+        floor plus 20 ms a token (50 tokens/s, far below any supported model's prefill
+        speed even on a loaded CPU), so a large prefill is never taken for a hang."""
+        return self.watchdog_timeout_s + STEP_BOUND_S_PER_TOKEN * num_scheduled_tokens
 
     @property
     def world_size(self) -> int:
@@ -258,7 +306,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         num_gpu_blocks_override: int | None = None,
         kv_cache_memory_bytes: int | None = None,
-        memory_utilization: float = 0.5,
+        memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         nnodes: int = 1,
@@ -266,6 +314,7 @@ class EngineConfig:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
         worker_health_timeout_s: float = 30.0,
+        watchdog_timeout_s: float = 60.0,
         seed: int = 0,
         served_model_name: str | None = None,
         chat_template: str | None = None,
@@ -276,45 +325,82 @@ class EngineConfig:
         speculative_config: SpeculativeConfig | dict | str | None = None,
         early_stop_config: EarlyStopConfig | dict | str | None = None,
         enable_warm_up: bool = True,
+        enable_chunked_prefill: bool | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | str | None = None,
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        enforce_eager: bool = False,
     ) -> EngineConfig:
-        """Build a config from user arguments, reading the checkpoint's config for defaults."""
+        """Build a config from user arguments, reading the checkpoint's config for defaults.
+
+        Everything that can be checked without loading weights is checked here, cheapest
+        first, so a bad argument fails before any process starts: the device, the
+        architecture, the tokenizer files, the tensor-parallel split, the KV budget.
+        ``trust_remote_code`` and ``enforce_eager`` are accepted for vLLM's sake: loom
+        never runs a checkpoint's code, and captures no CUDA graphs yet.
+        """
         from loom.model.loader import load_hf_config
+        from loom.model.models.registry import get_model_architecture
 
         if not os.path.exists(model):
             raise ValueError(f"model {model!r} does not exist; give a Hugging Face directory "
                              "or a .gguf file")
-        hf_config = load_hf_config(model)
         device = resolve_device(device)
+        if trust_remote_code:
+            logger.warning("--trust-remote-code: loom never runs code from a checkpoint; its "
+                           "own implementations serve the architectures it supports")
+        if enforce_eager:
+            logger.info("--enforce-eager: loom captures no CUDA graphs yet, so every step "
+                        "already runs eagerly")
+        _check_architecture_before_loading(model)
+        hf_config = load_hf_config(model)
+        get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
+        if not skip_tokenizer_init:
+            _check_tokenizer_files(model, tokenizer)
+        _check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
         limit = _max_position_embeddings(hf_config)
         if max_model_len is None:
             max_model_len = min(limit, 4096) if limit else 4096
         elif limit and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}; lower --max-model-len")
+        if enable_chunked_prefill is None:
+            enable_chunked_prefill = True
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(max_model_len, 8192))
+            if not enable_chunked_prefill:  # every prompt must fit one step (as vLLM)
+                max_num_batched_tokens = max(2048, max_model_len)
         speculative = SpeculativeConfig.from_value(speculative_config)
         if speculative is not None and speculative.model is not None:
             _check_draft_model(speculative.model, hf_config)
+        dtype = resolve_dtype(dtype, hf_config, model, device)
+        cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                            num_gpu_blocks_override=num_gpu_blocks_override,
+                            kv_cache_memory_bytes=kv_cache_memory_bytes,
+                            memory_utilization=memory_utilization)
+        _check_kv_budget(hf_config, cache, dtype, tensor_parallel_size, max_model_len)
+        sampling_defaults = load_sampling_defaults(model, generation_config,
+                                                   override_generation_config)
         return cls(
-            model=ModelConfig(model=model, tokenizer=tokenizer,
-                              dtype=resolve_dtype(dtype, hf_config, model, device),
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
                               max_model_len=max_model_len, seed=seed,
                               served_model_name=served_model_name, chat_template=chat_template,
                               vocab_size=getattr(hf_config, "vocab_size", None),
-                              enable_warm_up=enable_warm_up),
-            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                              num_gpu_blocks_override=num_gpu_blocks_override,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              memory_utilization=memory_utilization),
+                              enable_warm_up=enable_warm_up,
+                              sampling_defaults=tuple(sampling_defaults.items()),
+                              skip_tokenizer_init=skip_tokenizer_init),
+            cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len,
+                                      enable_chunked_prefill=enable_chunked_prefill),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                     master_port=master_port,
-                                    worker_health_timeout_s=worker_health_timeout_s),
+                                    worker_health_timeout_s=worker_health_timeout_s,
+                                    watchdog_timeout_s=watchdog_timeout_s),
             structured_outputs=StructuredOutputsConfig(
                 backend=structured_outputs_backend,
                 disable_any_whitespace=structured_outputs_disable_any_whitespace,
@@ -326,23 +412,32 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> str:
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
+    if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    return device
+    if device == "cpu":
+        return device
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if device == "cuda":
+        reason = ("this torch is built without CUDA" if torch.version.cuda is None
+                  else "no CUDA device is visible")
+        raise ValueError(f"--device cuda, but {reason} (torch {torch.__version__}); use "
+                         "--device cpu or --device auto")
+    return "cpu"
 
 
 def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
     """``auto`` follows the checkpoint, except where that dtype is slow on the device.
 
     GGUF files are dequantized to bfloat16. On CPU float16 matmuls are a slow
-    fallback, so float16 checkpoints run in bfloat16 there.
+    fallback, so float16 (asked for or the checkpoint's) runs in bfloat16 there, with
+    a warning. ``half`` and ``float`` are float16 and float32, as in vLLM.
     """
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if dtype == "auto":
         if model.endswith(".gguf"):
             dtype = "bfloat16"
@@ -352,8 +447,157 @@ def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
             if dtype not in _DTYPES:
                 dtype = "float32"
     if device == "cpu" and dtype == "float16":
+        logger.warning("dtype float16 runs as bfloat16 on the CPU (float16 matmuls are a slow "
+                       "fallback there); pass --dtype float32 for full precision")
         dtype = "bfloat16"
     return dtype
+
+
+def _check_architecture_before_loading(model: str) -> None:
+    """A checkpoint directory whose config.json names only architectures loom does not
+    implement fails here, before transformers parses it (an unknown model_type is a
+    long transformers error) and before the tokenizer is looked for."""
+    from loom.model.models.registry import supported_architectures
+
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        if os.path.isdir(model):
+            raise ValueError(f"model directory {model} has no config.json; give a Hugging Face "
+                             "checkpoint directory or a .gguf file")
+        return
+    try:
+        with open(config_path) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"cannot read {config_path}: {error}; is it a Hugging Face "
+                         "config.json?") from None
+    supported = supported_architectures()
+    if architectures and not set(architectures) & set(supported):
+        raise ValueError(f"model architecture {', '.join(architectures)} ({config_path}) is not "
+                         f"supported; supported: {', '.join(supported)}")
+
+
+def _check_tokenizer_files(model: str, tokenizer: str | None) -> None:
+    """A checkpoint directory without a tokenizer fails before any weight is read."""
+    source = tokenizer or model
+    if not os.path.exists(source):
+        raise ValueError(f"tokenizer path {source} does not exist; pass --tokenizer with a "
+                         "Hugging Face model directory or a .gguf file")
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, name))
+                                         for name in _TOKENIZER_FILES):
+        flag = "--tokenizer" if tokenizer is None else "another --tokenizer"
+        raise ValueError(f"{source} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                         f"pass {flag} with the directory that holds the model's tokenizer")
+
+
+def _check_tensor_parallel(hf_config, tensor_parallel_size: int, nnodes: int,
+                           device: str) -> None:
+    """The heads must split evenly over the ranks; checked before any rank starts."""
+    tp = tensor_parallel_size
+    num_heads = getattr(hf_config, "num_attention_heads", None)
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_heads and num_heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {num_heads} "
+                         f"attention heads; use one of {_divisors(num_heads)}")
+    if num_kv_heads and (num_kv_heads % tp if tp < num_kv_heads else tp % num_kv_heads):
+        valid = [d for d in _divisors(num_heads or tp)
+                 if (num_kv_heads % d == 0 if d < num_kv_heads else d % num_kv_heads == 0)]
+        raise ValueError(f"--tensor-parallel-size {tp} does not fit the model's {num_kv_heads} "
+                         f"KV heads (it must divide them, or be a multiple of them); use one "
+                         f"of {valid}")
+    if device == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        ranks_here = tp // max(nnodes, 1)
+        if ranks_here > cores:
+            logger.warning("%d tensor-parallel ranks on this host but only %d CPU cores: the "
+                           "ranks will share cores and run slower than fewer ranks would",
+                           ranks_here, cores)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_size: int,
+                     max_model_len: int) -> None:
+    """An explicit KV budget (--kv-cache-memory or --num-gpu-blocks-override) that cannot
+    hold one sequence of max_model_len fails before the weights load. A budget profiled
+    from free memory is checked by the executor once it is known."""
+    if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
+        return
+    import torch
+
+    from loom.model.loader import kv_cache_bytes_per_block
+
+    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size,
+                                               getattr(torch, dtype), tensor_parallel_size)
+    needed = -(-max_model_len // cache.block_size)
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks, flag = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
+        have = f"{num_blocks} blocks"
+    else:
+        num_blocks = cache.kv_cache_memory_bytes // bytes_per_block
+        flag = "--kv-cache-memory"
+        have = f"{_format_bytes(cache.kv_cache_memory_bytes)} ({num_blocks} blocks)"
+    if num_blocks < needed:
+        raise ValueError(
+            f"{flag}: {have} of {cache.block_size} tokens ({_format_bytes(bytes_per_block)} "
+            f"each per rank) cannot hold one sequence of max_model_len={max_model_len}, which "
+            f"needs {needed} blocks ({_format_bytes(needed * bytes_per_block)}); raise {flag} "
+            f"or lower --max-model-len to at most {num_blocks * cache.block_size}")
+
+
+def _format_bytes(num_bytes: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def load_sampling_defaults(model: str, generation_config: str = "auto",
+                           override: dict[str, Any] | str | None = None) -> dict[str, Any]:
+    """Request defaults in SamplingParams' names, as vLLM derives them.
+
+    ``auto``: the sampling keys (temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens as max_tokens) that the checkpoint's generation_config.json sets; a
+    .gguf file has none. ``vllm``: none, loom's own defaults. Otherwise a directory
+    holding a generation_config.json, or the file itself. ``override`` (a dict or its
+    JSON) is laid over the result.
+    """
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--override-generation-config is not valid JSON: {error}") from None
+    if override is not None and not isinstance(override, dict):
+        raise ValueError("--override-generation-config must be a JSON object, e.g. "
+                         '\'{"temperature": 0.5}\'')
+    if generation_config == "vllm":
+        values: dict[str, Any] = {}
+    else:
+        path = model if generation_config == "auto" else generation_config
+        if generation_config != "auto" and not os.path.exists(path):
+            raise ValueError(f"--generation-config {path} does not exist; give auto, vllm, or "
+                             "a directory holding a generation_config.json")
+        if os.path.isdir(path):
+            path = os.path.join(path, "generation_config.json")
+        values = {}
+        if path.endswith(".json") and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    values = json.load(f)
+            except ValueError as error:
+                raise ValueError(f"cannot read {path}: {error}") from None
+    values = {**values, **(override or {})}
+    defaults = {key: values[key] for key in _GENERATION_CONFIG_KEYS if values.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults:
+        from loom.sampling_params import SamplingParams
+
+        SamplingParams(**defaults)  # a bad value fails here, naming its field
+    return defaults
 
 
 def _check_draft_model(path: str, target_hf_config) -> None:

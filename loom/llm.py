@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import itertools
+import logging
+import multiprocessing
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
+from loom.config import EngineConfig
 from loom.default_model import default_model_path
 from loom.llm_engine import LLMEngine, PromptType
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
-from loom.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 
@@ -20,25 +27,45 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generate text from prompts with an engine in this process.
 
-    Keyword arguments follow vLLM: ``dtype``, ``max_model_len``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
-    ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``memory_utilization``,
-    ``tensor_parallel_size``, ``seed``, ``tokenizer``, ``chat_template``, ``device``;
-    and for worker processes ``distributed_executor_backend`` ("mp" or "uni"),
-    ``nnodes``, ``node_rank``, ``master_addr``, ``master_port``,
-    ``worker_health_timeout_s`` (see docs/multi_node.md). ``speculative_config`` and
-    ``early_stop_config`` take a dict (or JSON text), see docs/speculative_decoding.md:
-    ``{"method": "ngram", "num_speculative_tokens": 3}``,
-    ``{"enable_early_stop": True, "window_size": 3000, "threshold": 0.99}``. If a worker dies,
-    ``generate`` raises ``WorkerDiedError`` and every later call fails at once.
+    Keyword arguments follow vLLM's ``LLM``: ``tokenizer``, ``skip_tokenizer_init``
+    (token ids in and out, no text), ``dtype`` (auto, float32, bfloat16, float16,
+    half, float), ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``enable_chunked_prefill``, ``block_size``, ``enable_prefix_caching``,
+    ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
+    (or ``memory_utilization``), ``tensor_parallel_size``, ``seed``, ``chat_template``,
+    ``device``, ``generation_config`` ("auto": the checkpoint's sampling defaults apply
+    when ``generate`` gets no SamplingParams; "vllm": loom's; or a directory) and
+    ``override_generation_config``; and for worker processes
+    ``distributed_executor_backend`` ("mp" or "uni"), ``nnodes``, ``node_rank``,
+    ``master_addr``, ``master_port``, ``worker_health_timeout_s`` (see
+    docs/multi_node.md). ``speculative_config`` and ``early_stop_config`` take a dict
+    (or JSON text), see docs/speculative_decoding.md. ``trust_remote_code``,
+    ``enforce_eager`` and ``disable_log_stats`` are accepted and change nothing (loom
+    runs no checkpoint code and captures no CUDA graphs yet). Any other name is a
+    ``TypeError`` that suggests the closest valid one. If a worker dies, ``generate``
+    raises ``WorkerDiedError`` and every later call fails at once.
+
+    With worker processes (``tensor_parallel_size`` > 1), a script must create the
+    ``LLM`` under ``if __name__ == "__main__":``: the workers re-import the script.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine.from_args(model or default_model_path(), **kwargs)
+        _check_not_importing_main()
+        self.engine = LLMEngine.from_args(model or default_model_path(), **engine_kwargs(kwargs))
         self._request_counter = itertools.count()
 
-    def get_tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The Hugging Face tokenizer, as vLLM's ``LLM.get_tokenizer`` returns it."""
+        if self.engine.config.model.skip_tokenizer_init:
+            raise ValueError("this LLM was made with skip_tokenizer_init=True; it has no "
+                             "tokenizer")
+        return self.engine.tokenizer.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no SamplingParams: the
+        checkpoint's generation_config.json sampling values (``generation_config="auto"``,
+        the default) over loom's defaults."""
+        return SamplingParams(**self.engine.config.model.default_sampling_params)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -49,7 +76,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -104,3 +131,61 @@ class LLM:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+
+# vLLM's names for arguments loom spells otherwise.
+_ALIASES = {"gpu_memory_utilization": "memory_utilization"}
+# vLLM arguments for features loom does not have: accepted at these values only.
+_ONLY_AT = {
+    "revision": None, "tokenizer_revision": None, "code_revision": None,  # local paths only
+    "quantization": None,  # a GGUF file says how it is quantized
+    "pipeline_parallel_size": 1,
+    "tokenizer_mode": "auto",
+}
+# vLLM arguments that change nothing here: accepted, with a warning if they would matter.
+_NO_EFFECT = {
+    "disable_log_stats": None,  # the offline API logs no periodic stats
+    "disable_custom_all_reduce": None,
+    "swap_space": "loom recomputes a preempted request instead of swapping its KV to the CPU",
+    "cpu_offload_gb": "loom does not offload weights to the CPU",
+}
+
+
+def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(**kwargs)`` -> ``EngineConfig.from_args`` keyword arguments; an unknown name
+    is a TypeError naming the closest valid ones, as a misspelt argument is in Python."""
+    known = [name for name in inspect.signature(EngineConfig.from_args).parameters
+             if name not in ("cls", "model")]
+    result = {}
+    for name, value in kwargs.items():
+        if name in _ALIASES:
+            result[_ALIASES[name]] = value
+        elif name in _ONLY_AT:
+            if value != _ONLY_AT[name] and not (name == "tokenizer_mode" and value == "hf"):
+                raise ValueError(f"LLM({name}={value!r}) is not supported; loom takes only "
+                                 f"{name}={_ONLY_AT[name]!r}")
+        elif name in _NO_EFFECT:
+            reason = _NO_EFFECT[name]
+            if reason is not None and value:
+                logger.warning("LLM(%s=%r) has no effect: %s", name, value, reason)
+        elif name in known:
+            result[name] = value
+        else:
+            valid = sorted({*known, *_ALIASES, *_ONLY_AT, *_NO_EFFECT})
+            close = difflib.get_close_matches(name, valid, n=3)
+            hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
+                    else f"valid ones: {', '.join(valid)}")
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}; {hint}")
+    return result
+
+
+def _check_not_importing_main() -> None:
+    """Worker processes start with ``spawn``, which re-imports the main script; a script
+    that makes an ``LLM`` at import time would make one again in every worker. Python
+    marks that re-import (``_inheriting``, the flag its own check reads): stop there
+    with the fix, without a traceback."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(
+            "loom: error: a worker process re-imported the main script and it created an LLM "
+            "again; create the LLM under `if __name__ == \"__main__\":` in your script (worker "
+            "processes start with multiprocessing's spawn, which re-imports it)")

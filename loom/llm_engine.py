@@ -7,6 +7,8 @@ the output processor turns token ids back into text.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from loom.config import EngineConfig
@@ -22,8 +24,11 @@ from loom.tokenizer import Tokenizer, load_tokenizer
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer: Tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
-                                                   config.model.chat_template)
+        if config.model.skip_tokenizer_init:
+            self.tokenizer: Tokenizer = TokenIdsOnly(config)
+        else:
+            self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
+                                            config.model.chat_template)
         self.input_processor = InputProcessor(config.model, self.tokenizer,
                                               config.structured_outputs)
         self.engine_core = EngineCore(config, _make_executor(config),
@@ -42,9 +47,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, stream: bool = False) -> None:
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.config.model.default_sampling_params)
         text, token_ids = self.process_prompt(prompt)
         self.input_processor.validate_params(params)
+        if isinstance(self.tokenizer, TokenIdsOnly):
+            self.tokenizer.check_params(params)
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         engine_ids = self.output_processor.add_request(request_id, text, token_ids, params, stream)
         for index, engine_id in enumerate(engine_ids):
@@ -99,3 +106,58 @@ def _make_executor(config: EngineConfig):
     from loom.executor.multiproc import MultiProcExecutor
 
     return MultiProcExecutor(config)
+
+
+class TokenIdsOnly(Tokenizer):
+    """The tokenizer under ``skip_tokenizer_init=True``: prompts are token ids, outputs
+    carry token ids and empty text. Generation ends at the checkpoint's eos ids
+    (generation_config.json, else config.json's ``eos_token_id``), as in vLLM."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(None, _checkpoint_eos_token_ids(config.model.model),
+                         name=config.model.model)
+        self._vocab_size = config.model.vocab_size or 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def chat_template(self) -> str | None:
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("skip_tokenizer_init=True: give prompts as token ids (a list of ints "
+                         "or {'prompt_token_ids': [...]}), not text")
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        return ""
+
+    def render_chat_template(self, messages, add_generation_prompt=True, tools=None,
+                             **kwargs) -> str:
+        raise ValueError("skip_tokenizer_init=True: chat needs the tokenizer's chat template; "
+                         "render the prompt's token ids yourself and call generate")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What cannot work on token ids alone."""
+        if params.stop:
+            raise ValueError("skip_tokenizer_init=True: stop strings need the tokenizer; "
+                             "use stop_token_ids")
+        if params.structured_outputs is not None:
+            raise ValueError("skip_tokenizer_init=True: structured outputs need the tokenizer")
+
+
+def _checkpoint_eos_token_ids(model: str) -> list[int]:
+    from loom.model.loader import load_hf_config
+
+    eos: Any = None
+    config_path = os.path.join(model, "generation_config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = getattr(load_hf_config(model), "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(dict.fromkeys(eos if isinstance(eos, list) else [eos]))

@@ -33,7 +33,10 @@ def test_outputs_in_input_order_with_prompt_fields(llm):
     for output, prompt in zip(outputs, PROMPTS):
         assert output.prompt_token_ids == tokenizer.encode(prompt)
         assert output.finished and output.outputs[0].finish_reason in ("length", "stop")
-        assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids)
+        # get_tokenizer() is the Hugging Face tokenizer (as vLLM's), whose decode keeps
+        # special tokens unless told; outputs skip them by default.
+        assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids,
+                                                          skip_special_tokens=True)
 
 
 def test_temperature_zero_equals_top_k_one(llm):

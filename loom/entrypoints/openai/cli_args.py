@@ -28,7 +28,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM, seconds to let requests in flight finish (new ones "
                             "get 503) before aborting them and exiting")
     group.add_argument("--disable-log-requests", action="store_true",
-                       help="do not log each request")
+                       help="deprecated, as in vLLM: requests are not logged unless "
+                            "--enable-log-requests")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto" (needs --tool-call-parser)')
     group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
@@ -58,6 +59,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--root-path", default="",
                        help="the path prefix a reverse proxy serves the API under and strips "
                             "before forwarding, e.g. /llm (links in /docs carry it)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request (its prompt length and sampling parameters)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no stats line every 10 s while requests run (throughput, "
+                            "running/waiting requests, KV cache usage)")
 
 
 def _port(text: str) -> int:

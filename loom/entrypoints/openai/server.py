@@ -50,6 +50,7 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
                                                       TokenizeCompletionRequest,
                                                       TokenizeResponse)
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from loom.stats_logger import LoggingStatLogger
 
 logger = logging.getLogger("loom.serve")
 
@@ -342,7 +343,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
     print(f"loom serve: loading {config.model.model} ...", flush=True)
     started = time.perf_counter()
     engine = AsyncLLM(config, max_num_waiting=args.max_num_waiting,
-                      log_requests=not args.disable_log_requests)
+                      log_requests=args.enable_log_requests)
     try:
         num_blocks = await engine.start()
     except RuntimeError as error:
@@ -357,6 +358,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
                           "reasoning_parser": args.reasoning_parser}
     state.http_options = HttpOptions.from_args(args)
     engine.on_dead.append(state.engine_died)
+    stats = None if args.disable_log_stats else asyncio.create_task(
+        LoggingStatLogger(engine.metrics, config.model.name).run())
     server = _Server(uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5, root_path=args.root_path,
@@ -371,6 +374,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
     try:
         await serving
     finally:
+        if stats is not None:
+            stats.cancel()
         await engine.shutdown()
     if state.exit_code:
         print(f"loom serve: exiting after engine failure: {engine.dead_error}", file=sys.stderr,

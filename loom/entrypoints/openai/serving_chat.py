@@ -66,10 +66,12 @@ class OpenAIServingChat:
         token_ids = self._render(request)
         requested = (request.max_completion_tokens if request.max_completion_tokens is not None
                      else request.max_tokens)
-        max_tokens = resolve_max_tokens(requested, len(token_ids), self.max_model_len, "messages")
+        defaults = self.engine.config.model.default_sampling_params
+        max_tokens = resolve_max_tokens(requested, len(token_ids), self.max_model_len, "messages",
+                                        defaults.get("max_tokens"))
         params = to_sampling_params(request, max_tokens,
                                     (request.top_logprobs or 0) if request.logprobs else None,
-                                    "top_logprobs", structured_outputs)
+                                    "top_logprobs", structured_outputs, defaults)
         try:
             self.engine.input_processor.validate_params(params)
         except InvalidInputError as error:

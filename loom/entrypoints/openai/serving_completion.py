@@ -76,10 +76,11 @@ class OpenAIServingCompletion:
 
     def _sampling_params(self, request: CompletionRequest, num_prompt_tokens: int
                          ) -> SamplingParams:
+        defaults = self.engine.config.model.default_sampling_params
         max_tokens = resolve_max_tokens(request.max_tokens, num_prompt_tokens,
-                                        self.max_model_len, "prompt")
+                                        self.max_model_len, "prompt", defaults.get("max_tokens"))
         params = to_sampling_params(request, max_tokens, request.logprobs, "logprobs",
-                                    request_structured_outputs(request))
+                                    request_structured_outputs(request), defaults)
         if request.echo and request.logprobs is not None:
             # The echoed prompt's tokens carry logprobs too (the first one None).
             params = params.clone(prompt_logprobs=request.logprobs)

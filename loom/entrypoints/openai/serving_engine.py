@@ -100,9 +100,18 @@ def check_model(requested: str | None, served_model_name: str) -> None:
 
 def to_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
                        logprobs_param: str,
-                       structured_outputs: StructuredOutputsParams | None = None
-                       ) -> SamplingParams:
-    """The request's SamplingParams; a bad value is a 400 naming its request field."""
+                       structured_outputs: StructuredOutputsParams | None = None,
+                       defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's SamplingParams; a bad value is a 400 naming its request field.
+
+    A sampling field the request leaves out takes ``defaults`` (the model's generation
+    config, ``ModelConfig.default_sampling_params``), then loom's own default."""
+    defaults = defaults or {}
+
+    def value(name: str, fallback: Any) -> Any:
+        given = getattr(request, name)
+        return given if given is not None else defaults.get(name, fallback)
+
     logit_bias = None
     if request.logit_bias:
         try:
@@ -113,15 +122,14 @@ def to_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int |
     try:
         return SamplingParams(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=0 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
+            temperature=value("temperature", 1.0),
+            top_p=value("top_p", 1.0),
+            top_k=value("top_k", 0),
+            min_p=value("min_p", 0.0),
             seed=request.seed,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if request.repetition_penalty is None
-                                else request.repetition_penalty),
+            repetition_penalty=value("repetition_penalty", 1.0),
             max_tokens=max_tokens, min_tokens=request.min_tokens,
             stop=request.stop or [], stop_token_ids=list(request.stop_token_ids or []),
             ignore_eos=request.ignore_eos,
@@ -141,10 +149,11 @@ def to_sampling_params(request: SamplingFields, max_tokens: int, logprobs: int |
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       prompt_param: str) -> int:
-    """max_tokens, defaulting to what the context leaves; a 400 when it does not fit."""
+                       prompt_param: str, default: int | None = None) -> int:
+    """max_tokens, defaulting to what the context leaves (at most ``default``, the
+    generation config's max_new_tokens); a 400 when it does not fit."""
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        return min(max_model_len - num_prompt_tokens, default or max_model_len)
     if requested >= 1 and num_prompt_tokens + requested > max_model_len:
         raise OpenAIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -18,6 +18,7 @@ order (outermost first).
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -49,9 +50,28 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.file_size = os.path.getsize(path)
+        if self.file_size == 0:
+            raise ValueError(f"{path} is empty (0 bytes); download the GGUF file again")
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0
+        try:
+            self._parse()
+        except struct.error:
+            raise ValueError(f"{path} is truncated or corrupt: its header ends early "
+                             f"({self.file_size} bytes); download the GGUF file again") from None
+        except (UnicodeDecodeError, KeyError, OverflowError, MemoryError) as error:
+            raise ValueError(f"{path} is corrupt: its header does not parse "
+                             f"({type(error).__name__}); download the GGUF file again") from None
+        expected = max((info.offset + info.num_bytes for info in self.tensors.values()),
+                       default=self._pos)
+        if expected > self.file_size:
+            raise ValueError(f"{path} is truncated: its tensors need {expected} bytes but the "
+                             f"file has {self.file_size}; download the GGUF file again")
+
+    def _parse(self) -> None:
+        path = self.path
         magic, version = self._unpack("<4sI")
         if magic != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (magic {magic!r})")
@@ -97,6 +117,8 @@ class GGUFFile:
         (length,) = struct.unpack_from("<Q", self._map, self._pos)
         start = self._pos + 8
         self._pos = start + length
+        if self._pos > len(self._map):
+            raise struct.error("string past the end of the file")
         return self._map[start:self._pos].decode("utf-8", errors="replace")
 
     def _value(self, value_type: int) -> Any:
@@ -109,6 +131,8 @@ class GGUFFile:
             if elem_type == _ARRAY:
                 return [self._value(_ARRAY) for _ in range(count)]
             dtype = np.dtype(_SCALARS[elem_type][1])
+            if self._pos + count * dtype.itemsize > len(self._map):
+                raise struct.error("array past the end of the file")
             array = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos).copy()
             self._pos += count * dtype.itemsize
             return array
