@@ -13,7 +13,15 @@ and at the end of a stream that did not stop on a stop string
 
 from __future__ import annotations
 
+import logging
+from collections import deque
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
 from loom.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Prompt tokens decoded as context before the first output token. Some decoders change a
 # token's text by position (SentencePiece drops the leading space of the first token), so
@@ -21,6 +29,123 @@ from loom.tokenizer import Tokenizer
 _PROMPT_CONTEXT_TOKENS = 5
 
 _REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
+# DecodeStream is primed with the shortest prompt suffix of at least this many tokens whose
+# text is whole (no U+FFFD), looking back at most _MAX_PROMPT_PRIME_TOKENS.
+_MIN_PROMPT_PRIME_TOKENS = 4
+_MAX_PROMPT_PRIME_TOKENS = 24
+# A character is at most 4 UTF-8 bytes, so at most 3 tokens end inside one.
+_MAX_UTF8_TAIL = 3
+# tokenizers raises this when a decoded window stops starting with the text emitted before
+# (https://github.com/vllm-project/vllm/issues/17448).
+_INVALID_PREFIX_ERROR = "Invalid prefix encountered"
+
+
+def make_detokenizer(tokenizer: Tokenizer, prompt_token_ids: list[int],
+                     skip_special_tokens: bool = True
+                     ) -> FastIncrementalDetokenizer | IncrementalDetokenizer:
+    """The Rust DecodeStream where the tokenizer is a `tokenizers` one, else the Python path."""
+    if isinstance(getattr(tokenizer.hf, "backend_tokenizer", None), BackendTokenizer):
+        return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+
+
+class FastIncrementalDetokenizer:
+    """Text deltas from `tokenizers.decoders.DecodeStream`, as vLLM's FastIncrementalDetokenizer:
+    one call into Rust per token instead of two Python-level decodes of a window.
+
+    DecodeStream keeps the same prefix/read window as IncrementalDetokenizer and returns
+    None while the text ends in an incomplete character (or a token adds no text, e.g. a
+    skipped special token). Beside it this class keeps the ids it has not emitted yet and
+    a few emitted ones as context:
+
+        | ... | context (emitted, last few) | pending (DecodeStream said None) |
+
+    so that flush() can release a trailing incomplete character as U+FFFD, as a full
+    decode shows it, and so that when DecodeStream gives up on a window (its "Invalid
+    prefix" error) the Python path takes over from the same place.
+
+    The stream is primed with a prompt suffix whose text is whole, so the first output
+    token is decoded in context (SentencePiece keeps its leading space). For byte-level
+    BPE the concatenated deltas plus flush() equal tokenizer.decode(output_ids), for any
+    prompt.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._backend: BackendTokenizer = tokenizer.hf.backend_tokenizer
+        prime = _whole_prompt_suffix(self._backend, prompt_token_ids)
+        self._stream = DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
+        self._context: deque[int] = deque(prime[-_PROMPT_CONTEXT_TOKENS:],
+                                          maxlen=_PROMPT_CONTEXT_TOKENS)
+        self._pending: list[int] = []
+        self._fallback: IncrementalDetokenizer | None = None
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append generated ids; return the text they complete (maybe "")."""
+        if self._fallback is not None:
+            return self._fallback.update(new_token_ids)
+        deltas = []
+        for position, token_id in enumerate(new_token_ids):
+            try:
+                text = self._stream.step(self._backend, token_id)
+            except Exception as error:  # noqa: BLE001 — tokenizers raises a bare Exception
+                if not str(error).startswith(_INVALID_PREFIX_ERROR):
+                    raise
+                deltas.append(self._fall_back(new_token_ids[position:], error))
+                break
+            if text is None:
+                self._pending.append(token_id)
+            else:
+                deltas.append(text)
+                self._context.extend(self._pending)
+                self._context.append(token_id)
+                self._pending.clear()
+        return "".join(deltas)
+
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (a trailing incomplete character)."""
+        if self._fallback is not None:
+            return self._fallback.flush()
+        if not self._pending:
+            return ""
+        context = list(self._context)
+        text = self._decode(context + self._pending)[len(self._decode(context)):]
+        self._context.extend(self._pending)
+        self._pending.clear()
+        return text
+
+    def _fall_back(self, token_ids: list[int], error: Exception) -> str:
+        """Continue on the Python path: the context as its prompt, the pending ids unread."""
+        logger.warning("tokenizers' DecodeStream failed (%s); this sequence continues on the "
+                       "Python detokenizer", error)
+        self._fallback = IncrementalDetokenizer(self.tokenizer, list(self._context),
+                                                self.skip_special_tokens)
+        unread, self._pending = self._pending + token_ids, []
+        return self._fallback.update(unread)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _whole_prompt_suffix(backend: BackendTokenizer, prompt_token_ids: list[int]) -> list[int]:
+    """Prompt tokens to prime DecodeStream with: the shortest run of at least
+    _MIN_PROMPT_PRIME_TOKENS ending at the prompt's end whose text is whole (no U+FFFD),
+    looking back at most _MAX_PROMPT_PRIME_TOKENS; none if there is no such run.
+
+    A prompt that ends inside a character (a prompt of token ids may) is primed without
+    its last few tokens: an output token that completes the character then reads as a
+    full decode of the output shows it (U+FFFD), and no prompt text is ever emitted.
+    DecodeStream would emit a primed text that ends in U+FFFD with the next token.
+    """
+    for end in range(len(prompt_token_ids), max(len(prompt_token_ids) - _MAX_UTF8_TAIL, 0) - 1, -1):
+        start_limit = max(end - _MAX_PROMPT_PRIME_TOKENS, 0)
+        for start in range(max(end - _MIN_PROMPT_PRIME_TOKENS, 0), start_limit - 1, -1):
+            suffix = prompt_token_ids[start:end]
+            if _REPLACEMENT_CHAR not in backend.decode(suffix):
+                return suffix
+    return []
 
 
 class IncrementalDetokenizer:

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from loom.core.outputs import EngineCoreOutput, SampleLogprobs
-from loom.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from loom.detokenizer import (FastIncrementalDetokenizer, IncrementalDetokenizer,
+                              StopStringMatcher, make_detokenizer)
 from loom.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobList
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
@@ -27,7 +28,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 class SequenceState:
     index: int
     engine_request_id: str
-    detokenizer: IncrementalDetokenizer
+    detokenizer: FastIncrementalDetokenizer | IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -89,9 +90,8 @@ class OutputProcessor:
         for index in range(params.n):
             sequences.append(SequenceState(
                 index=index, engine_request_id=child_request_id(request_id, index, params.n),
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens),
+                detokenizer=make_detokenizer(self.tokenizer, prompt_token_ids,
+                                             params.skip_special_tokens),
                 stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None))
