@@ -71,3 +71,31 @@ def check_num_blocks(config: EngineConfig, num_blocks: int, bytes_per_block: int
             f"but one sequence of max_model_len={config.model.max_model_len} needs {needed} "
             f"blocks ({needed * bytes_per_block / 2**20:.1f} MiB); lower --max-model-len or "
             "give the cache more memory (--kv-cache-memory or --memory-utilization)")
+
+
+# The CPU's default KV cache (no --kv-cache-memory, no --memory-utilization): what the
+# configured concurrency can fill, at most this much (vLLM's CPU default is 4 GiB).
+# The default model fills it with 23,000 tokens, and `loom serve` stays under 2 GiB.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
+
+
+def lean_cpu_kv_cache_bytes(config: EngineConfig, bytes_per_block: int) -> int:
+    """The CPU's default KV budget: ``max_num_seqs`` sequences of ``max_model_len``, at
+    most DEFAULT_CPU_KV_CACHE_BYTES, at least one sequence of max_model_len.
+
+        SmolLM2-135M, bf16: 22.5 KiB a token; 64 x 4,096 tokens would be 5.6 GiB,
+        capped to 0.5 GiB = 23,296 tokens = 5.7 sequences of 4,096
+    """
+    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    wanted = config.scheduler.max_num_seqs * blocks_per_seq * bytes_per_block
+    return max(min(wanted, DEFAULT_CPU_KV_CACHE_BYTES), blocks_per_seq * bytes_per_block)
+
+
+def kv_cache_summary(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> str:
+    """One line for the start-up log: size, tokens, and how many max_model_len
+    requests fit at once (as vLLM's "Maximum concurrency" line)."""
+    tokens = num_blocks * config.cache.block_size
+    max_model_len = config.model.max_model_len
+    return (f"KV cache {num_blocks * bytes_per_block / 2**30:.2f} GiB, {tokens:,} tokens "
+            f"({num_blocks:,} blocks of {config.cache.block_size}); maximum concurrency for "
+            f"{max_model_len:,} tokens per request: {tokens / max_model_len:.2f}x")

@@ -39,7 +39,7 @@ import weakref
 
 from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, WorkerHungError,
-                                cap_num_blocks, check_num_blocks)
+                                cap_num_blocks)
 from loom.ipc.debris import remove_debris
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import (ExecuteModel, RemoteStatus, Shutdown, StepResult, TaskQueue,
@@ -157,13 +157,9 @@ class MultiProcExecutor(Executor):
         self.profiled_num_blocks = int(self.signals.profiled_blocks.min())
         num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
         self.startup_time_s = time.monotonic() - started
-        from loom.model.loader import kv_cache_bytes_per_block, load_hf_config
-        from loom.worker.model_runner import torch_dtype
-
-        bytes_per_block = kv_cache_bytes_per_block(
-            load_hf_config(self.config.model.model), self.config.cache.block_size,
-            torch_dtype(self.config.model.dtype), parallel.world_size)
-        check_num_blocks(self.config, num_blocks, bytes_per_block)
+        # Every rank ran check_num_blocks on this count before it allocated (a failure
+        # arrived as its ValueError); not repeated here, which would import torch into
+        # the engine core for it (~250 MiB resident).
         logger.info("%d worker(s) ready in %.1fs; %d KV blocks", parallel.world_size,
                     self.startup_time_s, num_blocks)
         return num_blocks

@@ -101,15 +101,13 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        # Attention never reads a slot before writing it, so the cache needs no zeros;
-        # on the CPU it is written once anyway: the first write to each page faults,
-        # and left to the steps that is ~200k faults (~0.25 s) spread over the first
-        # 256 requests. Committed now, the reserved memory is resident from the start.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.model.num_attention_layers)]
-        if self.device.type == "cpu":
-            for cache in self.kv_caches:
-                cache.zero_()
+        # Not zeroed: attention never reads a slot before writing it (padding repeats a
+        # request's last key). One allocation for all layers: on the CPU a large one is
+        # fresh mmap'd memory, resident only once written or populated (the Worker
+        # populates it in the background), and a view per layer.
+        self.kv_cache_storage = torch.empty((self.model.num_attention_layers, *shape),
+                                            dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache_storage.unbind(0))
         self.model.bind_kv_cache(self.kv_caches)
         if self.draft_proposer is not None:
             self.draft_proposer.initialize_kv_cache(num_blocks)

@@ -10,6 +10,7 @@ by ``UniProcExecutor``, or by ``worker_process.run_worker_proc`` in its own proc
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -17,8 +18,11 @@ import torch
 from loom.config import EngineConfig
 from loom.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.executor.base import kv_cache_summary, lean_cpu_kv_cache_bytes
+from loom.progress import progress
 from loom.sampling_params import SamplingParams
 from loom.worker import memory
+from loom.worker.memory import activation_bytes_estimate
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -47,33 +51,84 @@ class Worker:
         self.model_runner = ModelRunner(self.config, self.device, self.tp_group)
 
     def load_model(self) -> None:
+        if self.device.type == "cpu":
+            from loom.kernels import native_ops
+
+            native_ops()  # reports a first-use build itself
+        model = self.config.model.model
+        if self.rank == 0:
+            size = os.path.getsize(model) if os.path.isfile(model) else None
+            progress(f"reading weights from {os.path.basename(model.rstrip('/'))}"
+                     + (f" ({size / 1e6:,.0f} MB)" if size else "") + " ...")
         self.model_runner.load_model()
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks every rank can hold (the minimum over ranks).
 
-        ``num_gpu_blocks_override`` wins, then ``kv_cache_memory_bytes``; otherwise
-        profile: run the largest step, measure the peak, and give the KV cache
+        ``num_gpu_blocks_override`` wins, then ``kv_cache_memory_bytes``, then a given
+        ``memory_utilization``: profile, run the largest step, measure the peak, and
+        give the KV cache
 
             total_memory * memory_utilization - memory after loading - activation peak
 
-        where total_memory is the device's (CUDA) or this rank's share of the
-        memory available to the process when it started (CPU).
+        where total_memory is the device's (CUDA) or this rank's share of the memory
+        available to the process when it started (CPU). None of them given: on CUDA
+        the same with DEFAULT_GPU_MEMORY_UTILIZATION; on the CPU the lean default
+        (``lean_cpu_kv_cache_bytes``), no profiling. A CPU budget must fit in the
+        memory available now, with room for the steps' activations, or start-up fails.
         """
         cache = self.config.cache
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes // bytes_per_block
-        budget = self._profile_kv_budget()
+            budget, source = cache.kv_cache_memory_bytes, "--kv-cache-memory"
+            self._check_cpu_memory(budget, "--kv-cache-memory")
+        elif cache.memory_utilization is None and self.device.type == "cpu":
+            budget, source = self._lean_cpu_budget(bytes_per_block), "the CPU default"
+        else:
+            budget, source = self._profile_kv_budget(), "profiling"
         num_blocks = self.tp_group.all_reduce_min(max(0, budget // bytes_per_block))
-        logger.info("rank %d: KV cache of %d blocks (%.1f MiB) from profiling", self.rank,
-                    num_blocks, num_blocks * bytes_per_block / 2**20)
+        logger.info("rank %d: KV cache of %d blocks (%.1f MiB) from %s", self.rank,
+                    num_blocks, num_blocks * bytes_per_block / 2**20, source)
         return num_blocks
+
+    def _lean_cpu_budget(self, bytes_per_block: int) -> int:
+        """The lean default, shrunk to the memory available now if that is less, but
+        never below one max_model_len sequence (then start-up fails naming the knobs)."""
+        wanted = lean_cpu_kv_cache_bytes(self.config, bytes_per_block)
+        available, reserve = self._cpu_memory_available(), self._activation_reserve()
+        if wanted + reserve <= available:
+            return wanted
+        one_sequence = -(-self.config.model.max_model_len // self.config.cache.block_size)
+        self._check_cpu_memory(one_sequence * bytes_per_block, "--max-model-len")
+        logger.warning("rank %d: %.2f GiB of memory available; the KV cache gets %.2f GiB "
+                       "instead of %.2f GiB", self.rank, available / 2**30,
+                       (available - reserve) / 2**30, wanted / 2**30)
+        return available - reserve
+
+    def _check_cpu_memory(self, kv_bytes: int, knob: str) -> None:
+        """Fail, naming ``knob``, if ``kv_bytes`` of KV cache and the steps' activations
+        would not fit in the memory available to this rank now (CPU only)."""
+        if self.device.type != "cpu":
+            return
+        available, reserve = self._cpu_memory_available(), self._activation_reserve()
+        if kv_bytes + reserve > available:
+            raise ValueError(
+                f"a KV cache of {kv_bytes / 2**30:.2f} GiB and about {reserve / 2**30:.2f} GiB "
+                f"for activations need more than the {available / 2**30:.2f} GiB of memory "
+                f"available; lower {knob} (or --max-num-batched-tokens), or free memory")
+
+    def _cpu_memory_available(self) -> int:
+        return memory.cpu_available_memory() // self.config.parallel.ranks_per_node
+
+    def _activation_reserve(self) -> int:
+        return activation_bytes_estimate(self.model_runner.hf_config, self.config)
 
     def _profile_kv_budget(self) -> int:
         utilization = self.config.cache.memory_utilization
+        if utilization is None:
+            utilization = DEFAULT_GPU_MEMORY_UTILIZATION
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -95,17 +150,30 @@ class Worker:
         return int(self.cpu_total_memory * utilization) - used_after_load - activation_peak
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks``; on the CPU its pages are populated by a background
+        thread (``memory.populate_in_background``) while start-up goes on."""
         self.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.populate_thread = None
+        if self.device.type == "cpu":
+            storage = self.model_runner.kv_cache_storage
+            self.populate_thread = memory.populate_in_background(
+                [(storage.data_ptr(), storage.numel() * storage.element_size())])
+        if self.rank == 0:
+            progress(kv_cache_summary(self.config, num_blocks,
+                                      self.model_runner.kv_cache_bytes_per_block))
 
     def warm_up(self) -> None:
-        """One dummy decode step at each batch size 1, 2, ... before any request.
+        """One dummy decode step at batch sizes 1, 2, 4, ... before any request.
 
-        On CPU, oneDNN builds a matmul kernel the first time it meets a shape, so the
-        first step at each decode batch size ran about 1.5 ms (CPU) slower than the
-        next (benchmarks/warm_up.md). Prefill chunks are not warmed: any token count
-        up to max_num_batched_tokens may come, and there it is lost in the step.
-        Batch sizes go up to max_num_seqs, at most WARM_UP_MAX_BATCH, and stop once
+        Where oneDNN runs the linears (CPUs without AVX512-BF16), it builds a matmul
+        kernel the first time it meets a shape, so the first step at each decode batch
+        size ran about 1.5 ms (CPU) slower than the next (benchmarks/warm_up.md); loom's
+        own matmul builds nothing per shape. Powers of two only: a start-up of a few
+        tenths of a second, not the seconds every size took, for a gain of ~0.1 s over
+        a process's life. Prefill chunks are not warmed: any token count up to
+        max_num_batched_tokens may come, and there it is lost in the step. Batch sizes
+        go up to max_num_seqs, at most WARM_UP_MAX_BATCH, and stop once
         WARM_UP_BUDGET_S has passed on any rank (every rank runs the same steps, so
         collectives stay in step). Nothing on CUDA yet (no CUDA graphs). Off with
         ``enable_warm_up=False``.
@@ -118,8 +186,12 @@ class Worker:
         started = time.monotonic()
         max_batch = min(self.config.scheduler.max_num_seqs,
                         self.config.scheduler.max_num_batched_tokens, WARM_UP_MAX_BATCH)
+        if self.rank == 0:
+            progress("warming up ...")
+        # 0: the one-token prefill the others read; then 1, 2, 4, ..., max_batch
+        batches = [0] + [2**i for i in range(max_batch.bit_length()) if 2**i < max_batch]
         finished: list[str] = []
-        for batch in range(max_batch + 1):  # 0: the one-token prefill the others read
+        for batch in batches + [max_batch]:
             step = dummy_step(batch, block_ids, finished)
             self.model_runner.execute_model(step)
             finished = list(step.num_scheduled_tokens)
@@ -128,7 +200,7 @@ class Worker:
                 break
         self.model_runner.execute_model(dummy_step(None, block_ids, finished))
         assert not self.model_runner.requests, "warm-up left requests in the model runner"
-        logger.info("rank %d: warmed up decode batch sizes 1..%d of %d in %.2fs", self.rank,
+        logger.info("rank %d: warmed up decode batch sizes up to %d of %d in %.2fs", self.rank,
                     batch, max_batch, time.monotonic() - started)
 
     def _warm_up_block_ids(self) -> list[int]:
@@ -143,10 +215,11 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
 
-# Warm-up time grows as the square of the largest batch; past 64 a cold first step
-# costs its 1-2 ms in a step of 60 ms or more.
+# Past 64 a cold first step costs its 1-2 ms in a step of 60 ms or more.
 WARM_UP_MAX_BATCH = 64
-WARM_UP_BUDGET_S = 2.5  # a slow machine or a large model warms up fewer batch sizes
+WARM_UP_BUDGET_S = 1.0  # a slow machine or a large model warms up fewer batch sizes
+# No --memory-utilization on CUDA: the share of the device the KV cache may take.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
 DUMMY_PROMPT_LEN = 2
 _DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 

@@ -42,8 +42,8 @@ def ready_worker(model_dir: str, **kwargs) -> tuple[Worker, list]:
 def test_warm_up_decodes_each_batch_size_and_leaves_the_runner_empty(model_dir):
     worker, steps = ready_worker(model_dir)
     worker.warm_up()
-    # a one-token prefill, decode steps of 1..max_num_seqs tokens, a step that forgets
-    assert [num_tokens for num_tokens, _, _ in steps] == [1, *range(1, 9), 0]
+    # a one-token prefill, decode steps of 1, 2, 4 .. max_num_seqs tokens, a step that forgets
+    assert [num_tokens for num_tokens, _, _ in steps] == [1, 1, 2, 4, 8, 0]
     assert all(len(sampled) == len(req_ids) and all(len(t) == 1 for t in sampled)
                for _, req_ids, sampled in steps)
     assert worker.model_runner.requests == {}

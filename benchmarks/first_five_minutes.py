@@ -1,0 +1,117 @@
+"""The first five minutes on the default model: memory and time to a first answer.
+
+    python benchmarks/first_five_minutes.py [--cold] [--port 8123] [-- extra loom args]
+
+Runs ``loom generate --prompt Hello`` (wall time) and ``loom serve`` (time until
+/health answers 200, then the resident set of every process of the server: API
+server, engine core, worker, measured with psutil), and prints one Markdown row
+each. ``--cold`` points LOOM_CACHE_DIR at an empty directory, so the native
+kernels compile (the default model still comes from the installed package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import psutil
+
+LOOM = [sys.executable, "-m", "loom.cli"]
+
+
+def time_generate(env: dict[str, str], extra: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(LOOM + ["generate", "--prompt", "Hello", "--max-tokens", "16"] + extra,
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def serve_until_ready(env: dict[str, str], port: int, extra: list[str]) -> None:
+    started = time.perf_counter()
+    server = subprocess.Popen(LOOM + ["serve", "--port", str(port)] + extra, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"loom serve exited with {server.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        ready_s = time.perf_counter() - started
+        time.sleep(3.0)  # the KV cache populated, start-up's transients settled
+        rows = resident_sets(server.pid)
+        print(f"| serve: time to /health 200 | {ready_s:.1f} s |")
+        for name, rss in rows:
+            print(f"| serve: RSS {name} | {rss / 2**20:,.0f} MiB |")
+        print(f"| serve: RSS all processes | {sum(rss for _, rss in rows) / 2**20:,.0f} MiB |")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+            model = json.load(r)["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        started = time.perf_counter()
+        urllib.request.urlopen(request, timeout=60).read()
+        print(f"| serve: first completion (16 tokens) | {time.perf_counter() - started:.2f} s |")
+        rows = resident_sets(server.pid)
+        print(f"| serve: RSS all processes after it | "
+              f"{sum(rss for _, rss in rows) / 2**20:,.0f} MiB |")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+
+
+def resident_sets(pid: int) -> list[tuple[str, int]]:
+    """(role, RSS) of the server process and its descendants."""
+    root = psutil.Process(pid)
+    rows = []
+    for process in [root] + root.children(recursive=True):
+        try:
+            cmdline = " ".join(process.cmdline())
+            rss = process.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+        if process.pid == pid:
+            role = "API server"
+        elif "resource_tracker" in cmdline:
+            role = "resource tracker"
+        elif process.name().startswith("loom-worker") or "worker" in process.name():
+            role = f"worker ({process.name()})"
+        else:
+            role = f"{process.name()}"
+        rows.append((f"{role} pid {process.pid}", rss))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cold", action="store_true", help="empty LOOM_CACHE_DIR")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--skip-serve", action="store_true")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    env = dict(os.environ)
+    print("| measure | value |\n|---|---|")
+    if not args.skip_generate:
+        if args.cold:
+            env["LOOM_CACHE_DIR"] = tempfile.mkdtemp(prefix="loom-cold-")
+        print(f"| generate --prompt Hello: wall | {time_generate(env, extra):.1f} s |")
+    if not args.skip_serve:
+        if args.cold:
+            env["LOOM_CACHE_DIR"] = tempfile.mkdtemp(prefix="loom-cold-")
+        serve_until_ready(env, args.port, extra)
+
+
+if __name__ == "__main__":
+    main()
