@@ -186,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_command(commands)
     _add_worker_command(commands)
     from loom.bench.cli import add_bench_command
+    from loom.default_model import add_download_command
 
     add_bench_command(commands)
+    add_download_command(commands)
     return parser
 
 
