@@ -2,8 +2,9 @@
 
 Life cycle:
 
-    bind the socket (fail fast on a busy port) -> start the engine core process and
-    wait until it has loaded the model -> serve, printing "ready on http://HOST:PORT"
+    bind the socket (fail fast on a busy port) -> serve at once, every route answering
+    503 {"status": "loading"} -> start the engine core process and wait until it has
+    loaded the model -> the real routes, printing "ready on http://HOST:PORT"
     -> SIGTERM: drain (new requests get 503) for up to --shutdown-timeout, abort what
     is left, exit 0 | engine core died: fail requests in flight, /health 503, exit 1
 
@@ -23,6 +24,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import loom
-from loom.async_llm import AsyncLLM
+from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
 from loom.config import EngineConfig
 from loom.entrypoints.openai.cli_args import ssl_config
 from loom.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -50,6 +52,7 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
                                                       TokenizeCompletionRequest,
                                                       TokenizeResponse)
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from loom.sampling_params import SamplingParams
 from loom.stats_logger import LoggingStatLogger
 
 logger = logging.getLogger("loom.serve")
@@ -57,7 +60,8 @@ logger = logging.getLogger("loom.serve")
 # After the engine died, keep answering (503) this long so clients and probes see
 # why, then exit 1.
 _DEAD_ENGINE_EXIT_DELAY_S = 1.0
-_UNGUARDED_PATHS = ("/health", "/ping", "/docs", "/docs/oauth2-redirect", "/openapi.json")
+_HEALTH_GENERATE_TIMEOUT_S = 30.0
+_UNGUARDED_PATHS = ("/health", "/health_generate", "/ping", "/docs", "/docs/oauth2-redirect", "/openapi.json")
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,9 @@ class HttpOptions:
 class ServerState:
     """What the routes and guards consult: the engine, the key, draining, the exit code."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None,
+    def __init__(self, engine: AsyncLLM | None, served_model_name: str, api_key: str | None,
                  shutdown_timeout: float) -> None:
-        self.engine = engine
+        self.engine = engine  # None until the model has loaded
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.shutdown_timeout = shutdown_timeout
@@ -96,16 +100,20 @@ class ServerState:
 
     @property
     def healthy(self) -> bool:
-        return not self.draining and not self.engine.is_dead
+        return self.engine is not None and not self.draining and not self.engine.is_dead
 
     def begin_drain(self) -> None:
-        """SIGTERM: refuse new requests, let those in flight finish, then stop."""
+        """SIGTERM (or Ctrl-C): refuse new requests, let those in flight finish, then stop."""
+        if self.engine is None:  # still loading: nothing to drain
+            logger.info("stopping while the model loads")
+            self._stop()
+            return
         if self.draining:
             logger.warning("second SIGTERM: stopping now")
             self._stop()
             return
         self.draining = True
-        logger.info("SIGTERM: draining %d requests in flight for up to %.0f s",
+        logger.info("draining %d requests in flight for up to %.0f s",
                     self.engine.num_requests_in_flight, self.shutdown_timeout)
         asyncio.get_running_loop().create_task(self._drain())
 
@@ -251,6 +259,31 @@ def build_app(state: ServerState) -> FastAPI:
         reason = "draining" if state.draining else f"engine dead: {engine.dead_error}"
         return JSONResponse({"status": reason}, status_code=503)
 
+    @app.get("/health_generate")
+    async def health_generate(timeout: float = _HEALTH_GENERATE_TIMEOUT_S) -> Response:
+        """The deep probe: one greedy token through the whole path (tokens to the engine
+        core, a step on every worker, the output back), within ``timeout`` seconds."""
+        if not state.healthy:
+            return await health()
+        started = time.perf_counter()
+        token_ids = engine.tokenizer.encode("ping") or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            stream = engine.add_request(f"health-{uuid.uuid4().hex}", None, token_ids, params,
+                                        stream=False)
+        except (EngineDeadError, QueueFullError) as error:
+            return JSONResponse({"status": str(error)}, status_code=503)
+        try:
+            async with asyncio.timeout(timeout):
+                async for _ in stream:
+                    pass
+        except TimeoutError:
+            stream.abort()
+            return JSONResponse({"status": f"no token within {timeout:g}s"}, status_code=503)
+        except (EngineDeadError, RequestAbortedError) as error:
+            return JSONResponse({"status": str(error)}, status_code=503)
+        return JSONResponse({"status": "ok", "latency_s": round(time.perf_counter() - started, 4)})
+
     @app.get("/ping")
     @app.post("/ping")
     async def ping() -> Response:
@@ -314,9 +347,35 @@ class _Server(uvicorn.Server):
             loop.remove_signal_handler(signal.SIGINT)
 
     def _interrupt(self) -> None:
-        if self.should_exit:
-            self.force_exit = True
-        self.should_exit = True
+        """Ctrl-C drains as SIGTERM does; a second one stops at once."""
+        if self.state.draining or self.state.engine is None:
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        self.state.begin_drain()
+
+
+class _LoadingSwitch:
+    """The ASGI app uvicorn serves from the moment the port is bound: until the model
+    has loaded, 503 on every route ({"status": "loading"} on the health probes), then
+    the real app."""
+
+    def __init__(self) -> None:
+        self.app = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if _route_path(scope) in ("/health", "/health_generate", "/ping"):
+            body = {"status": "loading"}
+        else:
+            body = error_body("the model is still loading; retry when /health answers 200",
+                              "service_unavailable", code="service_unavailable")
+        response = JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        await response(scope, receive, send)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -340,37 +399,46 @@ def serve(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socket.socket) -> int:
     host, port = listener.getsockname()[:2]
-    print(f"loom serve: loading {config.model.model} ...", flush=True)
-    started = time.perf_counter()
-    engine = AsyncLLM(config, max_num_waiting=args.max_num_waiting,
-                      log_requests=args.enable_log_requests)
-    try:
-        num_blocks = await engine.start()
-    except RuntimeError as error:
-        print(f"loom serve: error: {error}", file=sys.stderr, flush=True)
-        await engine.shutdown()
-        return 1
-    print(f"loom serve: loaded in {time.perf_counter() - started:.1f} s; KV cache of "
-          f"{num_blocks} blocks of {config.cache.block_size} tokens", flush=True)
-    state = ServerState(engine, config.model.name, args.api_key, args.shutdown_timeout)
+    url = f"{'https' if args.ssl_certfile else 'http'}://{_url_host(host)}:{port}"
+    state = ServerState(None, config.model.name, args.api_key, args.shutdown_timeout)
     state.chat_options = {"enable_auto_tool_choice": args.enable_auto_tool_choice,
                           "tool_call_parser": args.tool_call_parser,
                           "reasoning_parser": args.reasoning_parser}
     state.http_options = HttpOptions.from_args(args)
-    engine.on_dead.append(state.engine_died)
-    stats = None if args.disable_log_stats else asyncio.create_task(
-        LoggingStatLogger(engine.metrics, config.model.name).run())
-    server = _Server(uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level,
+    switch = _LoadingSwitch()
+    server = _Server(uvicorn.Config(switch, log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5, root_path=args.root_path,
                                     **ssl_config(args)), state)
     state.server = server
     serving = asyncio.create_task(server.serve(sockets=[listener]))
-    while not server.started and not serving.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        scheme = "https" if args.ssl_certfile else "http"
-        print(f"loom serve: ready on {scheme}://{_url_host(host)}:{port}", flush=True)
+    print(f"loom serve: listening on {url} (503 until loaded); loading {config.model.model} ...",
+          flush=True)
+    started = time.perf_counter()
+    loading = asyncio.create_task(_start_engine(args, config, state))
+    await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():  # stopped (SIGINT, SIGTERM) while loading
+        loading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loading
+        await serving
+        return 130
+    try:
+        num_blocks = loading.result()
+    except RuntimeError as error:
+        print(f"loom serve: error: {error}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        await serving
+        return 1
+    engine = state.engine
+    print(f"loom serve: loaded in {time.perf_counter() - started:.1f} s; KV cache of "
+          f"{num_blocks} blocks of {config.cache.block_size} tokens", flush=True)
+    engine.on_dead.append(state.engine_died)
+    stats = None if args.disable_log_stats else asyncio.create_task(
+        LoggingStatLogger(engine.metrics, config.model.name).run())
+    switch.app = build_app(state)
+    if not serving.done():
+        print(f"loom serve: ready on {url}", flush=True)
     try:
         await serving
     finally:
@@ -381,6 +449,22 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
         print(f"loom serve: exiting after engine failure: {engine.dead_error}", file=sys.stderr,
               flush=True)
     return state.exit_code
+
+
+async def _start_engine(args: argparse.Namespace, config: EngineConfig,
+                        state: ServerState) -> int:
+    """Build the engine (the tokenizer loads in a thread, so the port answers meanwhile)
+    and start its core; returns its KV blocks. Cancelled: stops what was started."""
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, lambda: AsyncLLM(
+        config, max_num_waiting=args.max_num_waiting, log_requests=args.enable_log_requests))
+    try:
+        num_blocks = await engine.start()
+    except BaseException:
+        await engine.shutdown(timeout=2.0)
+        raise
+    state.engine = engine
+    return num_blocks
 
 
 def _bind(host: str, port: int) -> socket.socket:
