@@ -7,6 +7,7 @@ import inspect
 import itertools
 import logging
 import multiprocessing
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loom.config import EngineConfig
 from loom.default_model import default_model_path
+from loom.executor.base import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
@@ -51,7 +53,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         _check_not_importing_main()
-        self.engine = LLMEngine.from_args(model or default_model_path(), **engine_kwargs(kwargs))
+        try:
+            self.engine = LLMEngine.from_args(model or default_model_path(),
+                                              **engine_kwargs(kwargs))
+        except WorkerDiedError as error:
+            if error.exitcode == _MISSING_MAIN_GUARD_EXIT_CODE:
+                raise RuntimeError(_MISSING_MAIN_GUARD) from None
+            raise
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -179,13 +187,19 @@ def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+_MISSING_MAIN_GUARD = (
+    "a worker process re-imported the main script and it created an LLM again; create the "
+    "LLM under `if __name__ == \"__main__\":` in your script (worker processes start with "
+    "multiprocessing's spawn, which re-imports it)")
+# How such a worker exits, so that the LLM being built in the parent can say why.
+_MISSING_MAIN_GUARD_EXIT_CODE = 3
+
+
 def _check_not_importing_main() -> None:
     """Worker processes start with ``spawn``, which re-imports the main script; a script
     that makes an ``LLM`` at import time would make one again in every worker. Python
-    marks that re-import (``_inheriting``, the flag its own check reads): stop there
-    with the fix, without a traceback."""
+    marks that re-import (``_inheriting``, the flag its own check reads): stop there,
+    with one line naming the fix and no traceback."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SystemExit(
-            "loom: error: a worker process re-imported the main script and it created an LLM "
-            "again; create the LLM under `if __name__ == \"__main__\":` in your script (worker "
-            "processes start with multiprocessing's spawn, which re-imports it)")
+        print(f"loom: error: {_MISSING_MAIN_GUARD}", file=sys.stderr, flush=True)
+        raise SystemExit(_MISSING_MAIN_GUARD_EXIT_CODE)
