@@ -19,7 +19,6 @@ DTYPE_CHOICES = (*_DTYPES, *_DTYPE_ALIASES)
 # generation_config.json keys that become a request's defaults, as vLLM applies them.
 _GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
                            "max_new_tokens")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
 
 
@@ -340,6 +339,8 @@ class EngineConfig:
         ``trust_remote_code`` and ``enforce_eager`` are accepted for vLLM's sake: loom
         never runs a checkpoint's code, and captures no CUDA graphs yet.
         """
+        from loom.config_checks import (check_architecture_before_loading, check_kv_budget,
+                                        check_tensor_parallel, check_tokenizer_files)
         from loom.model.loader import load_hf_config
         from loom.model.models.registry import get_model_architecture
 
@@ -353,12 +354,12 @@ class EngineConfig:
         if enforce_eager:
             logger.info("--enforce-eager: loom captures no CUDA graphs yet, so every step "
                         "already runs eagerly")
-        _check_architecture_before_loading(model)
+        check_architecture_before_loading(model)
         hf_config = load_hf_config(model)
         get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
         if not skip_tokenizer_init:
-            _check_tokenizer_files(model, tokenizer)
-        _check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
+            check_tokenizer_files(model, tokenizer)
+        check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
         limit = _max_position_embeddings(hf_config)
         if max_model_len is None:
             max_model_len = min(limit, 4096) if limit else 4096
@@ -379,7 +380,7 @@ class EngineConfig:
                             num_gpu_blocks_override=num_gpu_blocks_override,
                             kv_cache_memory_bytes=kv_cache_memory_bytes,
                             memory_utilization=memory_utilization)
-        _check_kv_budget(hf_config, cache, dtype, tensor_parallel_size, max_model_len)
+        check_kv_budget(hf_config, cache, dtype, tensor_parallel_size, max_model_len)
         sampling_defaults = load_sampling_defaults(model, generation_config,
                                                    override_generation_config)
         return cls(
@@ -451,108 +452,6 @@ def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
                        "fallback there); pass --dtype float32 for full precision")
         dtype = "bfloat16"
     return dtype
-
-
-def _check_architecture_before_loading(model: str) -> None:
-    """A checkpoint directory whose config.json names only architectures loom does not
-    implement fails here, before transformers parses it (an unknown model_type is a
-    long transformers error) and before the tokenizer is looked for."""
-    from loom.model.models.registry import supported_architectures
-
-    config_path = os.path.join(model, "config.json")
-    if not os.path.isfile(config_path):
-        if os.path.isdir(model):
-            raise ValueError(f"model directory {model} has no config.json; give a Hugging Face "
-                             "checkpoint directory or a .gguf file")
-        return
-    try:
-        with open(config_path) as f:
-            architectures = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError) as error:
-        raise ValueError(f"cannot read {config_path}: {error}; is it a Hugging Face "
-                         "config.json?") from None
-    supported = supported_architectures()
-    if architectures and not set(architectures) & set(supported):
-        raise ValueError(f"model architecture {', '.join(architectures)} ({config_path}) is not "
-                         f"supported; supported: {', '.join(supported)}")
-
-
-def _check_tokenizer_files(model: str, tokenizer: str | None) -> None:
-    """A checkpoint directory without a tokenizer fails before any weight is read."""
-    source = tokenizer or model
-    if not os.path.exists(source):
-        raise ValueError(f"tokenizer path {source} does not exist; pass --tokenizer with a "
-                         "Hugging Face model directory or a .gguf file")
-    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, name))
-                                         for name in _TOKENIZER_FILES):
-        flag = "--tokenizer" if tokenizer is None else "another --tokenizer"
-        raise ValueError(f"{source} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
-                         f"pass {flag} with the directory that holds the model's tokenizer")
-
-
-def _check_tensor_parallel(hf_config, tensor_parallel_size: int, nnodes: int,
-                           device: str) -> None:
-    """The heads must split evenly over the ranks; checked before any rank starts."""
-    tp = tensor_parallel_size
-    num_heads = getattr(hf_config, "num_attention_heads", None)
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    if num_heads and num_heads % tp:
-        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {num_heads} "
-                         f"attention heads; use one of {_divisors(num_heads)}")
-    if num_kv_heads and (num_kv_heads % tp if tp < num_kv_heads else tp % num_kv_heads):
-        valid = [d for d in _divisors(num_heads or tp)
-                 if (num_kv_heads % d == 0 if d < num_kv_heads else d % num_kv_heads == 0)]
-        raise ValueError(f"--tensor-parallel-size {tp} does not fit the model's {num_kv_heads} "
-                         f"KV heads (it must divide them, or be a multiple of them); use one "
-                         f"of {valid}")
-    if device == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else os.cpu_count() or 1
-        ranks_here = tp // max(nnodes, 1)
-        if ranks_here > cores:
-            logger.warning("%d tensor-parallel ranks on this host but only %d CPU cores: the "
-                           "ranks will share cores and run slower than fewer ranks would",
-                           ranks_here, cores)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_size: int,
-                     max_model_len: int) -> None:
-    """An explicit KV budget (--kv-cache-memory or --num-gpu-blocks-override) that cannot
-    hold one sequence of max_model_len fails before the weights load. A budget profiled
-    from free memory is checked by the executor once it is known."""
-    if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
-        return
-    import torch
-
-    from loom.model.loader import kv_cache_bytes_per_block
-
-    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size,
-                                               getattr(torch, dtype), tensor_parallel_size)
-    needed = -(-max_model_len // cache.block_size)
-    if cache.num_gpu_blocks_override is not None:
-        num_blocks, flag = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
-        have = f"{num_blocks} blocks"
-    else:
-        num_blocks = cache.kv_cache_memory_bytes // bytes_per_block
-        flag = "--kv-cache-memory"
-        have = f"{_format_bytes(cache.kv_cache_memory_bytes)} ({num_blocks} blocks)"
-    if num_blocks < needed:
-        raise ValueError(
-            f"{flag}: {have} of {cache.block_size} tokens ({_format_bytes(bytes_per_block)} "
-            f"each per rank) cannot hold one sequence of max_model_len={max_model_len}, which "
-            f"needs {needed} blocks ({_format_bytes(needed * bytes_per_block)}); raise {flag} "
-            f"or lower --max-model-len to at most {num_blocks * cache.block_size}")
-
-
-def _format_bytes(num_bytes: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{num_bytes} B"
 
 
 def load_sampling_defaults(model: str, generation_config: str = "auto",

@@ -133,13 +133,13 @@ def test_tensor_parallel_size_is_checked_against_heads_before_any_process(tiny_m
 def test_tensor_parallel_size_is_checked_against_kv_heads():
     from checkpoints import make_tiny_config
 
-    from loom.config import _check_tensor_parallel
+    from loom.config_checks import check_tensor_parallel
 
     config = make_tiny_config("llama")
     config.num_attention_heads, config.num_key_value_heads = 12, 4
     with pytest.raises(ValueError, match=r"6 does not fit the model's 4 KV heads.*\[1, 2, 4, 12\]"):
-        _check_tensor_parallel(config, 6, 1, "cpu")
-    _check_tensor_parallel(config, 4, 1, "cpu")
+        check_tensor_parallel(config, 6, 1, "cpu")
+    check_tensor_parallel(config, 4, 1, "cpu")
 
 
 def test_kv_budget_too_small_for_one_sequence_fails_before_loading(tiny_model):

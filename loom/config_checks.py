@@ -1,0 +1,119 @@
+"""Checks of user arguments against the checkpoint that ``EngineConfig.from_args`` runs
+before any weight is read or any process starts, so that a bad argument is one line
+naming it and the fix: the architecture (before the tokenizer is looked for), the
+tokenizer files, the tensor-parallel split of the heads, an explicit KV budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from loom.config import CacheConfig
+
+logger = logging.getLogger("loom.config")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_architecture_before_loading(model: str) -> None:
+    """A checkpoint directory whose config.json names only architectures loom does not
+    implement fails here, before transformers parses it (an unknown model_type is a
+    long transformers error) and before the tokenizer is looked for."""
+    from loom.model.models.registry import supported_architectures
+
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        if os.path.isdir(model):
+            raise ValueError(f"model directory {model} has no config.json; give a Hugging Face "
+                             "checkpoint directory or a .gguf file")
+        return
+    try:
+        with open(config_path) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"cannot read {config_path}: {error}; is it a Hugging Face "
+                         "config.json?") from None
+    supported = supported_architectures()
+    if architectures and not set(architectures) & set(supported):
+        raise ValueError(f"model architecture {', '.join(architectures)} ({config_path}) is not "
+                         f"supported; supported: {', '.join(supported)}")
+
+
+def check_tokenizer_files(model: str, tokenizer: str | None) -> None:
+    """A checkpoint directory without a tokenizer fails before any weight is read."""
+    source = tokenizer or model
+    if not os.path.exists(source):
+        raise ValueError(f"tokenizer path {source} does not exist; pass --tokenizer with a "
+                         "Hugging Face model directory or a .gguf file")
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, name))
+                                         for name in _TOKENIZER_FILES):
+        flag = "--tokenizer" if tokenizer is None else "another --tokenizer"
+        raise ValueError(f"{source} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                         f"pass {flag} with the directory that holds the model's tokenizer")
+
+
+def check_tensor_parallel(hf_config, tensor_parallel_size: int, nnodes: int,
+                           device: str) -> None:
+    """The heads must split evenly over the ranks; checked before any rank starts."""
+    tp = tensor_parallel_size
+    num_heads = getattr(hf_config, "num_attention_heads", None)
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_heads and num_heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {num_heads} "
+                         f"attention heads; use one of {_divisors(num_heads)}")
+    if num_kv_heads and (num_kv_heads % tp if tp < num_kv_heads else tp % num_kv_heads):
+        valid = [d for d in _divisors(num_heads or tp)
+                 if (num_kv_heads % d == 0 if d < num_kv_heads else d % num_kv_heads == 0)]
+        raise ValueError(f"--tensor-parallel-size {tp} does not fit the model's {num_kv_heads} "
+                         f"KV heads (it must divide them, or be a multiple of them); use one "
+                         f"of {valid}")
+    if device == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        ranks_here = tp // max(nnodes, 1)
+        if ranks_here > cores:
+            logger.warning("%d tensor-parallel ranks on this host but only %d CPU cores: the "
+                           "ranks will share cores and run slower than fewer ranks would",
+                           ranks_here, cores)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_size: int,
+                     max_model_len: int) -> None:
+    """An explicit KV budget (--kv-cache-memory or --num-gpu-blocks-override) that cannot
+    hold one sequence of max_model_len fails before the weights load. A budget profiled
+    from free memory is checked by the executor once it is known."""
+    if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
+        return
+    import torch
+
+    from loom.model.loader import kv_cache_bytes_per_block
+
+    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size,
+                                               getattr(torch, dtype), tensor_parallel_size)
+    needed = -(-max_model_len // cache.block_size)
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks, flag = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
+        have = f"{num_blocks} blocks"
+    else:
+        num_blocks = cache.kv_cache_memory_bytes // bytes_per_block
+        flag = "--kv-cache-memory"
+        have = f"{_format_bytes(cache.kv_cache_memory_bytes)} ({num_blocks} blocks)"
+    if num_blocks < needed:
+        raise ValueError(
+            f"{flag}: {have} of {cache.block_size} tokens ({_format_bytes(bytes_per_block)} "
+            f"each per rank) cannot hold one sequence of max_model_len={max_model_len}, which "
+            f"needs {needed} blocks ({_format_bytes(needed * bytes_per_block)}); raise {flag} "
+            f"or lower --max-model-len to at most {num_blocks * cache.block_size}")
+
+
+def _format_bytes(num_bytes: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"
