@@ -148,7 +148,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = _route_path(scope)
-        if path in _UNGUARDED_PATHS or _is_cors_preflight(scope):
+        if path in _UNGUARDED_PATHS:
             await self.app(scope, receive, send)
             return
         if self._expected is not None:
@@ -177,13 +177,6 @@ def _route_path(scope) -> str:
     if root_path and path.startswith(root_path + "/"):
         return path[len(root_path):]
     return path
-
-
-def _is_cors_preflight(scope) -> bool:
-    """OPTIONS with Access-Control-Request-Method: a browser asks before the real request,
-    and never sends credentials with the question."""
-    return (scope["method"] == "OPTIONS"
-            and any(name == b"access-control-request-method" for name, _ in scope["headers"]))
 
 
 def _json_body(*models: type[BaseModel]) -> dict[str, Any]:
@@ -228,8 +221,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="loom", version=loom.__version__, redoc_url=None)
     _install_openapi(app, bearer_auth=state.api_key is not None)
     app.add_middleware(GuardMiddleware, state=state)
-    # Added last, so outermost: preflights are answered, and every response (a 401 too)
-    # gets its CORS headers, before the guard runs.
+    # Added last, so outermost: CORS preflights (OPTIONS with Access-Control-Request-Method,
+    # never carrying credentials) are answered here without meeting the guard, and every
+    # response, a 401 too, gets its CORS headers.
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                        allow_methods=list(options.allowed_methods),
                        allow_headers=list(options.allowed_headers),
