@@ -31,8 +31,7 @@ class LLMEngine:
                                             config.model.chat_template)
         self.input_processor = InputProcessor(config.model, self.tokenizer,
                                               config.structured_outputs)
-        self.engine_core = EngineCore(config, _make_executor(config),
-                                      make_structured_output_manager(config, self.tokenizer))
+        self.engine_core = EngineCore.from_config(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -79,33 +78,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
-
-
-def make_structured_output_manager(config: EngineConfig, tokenizer: Tokenizer | None = None):
-    """The engine core's grammar manager; without ``tokenizer`` it loads the model's own
-    the first time a request needs a grammar."""
-    from loom.structured_output import StructuredOutputManager
-
-    def tokenizer_factory() -> Tokenizer:
-        if tokenizer is not None:
-            return tokenizer
-        return load_tokenizer(config.model.model, config.model.tokenizer,
-                              config.model.chat_template)
-
-    vocab_size = config.model.vocab_size or (len(tokenizer.hf) if tokenizer is not None else 0)
-    return StructuredOutputManager(config.structured_outputs, tokenizer_factory, vocab_size)
-
-
-def _make_executor(config: EngineConfig):
-    """Worker processes for more than one rank or when asked for
-    (``distributed_executor_backend="mp"``); otherwise the worker runs in-process."""
-    if not config.parallel.use_worker_processes:
-        from loom.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-    from loom.executor.multiproc import MultiProcExecutor
-
-    return MultiProcExecutor(config)
 
 
 class TokenIdsOnly(Tokenizer):

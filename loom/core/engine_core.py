@@ -8,12 +8,15 @@ It imports no torch: the executor it drives is handed in.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from loom.config import EngineConfig
 from loom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from loom.core.scheduler import Scheduler, SchedulerStats
 from loom.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from loom.tokenizer import Tokenizer
 
 
 class ExecutorLike(Protocol):
@@ -41,6 +44,33 @@ class EngineCore:
         self.num_blocks = executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    config.speculative, config.early_stop)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer: Tokenizer | None = None) -> EngineCore:
+        """The executor ``config.parallel`` asks for (worker processes for more than one
+        rank or with ``distributed_executor_backend="mp"``, else the worker in-process)
+        and a grammar manager, which loads the model's tokenizer the first time a
+        request needs a grammar unless ``tokenizer`` is given. Imports stay lazy, so an
+        engine core driving worker processes never imports torch or transformers."""
+        from loom.structured_output import StructuredOutputManager
+
+        if config.parallel.use_worker_processes:
+            from loom.executor.multiproc import MultiProcExecutor as executor_class
+        else:
+            from loom.executor.uniproc import UniProcExecutor as executor_class
+
+        def tokenizer_factory() -> Tokenizer:
+            if tokenizer is not None:
+                return tokenizer
+            from loom.tokenizer import load_tokenizer
+
+            return load_tokenizer(config.model.model, config.model.tokenizer,
+                                  config.model.chat_template)
+
+        vocab_size = config.model.vocab_size or (len(tokenizer.hf) if tokenizer is not None else 0)
+        structured_output = StructuredOutputManager(config.structured_outputs, tokenizer_factory,
+                                                    vocab_size)
+        return cls(config, executor_class(config), structured_output)
 
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None and self.structured_output is None:

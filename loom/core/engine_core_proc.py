@@ -194,10 +194,9 @@ class EngineCoreProc:
 
 def _make_engine_core(config: EngineConfig):
     from loom.core.engine_core import EngineCore
-    from loom.llm_engine import _make_executor, make_structured_output_manager
 
     # Worker processes or an in-process worker, as config.parallel says.
-    return EngineCore(config, _make_executor(config), make_structured_output_manager(config))
+    return EngineCore.from_config(config)
 
 
 def run_engine_core(config_msgpack: bytes, input_address: str, output_address: str) -> None:

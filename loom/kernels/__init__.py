@@ -6,9 +6,9 @@ of linear layers in ``bf16_gemm.cpp``), or None when it cannot
 be had: ``LOOM_NATIVE_KERNELS=0``, no C++ compiler, or a failed build (logged once).
 Callers keep a PyTorch path for None, which is also what runs on CUDA.
 
-The build takes about a minute and is cached per source hash and machine in
-``$LOOM_CACHE_DIR/kernels`` (default ``~/.cache/loom/kernels``); processes started
-at once (tensor-parallel ranks) wait on one build through a file lock.
+The build takes about a minute (announced on stderr) and is cached per source hash
+and machine in ``$LOOM_CACHE_DIR/kernels`` (default ``~/.cache/loom/kernels``);
+processes started at once (tensor-parallel ranks) wait on one build through a file lock.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +30,9 @@ _HEADERS = [_CSRC / "bf16_gemm.h"]
 # built with it (without, every "parallel" loop silently runs on one thread); the
 # extension links the libgomp torch already loaded.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
+# Wall time of a first build: ~65 s of compiler CPU time, cpu_ops.cpp most of it (one
+# job), on a 2-core x86 machine with AVX-512.
+_BUILD_ESTIMATE = "a minute"
 _UNSET = object()
 _module: object = _UNSET
 
@@ -94,9 +98,19 @@ def _load() -> ModuleType | None:
 
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(name="loom_cpu_ops", sources=[str(path) for path in _SOURCES],
-                    build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
-                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        first_use = not (build_dir / "loom_cpu_ops.so").exists()
+        if first_use:
+            from loom.progress import progress
+
+            progress(f"compiling native CPU kernels (first use, about {_BUILD_ESTIMATE}; "
+                     f"cached in {build_dir.parent}) ...")
+            started = time.monotonic()
+        module = load(name="loom_cpu_ops", sources=[str(path) for path in _SOURCES],
+                      build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
+                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        if first_use:
+            progress(f"native CPU kernels compiled in {time.monotonic() - started:.0f} s")
+        return module
     except Exception as exc:  # no compiler, build error: fall back to PyTorch ops
         lines = [line for line in str(exc).splitlines() if line.strip()]
         detail = " | ".join(([lines[0]] + [line for line in lines if "error" in line][:3])
