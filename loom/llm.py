@@ -55,7 +55,7 @@ class LLM:
         _check_not_importing_main()
         try:
             self.engine = LLMEngine.from_args(model or default_model_path(),
-                                              **engine_kwargs(kwargs))
+                                              **llm_kwargs_to_engine_args(kwargs))
         except WorkerDiedError as error:
             if error.exitcode == _MISSING_MAIN_GUARD_EXIT_CODE:
                 raise RuntimeError(_MISSING_MAIN_GUARD) from None
@@ -159,7 +159,7 @@ _NO_EFFECT = {
 }
 
 
-def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+def llm_kwargs_to_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``LLM(**kwargs)`` -> ``EngineConfig.from_args`` keyword arguments; an unknown name
     is a TypeError naming the closest valid ones, as a misspelt argument is in Python."""
     known = [name for name in inspect.signature(EngineConfig.from_args).parameters

@@ -142,6 +142,19 @@ def test_tensor_parallel_size_is_checked_against_kv_heads():
     check_tensor_parallel(config, 4, 1, "cpu")
 
 
+def test_more_ranks_than_cpu_cores_is_a_warning(monkeypatch, caplog):
+    from checkpoints import make_tiny_config
+
+    from loom.config_checks import check_tensor_parallel
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("WARNING", logger="loom.config"):
+        check_tensor_parallel(make_tiny_config("llama"), 2, 1, "cpu")
+        assert not caplog.records
+        check_tensor_parallel(make_tiny_config("llama"), 4, 1, "cpu")
+    assert "4 tensor-parallel ranks on this host but only 2 CPU cores" in caplog.text
+
+
 def test_kv_budget_too_small_for_one_sequence_fails_before_loading(tiny_model):
     line = assert_one_line_error(generate(tiny_model, "--kv-cache-memory", "1KiB"),
                                  "--kv-cache-memory", "cannot hold one sequence",

@@ -21,7 +21,7 @@ from loom.cli import build_parser, human_readable_int
 from loom.config import load_sampling_defaults, resolve_dtype
 from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import SchedulerStats
-from loom.llm import engine_kwargs
+from loom.llm import llm_kwargs_to_engine_args
 from loom.metrics import ServerMetrics
 from loom.stats_logger import LoggingStatLogger
 
@@ -98,17 +98,17 @@ def test_unknown_llm_argument_is_a_type_error_with_suggestions():
                                         r"'max_num_seq'; did you mean 'max_num_seqs'"):
         LLM("/nonexistent", max_num_seq=4)  # refused before the model is looked for
     with pytest.raises(TypeError, match="'gpu_memory_utilisation'.*'gpu_memory_utilization'"):
-        engine_kwargs({"gpu_memory_utilisation": 0.5})
+        llm_kwargs_to_engine_args({"gpu_memory_utilisation": 0.5})
 
 
 def test_vllm_argument_names_map_onto_loom():
-    kwargs = engine_kwargs({"gpu_memory_utilization": 0.3, "trust_remote_code": True,
+    kwargs = llm_kwargs_to_engine_args({"gpu_memory_utilization": 0.3, "trust_remote_code": True,
                             "enforce_eager": True, "disable_log_stats": True, "revision": None,
                             "tokenizer_mode": "auto", "swap_space": 0, "seed": 1})
     assert kwargs == {"memory_utilization": 0.3, "trust_remote_code": True,
                       "enforce_eager": True, "seed": 1}
     with pytest.raises(ValueError, match=r"LLM\(revision='main'\) is not supported"):
-        engine_kwargs({"revision": "main"})
+        llm_kwargs_to_engine_args({"revision": "main"})
 
 
 def test_get_tokenizer_is_a_hugging_face_tokenizer(llm):
