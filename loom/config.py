@@ -1,4 +1,5 @@
-"""Frozen, composed configuration. Validated on construction; no I/O except in ``from_*``.
+"""Frozen, composed configuration. Validated on construction; files are read only by
+``from_*`` and the readers they call (``load_sampling_defaults``, config_checks.py).
 
 Runtime results (the profiled KV block count) live in runtime objects, never here.
 """
