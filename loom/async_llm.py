@@ -120,6 +120,7 @@ class AsyncLLM:
         self.on_dead: list[Callable[[], None]] = []
         self._eos_token_ids = list(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _TrackedRequest] = {}
+        self.metrics.server_requests_in_flight.set_function(lambda: len(self._requests))
         self._num_sequences = 0  # engine requests in flight, n per user request
         self._core = EngineCoreProcess(config)
         self._encoder = msgspec.msgpack.Encoder()

@@ -21,6 +21,13 @@ vLLM (v1) gives it:
     vllm:time_per_output_token_seconds histogram  per sequence: (e2e - ttft) / (tokens - 1)
     vllm:e2e_request_latency_seconds   histogram  arrival -> finish
 
+Beside them, loom's own empty-state check, live (each is 0 whenever nothing is in
+flight; anything else is a leak that nothing will ever free):
+
+    loom:engine_requests               gauge      requests the engine core's scheduler holds
+    loom:kv_blocks_in_use              gauge      KV blocks with a reference
+    loom:server_requests_in_flight     gauge      requests the API server waits on
+
 Counts are per sequence: a request with n = 4 is four sequences. Times are measured
 in the API process, where requests arrive and tokens leave.
 """
@@ -73,6 +80,17 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Sequences running.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        # The empty-state check as gauges: all three are 0 whenever nothing is in flight;
+        # anything else is a leak (a request or KV block that nothing will ever free).
+        self.engine_requests = Gauge("loom:engine_requests",
+                                     "Requests the engine core's scheduler holds.", labels,
+                                     registry=r).labels(model_name)
+        self.kv_blocks_in_use = Gauge("loom:kv_blocks_in_use",
+                                      "KV blocks with a reference (cached free ones excluded).",
+                                      labels, registry=r).labels(model_name)
+        self.server_requests_in_flight = Gauge("loom:server_requests_in_flight",
+                                               "Requests the API server waits on.", labels,
+                                               registry=r).labels(model_name)
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
@@ -115,6 +133,8 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.engine_requests.set(stats.num_requests)
+        self.kv_blocks_in_use.set(stats.num_blocks_in_use)
         last = self._last_stats
         self.prefix_cache_queries.inc(
             max(0, stats.prefix_cache_queries - last.prefix_cache_queries))

@@ -45,6 +45,9 @@ class SchedulerStats:
     spec_decode_num_drafts: int = 0  # steps in which a request verified drafts (cumulative)
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified (cumulative)
     spec_decode_num_accepted_tokens: int = 0  # of which accepted (cumulative)
+    # The empty-state check, live: both are 0 whenever no request is in flight.
+    num_requests: int = 0  # requests the scheduler holds, in any state
+    num_blocks_in_use: int = 0  # KV blocks with a reference (cached-but-free ones excluded)
 
 
 class Scheduler:
@@ -264,7 +267,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             spec_decode_num_drafts=self.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens)
+            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
+            num_requests=len(self.requests),
+            num_blocks_in_use=self.kv_cache.pool.num_blocks - self.kv_cache.num_free_blocks)
 
     # ----------------------------------------------------------------- internals
 

@@ -1,0 +1,36 @@
+"""The stress harness's short run (issue 12): rounds of the mixes that once wedged the
+server (structured outputs beside plain requests, abort storms right after submission,
+interleaved streaming and non-streaming, n > 1, draft-token speculation, preemption
+from a small KV cache) under a CPU hog on the same cores; after every round the server
+is empty again (running, waiting, engine requests, KV blocks in use, requests in flight
+all 0) and its probe generates. The long run: benchmarks/stress.md."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from loom_server import LoomServer
+
+from loom.bench.stress import CpuHog, stress_round
+
+ROUNDS = 3
+
+
+def test_rounds_of_mixed_load_under_a_cpu_hog_leave_the_server_empty(tiny_model_dir):
+    server = LoomServer(
+        tiny_model_dir, "--max-model-len", "512", "--max-num-seqs", "16",
+        "--num-gpu-blocks-override", "40",  # 640 tokens: long requests preempt each other
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                '"prompt_lookup_min": 1}')
+    try:
+        rng = random.Random(0)
+        with CpuHog(2):
+            for _ in range(ROUNDS):
+                report = asyncio.run(stress_round(server.url, rng, size=32, max_tokens=16))
+                assert not report.errors, report.errors
+                assert report.completed and report.aborted
+        assert server.metric("vllm:num_preemptions_total") > 0
+        assert server.metric("vllm:spec_decode_num_draft_tokens_total") > 0
+    finally:
+        server.close()
