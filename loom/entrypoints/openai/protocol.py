@@ -16,6 +16,9 @@ _MAX_TOP_LOGPROBS = 20
 _SEED = Field(default=None, ge=-(2**63), lt=2**64)
 
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+# Every integer the engine gets travels as a 64-bit msgpack int; larger ones are a 400
+# here, not an OverflowError when the request is sent to the engine core.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class OpenAIModel(BaseModel):
@@ -68,10 +71,10 @@ class SamplingFields(OpenAIModel):
     seed: int | None = _SEED
     user: str | None = None
     # vLLM's extra sampling parameters.
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -95,11 +98,11 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's and vLLM's default for completions
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class TextContentPart(OpenAIModel):
@@ -156,8 +159,8 @@ class NamedToolChoice(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: up to the context limit
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # None: up to the context limit
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -240,6 +241,15 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(message, "invalid_request_error"),
                             status_code=error.status_code)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(_: Request, error: RequestValidationError) -> Response:
+        """A bad query parameter (routes with bodies parse them themselves): a 400 in
+        OpenAI's envelope, not FastAPI's 422 {"detail": ...}."""
+        first = error.errors()[0]
+        name = ".".join(str(part) for part in first["loc"][1:]) or None
+        return JSONResponse(error_body(f"{name}: {first['msg']}", "invalid_request_error",
+                                       param=name), status_code=400)
+
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, error: Exception) -> Response:
         logger.exception("unexpected error while serving a request")
@@ -254,7 +264,8 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": reason}, status_code=503)
 
     @app.get("/health_generate")
-    async def health_generate(timeout: float = _HEALTH_GENERATE_TIMEOUT_S) -> Response:
+    async def health_generate(timeout: float = Query(_HEALTH_GENERATE_TIMEOUT_S, gt=0,
+                                                     allow_inf_nan=False)) -> Response:
         """The deep probe: one greedy token through the whole path (tokens to the engine
         core, a step on every worker, the output back), within ``timeout`` seconds."""
         if not state.healthy:
