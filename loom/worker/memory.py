@@ -40,6 +40,17 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
+def release_freed_memory() -> None:
+    """Give the heap's free memory back to the kernel once (glibc's malloc_trim), e.g.
+    the loader's float32 copies of the weights; keep_freed_memory stops glibc doing it
+    on its own."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def process_rss() -> int:
     return psutil.Process().memory_info().rss
 

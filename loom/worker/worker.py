@@ -61,6 +61,8 @@ class Worker:
             progress(f"reading weights from {os.path.basename(model.rstrip('/'))}"
                      + (f" ({size / 1e6:,.0f} MB)" if size else "") + " ...")
         self.model_runner.load_model()
+        if self.device.type == "cpu":
+            memory.release_freed_memory()
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks every rank can hold (the minimum over ranks).

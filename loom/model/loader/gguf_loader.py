@@ -172,3 +172,6 @@ def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torc
         elif permute_qk and ".attn_k." in info.name:
             weights = reverse_permute(weights, num_kv_heads)
         yield hf_name, weights
+    # Every tensor is in the model now: unmap the file, whose pages read so far would
+    # otherwise stay in the resident set (the file's size) as long as the process.
+    _open_gguf.cache_clear()
