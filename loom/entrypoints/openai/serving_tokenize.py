@@ -12,6 +12,7 @@ whether it fits); only token ids the tokenizer does not have are a 400.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pydantic import Field, model_validator
 from starlette.responses import JSONResponse, Response
@@ -38,7 +39,7 @@ class TokenizeChatRequest(OpenAIModel):
     # The chat template writes BOS itself; True would add a second one.
     add_special_tokens: bool = False
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
 
     @model_validator(mode="after")
