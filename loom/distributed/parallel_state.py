@@ -87,6 +87,17 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return TPGroup(rank, world_size, dist.group.WORLD)
 
 
+def set_collective_timeout(timeout_s: float) -> None:
+    """From now on a collective that waits longer than ``timeout_s`` fails. Start-up
+    joins with the long start-up timeout (a peer may still be loading its shard); once
+    serving, no collective may outlast the step it belongs to."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
 def destroy_distributed(timeout_s: float = 3.0) -> None:
     """Leave the process group in order, rank 0 last; never raises.
 

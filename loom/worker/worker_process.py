@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # the event loop wakes at least this often when idle
 REMOTE_STATUS_INTERVAL_S = 1.0
+COLLECTIVE_TIMEOUT_MARGIN_S = 10.0  # see limit_collective_waits
 # Each of teardown's two waits for the other ranks; both well within the executor's
 # SHUTDOWN_GRACE_S, after which it kills the workers.
 TEARDOWN_WAIT_S = 2.0
@@ -134,6 +135,7 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         num_blocks = initialize_kv_cache(worker, status)
         profiled = time.monotonic()
         warm_up(worker)
+        limit_collective_waits(spec)
         report_ready(status)
         logger.info("rank %d ready: loaded in %.1fs, profiled and allocated %d KV blocks in "
                     "%.1fs, warmed up in %.1fs", spec.rank, loaded - started, num_blocks,
@@ -189,6 +191,17 @@ def initialize_kv_cache(worker, status: StatusReporter) -> int:
 
 def warm_up(worker) -> None:
     worker.warm_up()
+
+
+def limit_collective_waits(spec: WorkerSpec) -> None:
+    """Collectives may wait as long as the largest step may run, and a little more: the
+    engine judges a hang first (with stacks); a rank whose peer hangs then fails too
+    instead of waiting out the start-up timeout (15 minutes)."""
+    from loom.distributed.parallel_state import set_collective_timeout
+
+    config = spec.config
+    set_collective_timeout(config.parallel.step_bound_s(config.scheduler.max_num_batched_tokens)
+                           + COLLECTIVE_TIMEOUT_MARGIN_S)
 
 
 def report_ready(status: StatusReporter) -> None:
