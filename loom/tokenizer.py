@@ -205,6 +205,9 @@ def _load_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[
             eos_token_ids = json.load(f)["eos_token_ids"]
         return AutoTokenizer.from_pretrained(cache_dir), eos_token_ids
 
+    from loom.progress import progress
+
+    progress(f"converting the tokenizer of {os.path.basename(gguf_path)} (first use) ...")
     hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
                                        gguf_file=os.path.basename(gguf_path))
     metadata = _read_gguf_metadata(gguf_path, (*_GGUF_EOS_KEYS, _GGUF_CHAT_TEMPLATE_KEY))

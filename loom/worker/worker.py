@@ -91,7 +91,7 @@ class Worker:
         else:
             budget, source = self._profile_kv_budget(), "profiling"
         num_blocks = self.tp_group.all_reduce_min(max(0, budget // bytes_per_block))
-        logger.info("rank %d: KV cache of %d blocks (%.1f MiB) from %s", self.rank,
+        logger.debug("rank %d: KV cache of %d blocks (%.1f MiB) from %s", self.rank,
                     num_blocks, num_blocks * bytes_per_block / 2**20, source)
         return num_blocks
 
