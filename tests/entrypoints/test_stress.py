@@ -12,7 +12,7 @@ import random
 
 from loom_server import LoomServer
 
-from loom.bench.stress import CpuHog, stress_round
+from loom.bench.stress import CpuHog, soak, stress_round
 
 ROUNDS = 3
 
@@ -32,5 +32,23 @@ def test_rounds_of_mixed_load_under_a_cpu_hog_leave_the_server_empty(tiny_model_
                 assert report.completed and report.aborted
         assert server.metric("vllm:num_preemptions_total") > 0
         assert server.metric("vllm:spec_decode_num_draft_tokens_total") > 0
+    finally:
+        server.close()
+
+
+def test_a_two_minute_soak_has_no_stuck_request_no_leak_and_flat_memory(tiny_model_dir):
+    """The CI version of the 30-minute soak (benchmarks/soak.md)."""
+    server = LoomServer(tiny_model_dir, "--max-model-len", "512", "--max-num-seqs", "16",
+                        "--kv-cache-memory", "64MiB")
+    try:
+        samples, report, stuck = asyncio.run(soak(
+            server.url, server.proc.pid, minutes=2.0, concurrency=6, max_tokens=16,
+            sample_s=30.0, request_timeout_s=60.0))  # ends with the empty-state check
+        assert stuck == 0 and not report.errors, report.errors
+        assert report.completed > 50
+        assert set(samples[0].rss_mib) >= {"api", "engine-core", "worker-0"}
+        warmed, last = samples[1], samples[-1]  # from minute 0.5 on
+        for role, rss in last.rss_mib.items():
+            assert rss < warmed.rss_mib[role] * 1.10, (role, warmed.rss_mib, last.rss_mib)
     finally:
         server.close()
