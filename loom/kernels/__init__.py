@@ -1,10 +1,14 @@
 """loom's native CPU kernels, compiled on first use.
 
-``native_ops()`` returns the extension module built from ``csrc/`` (fused RMSNorm,
-SiLU*mul, rotary, KV-cache write, paged attention in ``cpu_ops.cpp``; the bf16 matmul
-of linear layers in ``bf16_gemm.cpp``), or None when it cannot
-be had: ``LOOM_NATIVE_KERNELS=0``, no C++ compiler, or a failed build (logged once).
-Callers keep a PyTorch path for None, which is also what runs on CUDA.
+``native_ops()`` returns the extension module built from every source in ``csrc/``,
+one kernel family per file as in vLLM's ``csrc/cpu/``: ``layernorm.cpp`` (RMSNorm, fused
+residual add), ``activation.cpp`` (SiLU*mul), ``pos_encoding.cpp`` (rotary),
+``cache.cpp`` (KV-cache write), ``attention.cpp`` (paged attention), ``bf16_gemm.cpp``
+(the bf16 matmul of linear layers), ``decoder_layers.cpp`` (a whole decoder stack in
+one call), ``torch_bindings.cpp`` (the Python module), with the shared helpers in
+``common.h``. It is None when the module cannot be had: ``LOOM_NATIVE_KERNELS=0``, no
+C++ compiler, or a failed build (logged once). Callers keep a PyTorch path for None,
+which is also what runs on CUDA.
 
 The build takes about a minute (announced on stderr) and is cached per source hash
 and machine in ``$LOOM_CACHE_DIR/kernels`` (default ``~/.cache/loom/kernels``);
@@ -24,24 +28,33 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "bf16_gemm.cpp"]  # cpu_ops.cpp holds the bindings
-_HEADERS = [_CSRC / "bf16_gemm.h"]
 # OpenMP: at::parallel_for runs on torch's OpenMP pool only when the extension is
 # built with it (without, every "parallel" loop silently runs on one thread); the
 # extension links the libgomp torch already loaded.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
-# Wall time of a first build: ~65 s of compiler CPU time, cpu_ops.cpp most of it (one
-# job), on a 2-core x86 machine with AVX-512.
+# Wall time of a first build on a 2-core x86 machine with AVX-512 (ninja runs a job per
+# core): torch_bindings.cpp, the one file with <torch/extension.h>, is most of it.
 _BUILD_ESTIMATE = "a minute"
 _UNSET = object()
 _module: object = _UNSET
 
 
+def _sources() -> list[Path]:
+    """Every C++ file in csrc/, compiled into the one module; torch_bindings.cpp, the
+    slowest to compile, first: ninja starts jobs in this order."""
+    return sorted(_CSRC.glob("*.cpp"), key=lambda path: (path.name != "torch_bindings.cpp",
+                                                         path.name))
+
+
 def _build_dir() -> Path:
+    """The cache directory of this build: keyed by every file in csrc/ (sources and
+    headers, names and contents), the flags, torch's version and the CPU."""
     root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "kernels"
     import torch
 
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+    files = sorted(path for path in _CSRC.iterdir() if path.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(b"".join(path.name.encode() + b"\0" + path.read_bytes() + b"\0"
+                                  for path in files)
                          + " ".join(_FLAGS).encode()
                          + f"{torch.__version__}{platform.machine()}".encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
@@ -105,7 +118,7 @@ def _load() -> ModuleType | None:
             progress(f"compiling native CPU kernels (first use, about {_BUILD_ESTIMATE}; "
                      f"cached in {build_dir.parent}) ...")
             started = time.monotonic()
-        module = load(name="loom_cpu_ops", sources=[str(path) for path in _SOURCES],
+        module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
                       build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         if first_use:

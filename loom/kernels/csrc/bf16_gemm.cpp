@@ -19,6 +19,7 @@
 #include "bf16_gemm.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -117,20 +118,20 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
 
 bool bf16_gemm_available() { return LOOM_HAVE_BF16_GEMM; }
 
-torch::Tensor pack_bf16_weight(torch::Tensor weight) {
+at::Tensor pack_bf16_weight(at::Tensor weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
               weight.dim() == 2, "pack_bf16_weight takes a 2-d bfloat16 CPU tensor");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(k % 2 == 0, "pack_bf16_weight needs an even number of input features, got ", k);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   // (N, K) -> zero-pad N -> (panels, 64, K/2, 2) -> (panels, K/2, 64, 2)
-  auto padded = torch::zeros({panels * kPanel, k}, weight.options());
+  auto padded = at::zeros({panels * kPanel, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   return padded.view({panels, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
-                 c10::optional<torch::Tensor> bias) {
+void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
+                 c10::optional<at::Tensor> bias) {
   TORCH_CHECK(LOOM_HAVE_BF16_GEMM, "bf16_linear needs a CPU with AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
               x.stride(1) == 1, "x must be a 2-d bfloat16 CPU tensor, last dim contiguous");
@@ -145,10 +146,10 @@ void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
   TORCH_CHECK(x.size(1) == 2 * pairs, "x has ", x.size(1), " features, the weight ", 2 * pairs);
   TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, "out has ", n,
               " columns, the packed weight ", panels * kPanel);
-  torch::Tensor bias_f;
+  at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "bias must have ", n, " entries");
-    bias_f = torch::zeros({panels * kPanel}, x.options().dtype(at::kFloat));
+    bias_f = at::zeros({panels * kPanel}, x.options().dtype(at::kFloat));
     bias_f.narrow(0, 0, n).copy_(bias->reshape({n}));
   }
   if (rows == 0) return;

@@ -1,7 +1,7 @@
 // bfloat16 matmul for linear layers on CPUs with AVX512-BF16 (bf16_gemm.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 namespace loom {
 
@@ -9,10 +9,10 @@ namespace loom {
 bool bf16_gemm_available();
 
 // weight (N, K) bf16, K even -> the panel layout bf16_linear reads.
-torch::Tensor pack_bf16_weight(torch::Tensor weight);
+at::Tensor pack_bf16_weight(at::Tensor weight);
 
 // out (M, N) = x (M, K) @ weight^T (+ bias), weight given packed; out bf16 or float32.
-void bf16_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
-                 c10::optional<torch::Tensor> bias);
+void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
+                 c10::optional<at::Tensor> bias);
 
 }  // namespace loom

@@ -1,0 +1,427 @@
+// Paged attention: causal attention of each request's new queries over its whole context, read in
+// place from the paged cache (the new tokens' K/V must already be written).
+//
+// query (T, H, D) rows strided, last dim contiguous; out (T, H, D) contiguous;
+// block_table (B, W) int32; seq_lens (B,) int32 (context length after this step);
+// query_start_loc (B + 1,) int32. Query j of request b sits at position
+// seq_lens[b] - q_len + j and sees keys 0 .. that position.
+//
+// Work is split into items (request, KV head, tile of up to kTile query tokens);
+// an item's G * tile query rows share each K/V row it loads. Scores and softmax
+// in float32 (two passes over the keys), the output rounded once.
+
+#include "common.h"
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace loom {
+namespace {
+
+// Decode attention reads each request's K and V from blocks scattered over the
+// cache, mostly from DRAM: one miss after another they cost 3x the arithmetic. While
+// one item computes, this asks for the next item's K/V rows (into L2) a slice per
+// 16 keys, spread out so the requests overlap the arithmetic instead of stalling it.
+class BlockPrefetcher {
+ public:
+  void reset(const char* cache, const int32_t* blocks, int64_t num_keys, int64_t kv_head,
+             int64_t kv_heads, int64_t num_slots, int64_t block_size, int64_t row_bytes,
+             int64_t steps) {
+    keys_ = cache + kv_head * num_slots * row_bytes;
+    values_ = cache + (kv_heads + kv_head) * num_slots * row_bytes;
+    blocks_ = blocks;
+    block_bytes_ = block_size * row_bytes;
+    num_blocks_ = (num_keys + block_size - 1) / block_size;
+    last_block_bytes_ = (num_keys - (num_blocks_ - 1) * block_size) * row_bytes;
+    const int64_t requests = (num_keys * row_bytes + kStride - 1) / kStride;
+    per_step_ = (requests + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1);
+    block_ = 0;
+    offset_ = 0;
+  }
+  void clear() { num_blocks_ = 0; block_ = 0; }
+  // The next per_step_ requests, each for K and for V.
+  void step() {
+    int64_t left = per_step_, block = block_, offset = offset_;
+    while (left > 0 && block < num_blocks_) {
+      const int64_t at = static_cast<int64_t>(blocks_[block]) * block_bytes_;
+      const int64_t end = block + 1 < num_blocks_ ? block_bytes_ : last_block_bytes_;
+      for (; offset < end && left > 0; offset += kStride, --left) {
+        __builtin_prefetch(keys_ + at + offset, 0, 2);
+        __builtin_prefetch(values_ + at + offset, 0, 2);
+      }
+      if (offset >= end) {
+        offset = 0;
+        ++block;
+      }
+    }
+    block_ = block;
+    offset_ = offset;
+  }
+
+ private:
+  static constexpr int64_t kStride = 64;  // a cache line (every 2nd line: 1.5x slower cold)
+  const char* keys_ = nullptr;
+  const char* values_ = nullptr;
+  const int32_t* blocks_ = nullptr;
+  int64_t block_bytes_ = 0, last_block_bytes_ = 0, num_blocks_ = 0;
+  int64_t per_step_ = 0, block_ = 0, offset_ = 0;
+};
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kSerialWork = 1 << 13;  // rows x keys below which one thread runs it all
+
+template <typename T>
+void attention_item(T* out, const T* query, const T* cache, const int32_t* blocks,
+                    int64_t q_stride0, int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
+                    int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
+                    int64_t first_token, int64_t q_len, int64_t context, int64_t j0, int64_t j1,
+                    float scale, std::vector<float>& buf) {
+  const int64_t rows = (j1 - j0) * group;
+  const int64_t past = context - q_len;  // keys before the first new token
+  const int64_t num_keys = past + j1;    // the tile's last query sees keys [0, past + j1)
+  buf.resize(rows * head_dim * 2 + rows * num_keys + 2 * head_dim);
+  float* q = buf.data();                 // (rows, D)
+  float* acc = q + rows * head_dim;      // (rows, D)
+  float* scores = acc + rows * head_dim; // (rows, num_keys)
+  float* row_f = scores + rows * num_keys;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < group; ++g)
+      load_row(query + (first_token + j) * q_stride0 + (kv_head * group + g) * q_stride1,
+               q + ((j - j0) * group + g) * head_dim, head_dim);
+  const T* keys = cache + kv_head * num_slots * head_dim;
+  const T* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
+
+  for (int64_t p = 0; p < num_keys; ++p) {
+    const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
+    load_row(keys + slot * head_dim, row_f, head_dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = past + j0 + r / group + 1;
+      scores[r * num_keys + p] = p < visible ? dot(q + r * head_dim, row_f, head_dim) * scale
+                                             : -std::numeric_limits<float>::infinity();
+    }
+  }
+  std::vector<float> inv_sum(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * num_keys;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_keys; ++p) max = std::max(max, s[p]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < num_keys; ++p) {
+      s[p] = fast_exp(s[p] - max);
+      sum += s[p];
+    }
+    inv_sum[r] = 1.f / sum;
+  }
+  std::fill(acc, acc + rows * head_dim, 0.f);
+  for (int64_t p = 0; p < num_keys; ++p) {
+    const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
+    load_row(values + slot * head_dim, row_f, head_dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = scores[r * num_keys + p];
+      if (w == 0.f) continue;
+      float* a = acc + r * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row_f[d];
+    }
+  }
+  const int64_t heads = kv_heads * group;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (j - j0) * group + g;
+      T* o = out + ((first_token + j) * heads + kv_head * group + g) * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d)
+        o[d] = from_float<T>(acc[r * head_dim + d] * inv_sum[r]);
+    }
+}
+
+#if LOOM_HAVE_AVX512_BF16
+// Lane i of the result is the sum of v[i]'s 16 lanes (a transpose-and-add tree).
+inline __m512 reduce16(const __m512* v) {
+  __m512 s8[8], s4[4];
+  for (int i = 0; i < 8; ++i)
+    s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s8[2 * i]), b = _mm512_castps_pd(s8[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// acc[r] = sum_p w[r][p] * V[p] for R rows at once, accumulators in registers. The
+// weights are bf16 (`probs`, num_keys even, zero past the last key): vdpbf16ps takes
+// keys in pairs, a broadcast pair of weights times V's two rows interleaved by
+// unpack{lo,hi}_epi16. Those interleave within 128-bit lanes, so the sums come out
+// with dims permuted, and are put back in order once at the end.
+template <int VC, int R>
+void weighted_values(float* acc, const uint16_t* probs, int64_t probs_stride,
+                     const c10::BFloat16* const* value_rows, int64_t num_keys) {
+  constexpr int C = VC / 2;  // 32-dim chunks of a V row
+  __m512 lo[R][C], hi[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_keys; p += 2) {
+    __m512bh vlo[C], vhi[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(value_rows[p] + 32 * c);
+      const __m512i b = _mm512_loadu_si512(value_rows[p + 1] + 32 * c);
+      vlo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      vhi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, probs + r * probs_stride + p, sizeof(pair));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) {
+        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, vlo[c]);
+        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, vhi[c]);
+      }
+    }
+  }
+  // lane i of lo holds dim 8(i/4) + i%4 of its chunk, of hi dim 8(i/4) + 4 + i%4
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float* a = acc + r * VC * 16 + 32 * c;
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], first, hi[r][c]));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], second, hi[r][c]));
+    }
+}
+
+// The bf16 item with AVX512-BF16: q.k with vdpbf16ps (bf16 pairs, float32 sums, as
+// a bf16 matmul accumulates; 16 keys reduced together), probabilities rounded to
+// bf16 (as Hugging Face's eager attention casts them) and multiplied into V with
+// vdpbf16ps too, float32 sums in registers. head_dim is 32, 64 or 128.
+template <int VC>  // head_dim / 16
+void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
+                         const c10::BFloat16* cache, const int32_t* blocks, int64_t q_stride0,
+                         int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
+                         int64_t block_size, int64_t group, int64_t kv_head,
+                         int64_t first_token, int64_t q_len, int64_t context, int64_t j0,
+                         int64_t j1, float scale, std::vector<float>& buf,
+                         std::vector<const c10::BFloat16*>& rows_ptr,
+                         BlockPrefetcher& prefetcher) {
+  constexpr int64_t head_dim = VC * 16;
+  constexpr int R = 16 / VC;  // rows per pass of the V sum
+  const int64_t rows = (j1 - j0) * group;
+  const int64_t padded_rows = (rows + R - 1) / R * R;
+  const int64_t past = context - q_len;
+  const int64_t num_keys = past + j1;
+  const int64_t key_stride = (num_keys + 15) / 16 * 16;
+  buf.resize(padded_rows * head_dim + padded_rows * key_stride + rows * head_dim / 2 +
+             padded_rows * key_stride / 2 + 16);
+  float* acc = buf.data();                                     // (padded_rows, D)
+  float* scores = acc + padded_rows * head_dim;                // (padded_rows, key_stride)
+  auto* q = reinterpret_cast<c10::BFloat16*>(scores + padded_rows * key_stride);  // (rows, D)
+  auto* probs = reinterpret_cast<uint16_t*>(q + rows * head_dim);  // (padded_rows, key_stride)
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(q + r * head_dim,
+                query + (first_token + j0 + r / group) * q_stride0 +
+                    (kv_head * group + r % group) * q_stride1,
+                head_dim * sizeof(c10::BFloat16));
+  const c10::BFloat16* keys = cache + kv_head * num_slots * head_dim;
+  const c10::BFloat16* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
+  rows_ptr.resize(2 * key_stride);
+  const c10::BFloat16** key_rows = rows_ptr.data();
+  const c10::BFloat16** value_rows = key_rows + key_stride;
+  for (int64_t p = 0, b = 0; p < num_keys; ++b) {
+    const int64_t first = static_cast<int64_t>(blocks[b]) * block_size;
+    for (int64_t i = 0; i < block_size && p < num_keys; ++i, ++p) {
+      key_rows[p] = keys + (first + i) * head_dim;
+      value_rows[p] = values + (first + i) * head_dim;
+    }
+  }
+  for (int64_t p = num_keys; p < key_stride; ++p) {  // the tail repeats the last key
+    key_rows[p] = key_rows[num_keys - 1];
+    value_rows[p] = value_rows[num_keys - 1];
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t p0 = 0; p0 < key_stride; p0 += 16) {
+    prefetcher.step();
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh qc[VC / 2];
+      for (int c = 0; c < VC / 2; ++c)
+        qc[c] = (__m512bh)_mm512_loadu_si512(q + r * head_dim + 32 * c);
+      __m512 partial[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < VC / 2; ++c)
+          sum = _mm512_dpbf16_ps(sum, qc[c], (__m512bh)_mm512_loadu_si512(key_rows[p0 + i] + 32 * c));
+        partial[i] = sum;
+      }
+      const int64_t visible = past + j0 + r / group + 1;  // keys [0, visible)
+      const __mmask16 hidden = _mm512_cmpge_epi32_mask(
+          _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0))),
+          _mm512_set1_epi32(static_cast<int>(visible)));
+      const __m512 s = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(scores + r * key_stride + p0, _mm512_mask_mov_ps(s, hidden, neg_inf));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * key_stride;
+    __m512 max16 = neg_inf;
+    for (int64_t p = 0; p < key_stride; p += 16) max16 = _mm512_max_ps(max16, _mm512_loadu_ps(s + p));
+    const float max = _mm512_reduce_max_ps(max16);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < key_stride; ++p) {
+      const float e = fast_exp(s[p] - max);
+      sum += e;
+      s[p] = e;
+    }
+    const float inv = 1.f / sum;
+    uint16_t* pr = probs + r * key_stride;
+#pragma omp simd
+    for (int64_t p = 0; p < key_stride; ++p)  // softmax rounded to bf16, as .to(bf16)
+      pr[p] = from_float<c10::BFloat16>(s[p] * inv).x;
+  }
+  std::fill(probs + rows * key_stride, probs + padded_rows * key_stride, uint16_t{0});
+  for (int64_t r = 0; r < padded_rows; r += R)
+    weighted_values<VC, R>(acc + r * head_dim, probs + r * key_stride, key_stride, value_rows,
+                           (num_keys + 1) / 2 * 2);
+  const int64_t heads = kv_heads * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* o = out + ((first_token + j0 + r / group) * heads + kv_head * group + r % group) * head_dim;
+    const float* a = acc + r * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<c10::BFloat16>(a[d]);
+  }
+}
+#endif
+
+}  // namespace
+
+// Requests with more than max_query_len new tokens are skipped (their rows of out
+// are left as they are), for the caller to run with a prefill kernel.
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                     at::Tensor block_table, at::Tensor seq_lens,
+                     at::Tensor query_start_loc, double scale, int64_t max_query_len) {
+  check_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+              out.scalar_type() == kv_cache.scalar_type(), "query/out/kv_cache dtypes differ");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be (T, H, D), last dim contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous, shaped as query");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              query_start_loc.scalar_type() == at::kInt, "block_table, seq_lens, query_start_loc must be int32");
+  block_table = block_table.contiguous();
+  const int64_t kv_heads = kv_cache.size(1), block_size = kv_cache.size(3);
+  const int64_t head_dim = kv_cache.size(4), num_slots = kv_cache.size(2) * block_size;
+  const int64_t heads = query.size(1), group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == head_dim, "head counts/dims do not match");
+  seq_lens = seq_lens.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  const int64_t num_reqs = seq_lens.size(0), width = block_table.size(1);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_table.size(0) == num_reqs,
+              "query_start_loc must have one more entry than seq_lens and block_table rows");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+
+  struct Item { int64_t req, kv_head, j0, j1; };
+  std::vector<Item> items;
+  int64_t work = 0;  // query rows x keys over all items
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len <= lens[b], "request ", b, " has more new tokens than context");
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= width, "block_table too narrow");
+    if (q_len > max_query_len) continue;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t j = 0; j < q_len; j += kTile)
+        items.push_back({b, h, j, std::min(j + kTile, q_len)});
+    work += kv_heads * q_len * group * lens[b];
+  }
+  LOOM_DISPATCH(kv_cache.scalar_type(), "paged_attention", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* qp = query.data_ptr<scalar_t>();
+    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    auto q_len_of = [&](const Item& it) -> int64_t { return starts[it.req + 1] - starts[it.req]; };
+    // Each thread takes a contiguous run of items of about equal work (query rows x
+    // keys, plus a fixed cost per item): a prefill tile costs ~16x a decode item, and
+    // equal counts left one thread waiting at the barrier in mixed steps. A batch-1
+    // decode is a few microseconds of work: waking the pool costs more.
+    const int64_t threads =
+        work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
+    std::vector<int64_t> bounds(threads + 1, num_items);
+    bounds[0] = 0;
+    if (threads > 1) {
+      std::vector<int64_t> cost(num_items);
+      int64_t total = 0;
+      for (int64_t i = 0; i < num_items; ++i) {
+        const Item& it = items[i];
+        cost[i] = (it.j1 - it.j0) * group * (lens[it.req] - q_len_of(it) + it.j1) + 64 * group;
+        total += cost[i];
+      }
+      int64_t t = 1, sum = 0;
+      for (int64_t i = 0; i < num_items && t < threads; ++i) {
+        sum += cost[i];
+        while (t < threads && sum * threads >= total * t) bounds[t++] = i + 1;
+      }
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+      for (int64_t thread = first_thread; thread < last_thread; ++thread) {
+        const int64_t begin = bounds[thread], end = bounds[thread + 1];
+        std::vector<float> buf;
+        std::vector<const c10::BFloat16*> ptrs;
+        (void)ptrs;
+        BlockPrefetcher prefetcher;
+        for (int64_t i = begin; i < end; ++i) {
+          const Item& it = items[i];
+          if (i + 1 < end) {
+            const Item& next = items[i + 1];
+            const int64_t next_q_len = starts[next.req + 1] - starts[next.req];
+            prefetcher.reset(reinterpret_cast<const char*>(cache), table + next.req * width,
+                             lens[next.req] - next_q_len + next.j1, next.kv_head, kv_heads,
+                             num_slots, block_size, head_dim * sizeof(scalar_t),
+                             (lens[it.req] - q_len_of(it) + it.j1 + 15) / 16);
+          } else {
+            prefetcher.clear();
+          }
+          const int64_t q_len = q_len_of(it);
+#if LOOM_HAVE_AVX512_BF16
+          if (std::is_same_v<scalar_t, c10::BFloat16> &&
+              (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+            using bf16 = c10::BFloat16;
+            auto* o = reinterpret_cast<bf16*>(op);
+            auto* q = reinterpret_cast<const bf16*>(qp);
+            auto* kv = reinterpret_cast<const bf16*>(cache);
+            const int32_t* blocks = table + it.req * width;
+            const float sc = static_cast<float>(scale);
+            const int64_t s0 = query.stride(0), s1 = query.stride(1);
+            if (head_dim == 32)
+              attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+            else if (head_dim == 64)
+              attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+            else
+              attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+            continue;
+          }
+#endif
+          attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
+                         kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
+                         starts[it.req], q_len, lens[it.req], it.j0, it.j1,
+                         static_cast<float>(scale), buf);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace loom

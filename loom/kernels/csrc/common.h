@@ -1,0 +1,139 @@
+// Helpers shared by loom's CPU kernels: the dtype dispatch, bf16 <-> float, exp, row
+// loads and dots, argument checks, and their 16-lane AVX-512 twins.
+//
+// Every kernel takes float32 or bfloat16 and computes in float32; a bf16 result is
+// rounded once where the PyTorch reference rounds (documented per kernel), so bf16
+// outputs match the reference ops they replace. Parallel loops use ATen's thread pool
+// (at::parallel_for), the same threads as torch's own ops.
+//
+// Kernel files include ATen's headers, not <torch/extension.h>: that one costs ~35 s of
+// compiler time per file, and only torch_bindings.cpp needs it.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LOOM_HAVE_AVX512_BF16 1
+#else
+#define LOOM_HAVE_AVX512_BF16 0
+#endif
+
+// float32 and bfloat16 only: the dtypes loom runs on the CPU.
+#define LOOM_DISPATCH(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                       \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace loom {
+
+// ---------------------------------------------------------------- scalar helpers
+
+// Scalar helpers written so that `#pragma omp simd` loops over them vectorize:
+// bf16 <-> float as integer shifts (round to nearest even, NaN kept), and an exp
+// without libm calls (max error about 2 ulp; 0 below -87.3, as float underflows).
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
+}
+
+// Round through the storage type: identity for float, round-to-nearest-even for bf16.
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+inline float fast_exp(float x) {
+  // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2], exp(r) by a degree-6 polynomial
+  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, clamped));
+  float p = 1.3888889e-3f;
+  p = std::fma(p, r, 8.3333333e-3f);
+  p = std::fma(p, r, 4.1666667e-2f);
+  p = std::fma(p, r, 1.6666667e-1f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return x < -87.3f ? 0.f : p * scale;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+inline void check_float_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+#if LOOM_HAVE_AVX512_BF16
+// ---------------------------------------------------------------- 16-lane helpers
+
+// fast_exp on 16 lanes, operation for operation.
+inline __m512 fast_exp16(__m512 x) {
+  const __m512 clamped =
+      _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f),
+                                   _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), clamped));
+  __m512 p = _mm512_set1_ps(1.3888889e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+
+inline __m512 bf16x16_to_float(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m256i float_to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#endif
+
+}  // namespace loom

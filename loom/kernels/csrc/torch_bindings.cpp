@@ -1,0 +1,30 @@
+// The Python module: every kernel of ops.h and bf16_gemm.h, registered with pybind11.
+// The only file that includes <torch/extension.h> (pybind11 and torch's Python glue).
+
+#include "bf16_gemm.h"
+#include "ops.h"
+
+#include <torch/extension.h>
+
+// Every kernel releases the GIL while it runs, as torch's own ops do: a whole layer
+// stack can run for seconds on a large model, and the worker's heartbeat thread must
+// keep writing meanwhile (pybind converts arguments and results with the GIL held).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("rms_norm", &loom::rms_norm, "RMSNorm of each row", release());
+  m.def("fused_add_rms_norm", &loom::fused_add_rms_norm, "residual += x; x = rms_norm(residual)",
+        release());
+  m.def("silu_and_mul", &loom::silu_and_mul, "silu(gate) * up", release());
+  m.def("rotary_embedding", &loom::rotary_embedding, "neox rotary, in place", release());
+  m.def("write_kv_cache", &loom::write_kv_cache, "copy new K/V into their cache slots", release());
+  m.def("paged_attention", &loom::paged_attention, "causal attention over paged K/V", release());
+  m.def("bf16_gemm_available", &loom::bf16_gemm_available,
+        "whether bf16_linear runs here (AVX512-BF16)");
+  m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout",
+        release());
+  m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        release());
+  m.def("decoder_layers", &loom::decoder_layers, "a Llama-style model's decoder layers, one step",
+        release());
+}
