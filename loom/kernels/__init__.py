@@ -10,6 +10,11 @@ one call), ``torch_bindings.cpp`` (the Python module), with the shared helpers i
 C++ compiler, or a failed build (logged once). Callers keep a PyTorch path for None,
 which is also what runs on CUDA.
 
+The bf16 SiLU*mul and paged attention have an AVX512-BF16 path beside the generic one;
+the build takes the AVX-512 one on CPUs that have it. ``set_isa("generic" | "avx512")``
+on the module switches between them at run time, for tests only
+(tests/model/test_kernel_paths.py compares the two); serving never calls it.
+
 The build takes about a minute (announced on stderr) and is cached per source hash
 and machine in ``$LOOM_CACHE_DIR/kernels`` (default ``~/.cache/loom/kernels``);
 processes started at once (tensor-parallel ranks) wait on one build through a file lock.

@@ -19,24 +19,29 @@ inline T silu_mul_scalar(T gate, T up) {
   return from_float<T>(silu * to_float(up));
 }
 
+#if LOOM_HAVE_AVX512_BF16
+// The generic row's operations on 16 lanes (bf16 rounding by vcvtneps2bf16, which also
+// flushes float32 denormals: results differ only below 1.2e-38).
+void silu_and_mul_row_avx512(c10::BFloat16* out, const c10::BFloat16* gate, int64_t width) {
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) {
+    const __m512 g = bf16x16_to_float(gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                       fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 rounded = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16x16(silu)), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        float_to_bf16x16(_mm512_mul_ps(rounded, bf16x16_to_float(gate + width + i))));
+  }
+  for (; i < width; ++i) out[i] = silu_mul_scalar(gate[i], gate[width + i]);
+}
+#endif
+
 template <typename T>
-void silu_and_mul_row(T* out, const T* gate, int64_t width) {
+void silu_and_mul_row(T* out, const T* gate, int64_t width, [[maybe_unused]] bool avx512) {
 #if LOOM_HAVE_AVX512_BF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // the scalar loop's operations on 16 lanes (bf16 rounding by vcvtneps2bf16, which
-    // also flushes float32 denormals: results differ only below 1.2e-38)
-    int64_t i = 0;
-    for (; i + 16 <= width; i += 16) {
-      const __m512 g = bf16x16_to_float(gate + i);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                         fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      const __m512 rounded = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16x16(silu)), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                          float_to_bf16x16(_mm512_mul_ps(rounded, bf16x16_to_float(gate + width + i))));
-    }
-    for (; i < width; ++i) out[i] = silu_mul_scalar(gate[i], gate[width + i]);
-    return;
+    if (avx512) return silu_and_mul_row_avx512(out, gate, width);
   }
 #endif
   const T* up = gate + width;
@@ -56,12 +61,13 @@ at::Tensor silu_and_mul(at::Tensor x) {
   auto sizes = x.sizes().vec();
   sizes.back() = width;
   auto out = at::empty(sizes, x.options());
+  const bool avx512 = use_avx512();
   LOOM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        silu_and_mul_row(op + r * width, xp + r * 2 * width, width);
+        silu_and_mul_row(op + r * width, xp + r * 2 * width, width, avx512);
     });
   });
   return out;

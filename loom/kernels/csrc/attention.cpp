@@ -344,6 +344,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
         items.push_back({b, h, j, std::min(j + kTile, q_len)});
     work += kv_heads * q_len * group * lens[b];
   }
+  [[maybe_unused]] const bool avx512 = use_avx512();
   LOOM_DISPATCH(kv_cache.scalar_type(), "paged_attention", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* qp = query.data_ptr<scalar_t>();
@@ -393,7 +394,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
           }
           const int64_t q_len = q_len_of(it);
 #if LOOM_HAVE_AVX512_BF16
-          if (std::is_same_v<scalar_t, c10::BFloat16> &&
+          if (avx512 && std::is_same_v<scalar_t, c10::BFloat16> &&
               (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
             using bf16 = c10::BFloat16;
             auto* o = reinterpret_cast<bf16*>(op);

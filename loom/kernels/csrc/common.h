@@ -1,5 +1,6 @@
 // Helpers shared by loom's CPU kernels: the dtype dispatch, bf16 <-> float, exp, row
-// loads and dots, argument checks, and their 16-lane AVX-512 twins.
+// loads and dots, argument checks, their 16-lane AVX-512 twins, and the switch between
+// a kernel's AVX-512 and generic paths.
 //
 // Every kernel takes float32 or bfloat16 and computes in float32; a bf16 result is
 // rounded once where the PyTorch reference rounds (documented per kernel), so bf16
@@ -15,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +35,21 @@
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace loom {
+
+// ---------------------------------------------------------------- instruction set
+
+// The bf16 kernels with an AVX512-BF16 path (SiLU*mul; paged attention at head_dim 32,
+// 64, 128) keep the generic C++ path that every other CPU runs. The build picks the
+// AVX-512 one where the compiler targets it (-march=native on such a CPU); a test can
+// force the generic one with the module's set_isa("generic"), so that one build runs
+// and compares both (tests/model/test_kernel_paths.py). For tests only: serving never
+// calls it. Kernels read it once per call; decoder_layers follows it through the
+// kernels it calls. bf16_linear has its AVX512-BF16 path only.
+inline std::atomic<bool> force_generic_isa{false};
+
+inline bool use_avx512() {
+  return LOOM_HAVE_AVX512_BF16 && !force_generic_isa.load(std::memory_order_relaxed);
+}
 
 // ---------------------------------------------------------------- scalar helpers
 

@@ -4,7 +4,37 @@
 #include "bf16_gemm.h"
 #include "ops.h"
 
+#include "common.h"
+
 #include <torch/extension.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace {
+
+// The instruction sets this build has, for set_isa (see common.h).
+std::vector<std::string> isas() {
+  if (LOOM_HAVE_AVX512_BF16) return {"generic", "avx512"};
+  return {"generic"};
+}
+
+std::string isa() { return loom::use_avx512() ? "avx512" : "generic"; }
+
+// For tests only: which path the kernels with two take from now on; returns the one
+// they took before, for the caller to put back.
+std::string set_isa(const std::string& name) {
+  const auto available = isas();
+  TORCH_CHECK(std::find(available.begin(), available.end(), name) != available.end(),
+              "set_isa: '", name, "' is not an instruction set of this build; it has ",
+              c10::Join(", ", available));
+  const std::string previous = isa();
+  loom::force_generic_isa.store(name == "generic", std::memory_order_relaxed);
+  return previous;
+}
+
+}  // namespace
 
 // Every kernel releases the GIL while it runs, as torch's own ops do: a whole layer
 // stack can run for seconds on a large model, and the worker's heartbeat thread must
@@ -27,4 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("decoder_layers", &loom::decoder_layers, "a Llama-style model's decoder layers, one step",
         release());
+  m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");
+  m.def("isa", &isa, "the instruction set the kernels with two paths take now");
+  m.def("set_isa", &set_isa,
+        "for tests only: make the kernels with two paths (bf16 SiLU*mul and paged "
+        "attention) take 'generic' or 'avx512'; returns the previous one",
+        py::arg("name"));
 }
