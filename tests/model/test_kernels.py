@@ -266,3 +266,30 @@ def test_kernels_release_the_gil(ops):
     done.set()
     thread.join()
     assert sum(start < t < end for t in ticks) >= 5, (end - start, len(ticks))
+
+
+def test_build_covers_every_source_and_header(tmp_path, monkeypatch):
+    """Every .cpp in csrc/ is compiled, and a change to any source or header (or a new
+    one) gives a new cache directory: a stale build is never loaded."""
+    import shutil
+
+    import loom.kernels
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(loom.kernels._CSRC, csrc)
+    monkeypatch.setattr(loom.kernels, "_CSRC", csrc)
+    files = sorted(csrc.glob("*.cpp")) + sorted(csrc.glob("*.h"))
+    assert {path.name for path in files} >= {"common.h", "ops.h", "attention.cpp",
+                                              "torch_bindings.cpp", "bf16_gemm.cpp"}
+    assert set(loom.kernels._sources()) == set(csrc.glob("*.cpp"))
+    assert loom.kernels._sources()[0].name == "torch_bindings.cpp"
+    keys = {loom.kernels._build_dir()}
+    for path in files:
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n// edited\n")
+        keys.add(loom.kernels._build_dir())
+        path.write_bytes(original)
+    assert loom.kernels._build_dir() in keys
+    (csrc / "extra.h").write_text("#pragma once\n")
+    keys.add(loom.kernels._build_dir())
+    assert len(keys) == len(files) + 2
