@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 
 
 class ExecutorLike(Protocol):
+    """loom.executor.base.Executor, handed in (it is not core code)."""
+
     def initialize(self) -> int: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
 
 
@@ -52,12 +55,8 @@ class EngineCore:
         and a grammar manager, which loads the model's tokenizer the first time a
         request needs a grammar unless ``tokenizer`` is given. Imports stay lazy, so an
         engine core driving worker processes never imports torch or transformers."""
+        from loom.executor import make_executor
         from loom.structured_output import StructuredOutputManager
-
-        if config.parallel.use_worker_processes:
-            from loom.executor.multiproc import MultiProcExecutor as executor_class
-        else:
-            from loom.executor.uniproc import UniProcExecutor as executor_class
 
         def tokenizer_factory() -> Tokenizer:
             if tokenizer is not None:
@@ -70,7 +69,7 @@ class EngineCore:
         vocab_size = config.model.vocab_size or (len(tokenizer.hf) if tokenizer is not None else 0)
         structured_output = StructuredOutputManager(config.structured_outputs, tokenizer_factory,
                                                     vocab_size)
-        return cls(config, executor_class(config), structured_output)
+        return cls(config, make_executor(config), structured_output)
 
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None and self.structured_output is None:

@@ -156,10 +156,7 @@ class EngineCoreProc:
                 logger.error("the API server process is gone; engine core exiting")
                 self.should_shutdown = True
                 return
-            # Present on executors whose workers live in other processes.
-            check_health = getattr(self.engine_core.executor, "check_health", None)
-            if check_health is not None:
-                check_health()
+            self.engine_core.executor.check_health()
 
     def _process_inputs(self) -> None:
         core = self.engine_core
