@@ -12,6 +12,12 @@ from typing import Any
 import msgspec
 
 _MAX_LOGPROBS = 20
+# The sampler divides logits by the temperature and by (or multiplies them with) the
+# repetition penalty in float32. Past these bounds a logit overflows to inf or a masked
+# -inf one becomes NaN (-inf / inf, -inf * 0) and the row samples garbage; inside them
+# every real logit stays finite. (A temperature of 1e6 is already uniform sampling.)
+_MAX_TEMPERATURE = 1e6
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -96,7 +102,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 <= self.temperature <= _MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {_MAX_TEMPERATURE:g}], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
@@ -104,8 +111,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0,
-               "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _check(_MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY,
+               "repetition_penalty", f"must be in [{_MIN_REPETITION_PENALTY:g}, "
+               f"{_MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")

@@ -187,18 +187,21 @@ def _nested(depth: int, leaf: Any, as_object: bool) -> Any:
     return leaf
 
 
+# Strings a field may legally hold that stress what reads them: special tokens, template
+# syntax, stop-sequence look-alikes, broken regexes and grammars, numbers as text.
 SPECIAL_STRINGS = [
-    "", " ", "\x00", "\ud800", "\udfff\ud800", "😀", "\u202e", "<|im_start|>", "<|im_end|>",
-    "<|endoftext|>", "<tool_call>", "</tool_call>", "<think>", "</think>", "{{ 1/0 }}",
-    "{% raise %}", "data: [DONE]\n\n", "NaN", "Infinity", "-1", "0", "1e309", "0x10", "1_0",
-    " 7", "٣", "(", "[", "a{99999}", "(a*)*b", "\\", "root ::= root", "root ::= ",
-    "x" * 20000, "function", "text", "json_schema", "json_object", "assistant", "tool",
-    "system", "user", MODEL,
+    "", " ", "\x00", "😀", "\u202e", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
+    "<tool_call>", "</tool_call>", "<think>", "</think>", "{{ 1/0 }}", "{% raise %}",
+    "data: [DONE]\n\n", "NaN", "Infinity", "-1", "0", "1e309", "0x10", "1_0", " 7", "٣", "(",
+    "[", "a{99999}", "(a*)*b", "\\", "root ::= root", "root ::= ", "function", "text",
+    "json_schema", "json_object", "assistant", "tool", "system", "user", MODEL,
 ]
+# Strings no field can hold: lone surrogates (not UTF-8 at all), 20,000 characters.
+HOSTILE_STRINGS = ["\ud800", "\udfff\ud800", "x" * 20000]
 HOSTILE_SCALARS = [
     None, True, False, 0, -1, 1, 2**31, 2**53 + 1, 2**63, 2**64, -(2**63) - 1, 10**40,
     -(10**40), 0.5, -0.0, 1e308, -1e308, 5e-324, math.nan, math.inf, -math.inf,
-    *SPECIAL_STRINGS[:12],
+    *HOSTILE_STRINGS, *SPECIAL_STRINGS[:12],
 ]
 # Keys for free-form objects: the template's and HF's reserved names (chat_template_kwargs),
 # JSON Schema keywords (response_format, guided_json, tool parameters).
@@ -213,16 +216,16 @@ SPECIAL_KEYS = [
 
 keys = st.one_of(st.sampled_from(SPECIAL_KEYS), st.text(max_size=8),
                  st.integers(-1, 300).map(str))  # token ids, as logit_bias keys them
-json_scalars = st.one_of(st.sampled_from(HOSTILE_SCALARS), st.integers(-5, 300),
-                         st.floats(-10, 10), st.text(max_size=10),
-                         st.sampled_from(SPECIAL_STRINGS))
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 300), st.floats(-10, 10),
+                         st.text(max_size=10), st.sampled_from(SPECIAL_STRINGS),
+                         st.sampled_from(HOSTILE_SCALARS))
 json_values = st.recursive(
     json_scalars,
     lambda children: st.one_of(st.lists(children, max_size=4),
                                st.dictionaries(keys, children, max_size=4)),
     max_leaves=12)
 hostile_values = st.one_of(
-    st.sampled_from(HOSTILE_SCALARS), st.sampled_from(SPECIAL_STRINGS),
+    st.sampled_from(HOSTILE_SCALARS),
     st.sampled_from([[], {}, [None], [[]], [{}], {"": None}, list(range(600)),
                      _nested(300, 1, False), _nested(300, 1, True), [[1, 2], [3, "x"]]]),
     json_values)
@@ -271,8 +274,8 @@ class SchemaStrategies:
             return st.lists(items, min_size=min(schema.get("minItems", 0), max_size),
                             max_size=max_size)
         if kind == "string":
-            return st.one_of(st.text(min_size=schema.get("minLength", 0), max_size=12),
-                             st.sampled_from(SPECIAL_STRINGS))
+            text = st.text(min_size=schema.get("minLength", 0), max_size=12)
+            return _rarely(text, st.sampled_from(SPECIAL_STRINGS), 4)
         if kind == "integer":
             return self._integer(schema)
         if kind == "number":
@@ -294,7 +297,7 @@ class SchemaStrategies:
         small_low, small_high = max(low, -2), min(high, 12)
         if small_low > small_high:
             return st.one_of(bounds, st.integers(low, high))
-        return st.one_of(st.integers(small_low, small_high), bounds)
+        return _rarely(st.integers(small_low, small_high), bounds, 8)
 
     def object(self, schema: dict[str, Any]) -> st.SearchStrategy:
         properties = schema.get("properties")
@@ -304,12 +307,12 @@ class SchemaStrategies:
             return st.dictionaries(keys, values, max_size=4)
         required = [name for name in schema.get("required", ()) if name in properties]
         optional = [name for name in properties if name not in required]
-        fields = {name: _rarely(self.value(properties[name]), hostile_values, 12)
+        fields = {name: _rarely(self.value(properties[name]), hostile_values, 25)
                   for name in properties}
 
         @st.composite
         def build(draw) -> dict[str, Any]:
-            names = [name for name in required if draw(st.integers(0, 19))]  # a few missing
+            names = [name for name in required if draw(st.integers(0, 39))]  # a few missing
             if optional:
                 names += draw(st.lists(st.sampled_from(optional), unique=True, max_size=6))
             body = {name: draw(fields[name]) for name in names}
@@ -428,6 +431,20 @@ REGRESSIONS: list[tuple[str, str, Any, dict[str, str] | None]] = [
     ("POST", "/v1/completions", {"prompt": " ", "top_k": 2**64}, None),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                       "min_tokens": -(2**63) - 1}, None),
+    # Penalties and temperatures past float32 made the sampler's logits NaN: garbage text,
+    # or a 500 where a grammar rejected the garbage token.
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "", "": None}],
+                                      "guided_choice": [""],
+                                      "repetition_penalty": 9.599893563794621e-61}, None),
+    ("POST", "/v1/completions", {"prompt": "a", "guided_choice": ["ab"],
+                                 "temperature": 1e300}, None),
+    # A template from chat_template_kwargs replaced the model's; its ZeroDivisionError
+    # was a 500 (and uvicorn closed the connection after it).
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                      "chat_template_kwargs": {"chat_template": "{{ 1/0 }}"}},
+     None),
+    ("POST", "/tokenize", {"messages": [{"role": "user", "content": "a"}],
+                           "chat_template": "{{ 1/0 }}"}, None),
 ]
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from loom_server import TINY_SERVER_ARGS, LoomServer
 
-from loom.entrypoints.openai.protocol import ChatCompletionRequest
+from loom.entrypoints.openai.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest
 from loom.entrypoints.openai.serving_chat import render_chat_prompt
 from loom.entrypoints.openai.serving_engine import OpenAIError, parse_body
 from loom.tokenizer import Tokenizer, load_tokenizer, template_message
@@ -211,3 +211,27 @@ def test_text_parts_and_missing_content_through_the_server(client, tool_tokenize
                 {"role": "user", "content": "again"}]
     response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
     assert response.usage.prompt_tokens == len(tool_tokenizer.apply_chat_template(messages))
+
+
+def test_template_kwargs_cannot_override_apply_chat_templates_arguments(tool_tokenizer):
+    """Every argument of transformers' apply_chat_template but the two a template may
+    read (documents, continue_final_message) is reserved, in this transformers too."""
+    import inspect
+
+    arguments = set(inspect.signature(tool_tokenizer.hf.apply_chat_template).parameters)
+    assert arguments - {"kwargs", "documents", "continue_final_message"} <= (
+        RESERVED_TEMPLATE_KWARGS)
+    for key in ("chat_template", "tokenize", "messages"):
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                           "chat_template_kwargs": {key: "{{ 1/0 }}"}})
+        with pytest.raises(OpenAIError, match=f"'{key}' cannot be set") as raised:
+            parse_body(ChatCompletionRequest, body.encode())
+        assert raised.value.param == "chat_template_kwargs"
+
+
+def test_any_template_error_is_a_bad_request(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir, chat_template="{{ (messages | length) / 0 }}")
+    request = parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "1"}]}')
+    with pytest.raises(OpenAIError, match="ZeroDivisionError") as raised:
+        render_chat_prompt(tokenizer, request.messages, None, True, {})
+    assert raised.value.status_code == 400 and raised.value.param == "messages"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
+                      field_validator)
 
 _MAX_N = 128  # OpenAI's limit on n
 _MAX_TOP_LOGPROBS = 20
@@ -19,6 +20,26 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 # Every integer the engine gets travels as a 64-bit msgpack int; larger ones are a 400
 # here, not an OverflowError when the request is sent to the engine core.
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
+# Arguments of transformers' apply_chat_template (and the template's own variables) that
+# chat_template_kwargs may not override: a template of the client's, tokenizing, other
+# messages or tools. Everything else in it reaches the template as a variable.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "chat_template", "add_generation_prompt", "tokenize",
+    "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _check_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} cannot be set through chat_template_kwargs "
+                         f"(reserved: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
+    return kwargs
+
+
+ChatTemplateKwargs = Annotated[dict[str, Any], AfterValidator(_check_template_kwargs)]
 
 
 class OpenAIModel(BaseModel):
@@ -164,7 +185,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

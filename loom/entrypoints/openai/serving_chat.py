@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import AsyncLLM, RequestStream
@@ -179,16 +178,17 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
                        tools: list[ChatTool] | None, add_generation_prompt: bool,
                        template_kwargs: dict[str, Any]) -> str:
     """The prompt text of chat messages (also what /tokenize counts); a 400 when the
-    template fails on them."""
+    template fails on them: whatever a template raises (a ZeroDivisionError as well as
+    raise_exception's TemplateError), it raised on what this request gave it."""
     try:
         return tokenizer.render_chat_template(
             [message.model_dump(exclude_none=True) for message in messages],
             add_generation_prompt,
             tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
             **template_kwargs)
-    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as error:
-        raise bad_request(f"the chat template failed on these messages: {error}",
-                          param="messages") from None
+    except Exception as error:  # noqa: BLE001 — see above
+        raise bad_request(f"the chat template failed on these messages: "
+                          f"{type(error).__name__}: {error}", param="messages") from None
 
 
 def _raise_if_error(seq: CompletionOutput) -> None:

@@ -12,12 +12,12 @@ whether it fits); only token ids the tokenizer does not have are a 400.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from pydantic import Field, model_validator
 from starlette.responses import JSONResponse, Response
 
-from loom.entrypoints.openai.protocol import ChatMessage, ChatTool, OpenAIModel, TokenId
+from loom.entrypoints.openai.protocol import (ChatMessage, ChatTemplateKwargs, ChatTool,
+                                             OpenAIModel, TokenId)
 from loom.entrypoints.openai.serving_chat import render_chat_prompt
 from loom.entrypoints.openai.serving_engine import bad_request, check_model, parse_body
 from loom.tokenizer import Tokenizer
@@ -39,7 +39,7 @@ class TokenizeChatRequest(OpenAIModel):
     # The chat template writes BOS itself; True would add a second one.
     add_special_tokens: bool = False
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
 
     @model_validator(mode="after")
