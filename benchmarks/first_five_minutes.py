@@ -97,24 +97,24 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def resident_sets(pid: int) -> list[tuple[str, int]]:
-    """(role, RSS) of the server process and its descendants."""
+    """(role, RSS) of the server process and its descendants: the API server, its
+    child the engine core, the engine core's child the worker (and each one's
+    multiprocessing resource tracker)."""
     root = psutil.Process(pid)
+    roles = {0: "API server", 1: "engine core", 2: "worker"}
     rows = []
-    for process in [root] + root.children(recursive=True):
+    def visit(process: psutil.Process, depth: int) -> None:
         try:
             cmdline = " ".join(process.cmdline())
             rss = process.memory_info().rss
+            children = process.children()
         except psutil.NoSuchProcess:
-            continue
-        if process.pid == pid:
-            role = "API server"
-        elif "resource_tracker" in cmdline:
-            role = "resource tracker"
-        elif process.name().startswith("loom-worker") or "worker" in process.name():
-            role = f"worker ({process.name()})"
-        else:
-            role = f"{process.name()}"
-        rows.append((f"{role} pid {process.pid}", rss))
+            return
+        role = "resource tracker" if "resource_tracker" in cmdline else roles.get(depth, "other")
+        rows.append((f"{role} (pid {process.pid})", rss))
+        for child in children:
+            visit(child, depth + (role != "resource tracker"))
+    visit(root, 0)
     return rows
 
 
