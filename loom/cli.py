@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 import sys
 import time
 from typing import Any
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     one line and status 130, never a traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C's exit (finalizers stop workers, segments unlinked);
+    # `loom serve` drains on it instead, inside its event loop.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.command in ("generate", "chat"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -259,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"loom {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _one_line(error: BaseException) -> str:

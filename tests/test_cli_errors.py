@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import psutil
@@ -32,6 +33,15 @@ def run_loom(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
 
 
 def assert_no_debris(session_pid: int) -> None:
+    deadline = time.monotonic() + 5  # multiprocessing's resource tracker leaves last
+    while (left := _session_processes(session_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left behind: {[p.cmdline() for p in left]}"
+    segments = [name for name in os.listdir("/dev/shm") if name.startswith(f"loom-{session_pid}-")]
+    assert not segments, f"/dev/shm debris: {segments}"
+
+
+def _session_processes(session_pid: int) -> list[psutil.Process]:
     left = []
     for process in psutil.process_iter():
         try:
@@ -39,9 +49,7 @@ def assert_no_debris(session_pid: int) -> None:
                 left.append(process)
         except (ProcessLookupError, psutil.Error):
             continue
-    assert not left, f"processes left behind: {left}"
-    segments = [name for name in os.listdir("/dev/shm") if name.startswith(f"loom-{session_pid}-")]
-    assert not segments, f"/dev/shm debris: {segments}"
+    return left
 
 
 def assert_one_line_error(run: subprocess.CompletedProcess, *fragments: str) -> str:

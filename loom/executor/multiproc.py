@@ -21,8 +21,11 @@ signals, a failure raises, and a step result is kept for the step that waits for
 it, whoever happened to read it (a health check may). A result nobody waits for is
 an ``UnexpectedMessageError``, never dropped.
 
-Whatever happens (an error, a GC'd engine, interpreter exit, SIGTERM) the workers
-are stopped and every shared-memory segment and socket file is removed.
+Whatever happens (an error, a GC'd engine, interpreter exit) the workers are stopped
+and every shared-memory segment and socket file is removed. This library installs no
+signal handler: if the process is killed (SIGTERM's default, SIGKILL), its workers die
+with it (PR_SET_PDEATHSIG) and multiprocessing's resource tracker unlinks the segments;
+what a kill of the whole group leaves, the next engine removes (loom.ipc.debris).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import threading
 import time
 import weakref
 
@@ -112,7 +114,6 @@ class MultiProcExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        _install_sigterm_handler()
         return num_blocks
 
     def _start_workers(self) -> int:
@@ -341,16 +342,3 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _install_sigterm_handler() -> None:
-    """Turn SIGTERM into SystemExit so finalizers stop the workers; only where nobody
-    else handles it (and only the main thread may)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)

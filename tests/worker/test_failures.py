@@ -111,12 +111,11 @@ def test_parent_killed_leaves_nothing_behind(model_dir, tmp_path, signum):
         assert len(pids) == 2 and leftovers(pids, names) != []
         parent.send_signal(signum)
         parent.wait(timeout=20)
-        deadline = time.monotonic() + 10  # SIGKILL: orphans notice within a heartbeat
+        deadline = time.monotonic() + 10  # workers die with it; the tracker unlinks
         while leftovers(pids, names) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert leftovers(pids, names) == []
-        if signum == signal.SIGTERM:
-            assert parent.returncode == 128 + signal.SIGTERM
+        assert parent.returncode == -signum  # a library installs no signal handler
     finally:
         parent.kill()
 
