@@ -49,6 +49,7 @@ KNOWN_ROUTES = {("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"),
 FALLBACK_BODY_MODELS = {"/v1/completions": CompletionRequest,
                         "/v1/chat/completions": ChatCompletionRequest}
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
+GENERATING_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # (path, status, the error's param) of every example, printed after a long run
 STATUSES: collections.Counter[tuple[str, int, str]] = collections.Counter()
 
@@ -138,11 +139,26 @@ def check_exchange(http: httpx.Client, method: str, path: str, body: bytes | Non
         if method != "HEAD":
             _check_envelope(strict_json(raw), what)
     elif content_type.startswith("text/event-stream"):
-        _check_event_stream(raw, what)
+        finished = _check_event_stream(raw, what)
+        if method == "POST" and path in GENERATING_ROUTES:
+            assert finished == set(range(_num_choices(path, body))), f"{finished} on {what}"
     elif content_type.startswith("application/json"):
-        strict_json(raw)
+        payload = strict_json(raw)
+        if method == "POST" and path in GENERATING_ROUTES:
+            indices = sorted(choice["index"] for choice in payload["choices"])
+            assert indices == list(range(_num_choices(path, body))), f"{indices} on {what}"
+            assert all(choice["finish_reason"] for choice in payload["choices"]), what
     check_still_serving(http, what)
     return status
+
+
+def _num_choices(path: str, body: bytes) -> int:
+    """How many choices an accepted request asks for: n per prompt."""
+    request = json.loads(body)
+    prompt = request.get("prompt")
+    num_prompts = (len(prompt) if path == "/v1/completions" and isinstance(prompt, list)
+                   and prompt and not isinstance(prompt[0], int) else 1)
+    return request.get("n", 1) * num_prompts
 
 
 def _error_param(raw: bytes) -> str:
@@ -160,15 +176,23 @@ def _check_envelope(payload: Any, what: str) -> None:
     assert isinstance(error["type"], str), f"{payload} on {what}"
 
 
-def _check_event_stream(raw: bytes, what: str) -> None:
+def _check_event_stream(raw: bytes, what: str) -> set[int]:
+    """Checks the stream; returns the indices of the choices that finished (once each)."""
     events = [line for line in raw.decode("utf-8").split("\n") if line]
     assert events and events[-1] == "data: [DONE]", f"{raw[-300:]!r} on {what}"
+    finished: set[int] = set()
     for line in events[:-1]:
         assert line.startswith("data: "), f"{line!r} on {what}"
         event = strict_json(line[len("data: "):].encode())
         if "error" in event:
             _check_envelope(event, what)
             assert event["error"]["type"] != "server_error", f"{event} on {what}"
+            continue
+        for choice in event.get("choices", ()):
+            if choice.get("finish_reason"):
+                assert choice["index"] not in finished, f"finished twice: {line} on {what}"
+                finished.add(choice["index"])
+    return finished
 
 
 def check_still_serving(http: httpx.Client, after: str) -> None:
