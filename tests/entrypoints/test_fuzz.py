@@ -67,7 +67,7 @@ def fuzz_settings(share: str):
 def server(tiny_model_dir):
     # A short context keeps every generation cheap; tools and reasoning parsers on, so
     # their paths are fuzzed too.
-    server = LoomServer(tiny_model_dir, *TINY_SERVER_ARGS, "--max-model-len", "128",
+    server = LoomServer(tiny_model_dir, *TINY_SERVER_ARGS, "--max-model-len", "64",
                         "--served-model-name", MODEL, "--disable-log-requests",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                         "--reasoning-parser", "qwen3")
