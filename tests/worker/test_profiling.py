@@ -48,7 +48,8 @@ def test_blocks_follow_memory_utilization_and_model_size(model_dir, bigger_model
     low = profiled_blocks(model_dir, memory_utilization=0.1)
     high = profiled_blocks(model_dir, memory_utilization=0.3)
     assert high > 2 * low > 0  # (0.3 T - used) / (0.1 T - used) > 3 while used < 0.1 T
-    bigger = profiled_blocks(bigger_model_dir, memory_utilization=0.1)
+    bigger = profiled_blocks(bigger_model_dir, memory_utilization=0.1,
+                             tokenizer=model_dir)  # the tiny tokenizer: same vocabulary
     assert bigger < low / 3  # 4x the layers: 4x the bytes per block, and more weights
 
 
