@@ -44,7 +44,8 @@ def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen,
 
 def run_soak(args, url: str, pid: int) -> str:
     samples, report, stuck = asyncio.run(soak(url, pid, args.minutes, args.concurrency,
-                                              args.max_tokens, sample_s=args.sample_s))
+                                              args.max_tokens, sample_s=args.sample_s,
+                                              request_timeout_s=args.request_timeout))
     roles = list(samples[0].rss_mib)
     lines = [f"| minute | requests | p50 s | p99 s | {' | '.join(f'{r} RSS MiB' for r in roles)} |",
              "|" + "---|" * (4 + len(roles))]
@@ -91,6 +92,8 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=32, help="requests per stress round")
     parser.add_argument("--hog", type=int, default=2, help="busy processes beside the server")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="soak: a request slower than this counts as stuck")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also append the section to this file")
     args = parser.parse_args()
