@@ -37,8 +37,8 @@ _CSRC = Path(__file__).parent / "csrc"
 # built with it (without, every "parallel" loop silently runs on one thread); the
 # extension links the libgomp torch already loaded.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
-# Wall time of a first build on a 2-core x86 machine with AVX-512 (ninja runs a job per
-# core): torch_bindings.cpp, the one file with <torch/extension.h>, is most of it.
+# Wall time of a first build on a 2-core x86 machine with AVX-512: ~90 s of compiler CPU
+# time over eight files, run in parallel by ninja (benchmarks/cpu_kernels.md).
 _BUILD_ESTIMATE = "a minute"
 _UNSET = object()
 _module: object = _UNSET
