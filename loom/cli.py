@@ -77,6 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(docs/robustness.md)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    group.add_argument("--attention-backend", default="auto", metavar="auto|cpu|torch",
+                       help="attention implementation, by registered name: cpu (loom's native "
+                            "CPU kernels), torch (the PyTorch reference), or auto (default: cpu "
+                            "where the native kernels apply, else torch)")
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     group.add_argument("--structured-outputs-backend", "--guided-decoding-backend",
                        default="auto", choices=["auto", "guidance", "llguidance"],
@@ -121,7 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "structured_outputs_disable_additional_properties", "speculative_config",
              "early_stop_config", "enable_warm_up", "enable_chunked_prefill",
              "generation_config", "override_generation_config", "trust_remote_code",
-             "enforce_eager")
+             "enforce_eager", "attention_backend")
     return {name: getattr(args, name) for name in names}
 
 

@@ -42,10 +42,16 @@ class ModelConfig:
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
     # Token ids in, token ids out: no tokenizer is loaded, outputs have empty text.
     skip_tokenizer_init: bool = False
+    # A registered name (loom.model.attention) or auto: cpu where loom's native kernels
+    # apply, else torch; resolved when the model is built.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        from loom.model.attention import check_attn_backend_name  # imports no torch
+
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        check_attn_backend_name(self.attention_backend)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -329,6 +335,7 @@ class EngineConfig:
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
+        attention_backend: str = "auto",
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
     ) -> EngineConfig:
@@ -391,7 +398,8 @@ class EngineConfig:
                               vocab_size=getattr(hf_config, "vocab_size", None),
                               enable_warm_up=enable_warm_up,
                               sampling_defaults=tuple(sampling_defaults.items()),
-                              skip_tokenizer_init=skip_tokenizer_init),
+                              skip_tokenizer_init=skip_tokenizer_init,
+                              attention_backend=attention_backend),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

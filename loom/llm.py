@@ -35,8 +35,9 @@ class LLM:
     ``enable_chunked_prefill``, ``block_size``, ``enable_prefix_caching``,
     ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
     (or ``memory_utilization``), ``tensor_parallel_size``, ``seed``, ``chat_template``,
-    ``device``, ``generation_config`` ("auto": the checkpoint's sampling defaults apply
-    when ``generate`` gets no SamplingParams; "vllm": loom's; or a directory) and
+    ``device``, ``attention_backend`` ("auto", "cpu" or "torch"), ``generation_config``
+    ("auto": the checkpoint's sampling defaults apply when ``generate`` gets no
+    SamplingParams; "vllm": loom's; or a directory) and
     ``override_generation_config``; and for worker processes
     ``distributed_executor_backend`` ("mp" or "uni"), ``nnodes``, ``node_rank``,
     ``master_addr``, ``master_port``, ``worker_health_timeout_s`` (see

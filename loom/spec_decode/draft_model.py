@@ -37,6 +37,7 @@ class DraftModelProposer:
         self.max_model_len = config.model.max_model_len
         self.device = device
         self.dtype = dtype
+        self.attention_backend = config.model.attention_backend
         self.hf_config = load_hf_config(self.path)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -44,7 +45,7 @@ class DraftModelProposer:
     def load_model(self) -> None:
         # Unsharded, on this rank only: a draft model is small.
         self.model = load_model(self.path, self.hf_config, dtype=self.dtype, device=self.device,
-                                tp_group=SINGLE)
+                                tp_group=SINGLE, attention_backend=self.attention_backend)
 
     @property
     def kv_cache_bytes_per_block(self) -> int:

@@ -13,6 +13,7 @@ proposer drafts the next step's tokens (``ModelRunnerOutput.spec_token_ids``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,8 @@ from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
 from loom.spec_decode.rejection_sampler import RejectionSampler
+
+logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose logits are materialised at once
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,8 +84,14 @@ class ModelRunner:
     # ----------------------------------------------------------------- set-up
 
     def load_model(self) -> None:
+        chosen = self.config.model.attention_backend
         self.model = load_model(self.config.model.model, self.hf_config, dtype=self.dtype,
-                                device=self.device, tp_group=self.tp_group)
+                                device=self.device, tp_group=self.tp_group,
+                                attention_backend=chosen)
+        if self.tp_group.rank == 0:
+            backend = self.model.attention_layers[0].impl.name
+            logger.info("attention backend: %s%s", backend,
+                        " (auto)" if chosen == "auto" else "")
         self.vocab_size = self.hf_config.vocab_size
         if self.draft_proposer is not None:
             self.draft_proposer.load_model()
@@ -100,7 +109,7 @@ class ModelRunner:
                                                  self.dtype, 1)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)  # see kv_layout.py
         # Not zeroed: attention never reads a slot before writing it (padding repeats a
         # request's last key). One allocation for all layers: on the CPU a large one is
         # fresh mmap'd memory, resident only once written or populated (the Worker

@@ -6,10 +6,8 @@ A backend instance serves one attention layer. Each forward it
 2. computes causal attention of the new queries over each request's whole context
    (cached tokens plus the new ones), read through ``block_table``.
 
-The KV cache of one layer is ``(2, num_kv_heads, num_blocks, block_size, head_dim)``:
-index 0 holds keys, 1 values; slot ``s`` is ``(s // block_size, s % block_size)``.
-Heads outermost, so that gathering a context's slots gives each head's keys as one
-contiguous ``(S, head_dim)`` matrix, ready for a matmul.
+The layer's cache is laid out as ``kv_layout.py`` declares (``kv_cache_shape``, with
+its region map); the model sizes the allocation through ``AttentionBackend.kv_cache_shape``.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from loom.model.attention.kv_layout import kv_cache_shape
 from loom.model.attention.metadata import AttentionMetadata
 
 
@@ -32,6 +31,10 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of this layer's cache tensor, which ``forward`` then receives."""
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,9 +1,9 @@
 """CPU attention backend on loom's native kernels (``loom.kernels``).
 
-Same cache layout and results as the torch backend, without its gathers: new K/V
-go to their slots in one call, and one call runs attention for every request
-(decodes, speculative verification, prefill chunks), reading each context where
-it lies in the block pool. In float32, prefill chunks longer than
+Same cache layout (``kv_layout.py``, which the kernels index) and results as the torch
+backend, without its gathers: new K/V go to their slots in one call, and one call runs
+attention for every request (decodes, speculative verification, prefill chunks),
+reading each context where it lies in the block pool. In float32, prefill chunks longer than
 ``MAX_NATIVE_QUERY_LEN`` run one SDPA each, as in the torch backend, whose
 matmuls win there. Without the kernels (no compiler, ``LOOM_NATIVE_KERNELS=0``), on CUDA, in
 float16, and in the profiling run before the cache exists, it is the torch backend.

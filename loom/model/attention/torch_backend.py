@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.attention.backend import AttentionBackend
+from loom.model.attention.kv_layout import KEY, VALUE, slot_rows
 from loom.model.attention.metadata import AttentionMetadata
 
 
@@ -70,20 +71,17 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, D)
         # (Hkv, num_slots, D) <- (Hkv, T, D)
-        kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
-                                                                 key.transpose(0, 1))
-        kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
-                                                                 value.transpose(0, 1))
+        rows[KEY].index_copy_(1, slot_mapping, key.transpose(0, 1))
+        rows[VALUE].index_copy_(1, slot_mapping, value.transpose(0, 1))
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V of ``slots`` (N,), each (Hkv, N, D), contiguous."""
-        _, num_kv_heads, _, _, head_dim = kv_cache.shape
-        kv = kv_cache.view(2 * num_kv_heads, -1, head_dim).index_select(1, slots)
-        kv = kv.view(2, num_kv_heads, slots.shape[0], head_dim)
-        return kv[0], kv[1]
+        rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, D)
+        kv = rows.flatten(0, 1).index_select(1, slots).view(*rows.shape[:2], -1, rows.shape[3])
+        return kv[KEY], kv[VALUE]
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""The attention layer: owns this layer's bound KV cache and its backend instance."""
+"""The attention layer: owns this layer's bound KV cache and its backend instance.
+
+``backend`` is a registered name (``loom.model.attention``), already resolved from
+``auto`` by whoever builds the model (``load_model``)."""
 
 from __future__ import annotations
 
@@ -11,15 +14,19 @@ from loom.model.attention.metadata import get_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int, backend: str = "cpu") -> None:
+                 layer_idx: int, backend: str = "torch") -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.impl = get_attn_backend(backend)(num_heads, num_kv_heads, head_dim, scale)
-        # (2, num_blocks, block_size, num_kv_heads, head_dim); bound by the model runner.
+        # Shaped by kv_cache_shape below (layout: kv_layout.py); bound by the model runner.
         self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's cache, as its backend lays it out."""
+        return self.impl.kv_cache_shape(num_blocks, block_size)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:

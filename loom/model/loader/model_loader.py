@@ -12,6 +12,7 @@ from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.kernels import native_ops
+from loom.model.attention import select_attn_backend
 from loom.model.loader.gguf_loader import gguf_weights_iterator, load_gguf_config
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
@@ -44,14 +45,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE) -> nn.Module:
+               device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
+               attention_backend: str = "auto") -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
-    ``dtype``, load every parameter from ``model_path``, return it in eval mode."""
+    ``dtype`` and ``attention_backend`` (a registered name or auto), load every
+    parameter from ``model_path``, return it in eval mode."""
     model_cls = get_model_class(get_model_architecture(hf_config))
     if torch.device(device).type == "cpu":
         native_ops()  # build (or load) the CPU kernels now, not inside the first step
+    attention_backend = select_attn_backend(attention_backend, device, dtype)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, tp_group)
+        model = model_cls(hf_config, tp_group, attention_backend=attention_backend)
     if is_gguf(model_path):
         weights = gguf_weights_iterator(model_path, hf_config)
     else:

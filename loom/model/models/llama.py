@@ -37,7 +37,7 @@ def head_dim_of(config: Any) -> int:
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, tp_group: TPGroup,
                  biases: tuple[bool, bool], qk_norm: bool,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, attention_backend: str) -> None:
         super().__init__()
         qkv_bias, o_bias = biases
         self.head_dim = head_dim_of(config)
@@ -56,7 +56,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = qk_norm
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5, layer_idx=layer_idx)
+                              scale=self.head_dim ** -0.5, layer_idx=layer_idx,
+                              backend=attention_backend)
 
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -97,10 +98,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, tp_group: TPGroup,
                  biases: tuple[bool, bool], qk_norm: bool,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, attention_backend: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, tp_group, biases, qk_norm,
-                                        rotary_emb)
+                                        rotary_emb, attention_backend)
         self.mlp = LlamaMLP(config, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -179,13 +180,14 @@ class NativeLayers(NamedTuple):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, tp_group: TPGroup, biases: tuple[bool, bool],
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, attention_backend: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_group)
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp_group, biases, qk_norm, self.rotary_emb)
+            LlamaDecoderLayer(config, i, tp_group, biases, qk_norm, self.rotary_emb,
+                              attention_backend)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self._native_plan: NativeLayers | bool | None = None  # None: not planned yet
@@ -245,11 +247,13 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.model = LlamaModel(config, tp_group, self.attention_biases(config), self.qk_norm)
+        self.model = LlamaModel(config, tp_group, self.attention_biases(config), self.qk_norm,
+                                attention_backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -265,9 +269,8 @@ class LlamaForCausalLM(nn.Module):
         return len(self.model.layers)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache, laid out as the attention backend documents."""
-        attn = self.attention_layers[0]
-        return (2, attn.num_kv_heads, num_blocks, block_size, attn.head_dim)
+        """One layer's cache, as its attention backend lays it out (kv_layout.py)."""
+        return self.attention_layers[0].kv_cache_shape(num_blocks, block_size)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         layers = self.attention_layers
