@@ -22,6 +22,8 @@ processes started at once (tensor-parallel ranks) wait on one build through a fi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -106,6 +108,22 @@ def native_ops_for(device, dtype) -> ModuleType | None:
     return native_ops()
 
 
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path):
+    """One loom process builds or loads a build directory at a time, by an flock that the
+    kernel releases when its holder dies. torch's own build lock is a plain file: a build
+    killed mid-way (a timeout, Ctrl-C, the OOM killer) leaves it behind, and every later
+    load waits for it forever. Holding the flock, any such file is stale: remove it."""
+    with open(build_dir / "loom-build.flock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            stale.unlink(missing_ok=True)
+            logger.warning("removed the lock of a kernel build that was killed mid-way (%s)",
+                           stale)
+        yield
+
+
 def _load() -> ModuleType | None:
     if os.environ.get("LOOM_NATIVE_KERNELS", "1") == "0":
         return None
@@ -123,9 +141,10 @@ def _load() -> ModuleType | None:
             progress(f"compiling native CPU kernels (first use, about {_BUILD_ESTIMATE}; "
                      f"cached in {build_dir.parent}) ...")
             started = time.monotonic()
-        module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
-                      build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
-                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        with _exclusive_build(build_dir):
+            module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
+                          build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
+                          extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         if first_use:
             progress(f"native CPU kernels compiled in {time.monotonic() - started:.0f} s")
         return module
