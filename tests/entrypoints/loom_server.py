@@ -38,7 +38,7 @@ class LoomServer:
     """``loom serve MODEL --port 0 ...``; waits for its "ready on" line."""
 
     def __init__(self, model: str | None, *args: str, api_key: str | None = None,
-                 startup_timeout: float = 180.0) -> None:
+                 startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
         command = [sys.executable, "-m", "loom.cli", "serve"]
         if model is not None:
             command.append(model)
@@ -49,7 +49,9 @@ class LoomServer:
         self._stderr = tempfile.NamedTemporaryFile("w+", prefix="loom-serve-", suffix=".log")
         self.stdout_lines: list[str] = []
         self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, text=True, bufsize=1)
+                                     stderr=self._stderr, text=True, bufsize=1,
+                                     env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         self._ready = threading.Event()
         self.url = ""
         threading.Thread(target=self._read_stdout, daemon=True).start()
