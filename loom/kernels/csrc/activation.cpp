@@ -37,16 +37,28 @@ void silu_and_mul_row_avx512(c10::BFloat16* out, const c10::BFloat16* gate, int6
 }
 #endif
 
+// The generic row: float32 everywhere, bf16 without AVX512-BF16 or under set_isa("generic").
 template <typename T>
-void silu_and_mul_row(T* out, const T* gate, int64_t width, [[maybe_unused]] bool avx512) {
-#if LOOM_HAVE_AVX512_BF16
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (avx512) return silu_and_mul_row_avx512(out, gate, width);
-  }
-#endif
+void silu_and_mul_row(T* out, const T* gate, int64_t width) {
   const T* up = gate + width;
 #pragma omp simd
   for (int64_t i = 0; i < width; ++i) out[i] = silu_mul_scalar(gate[i], up[i]);
+}
+
+// Rows [begin, end) of x (N, 2I) into out (N, I), on one path for all of them.
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t begin, int64_t end, int64_t width,
+                       [[maybe_unused]] bool avx512) {
+#if LOOM_HAVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (avx512) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_and_mul_row_avx512(out + r * width, x + r * 2 * width, width);
+      return;
+    }
+  }
+#endif
+  for (int64_t r = begin; r < end; ++r) silu_and_mul_row(out + r * width, x + r * 2 * width, width);
 }
 
 }  // namespace
@@ -61,13 +73,12 @@ at::Tensor silu_and_mul(at::Tensor x) {
   auto sizes = x.sizes().vec();
   sizes.back() = width;
   auto out = at::empty(sizes, x.options());
-  const bool avx512 = use_avx512();
+  [[maybe_unused]] const bool avx512 = use_avx512();
   LOOM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        silu_and_mul_row(op + r * width, xp + r * 2 * width, width, avx512);
+      silu_and_mul_rows(op, xp, begin, end, width, avx512);
     });
   });
   return out;
