@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -101,6 +102,24 @@ def test_sigterm_drains_requests_in_flight_then_exits_zero(start_server):
     assert not any("error" in e for e in events[:-1])
     finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["length"] * 4
+    assert server.proc.wait(30) == 0, server.output()
+
+
+def test_ctrl_c_drains_like_sigterm(start_server):
+    """SIGINT to the server's process group, as a terminal's Ctrl-C sends it: the stream in
+    flight finishes, new requests get 503, the server exits 0."""
+    server = start_server("--shutdown-timeout", "60")
+    with server.http() as http, http.stream("POST", "/v1/completions", json=LONG_STREAM) as stream:
+        lines = stream.iter_lines()
+        first = first_event(lines)
+        os.killpg(server.proc.pid, signal.SIGINT)
+        with server.http() as other:
+            deadline = time.monotonic() + 5
+            while other.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert other.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+        events = [first] + read_events(lines)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
     assert server.proc.wait(30) == 0, server.output()
 
 
