@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-from loom_server import TINY_SERVER_ARGS, LoomServer
 
 LONG_STREAM = {"prompt": "keep going", "max_tokens": 500, "n": 4, "ignore_eos": True,
                "stream": True}
@@ -29,19 +28,6 @@ def first_event(lines) -> dict:
         if line:
             return json.loads(line.removeprefix("data: "))
     raise AssertionError("the stream ended before its first event")
-
-
-@pytest.fixture
-def start_server(tiny_model_dir):
-    servers = []
-
-    def start(*args: str) -> LoomServer:
-        servers.append(LoomServer(tiny_model_dir, *TINY_SERVER_ARGS, *args))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.kill()
 
 
 @pytest.mark.parametrize("victim", ["engine core", "worker"])

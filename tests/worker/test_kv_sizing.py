@@ -140,7 +140,9 @@ def test_kv_cache_pages_are_populated_in_the_background(model_dir):
         thread.join(timeout=30)
         assert not thread.is_alive()
         assert _resident_fraction(storage.data_ptr(), storage.numel() * 4) > 0.99
-        assert storage.abs().sum().item() == 0  # fresh pages, untouched contents
+        # Contents are not asserted: torch.empty may hand back recycled heap memory, and
+        # no kernel reads a slot before writing it (tests/model/test_kv_layout.py fills
+        # the cache with NaN to prove that).
     finally:
         executor.shutdown()
 
