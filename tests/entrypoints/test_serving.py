@@ -389,18 +389,18 @@ def test_openai_client_sees_bad_request(client):
 # ----------------------------------------------------------------- load, disconnects, metrics
 
 def test_stream_disconnect_aborts_and_frees_blocks(server):
-    body = {"model": MODEL, "prompt": "go on", "max_tokens": 400, "stream": True,
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 500, "stream": True,
             "ignore_eos": True}
     generated_before = server.metric("vllm:generation_tokens_total")
     with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        assert server.metric("vllm:num_requests_running") == 1
-    # the connection is closed: the request is aborted at once, its blocks freed
+    # Closed after 3 events (no query in between: on a quiet machine the tiny model may
+    # finish 500 tokens in well under a second): aborted at once, its blocks freed.
     assert server.wait_for_metric("vllm:num_requests_running", 0, timeout=2) == 0
     assert server.wait_for_metric("vllm:kv_cache_usage_perc", 0, timeout=2) == 0
-    assert server.metric("vllm:generation_tokens_total") - generated_before < 400
+    assert server.metric("vllm:generation_tokens_total") - generated_before < 500
 
 
 def test_non_stream_disconnect_aborts(server):
