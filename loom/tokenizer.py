@@ -22,6 +22,8 @@ from typing import Any
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from loom.envs import settings
+
 logger = logging.getLogger(__name__)
 
 # Metadata ids that end generation in llama.cpp: end of sequence, end of turn, end of message.
@@ -229,8 +231,7 @@ def _gguf_cache_dir(gguf_path: str) -> str:
     stat = os.stat(gguf_path)
     key_text = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
-    root = os.environ.get("LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom"))
-    return os.path.join(root, "tokenizers", key)
+    return str(settings().cache_dir / "tokenizers" / key)
 
 
 def _save_to_cache(hf: PreTrainedTokenizerBase, eos_token_ids: list[int], cache_dir: str) -> None:

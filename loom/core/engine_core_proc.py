@@ -40,6 +40,7 @@ import zmq
 from loom.config import EngineConfig
 from loom.core.outputs import EngineCoreOutput
 from loom.core.scheduler import SchedulerStats
+from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.request import Request, RequestStatus
 from loom.sampling_params import SamplingParams
@@ -207,7 +208,7 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the API process asks for stacks
-    stall_at_step = int(os.environ.get("LOOM_TEST_STALL_ENGINE_AT_STEP", "0")) or None
+    stall_at_step = settings().test_stall_engine_at_step
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     proc = None

@@ -36,9 +36,10 @@ import traceback
 from dataclasses import dataclass
 
 from loom.config import EngineConfig
+from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.ipc.signal import WorkerSignals, unlink_segment
-from loom.ipc.task_queue import (ExecuteModel, RemoteStatus, Shutdown, StepResult,
+from loom.ipc.task_queue import (RemoteStatus, Shutdown, StepResult,
                                  TaskQueueAddresses, TaskQueueClient, WorkerFailure)
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class StatusReporter:
 def run_worker_proc(spec: WorkerSpec) -> None:
     """The spawned process's target."""
     _configure_process(spec)
-    stall_at_step = int(os.environ.get("LOOM_TEST_STALL_WORKER_AT_STEP", "0")) or None
+    stall_at_step = settings().test_stall_worker_at_step
     queue = TaskQueueClient(spec.addresses)
     status = None
     exit_code = 0
