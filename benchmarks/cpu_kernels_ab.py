@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import loom.kernels  # noqa: E402
+from loom.model.native_stack import NativeDecoderStack  # noqa: E402
 
 
 def load_build(csrc: Path):
@@ -112,8 +113,9 @@ def small_op_cases():
 
 
 def step_cases(builds: dict):
-    """A whole SmolLM2 step; the decoder stack runs in one native call (NativeLayers),
-    whose plan holds the module it was made with: one plan per build, swapped in."""
+    """A whole SmolLM2 step; the decoder stack runs in one native call
+    (loom/model/native_stack.py), which holds the build it was made with: one stack per
+    build, swapped in."""
     import profile_step as ps  # type: ignore[import-not-found]
 
     from loom.default_model import default_model_path
@@ -123,11 +125,11 @@ def step_cases(builds: dict):
     plans = {}
     for ops in builds.values():
         loom.kernels._module = ops
-        model.model.invalidate_native_layers()
+        model.model.invalidate_native_stack()
         with torch.inference_mode():
             ps.run_step(model, batch.step_inputs([16], [1]))
-        assert model.model._native_plan and model.model._native_plan.ops is ops
-        plans[id(ops)] = model.model._native_plan
+        assert isinstance(model.model.native_stack, NativeDecoderStack)
+        plans[id(ops)] = model.model.native_stack
     cases = []
     for name, ctx, q in [("step decode b=1", [192], [1]),
                          ("step decode b=32", [192] * 32, [1] * 32),
@@ -136,7 +138,7 @@ def step_cases(builds: dict):
 
         def prepare(ops, inputs=inputs):
             loom.kernels._module = ops
-            model.model._native_plan = plans[id(ops)]
+            model.model.native_stack = plans[id(ops)]
 
             def run():
                 with torch.inference_mode():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
                                load_hf_config, load_model)
+from loom.model.native_stack import NativeDecoderStack
 
 from .checkpoints import FAMILIES, make_tiny_checkpoint
 from .paged import PagedDriver
@@ -111,7 +114,7 @@ def test_bfloat16_runs_close(checkpoints, kernels):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch):
-    """bf16 on the CPU: the decoder layers in one native call (NativeLayers) give the
+    """bf16 on the CPU: the decoder layers in one native call (native_stack.py) give the
     modules' forward bit for bit, through prefill chunks, mixed steps and decodes, for
     every family (Qwen2's qkv bias, Qwen3's q/k norm, tied embeddings, llama3 rope)."""
     from loom.kernels import native_ops
@@ -133,26 +136,77 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
         monkeypatch.setattr(PagedDriver, "__init__", bf16_driver)
         results[setting] = run_scenario(model, config.vocab_size)
         monkeypatch.setattr(PagedDriver, "__init__", original)
-        assert bool(model.model._native_plan) == (setting == "1")
+        assert isinstance(model.model.native_stack, NativeDecoderStack) == (setting == "1")
     for (_, python, _), (_, native, _) in zip(results["0"], results["1"]):
         assert torch.equal(python, native)
 
 
-def test_native_layer_stack_leaves_row_parallel_biases_to_the_modules(tmp_path):
-    """A Llama with attention/MLP biases: o_proj and down_proj add theirs after the bf16
-    rounding, which bf16_linear would not reproduce, so the modules run (no plan)."""
+def test_native_stack_adds_row_parallel_biases_as_the_modules_do(tmp_path, monkeypatch):
+    """A Llama with attention and MLP biases: o_proj and down_proj add theirs after the
+    bf16 rounding of the product (as a row-parallel layer adds it after the all-reduce);
+    the stack's o_bias and down_bias do the same, bit for bit with the modules."""
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from loom.kernels import native_ops
 
     from .checkpoints import _COMMON
 
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("no native bf16 kernels on this CPU")
     config = LlamaConfig(**_COMMON, vocab_size=256, attention_bias=True, mlp_bias=True)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = load_model(str(tmp_path), load_hf_config(str(tmp_path)), dtype=torch.bfloat16)
-    driver = PagedDriver(model, dtype=torch.bfloat16)
-    logits = driver.step([(0, list(range(5, 12)), 7)])
-    assert torch.isfinite(logits).all()
-    assert model.model._native_plan is False
+    hf = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    logits = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        model = load_model(str(tmp_path), load_hf_config(str(tmp_path)), dtype=torch.bfloat16)
+        driver = PagedDriver(model, dtype=torch.bfloat16)
+        logits[setting] = [driver.step([(0, list(range(5, 12)), 7)]),
+                           driver.step([(0, list(range(5, 13)), 1)])]
+        assert isinstance(model.model.native_stack, NativeDecoderStack) == (setting == "1")
+    for python, native in zip(logits["0"], logits["1"]):
+        assert torch.equal(python, native)
+
+
+def test_native_stack_says_why_it_does_not_apply(checkpoints, caplog):
+    """float32: the modules run, and the model says so once, with the reason."""
+    path = checkpoints["llama"]
+    model = load_model(path, load_hf_config(path), dtype=torch.float32)
+    driver = PagedDriver(model)
+    with caplog.at_level(logging.INFO, logger="loom.model.models.llama"):
+        driver.step([(0, list(range(5, 12)), 7)])
+        driver.step([(0, list(range(5, 13)), 1)])
+    assert model.model.native_stack == "the stack runs bfloat16 and this model runs float32"
+    said = [r.getMessage() for r in caplog.records if "decoder layers" in r.getMessage()]
+    assert said == ["decoder layers: PyTorch modules, as the stack runs bfloat16 and this "
+                    "model runs float32"]
+
+
+def test_native_stack_schema_matches_the_declaration(checkpoints):
+    """Every role a family declares is a field of the kernels' DecoderLayerWeights, and
+    every required field is declared: the two languages agree by name."""
+    from loom.kernels import native_ops
+
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("no native kernels")
+    fields, required = set(ops.DecoderLayerWeights.fields), set(ops.DecoderLayerWeights.required)
+    for family in FAMILIES:
+        path = checkpoints[family]
+        model = load_model(path, load_hf_config(path), dtype=torch.float32)
+        roles = model.model.layers[0].weights_by_role()
+        assert set(roles) <= fields and required <= set(roles), family
+        linear_roles = [role for role, module in roles.items()
+                        if module is not None and hasattr(module, "packed_weight")]
+        assert all(f"{role}_bias" in fields for role in linear_roles)
+    assert {"num_heads", "num_kv_heads", "head_dim", "intermediate_size", "attention_scale",
+            "rms_norm_eps", "activation"} == set(ops.DecoderStackOptions.fields)
 
 
 def test_registry_and_sizes(checkpoints):

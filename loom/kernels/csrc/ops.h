@@ -1,5 +1,5 @@
 // loom's CPU kernels, one family per file as in vLLM's csrc/cpu/: what
-// torch_bindings.cpp registers and decoder_layers.cpp calls. Each is documented where
+// torch_bindings.cpp registers and decoder_stack.cpp calls. Each is documented where
 // it is defined; the bf16 matmul is declared in bf16_gemm.h.
 #pragma once
 
@@ -28,14 +28,5 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
                      double scale, int64_t max_query_len);
-
-// decoder_layers.cpp
-std::vector<at::Tensor> decoder_layers(
-    at::Tensor hidden, const std::vector<at::Tensor>& weights,
-    const std::vector<at::Tensor>& kv_caches, at::Tensor positions,
-    at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_table,
-    at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,
-    double eps);
 
 }  // namespace loom

@@ -5,6 +5,7 @@
 
 #include "bf16_gemm.h"
 #include "common.h"
+#include "decoder_stack.h"
 #include "ops.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -35,6 +36,52 @@ std::string set_isa(const std::string& name) {
   return previous;
 }
 
+// The decoder stack's schema, field by field from decoder_stack.h, each under its C++
+// name; `fields` lists them for the Python side to check its roles against.
+void bind_decoder_stack(py::module& m) {
+  using loom::DecoderLayerWeights;
+  using loom::DecoderStackOptions;
+  py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights",
+                                          "one decoder layer's weights, by role");
+  weights.def(py::init<>());
+  std::vector<std::string> weight_fields;
+#define LOOM_BIND_FIELD(name, doc)                               \
+  weights.def_readwrite(#name, &DecoderLayerWeights::name, doc); \
+  weight_fields.push_back(#name);
+  LOOM_DECODER_LAYER_REQUIRED(LOOM_BIND_FIELD)
+  LOOM_DECODER_LAYER_OPTIONAL(LOOM_BIND_FIELD)
+#undef LOOM_BIND_FIELD
+  weights.attr("fields") = py::tuple(py::cast(weight_fields));
+  std::vector<std::string> required;
+#define LOOM_LIST_REQUIRED(name, doc) required.push_back(#name);
+  LOOM_DECODER_LAYER_REQUIRED(LOOM_LIST_REQUIRED)
+#undef LOOM_LIST_REQUIRED
+  weights.attr("required") = py::tuple(py::cast(required));
+
+  py::class_<DecoderStackOptions> options(m, "DecoderStackOptions",
+                                          "options of the whole decoder stack");
+  options.def(py::init<>());
+  std::vector<std::string> option_fields;
+#define LOOM_BIND_OPTION(type, name, doc)                         \
+  options.def_readwrite(#name, &DecoderStackOptions::name, doc); \
+  option_fields.push_back(#name);
+  LOOM_DECODER_STACK_OPTIONS(LOOM_BIND_OPTION)
+#undef LOOM_BIND_OPTION
+  options.attr("fields") = py::tuple(py::cast(option_fields));
+
+  py::class_<loom::DecoderStack>(m, "DecoderStack",
+                                 "a model's decoder layers over one step, in one call")
+      .def(py::init<std::vector<DecoderLayerWeights>, std::vector<at::Tensor>,
+                    DecoderStackOptions>(),
+           py::arg("layers"), py::arg("kv_caches"), py::arg("options"))
+      .def("forward", &loom::DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
+           "hidden (T, hidden) -> [hidden, residual] after the last layer",
+           py::arg("hidden"), py::arg("positions"), py::arg("cos_sin_cache"),
+           py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"),
+           py::arg("query_start_loc"))
+      .def_property_readonly("num_layers", &loom::DecoderStack::num_layers);
+}
+
 }  // namespace
 
 // Every kernel releases the GIL while it runs, as torch's own ops do: a whole layer
@@ -56,8 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
         release());
-  m.def("decoder_layers", &loom::decoder_layers, "a Llama-style model's decoder layers, one step",
-        release());
+  bind_decoder_stack(m);
   m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");
   m.def("isa", &isa, "the instruction set the kernels with two paths take now");
   m.def("set_isa", &set_isa,

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
-from loom.model.models.llama import LlamaForCausalLM
+from typing import Any
+
+from loom.model.models.llama import DecoderLayerSpec, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    @classmethod
+    def layer_spec(cls, config: Any) -> DecoderLayerSpec:
+        return DecoderLayerSpec.from_config(config, qk_norm=True)

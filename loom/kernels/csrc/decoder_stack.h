@@ -1,0 +1,86 @@
+// The native decoder stack's schema: the named weights of one decoder layer and the
+// options of the whole stack. Python fills these by name from the model's declaration
+// (loom/model/native_stack.py); each list below is the one place a field is named in
+// C++, and the bindings expose every field under that name and the lists themselves as
+// `DecoderLayerWeights.fields` / `DecoderStackOptions.fields`, which the Python side
+// checks against its roles when it plans the stack.
+//
+// Adding a weight or an option: one X(...) line here, its role in the model's
+// declaration, and the kernel call in decoder_stack.cpp that uses it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// X(name, doc): a tensor every layer has.
+#define LOOM_DECODER_LAYER_REQUIRED(X)                                                 \
+  X(input_norm, "RMSNorm weight before attention, (hidden,)")                        \
+  X(qkv, "q|k|v projection, packed for bf16_linear")                                 \
+  X(o, "attention output projection, packed")                                        \
+  X(post_attention_norm, "RMSNorm weight before the MLP, (hidden,)")                 \
+  X(gate_up, "gate|up projection, packed")                                           \
+  X(down, "MLP down projection, packed")
+
+// X(name, doc): a tensor some families have (None where absent).
+#define LOOM_DECODER_LAYER_OPTIONAL(X)                                                 \
+  X(qkv_bias, "bias of qkv, added in the matmul's float32 sum (Qwen2)")               \
+  X(q_norm, "per-head RMSNorm weight on q before rope, (head_dim,) (Qwen3)")         \
+  X(k_norm, "per-head RMSNorm weight on k before rope, (head_dim,) (Qwen3)")         \
+  X(o_bias, "bias of o, added to the rounded product (as a row-parallel layer does)") \
+  X(gate_up_bias, "bias of gate_up, added in the matmul's float32 sum")              \
+  X(down_bias, "bias of down, added to the rounded product")
+
+// X(type, name, doc): options of the whole stack.
+#define LOOM_DECODER_STACK_OPTIONS(X)                                                  \
+  X(int64_t, num_heads, "query heads")                                               \
+  X(int64_t, num_kv_heads, "key/value heads")                                        \
+  X(int64_t, head_dim, "width of one head")                                          \
+  X(int64_t, intermediate_size, "MLP width (gate_up has twice as many outputs)")     \
+  X(double, attention_scale, "softmax scale of attention, usually head_dim ** -0.5") \
+  X(double, rms_norm_eps, "epsilon of every RMSNorm in the stack")                   \
+  X(std::string, activation, "MLP activation between gate and up: silu")
+
+namespace loom {
+
+struct DecoderLayerWeights {
+#define LOOM_REQUIRED_FIELD(name, doc) at::Tensor name;
+#define LOOM_OPTIONAL_FIELD(name, doc) c10::optional<at::Tensor> name;
+  LOOM_DECODER_LAYER_REQUIRED(LOOM_REQUIRED_FIELD)
+  LOOM_DECODER_LAYER_OPTIONAL(LOOM_OPTIONAL_FIELD)
+#undef LOOM_REQUIRED_FIELD
+#undef LOOM_OPTIONAL_FIELD
+};
+
+struct DecoderStackOptions {
+#define LOOM_OPTION_FIELD(type, name, doc) type name{};
+  LOOM_DECODER_STACK_OPTIONS(LOOM_OPTION_FIELD)
+#undef LOOM_OPTION_FIELD
+};
+
+// A model's decoder layers over one step, built once per (weights, KV caches) binding
+// and run every step: the same kernels, on the same tensors, in the same order as the
+// modules' forward on the CPU (LlamaDecoderLayer with the `cpu` attention backend), so
+// the results are identical.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<DecoderLayerWeights> layers, std::vector<at::Tensor> kv_caches,
+               DecoderStackOptions options);
+
+  // hidden (T, hidden) -> (hidden, residual) after the last layer, for the final norm.
+  std::vector<at::Tensor> forward(at::Tensor hidden, at::Tensor positions,
+                                  at::Tensor cos_sin_cache, at::Tensor slot_mapping,
+                                  at::Tensor block_table, at::Tensor seq_lens,
+                                  at::Tensor query_start_loc) const;
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<DecoderLayerWeights> layers_;
+  std::vector<at::Tensor> kv_caches_;
+  DecoderStackOptions options_;
+};
+
+}  // namespace loom
