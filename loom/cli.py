@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         _resolve_model(args)
+        _configure_in_process_worker(args)
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"loom {args.command}: error: {_one_line(exc)}", file=sys.stderr)
@@ -267,6 +268,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"loom {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+# The commands whose engine runs in this process, and with one rank its worker too.
+_IN_PROCESS_ENGINE_COMMANDS = {("generate", None), ("chat", None), ("bench", "throughput"),
+                               ("bench", "latency")}
+
+
+def _configure_in_process_worker(args: argparse.Namespace) -> None:
+    """A CPU worker in this process: fix glibc's heap thresholds here, at the process's
+    entry (``memory.keep_freed_memory``), as a worker process does at its own. Not for
+    ``serve`` (its engine core process does it) nor with worker processes."""
+    command = (args.command, getattr(args, "bench_command", None))
+    if (command not in _IN_PROCESS_ENGINE_COMMANDS or args.tensor_parallel_size > 1
+            or args.distributed_executor_backend == "mp"):
+        return
+    from loom.config import resolve_device
+
+    if resolve_device(args.device) == "cpu":
+        from loom.worker.memory import keep_freed_memory
+
+        keep_freed_memory()
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -209,6 +209,10 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the API process asks for stacks
     stall_at_step = settings().test_stall_engine_at_step
+    if config.device == "cpu" and not config.parallel.use_worker_processes:
+        from loom.worker.memory import keep_freed_memory
+
+        keep_freed_memory()  # the worker runs in this process (UniProcExecutor)
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     proc = None

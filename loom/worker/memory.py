@@ -30,6 +30,12 @@ def keep_freed_memory() -> bool:
     again (about 2,500 faults, 10 MB of fresh pages, per step of 256 mixed requests).
     Fixed at the largest mmap threshold (32 MiB) and a 1 GiB trim threshold, freed
     memory is reused; the process's resident set stays at its high-water mark.
+
+    Process-wide, so called only at the entry of a process that runs a CPU worker:
+    ``run_worker_proc`` (each rank), ``run_engine_core`` when its worker runs in it
+    (one rank, ``UniProcExecutor``), and the ``loom`` commands that run the engine in
+    their own process (generate, chat, bench throughput|latency). A program that runs
+    ``LLM`` in its own process on the CPU may call it at its start for the same steps.
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -46,7 +46,6 @@ class Worker:
             share = self.config.parallel.ranks_per_node
             self.cpu_total_memory = (memory.cpu_available_memory() // share
                                      + memory.process_rss())
-            memory.keep_freed_memory()
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device, self.tp_group)
 

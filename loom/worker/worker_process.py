@@ -282,6 +282,9 @@ def _configure_process(spec: WorkerSpec) -> None:
     if spec.config.device == "cpu":
         import torch
 
+        from loom.worker.memory import keep_freed_memory
+
+        keep_freed_memory()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, (cores or 1) // spec.config.parallel.ranks_per_node))
 
