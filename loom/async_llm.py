@@ -33,10 +33,10 @@ import zmq
 import zmq.asyncio
 
 from loom.config import EngineConfig
-from loom.core.engine_core_proc import (AbortRequests, EngineCoreFailed, EngineCoreMessage,
-                                        EngineCoreOutputs, EngineCoreProcess, EngineCoreReady,
-                                        EngineCoreRequest, FinishRequests, Shutdown,
-                                        core_step_bound_s)
+from loom.core.engine_core_proc import EngineCoreProcess, core_step_bound_s
+from loom.core.wire import (AbortRequests, EngineCoreFailed, EngineCoreMessage, EngineCoreOutputs,
+                            EngineCoreReady, EngineCoreRequest, EngineCoreShutdown,
+                            FinishRequests)
 from loom.executor.base import EngineDeadError
 from loom.input_processor import InputProcessor
 from loom.ipc.debris import remove_debris
@@ -173,7 +173,7 @@ class AsyncLLM:
             if task is not None:
                 task.cancel()
         if self._core.is_alive():
-            self._send(Shutdown())
+            self._send(EngineCoreShutdown())
         await loop.run_in_executor(None, self._core.join, timeout)
         self._input_socket.close(linger=0)
         self._output_socket.close(linger=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from loom.core.outputs import EngineCoreOutput, SampleLogprobs
+from loom.core.wire import EngineCoreOutput, SampleLogprobs
 from loom.detokenizer import (FastIncrementalDetokenizer, IncrementalDetokenizer,
                               StopStringMatcher, make_detokenizer)
 from loom.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobList

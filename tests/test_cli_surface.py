@@ -19,8 +19,7 @@ from tokenizer_fixtures import make_tiny_tokenizer
 from loom import LLM, SamplingParams
 from loom.cli import build_parser, human_readable_int
 from loom.config import load_sampling_defaults, resolve_dtype
-from loom.core.outputs import EngineCoreOutput
-from loom.core.scheduler import SchedulerStats
+from loom.core.wire import EngineCoreOutput, SchedulerStats
 from loom.llm import llm_kwargs_to_engine_args
 from loom.metrics import ServerMetrics
 from loom.stats_logger import LoggingStatLogger

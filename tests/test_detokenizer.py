@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from loom.core.outputs import EngineCoreOutput
+from loom.core.wire import EngineCoreOutput
 from loom.detokenizer import FastIncrementalDetokenizer, IncrementalDetokenizer, make_detokenizer
 from loom.output_processor import OutputProcessor
 from loom.sampling_params import SamplingParams

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from loom.config import EngineConfig
-from loom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from loom.core.scheduler import Scheduler, SchedulerStats
+from loom.core.scheduler import Scheduler
+from loom.core.wire import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from loom.request import Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -38,12 +38,12 @@ import msgspec
 import zmq
 
 from loom.config import EngineConfig
-from loom.core.outputs import EngineCoreOutput
-from loom.core.scheduler import SchedulerStats
+from loom.core.wire import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreMessage,
+                            EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+                            EngineCoreRequest, FinishRequests)
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.request import Request, RequestStatus
-from loom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -58,56 +58,6 @@ def core_step_bound_s(config: EngineConfig) -> float:
     the bound of the largest step the scheduler may make, plus the margin."""
     return (config.parallel.step_bound_s(config.scheduler.max_num_batched_tokens)
             + CORE_WATCHDOG_MARGIN_S)
-
-
-# ----------------------------------------------------------------- API server -> core
-
-class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
-    """One sequence to generate (a request with n > 1 sends n of these)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    arrival_time: float
-    parent_request_id: str
-    index: int = 0
-
-
-class AbortRequests(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class FinishRequests(msgspec.Struct, tag="finish"):
-    """Sequences whose detokenized text reached a stop string: (request id, stop string)."""
-
-    stops: list[tuple[str, str]]
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-EngineCoreInput = EngineCoreRequest | AbortRequests | FinishRequests | Shutdown
-
-
-# ----------------------------------------------------------------- core -> API server
-
-class EngineCoreReady(msgspec.Struct, tag="ready"):
-    num_blocks: int
-
-
-class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
-    timestamp: float
-
-
-class EngineCoreFailed(msgspec.Struct, tag="failed"):
-    message: str
-
-
-EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
 
 
 # ----------------------------------------------------------------- the child side
@@ -203,7 +153,7 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     The config arrives as msgpack (it is a tree of frozen dataclasses), not pickled.
     """
     config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
-    # The API server owns shutdown (it drains on SIGTERM, then sends Shutdown), so a
+    # The API server owns shutdown (it drains on SIGTERM, then sends EngineCoreShutdown), so a
     # signal sent to the whole process group must not kill the core under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -283,7 +233,7 @@ class EngineCoreProcess:
             self.process.join(5)
 
     def join(self, timeout: float) -> None:
-        """Wait for the process to exit (after Shutdown was sent); kill it at the timeout."""
+        """Wait for the process to exit (after EngineCoreShutdown was sent); kill it at the timeout."""
         if self.process is not None:
             self.process.join(timeout)
             if self.process.is_alive():

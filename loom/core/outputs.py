@@ -1,104 +1,12 @@
-"""The data contract between the engine core, the workers and the output side.
+"""Moved: every type that crosses a process boundary is in ``loom.core.wire``.
 
-All are msgspec Structs: they cross processes as msgpack, never pickle.
-
-Send differences, not state: a request's full data travels once, in
-``NewRequestData`` (again after a preemption, since the worker dropped it); after
-that each step carries only its new token ids and new block ids.
+This re-export remains only until loom/metrics.py and benchmarks/warm_up.py import
+from ``loom.core.wire``; then it goes, and with it the clash with ``loom.outputs``
+(the user-facing ``RequestOutput``).
 """
 
-from __future__ import annotations
+from loom.core.wire import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                            NewRequestData, SampleLogprobs, SchedulerOutput)
 
-import msgspec
-
-from loom.sampling_params import SamplingParams
-
-
-class NewRequestData(msgspec.Struct, kw_only=True):
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # non-empty only when resuming after preemption
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in block_ids
-
-
-class CachedRequestData(msgspec.Struct, kw_only=True):
-    req_id: str
-    new_token_ids: list[int]  # tokens appended since the worker last saw this request
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-class SchedulerOutput(msgspec.Struct, kw_only=True):
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
-    total_num_scheduled_tokens: int
-    # Requests the workers must forget (finished, aborted or preempted) since the last step.
-    finished_req_ids: list[str]
-    # Grammar-constrained requests that sample this step, and their allowed-token bits:
-    # row i (ceil(vocab / 32) int32 words, little-endian) belongs to
-    # structured_output_req_ids[i]; bit t % 32 of word t // 32 allows token t.
-    structured_output_req_ids: list[str] = []
-    grammar_bitmask: bytes | None = None
-    # Speculative decoding: draft tokens to verify this step, req_id -> drafts. They
-    # follow the request's known tokens and are counted in num_scheduled_tokens.
-    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-
-class SampleLogprobs(msgspec.Struct, array_like=True):
-    """Logprobs of one request's sampled tokens this step (or of a run of its prompt
-    tokens, for prompt logprobs).
-
-    For each token: ``token_ids = [token, top_1, ..., top_k]`` with the matching
-    ``logprobs``, and ``ranks`` that token's rank (1 = most likely).
-    """
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-class ModelRunnerOutput(msgspec.Struct, kw_only=True):
-    """What rank 0 returns for one SchedulerOutput, aligned with ``req_ids``.
-
-    A request still prefilling (a chunk that does not reach its last token) has an
-    empty ``sampled_token_ids`` entry. With speculative decoding a request may get
-    several tokens: its accepted drafts, then one sampled token.
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    logprobs: list[SampleLogprobs | None] | None = None
-    # Draft tokens proposed for each request's next step (speculative decoding only).
-    spec_token_ids: list[list[int]] | None = None
-    # Early stop only: the probability of each sampled token, aligned with sampled_token_ids.
-    sampled_token_probs: list[list[float]] | None = None
-    # prompt_logprobs requests: logprobs of the prompt tokens that follow this step's
-    # prefill chunk: chunk positions start .. min(end, num_prompt - 1) - 1 predict prompt
-    # tokens start + 1 .. min(end, num_prompt - 1).
-    prompt_logprobs: list[SampleLogprobs | None] | None = None
-
-
-class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One request's progress in one step, for the output side."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # a FinishReason value
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: SampleLogprobs | None = None
-    num_cached_tokens: int = 0
-    # Logprobs of the next prompt tokens, in order; entries of one request arrive in
-    # outputs that may carry no new tokens (prefill chunks).
-    prompt_logprobs: SampleLogprobs | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+__all__ = ["CachedRequestData", "EngineCoreOutput", "ModelRunnerOutput", "NewRequestData",
+           "SampleLogprobs", "SchedulerOutput"]

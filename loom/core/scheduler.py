@@ -22,32 +22,14 @@ schedules ``1 + num_drafts`` tokens; what the runner rejects is rolled back from
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from loom.config import CacheConfig, EarlyStopConfig, SchedulerConfig, SpeculativeConfig
 from loom.core.kv_cache_manager import KVCacheManager
-from loom.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                               NewRequestData, SampleLogprobs, SchedulerOutput)
+from loom.core.wire import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                            NewRequestData, SampleLogprobs, SchedulerOutput, SchedulerStats)
 from loom.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
-    prefix_cache_hits: int  # of which found (cumulative)
-    num_preemptions: int  # cumulative
-    spec_decode_num_drafts: int = 0  # steps in which a request verified drafts (cumulative)
-    spec_decode_num_draft_tokens: int = 0  # draft tokens verified (cumulative)
-    spec_decode_num_accepted_tokens: int = 0  # of which accepted (cumulative)
-    # The empty-state check, live: both are 0 whenever no request is in flight.
-    num_requests: int = 0  # requests the scheduler holds, in any state
-    num_blocks_in_use: int = 0  # KV blocks with a reference (cached-but-free ones excluded)
 
 
 class Scheduler:

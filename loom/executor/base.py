@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 
 from loom.config import EngineConfig
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.core.wire import ModelRunnerOutput, SchedulerOutput
 
 
 class EngineDeadError(RuntimeError):

@@ -39,13 +39,13 @@ import socket
 import time
 import weakref
 
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, SchedulerOutput,
+                            StepResult, WorkerFailure, WorkerShutdown)
 from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, WorkerHungError,
                                 cap_num_blocks)
 from loom.ipc.debris import remove_debris
 from loom.ipc.signal import WorkerSignals
-from loom.ipc.task_queue import (ExecuteModel, RemoteStatus, Shutdown, StepResult, TaskQueue,
-                                 TaskQueueAddresses, UnexpectedMessageError, WorkerFailure,
+from loom.ipc.task_queue import (TaskQueue, TaskQueueAddresses, UnexpectedMessageError,
                                  new_instance_id)
 from loom.worker.worker_process import WorkerSpec, run_worker_proc
 
@@ -67,7 +67,7 @@ class _Resources:
     def release(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         if self.queue is not None:
             try:
-                self.queue.broadcast(Shutdown())
+                self.queue.broadcast(WorkerShutdown())
             except Exception:
                 pass
         deadline = time.monotonic() + grace_s

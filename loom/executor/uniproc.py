@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.core.wire import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import Executor, cap_num_blocks, check_num_blocks
 from loom.worker.worker import Worker
 

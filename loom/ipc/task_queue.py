@@ -2,12 +2,12 @@
 
 Two ZeroMQ sockets, both bound by the engine, every worker connects:
 
-    engine XPUB  ──(ExecuteModel | Shutdown)──▶  SUB of every rank
+    engine XPUB  ──(ExecuteModel | WorkerShutdown)──▶  SUB of every rank
     engine PULL  ◀──(StepResult from rank 0, WorkerFailure / RemoteStatus from any)── PUSH
 
-Messages are msgspec Structs in a tagged union, encoded once as msgpack (never
-pickle). The engine counts subscriptions on its XPUB socket before the first
-broadcast, so no message is lost to a late joiner. Addresses are per engine
+The messages are msgspec Structs in tagged unions (``loom.core.wire``), encoded once
+as msgpack (never pickle). The engine counts subscriptions on its XPUB socket before
+the first broadcast, so no message is lost to a late joiner. Addresses are per engine
 instance: ipc:// files in a private temp dir on one host, tcp:// on master_addr
 across hosts.
 """
@@ -23,46 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
-
-# ----------------------------------------------------------------- messages
-
-
-class ExecuteModel(msgspec.Struct, tag="execute"):
-    step: int
-    scheduler_output: SchedulerOutput
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-class StepResult(msgspec.Struct, tag="result"):
-    step: int
-    output: ModelRunnerOutput
-
-
-class WorkerFailure(msgspec.Struct, tag="failure"):
-    rank: int
-    error: str  # "ValueError: ..." as the worker saw it
-    exc_type: str
-    traceback: str
-
-
-class RemoteStatus(msgspec.Struct, tag="status"):
-    """What a rank on another host would have written into the engine's signals."""
-
-    rank: int
-    loaded: bool
-    ready: bool
-    profiled_blocks: int
-    heartbeat: float
-    step: int = 0  # as WorkerSignals.step / step_started
-    step_started: float = 0.0
-
-
-EngineToWorker = ExecuteModel | Shutdown
-WorkerToEngine = StepResult | WorkerFailure | RemoteStatus
+from loom.core.wire import EngineToWorker, WorkerToEngine
 
 
 class UnexpectedMessageError(RuntimeError):

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from loom.config import EngineConfig
-from loom.core.outputs import (ModelRunnerOutput, NewRequestData, SampleLogprobs,
-                               SchedulerOutput)
+from loom.core.wire import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs

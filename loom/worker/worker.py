@@ -16,7 +16,7 @@ import time
 import torch
 
 from loom.config import EngineConfig
-from loom.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from loom.core.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.executor.base import kv_cache_summary, lean_cpu_kv_cache_bytes
 from loom.progress import progress

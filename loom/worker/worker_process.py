@@ -3,7 +3,7 @@
     init_distributed -> init_device -> load_model (loaded) -> initialize_kv_cache
     (profile, MIN over ranks, profiled_blocks) -> warm_up -> report_ready (ready)
     -> event_loop (heartbeat every iteration, step and its start time around each
-    step) -> on Shutdown: tear_down (ranks leave the process group in order, rank 0
+    step) -> on WorkerShutdown: tear_down (ranks leave the process group in order, rank 0
     last) -> exit 0
 
 A worker only executes: it never decides. Any failure is reported to the engine as
@@ -36,11 +36,11 @@ import traceback
 from dataclasses import dataclass
 
 from loom.config import EngineConfig
+from loom.core.wire import RemoteStatus, StepResult, WorkerFailure, WorkerShutdown
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.ipc.signal import WorkerSignals, unlink_segment
-from loom.ipc.task_queue import (RemoteStatus, Shutdown, StepResult,
-                                 TaskQueueAddresses, TaskQueueClient, WorkerFailure)
+from loom.ipc.task_queue import TaskQueueAddresses, TaskQueueClient
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def report_ready(status: StatusReporter) -> None:
 def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: WorkerSpec,
                stall_at_step: int | None = None) -> None:
     """Block on the task queue; wake at least every HEARTBEAT_INTERVAL_S to beat and
-    to notice a dead parent. Returns on Shutdown."""
+    to notice a dead parent. Returns on WorkerShutdown."""
     timeout_ms = int(HEARTBEAT_INTERVAL_S * 1000)
     is_rank0 = spec.rank == 0
     while True:
@@ -225,7 +225,7 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
                 _clean_up_after_dead_parent(spec)
                 return
             continue
-        if isinstance(message, Shutdown):
+        if isinstance(message, WorkerShutdown):
             return
         status.begin_step(message.step)
         if message.step == stall_at_step:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loom.core.outputs import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from loom.core.wire import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from loom.core.scheduler import Scheduler
 
 

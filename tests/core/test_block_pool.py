@@ -44,5 +44,5 @@ def test_asking_for_too_many_blocks_is_an_error():
 
 
 def test_core_imports_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import loom.core.scheduler, loom.core.outputs"
+    code = "import sys; sys.modules['torch'] = None; import loom.core.scheduler, loom.core.wire"
     subprocess.run([sys.executable, "-c", code], check=True)

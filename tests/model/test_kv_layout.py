@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loom.config import EngineConfig
-from loom.core.outputs import NewRequestData, SchedulerOutput
+from loom.core.wire import NewRequestData, SchedulerOutput
 from loom.kernels import native_ops_for
 from loom.model.attention import get_attn_backend
 from loom.model.attention.kv_layout import KEY, VALUE, kv_cache_index, kv_cache_shape

@@ -8,11 +8,12 @@ import sys
 
 import numpy as np
 
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.core.wire import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, StepResult,
+                            WorkerShutdown)
 from loom.ipc.debris import remove_debris
 from loom.ipc.signal import Signal, WorkerSignals
-from loom.ipc.task_queue import (ExecuteModel, Shutdown, StepResult, TaskQueue,
-                                 TaskQueueAddresses, TaskQueueClient, new_instance_id)
+from loom.ipc.task_queue import (TaskQueue, TaskQueueAddresses, TaskQueueClient,
+                                 new_instance_id)
 
 
 def test_signal_is_shared_and_unlinked():
@@ -71,10 +72,10 @@ def test_task_queue_round_trip():
                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                              finished_req_ids=["a"])
     queue.broadcast(ExecuteModel(step=1, scheduler_output=output))
-    queue.broadcast(Shutdown())
+    queue.broadcast(WorkerShutdown())
     for client in clients:
         assert client.poll(1000) == ExecuteModel(step=1, scheduler_output=output)
-        assert isinstance(client.poll(1000), Shutdown)
+        assert isinstance(client.poll(1000), WorkerShutdown)
     reply = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]])
     clients[0].send(StepResult(step=1, output=reply))
     assert queue.poll(1000) == StepResult(step=1, output=reply)

@@ -11,12 +11,12 @@ import pytest
 
 from loom import LLM, SamplingParams
 from loom.config import EngineConfig, ModelConfig, ParallelConfig
-from loom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from loom.core.wire import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, StepResult,
+                            WorkerShutdown)
 from loom.executor.base import EngineDeadError, WorkerHungError
 from loom.executor.multiproc import MultiProcExecutor
 from loom.ipc.signal import WorkerSignals
-from loom.ipc.task_queue import (ExecuteModel, Shutdown, StepResult, TaskQueue,
-                                 TaskQueueAddresses, TaskQueueClient)
+from loom.ipc.task_queue import TaskQueue, TaskQueueAddresses, TaskQueueClient
 
 from .helpers import executor_of, leftovers, make_model_dir
 
@@ -37,7 +37,7 @@ class FakeRank0:
     def _run(self) -> None:
         while True:
             message = self.client.poll(100)
-            if isinstance(message, Shutdown):
+            if isinstance(message, WorkerShutdown):
                 break
             if isinstance(message, ExecuteModel):
                 result = self.reply(message.step)

@@ -1,0 +1,222 @@
+"""Every type that crosses a process boundary: the wire contract between loom's processes.
+
+    API server ──EngineCoreInput──▶ engine core ──EngineToWorker──▶ every rank
+               ◀─EngineCoreMessage─            ◀─WorkerToEngine──  (rank 0's StepResult)
+
+All are msgspec Structs in tagged unions, encoded as msgpack, never pickled. The
+sockets that carry them: ``loom.ipc.task_queue`` (engine core and ranks) and
+``loom.core.engine_core_proc`` (API server and engine core). With the worker in the
+engine's process (``UniProcExecutor``) the scheduler and the model runner exchange
+the same ``SchedulerOutput`` and ``ModelRunnerOutput`` objects directly.
+
+Send differences, not state: a request's full data travels once, in
+``NewRequestData`` (again after a preemption, since the worker dropped it); after
+that each step carries only its new token ids and new block ids.
+
+User-facing results (``RequestOutput``) are not wire types: ``loom.outputs``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from loom.sampling_params import SamplingParams
+
+# ================================================================= one step's data
+# The engine core's scheduler -> every rank's model runner, and rank 0 -> back.
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in block_ids
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the worker last saw this request
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # Requests the workers must forget (finished, aborted or preempted) since the last step.
+    finished_req_ids: list[str]
+    # Grammar-constrained requests that sample this step, and their allowed-token bits:
+    # row i (ceil(vocab / 32) int32 words, little-endian) belongs to
+    # structured_output_req_ids[i]; bit t % 32 of word t // 32 allows token t.
+    structured_output_req_ids: list[str] = []
+    grammar_bitmask: bytes | None = None
+    # Speculative decoding: draft tokens to verify this step, req_id -> drafts. They
+    # follow the request's known tokens and are counted in num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class SampleLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one request's sampled tokens this step (or of a run of its prompt
+    tokens, for prompt logprobs).
+
+    For each token: ``token_ids = [token, top_1, ..., top_k]`` with the matching
+    ``logprobs``, and ``ranks`` that token's rank (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """What rank 0 returns for one SchedulerOutput, aligned with ``req_ids``.
+
+    A request still prefilling (a chunk that does not reach its last token) has an
+    empty ``sampled_token_ids`` entry. With speculative decoding a request may get
+    several tokens: its accepted drafts, then one sampled token.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[SampleLogprobs | None] | None = None
+    # Draft tokens proposed for each request's next step (speculative decoding only).
+    spec_token_ids: list[list[int]] | None = None
+    # Early stop only: the probability of each sampled token, aligned with sampled_token_ids.
+    sampled_token_probs: list[list[float]] | None = None
+    # prompt_logprobs requests: logprobs of the prompt tokens that follow this step's
+    # prefill chunk: chunk positions start .. min(end, num_prompt - 1) - 1 predict prompt
+    # tokens start + 1 .. min(end, num_prompt - 1).
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
+
+
+
+# ================================================================= engine core <-> ranks
+# loom.ipc.task_queue: the engine broadcasts to every rank; ranks reply.
+
+
+class ExecuteModel(msgspec.Struct, tag="execute"):
+    step: int
+    scheduler_output: SchedulerOutput
+
+
+class WorkerShutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class StepResult(msgspec.Struct, tag="result"):
+    step: int
+    output: ModelRunnerOutput
+
+
+class WorkerFailure(msgspec.Struct, tag="failure"):
+    rank: int
+    error: str  # "ValueError: ..." as the worker saw it
+    exc_type: str
+    traceback: str
+
+
+class RemoteStatus(msgspec.Struct, tag="status"):
+    """What a rank on another host would have written into the engine's signals."""
+
+    rank: int
+    loaded: bool
+    ready: bool
+    profiled_blocks: int
+    heartbeat: float
+    step: int = 0  # as WorkerSignals.step / step_started
+    step_started: float = 0.0
+
+
+EngineToWorker = ExecuteModel | WorkerShutdown
+WorkerToEngine = StepResult | WorkerFailure | RemoteStatus
+
+
+# ================================================================= API server <-> engine core
+# loom.core.engine_core_proc: the API process drives the engine core process.
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
+    """One sequence to generate (a request with n > 1 sends n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    parent_request_id: str
+    index: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag="finish"):
+    """Sequences whose detokenized text reached a stop string: (request id, stop string)."""
+
+    stops: list[tuple[str, str]]
+
+
+class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | FinishRequests | EngineCoreShutdown
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's progress in one step, for the output side."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # a FinishReason value
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: SampleLogprobs | None = None
+    num_cached_tokens: int = 0
+    # Logprobs of the next prompt tokens, in order; entries of one request arrive in
+    # outputs that may carry no new tokens (prefill chunks).
+    prompt_logprobs: SampleLogprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of which found (cumulative)
+    num_preemptions: int  # cumulative
+    spec_decode_num_drafts: int = 0  # steps in which a request verified drafts (cumulative)
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified (cumulative)
+    spec_decode_num_accepted_tokens: int = 0  # of which accepted (cumulative)
+    # The empty-state check, live: both are 0 whenever no request is in flight.
+    num_requests: int = 0  # requests the scheduler holds, in any state
+    num_blocks_in_use: int = 0  # KV blocks with a reference (cached-but-free ones excluded)
+
+
+class EngineCoreReady(msgspec.Struct, tag="ready"):
+    num_blocks: int
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float
+
+
+class EngineCoreFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
