@@ -44,8 +44,8 @@ class Settings:
     (``layers/linear.py``). 0 keeps the plain weights (oneDNN or ATen run them)."""
 
     native_layers: bool = field(default=True, metadata={"env": "LOOM_NATIVE_LAYERS"})
-    """Hand every decoder layer to one native ``decoder_layers`` call where it applies
-    (``models/llama.py``, ``NativeLayers``). 0 keeps the modules."""
+    """Run every decoder layer in one call of the native decoder stack where it applies
+    (``loom/model/native_stack.py``). 0 keeps the modules."""
 
     native_kernels: bool = field(default=True, metadata={"env": "LOOM_NATIVE_KERNELS"})
     """Build and use the native CPU kernels (``loom/kernels``). 0: ``native_ops()`` is

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from loom.envs import settings
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -57,7 +59,7 @@ def _sources() -> list[Path]:
 def _build_dir() -> Path:
     """The cache directory of this build: keyed by every file in csrc/ (sources and
     headers, names and contents), the flags, torch's version and the CPU."""
-    root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "kernels"
+    root = settings().cache_dir / "kernels"
     import torch
 
     files = sorted(path for path in _CSRC.iterdir() if path.suffix in (".cpp", ".h"))
@@ -126,7 +128,7 @@ def _exclusive_build(build_dir: Path):
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get("LOOM_NATIVE_KERNELS", "1") == "0":
+    if not settings().native_kernels:
         return None
     try:
         from torch.utils.cpp_extension import load

@@ -21,13 +21,13 @@ it off.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from loom.envs import settings
 from loom.kernels import native_ops_for
 from loom.model.attention.cpu_backend import CpuAttentionBackend
 from loom.model.attention.metadata import AttentionMetadata
@@ -77,7 +77,7 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
                 "compiler, or a failed build)")
     if dtype != torch.bfloat16:
         return f"the stack runs bfloat16 and this model runs {str(dtype).removeprefix('torch.')}"
-    if os.environ.get("LOOM_NATIVE_LAYERS", "1") == "0":
+    if not settings().native_layers:
         return "LOOM_NATIVE_LAYERS=0"
     if not ops.bf16_gemm_available():
         return "this CPU has no AVX512-BF16 for loom's bf16 matmul"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.envs import settings
 from loom.kernels import native_ops
 from loom.model.layers.rotary import RotaryEmbedding, _default_inv_freq
 
@@ -210,6 +211,7 @@ def _step_logits(path: str, native_layers: str, monkeypatch) -> list[torch.Tenso
     from .paged import PagedDriver
 
     monkeypatch.setenv("LOOM_NATIVE_LAYERS", native_layers)
+    settings.cache_clear()  # loom.envs reads the environment once
     config = load_hf_config(path)
     model = load_model(path, config, dtype=torch.bfloat16)
     driver = PagedDriver(model, num_blocks=32, block_size=4, dtype=torch.bfloat16)

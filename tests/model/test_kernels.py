@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loom.envs import settings
 from loom.kernels import native_ops
 from loom.model.attention.metadata import AttentionMetadata
 from loom.model.attention.torch_backend import TorchAttentionBackend
@@ -197,6 +198,7 @@ def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
         assert torch.equal(linear(x, weight, bias, packed), expected)
     torch.testing.assert_close(linear(x, weight, bias), expected, atol=0.1, rtol=1e-2)
     monkeypatch.setenv("LOOM_CPU_PACKED_WEIGHTS", "0")
+    settings.cache_clear()  # loom.envs reads the environment once
     assert pack_weight(weight) is None
 
 

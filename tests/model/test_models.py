@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from loom.envs import settings
 from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
                                load_hf_config, load_model)
 from loom.model.native_stack import NativeDecoderStack
@@ -127,6 +128,7 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
     results = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        settings.cache_clear()  # loom.envs reads the environment once
         model = load_model(path, config, dtype=torch.bfloat16)
         original = PagedDriver.__init__
 
@@ -165,6 +167,7 @@ def test_native_stack_adds_row_parallel_biases_as_the_modules_do(tmp_path, monke
     logits = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        settings.cache_clear()  # loom.envs reads the environment once
         model = load_model(str(tmp_path), load_hf_config(str(tmp_path)), dtype=torch.bfloat16)
         driver = PagedDriver(model, dtype=torch.bfloat16)
         logits[setting] = [driver.step([(0, list(range(5, 12)), 7)]),

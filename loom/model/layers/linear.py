@@ -11,13 +11,12 @@ which takes the full checkpoint tensor and copies this rank's slice into ``param
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.envs import settings
 from loom.kernels import native_ops_for
 from loom.model.layers.scratch import scratch
 
@@ -65,7 +64,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     packed weight: the plain one stays for the embedding it may be tied to, the
     fallbacks and checkpoint reloads."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
-            or os.environ.get("LOOM_CPU_PACKED_WEIGHTS", "1") == "0":
+            or not settings().cpu_packed_weights:
         return None
     ops = native_ops_for(weight.device, weight.dtype)
     if ops is not None and ops.bf16_gemm_available() and weight.shape[1] % 2 == 0:
