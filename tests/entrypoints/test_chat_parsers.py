@@ -10,7 +10,7 @@ import pytest
 from loom.entrypoints.openai.chat_output import ChatOutputBuilder
 from loom.entrypoints.openai.protocol import ChatCompletionRequest
 from loom.entrypoints.openai.reasoning_parsers import get_reasoning_parser
-from loom.entrypoints.openai.serving_engine import OpenAIError
+from loom.entrypoints.openai.errors import OpenAIError
 from loom.entrypoints.openai.structured_outputs import (RequiredToolCallStreamer,
                                                         check_tool_choice,
                                                         parse_required_tool_calls,

@@ -13,7 +13,7 @@ from loom_server import TINY_SERVER_ARGS, LoomServer
 
 from loom.entrypoints.openai.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest
 from loom.entrypoints.openai.serving_chat import render_chat_prompt
-from loom.entrypoints.openai.serving_engine import OpenAIError, parse_body
+from loom.entrypoints.openai.errors import OpenAIError
 from loom.tokenizer import Tokenizer, load_tokenizer, template_message
 
 MODEL = "tiny"
@@ -116,7 +116,7 @@ def test_empty_tool_calls_are_dropped():
 def test_malformed_tool_calls_are_bad_requests(tool_tokenizer, message):
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}, message]})
     with pytest.raises(OpenAIError) as raised:
-        request = parse_body(ChatCompletionRequest, body.encode())
+        request = ChatCompletionRequest.parse(body.encode())
         render_chat_prompt(tool_tokenizer, request.messages, None, True, {})
     assert raised.value.status_code == 400
     with pytest.raises(ValueError):
@@ -225,13 +225,13 @@ def test_template_kwargs_cannot_override_apply_chat_templates_arguments(tool_tok
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
                            "chat_template_kwargs": {key: "{{ 1/0 }}"}})
         with pytest.raises(OpenAIError, match=f"'{key}' cannot be set") as raised:
-            parse_body(ChatCompletionRequest, body.encode())
+            ChatCompletionRequest.parse(body.encode())
         assert raised.value.param == "chat_template_kwargs"
 
 
 def test_any_template_error_is_a_bad_request(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir, chat_template="{{ (messages | length) / 0 }}")
-    request = parse_body(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "1"}]}')
+    request = ChatCompletionRequest.parse(b'{"messages": [{"role": "user", "content": "1"}]}')
     with pytest.raises(OpenAIError, match="ZeroDivisionError") as raised:
         render_chat_prompt(tokenizer, request.messages, None, True, {})
     assert raised.value.status_code == 400 and raised.value.param == "messages"

@@ -1,16 +1,25 @@
-"""Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
+"""Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic
+models, and how each becomes the engine's ``SamplingParams``.
 
-Bodies are validated straight from JSON in strict mode: a number where a string
+    body bytes --Model.parse--> request --request.to_sampling_params--> SamplingParams
+
+``parse`` validates straight from JSON in strict mode: a number where a string
 belongs, a string where a number belongs, ``NaN`` or ``Infinity`` are all 400s that
-name the field. Unknown fields are ignored, as OpenAI and vLLM do.
+name the field. Unknown fields are ignored, as OpenAI and vLLM do. Checks of one
+request field against another are validators here, so they fail at the same point
+with the same envelope. ``to_sampling_params`` adds what needs the prompt: max_tokens
+against the context.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      ValidationInfo, field_validator)
+
+from loom.entrypoints.openai.errors import RequestError
+from loom.sampling_params import SamplingParams, StructuredOutputsParams
 
 _MAX_N = 128  # OpenAI's limit on n
 _MAX_TOP_LOGPROBS = 20
@@ -44,6 +53,31 @@ ChatTemplateKwargs = Annotated[dict[str, Any], AfterValidator(_check_template_kw
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @classmethod
+    def parse(cls, body: bytes) -> Self:
+        """The request in ``body``; a RequestError naming the first field at fault.
+
+        The one place a pydantic ValidationError becomes a 400: its ``loc`` is the
+        field, and a validator's own ValueError (``ctx["error"]``) is the message."""
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as error:
+            raise _request_error(error.errors(include_url=False)[0]) from None
+
+
+def _request_error(first: dict[str, Any]) -> RequestError:
+    if first["type"] == "json_invalid":
+        return RequestError(f"the request body is not valid JSON: {first['msg']}")
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "value_error":  # a validator below; its message names the field
+        return RequestError(str(first["ctx"]["error"]), param=loc[0] if loc else None)
+    if not loc:
+        return RequestError(f"the request body must be a JSON object: {first['msg']}")
+    if loc[0] == "prompt" and len(loc) > 1 and first["type"] != "missing":
+        return RequestError("prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of lists of token ids", param="prompt")
+    return RequestError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
 
 
 class StreamOptions(OpenAIModel):
@@ -116,6 +150,86 @@ class SamplingFields(OpenAIModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or ():
+            try:
+                int(key)
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids (integers as strings)") \
+                    from None
+        return value
+
+    # Where the request and SamplingParams name a field differently: SamplingParams'
+    # name -> the request's (for the param of a 400).
+    REQUEST_FIELDS: ClassVar[dict[str, str]] = {}
+    # The field holding the prompt: the param of a context-length error.
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                    default: int | None) -> int:
+        """max_tokens, defaulting to what the context leaves (at most ``default``, the
+        generation config's max_new_tokens); a 400 when prompt and completion do not
+        fit. (A max_tokens under 1 is SamplingParams' own check.)"""
+        if requested is None:
+            return min(max_model_len - num_prompt_tokens, default or max_model_len)
+        if requested >= 1 and num_prompt_tokens + requested > max_model_len:
+            prompt = self.PROMPT_FIELD
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                f"{prompt}, {requested} in the completion). Please reduce the length of the "
+                f"{prompt} or of max_tokens.", param=prompt, code="context_length_exceeded")
+        return requested
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, Any],
+                         structured_outputs: StructuredOutputsParams | None,
+                         **fields: Any) -> SamplingParams:
+        """The SamplingParams of this request. A sampling field the request leaves out
+        takes ``defaults`` (the model's generation config,
+        ``ModelConfig.default_sampling_params``), then loom's own default."""
+
+        def value(name: str, fallback: Any) -> Any:
+            given = getattr(self, name)
+            return given if given is not None else defaults.get(name, fallback)
+
+        logit_bias = ({int(token_id): bias for token_id, bias in self.logit_bias.items()}
+                      if self.logit_bias else None)
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=value("temperature", 1.0),
+                top_p=value("top_p", 1.0),
+                top_k=value("top_k", 0),
+                min_p=value("min_p", 0.0),
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=value("repetition_penalty", 1.0),
+                max_tokens=max_tokens, min_tokens=self.min_tokens,
+                stop=self.stop or [], stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs, logit_bias=logit_bias,
+                skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured_outputs, **fields)
+        except ValueError as error:
+            raise _sampling_params_error(error, self.REQUEST_FIELDS) from None
+
+
+def _sampling_params_error(error: ValueError, request_fields: dict[str, str]) -> RequestError:
+    """SamplingParams checks its own values (ranges, min_tokens <= max_tokens, ...) and
+    raises ValueError("SamplingParams.<field> <what is wrong>") (``sampling_params._check``),
+    with no field attribute to read. This is the one place that reads that message
+    format: the field, renamed to the request's name for it, is the 400's param."""
+    message = str(error)
+    if not message.startswith("SamplingParams."):
+        return RequestError(message)
+    field, _, problem = message.removeprefix("SamplingParams.").partition(" ")
+    field = request_fields.get(field, field)
+    return RequestError(f"{field} {problem}", param=field)
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -124,6 +238,35 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int64 | None = None
+
+    REQUEST_FIELDS: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported")
+        return value
+
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                           defaults: dict[str, Any],
+                           structured_outputs: StructuredOutputsParams | None
+                           ) -> SamplingParams:
+        """The SamplingParams of one prompt of this request (of ``num_prompt_tokens``)."""
+        max_tokens = self._max_tokens(self.max_tokens, num_prompt_tokens, max_model_len,
+                                      defaults.get("max_tokens"))
+        # With echo, the echoed prompt's tokens carry logprobs too (the first one None).
+        echoed = ({"prompt_logprobs": self.logprobs}
+                  if self.echo and self.logprobs is not None else {})
+        return self._sampling_params(max_tokens, self.logprobs, defaults, structured_outputs,
+                                     **echoed)
 
 
 class TextContentPart(OpenAIModel):
@@ -190,7 +333,24 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    REQUEST_FIELDS: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+    PROMPT_FIELD: ClassVar[str] = "messages"
 
-def error_body(message: str, type_: str, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                           defaults: dict[str, Any],
+                           structured_outputs: StructuredOutputsParams | None
+                           ) -> SamplingParams:
+        """The SamplingParams of this chat (its rendered prompt has ``num_prompt_tokens``)."""
+        requested = (self.max_completion_tokens if self.max_completion_tokens is not None
+                     else self.max_tokens)
+        max_tokens = self._max_tokens(requested, num_prompt_tokens, max_model_len,
+                                      defaults.get("max_tokens"))
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, defaults, structured_outputs)

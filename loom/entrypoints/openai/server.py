@@ -42,11 +42,11 @@ import loom
 from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
 from loom.config import EngineConfig
 from loom.entrypoints.openai.cli_args import ssl_config
-from loom.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              error_body)
+from loom.entrypoints.openai.errors import OpenAIError, error_body
+from loom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loom.entrypoints.openai.responses import cancel_on_disconnect
 from loom.entrypoints.openai.serving_chat import OpenAIServingChat
 from loom.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from loom.entrypoints.openai.serving_engine import OpenAIError, cancel_on_disconnect
 from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
                                                       OpenAIServingTokenization,
                                                       TokenizeChatRequest,
@@ -217,8 +217,7 @@ def build_app(state: ServerState) -> FastAPI:
     options = state.http_options
     completion = OpenAIServingCompletion(engine, state.served_model_name)
     chat = OpenAIServingChat(engine, state.served_model_name, **state.chat_options)
-    tokenization = OpenAIServingTokenization(engine.tokenizer, state.served_model_name,
-                                             engine.config.model.max_model_len)
+    tokenization = OpenAIServingTokenization(engine, state.served_model_name)
     app = FastAPI(title="loom", version=loom.__version__, redoc_url=None)
     _install_openapi(app, bearer_auth=state.api_key is not None)
     app.add_middleware(GuardMiddleware, state=state)

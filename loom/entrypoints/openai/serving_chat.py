@@ -1,44 +1,44 @@
 """POST /v1/chat/completions: messages through the chat template, then one prompt.
 
+    create   parse -> check model -> output constraints (tool choice, response_format)
+             -> render the messages -> SamplingParams -> submit -> _full or _stream
+
 A stream opens each choice with a ``{"role": "assistant", "content": ""}`` delta, as
 OpenAI and vLLM do, then sends text deltas; the last delta of a choice carries its
-finish_reason.
+finish_reason. The n choices of a request are one engine request, so one stream.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import AsyncLLM, RequestStream
-from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from loom.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, SSEResponse, bad_request,
-                                                    check_model, engine_error, finite, input_error,
-                                                    merge_generators, new_id, now_s, parse_body,
-                                                    resolve_max_tokens, sorted_top_logprobs, sse,
-                                                    to_sampling_params, usage)
 from loom.entrypoints.openai.chat_output import ChatOutputBuilder
-from loom.entrypoints.openai.reasoning_parsers import (ReasoningParser,
-                                                       explicit_reasoning_parser,
-                                                       get_reasoning_parser)
+from loom.entrypoints.openai.errors import RequestError, engine_error, raise_if_failed
+from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from loom.entrypoints.openai.reasoning_parsers import explicit_reasoning_parser, get_reasoning_parser
+from loom.entrypoints.openai.responses import SSE_DONE, SSEResponse, sse
+from loom.entrypoints.openai.serving_engine import OpenAIServing, finite, top_logprobs, usage
 from loom.entrypoints.openai.structured_outputs import (check_tool_choice,
                                                         request_structured_outputs,
                                                         tool_choice_structured_outputs)
 from loom.entrypoints.openai.tool_parsers import get_tool_parser
 from loom.input_processor import InvalidInputError
 from loom.outputs import CompletionOutput, Logprob
+from loom.sampling_params import StructuredOutputsParams
 from loom.tokenizer import Tokenizer
 
 
-class OpenAIServingChat:
+class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, served_model_name: str, *,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None) -> None:
-        self.engine = engine
-        self.model_name = served_model_name
-        self.max_model_len = engine.config.model.max_model_len
+        super().__init__(engine, served_model_name)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
@@ -46,55 +46,44 @@ class OpenAIServingChat:
                                  else None)
 
     async def create(self, body: bytes) -> Response:
-        request = parse_body(ChatCompletionRequest, body)
-        check_model(request.model, self.model_name)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        tool_choice = check_tool_choice(request, self.enable_auto_tool_choice,
-                                        self.tool_call_parser)
-        structured_outputs = request_structured_outputs(request)
-        forced_tool_calls = tool_choice_structured_outputs(request, tool_choice)
-        if forced_tool_calls is not None:
-            if structured_outputs is not None:
-                raise bad_request(f'tool_choice "{tool_choice}" constrains the output itself; '
-                                  "drop response_format / structured_outputs", param="tool_choice")
-            structured_outputs = forced_tool_calls
-        output_builder = ChatOutputBuilder(
-            tool_choice, request.tool_choice.function.name if tool_choice == "named" else None,
-            self.tool_parser, self._reasoning_parser(structured_outputs, forced_tool_calls))
+        request = ChatCompletionRequest.parse(body)
+        self.check_model(request.model)
+        structured_outputs, output_builder = self._output_constraints(request)
         token_ids = self._render(request)
-        requested = (request.max_completion_tokens if request.max_completion_tokens is not None
-                     else request.max_tokens)
-        defaults = self.engine.config.model.default_sampling_params
-        max_tokens = resolve_max_tokens(requested, len(token_ids), self.max_model_len, "messages",
-                                        defaults.get("max_tokens"))
-        params = to_sampling_params(request, max_tokens,
-                                    (request.top_logprobs or 0) if request.logprobs else None,
-                                    "top_logprobs", structured_outputs, defaults)
-        try:
-            self.engine.input_processor.validate_params(params)
-        except InvalidInputError as error:
-            raise input_error(error, error.param) from None
-        request_id = new_id("chatcmpl")
-        try:
-            stream = self.engine.add_request(request_id, None, token_ids, params,
-                                             stream=request.stream)
-        except Exception as error:  # noqa: BLE001 — queue full or engine dead
-            raise engine_error(error) from None
+        params = request.to_sampling_params(len(token_ids), self.max_model_len,
+                                            self.default_sampling_params, structured_outputs)
+        self.check_params(params)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.submit(request_id, None, token_ids, params, request.stream)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, len(token_ids), stream,
                                             output_builder))
         return await self._full(request, request_id, len(token_ids), stream, output_builder)
 
-    def _reasoning_parser(self, structured_outputs, forced_tool_calls) -> ReasoningParser | None:
-        """The grammar constrains a request's output from its first token (there is no
-        free thinking phase before it), so: forced tool calls have no reasoning, and other
-        constrained outputs have reasoning only where they open with <think>."""
-        if self.reasoning_parser is None or forced_tool_calls is not None:
-            return None
-        if structured_outputs is not None:
-            return explicit_reasoning_parser()
-        return self.reasoning_parser
+    def _output_constraints(self, request: ChatCompletionRequest
+                            ) -> tuple[StructuredOutputsParams | None, ChatOutputBuilder]:
+        """The grammar the output must follow (response_format and the like, or the tool
+        calls tool_choice forces), and the builder that turns output text into messages.
+
+        The grammar constrains the output from its first token (there is no free thinking
+        phase before it), so: forced tool calls have no reasoning, and other constrained
+        outputs have reasoning only where they open with <think>."""
+        tool_choice = check_tool_choice(request, self.enable_auto_tool_choice,
+                                        self.tool_call_parser)
+        structured_outputs = request_structured_outputs(request)
+        forced_tool_calls = tool_choice_structured_outputs(request, tool_choice)
+        reasoning_parser = self.reasoning_parser
+        if forced_tool_calls is not None:
+            if structured_outputs is not None:
+                raise RequestError(f'tool_choice "{tool_choice}" constrains the output itself; '
+                                   "drop response_format / structured_outputs",
+                                   param="tool_choice")
+            structured_outputs, reasoning_parser = forced_tool_calls, None
+        elif structured_outputs is not None and reasoning_parser is not None:
+            reasoning_parser = explicit_reasoning_parser()
+        tool_name = request.tool_choice.function.name if tool_choice == "named" else None
+        return structured_outputs, ChatOutputBuilder(tool_choice, tool_name, self.tool_parser,
+                                                     reasoning_parser)
 
     def _render(self, request: ChatCompletionRequest) -> list[int]:
         text = render_chat_prompt(self.engine.tokenizer, request.messages, request.tools,
@@ -105,21 +94,21 @@ class OpenAIServingChat:
         try:
             self.engine.input_processor.validate_prompt(token_ids, param="messages")
         except InvalidInputError as error:
-            raise input_error(error, "messages") from None
+            raise RequestError.from_invalid_input(error) from None
         return token_ids
 
     async def _full(self, request: ChatCompletionRequest, request_id: str,
                     num_prompt_tokens: int, stream: RequestStream,
                     output_builder: ChatOutputBuilder) -> Response:
-        output = None
+        # Not streamed, the engine sends one output: the finished one.
         try:
-            async for _, output in merge_generators([stream]):
-                pass
+            async for output in stream:
+                final = output
         except Exception as error:  # noqa: BLE001 — the engine died or aborted the request
             raise engine_error(error) from None
         choices, num_completion_tokens = [], 0
-        for seq in output.outputs:
-            _raise_if_error(seq)
+        for seq in final.outputs:
+            raise_if_failed(seq)
             num_completion_tokens += len(seq.token_ids)
             message, finish_reason = output_builder.message(seq.text, seq.finish_reason)
             choices.append({
@@ -127,14 +116,14 @@ class OpenAIServingChat:
                 "logprobs": _logprobs(seq, request.top_logprobs or 0),
                 "finish_reason": finish_reason, "stop_reason": seq.stop_reason})
         return JSONResponse({
-            "id": request_id, "object": "chat.completion", "created": now_s(),
+            "id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name, "choices": choices,
             "usage": usage(num_prompt_tokens, num_completion_tokens)})
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       num_prompt_tokens: int, stream: RequestStream,
                       output_builder: ChatOutputBuilder) -> AsyncIterator[str]:
-        created = now_s()
+        created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
         def chunk(choices: list[dict[str, Any]], with_usage: dict | None = None) -> str:
@@ -151,9 +140,9 @@ class OpenAIServingChat:
             for index in range(request.n):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-            async for _, output in merge_generators([stream]):
+            async for output in stream:
                 for seq in output.outputs:
-                    _raise_if_error(seq)
+                    raise_if_failed(seq)
                     num_completion_tokens += len(seq.token_ids)
                     streamer = streamers[seq.index]
                     deltas = streamer.feed(seq.text, seq.finished) or [{}]
@@ -167,10 +156,12 @@ class OpenAIServingChat:
                                       "stop_reason": seq.stop_reason if last else None}])
             if include_usage:
                 yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
-        except OpenAIError as error:
-            yield sse(error.body())
         except Exception as error:  # noqa: BLE001 — the engine died or aborted us mid-stream
             yield sse(engine_error(error).body())
+        finally:
+            # The client left (SSEResponse closed this generator): free the request's KV
+            # blocks. A no-op once the request finished.
+            stream.abort()
         yield SSE_DONE
 
 
@@ -187,14 +178,8 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
             tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
             **template_kwargs)
     except Exception as error:  # noqa: BLE001 — see above
-        raise bad_request(f"the chat template failed on these messages: "
-                          f"{type(error).__name__}: {error}", param="messages") from None
-
-
-def _raise_if_error(seq: CompletionOutput) -> None:
-    if seq.finish_reason == "error":
-        raise OpenAIError(500, f"the engine failed this request: {seq.stop_reason}",
-                          "server_error")
+        raise RequestError(f"the chat template failed on these messages: "
+                           f"{type(error).__name__}: {error}", param="messages") from None
 
 
 def _logprobs(seq: CompletionOutput, num_top: int) -> dict[str, Any] | None:
@@ -204,7 +189,7 @@ def _logprobs(seq: CompletionOutput, num_top: int) -> dict[str, Any] | None:
     content = []
     for token_id, entry in zip(seq.token_ids, seq.logprobs):
         item = _token_logprob(entry[token_id])
-        item["top_logprobs"] = [_token_logprob(lp) for _, lp in sorted_top_logprobs(entry, num_top)]
+        item["top_logprobs"] = [_token_logprob(lp) for _, lp in top_logprobs(entry, num_top)]
         content.append(item)
     return {"content": content}
 

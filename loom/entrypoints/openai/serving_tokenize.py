@@ -16,11 +16,11 @@ import json
 from pydantic import Field, model_validator
 from starlette.responses import JSONResponse, Response
 
+from loom.entrypoints.openai.errors import RequestError
 from loom.entrypoints.openai.protocol import (ChatMessage, ChatTemplateKwargs, ChatTool,
                                              OpenAIModel, TokenId)
 from loom.entrypoints.openai.serving_chat import render_chat_prompt
-from loom.entrypoints.openai.serving_engine import bad_request, check_model, parse_body
-from loom.tokenizer import Tokenizer
+from loom.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class TokenizeCompletionRequest(OpenAIModel):
@@ -66,40 +66,39 @@ class DetokenizeResponse(OpenAIModel):
     prompt: str
 
 
-class OpenAIServingTokenization:
-    def __init__(self, tokenizer: Tokenizer, served_model_name: str, max_model_len: int) -> None:
-        self.tokenizer = tokenizer
-        self.model_name = served_model_name
-        self.max_model_len = max_model_len
+class OpenAIServingTokenization(OpenAIServing):
+    """Needs only the engine's tokenizer, never its core."""
 
     def tokenize(self, body: bytes) -> Response:
-        request = parse_body(_tokenize_request_type(body), body)
-        check_model(request.model, self.model_name)
+        request = _tokenize_request_type(body).parse(body)
+        self.check_model(request.model)
+        tokenizer = self.engine.tokenizer
         if isinstance(request, TokenizeChatRequest):
             template_kwargs = dict(request.chat_template_kwargs or {})
             template_kwargs["continue_final_message"] = request.continue_final_message
             if request.chat_template is not None:
                 template_kwargs["chat_template"] = request.chat_template
-            text = render_chat_prompt(self.tokenizer, request.messages, request.tools,
+            text = render_chat_prompt(tokenizer, request.messages, request.tools,
                                       request.add_generation_prompt, template_kwargs)
         else:
             text = request.prompt
-        token_ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        token_strs = (self.tokenizer.hf.convert_ids_to_tokens(token_ids)
+        token_ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        token_strs = (tokenizer.hf.convert_ids_to_tokens(token_ids)
                       if request.return_token_strs else None)
         return JSONResponse(TokenizeResponse(
             count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids,
             token_strs=token_strs).model_dump())
 
     def detokenize(self, body: bytes) -> Response:
-        request = parse_body(DetokenizeRequest, body)
-        check_model(request.model, self.model_name)
-        vocab_size = self.tokenizer.vocab_size
+        request = DetokenizeRequest.parse(body)
+        self.check_model(request.model)
+        tokenizer = self.engine.tokenizer
+        vocab_size = tokenizer.vocab_size
         for position, token_id in enumerate(request.tokens):
             if token_id >= vocab_size:
-                raise bad_request(f"tokens[{position}] = {token_id} is outside the vocabulary "
-                                  f"[0, {vocab_size})", param="tokens")
-        text = self.tokenizer.decode(request.tokens, skip_special_tokens=False)
+                raise RequestError(f"tokens[{position}] = {token_id} is outside the vocabulary "
+                                   f"[0, {vocab_size})", param="tokens")
+        text = tokenizer.decode(request.tokens, skip_special_tokens=False)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
@@ -108,7 +107,7 @@ def _tokenize_request_type(body: bytes) -> type[TokenizeCompletionRequest | Toke
     try:
         fields = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep
-        return TokenizeCompletionRequest  # parse_body names the JSON error
+        return TokenizeCompletionRequest  # whose parse names the JSON error
     if isinstance(fields, dict) and "messages" in fields and "prompt" not in fields:
         return TokenizeChatRequest
     return TokenizeCompletionRequest

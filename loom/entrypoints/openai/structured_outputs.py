@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from loom.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from loom.entrypoints.openai.serving_engine import bad_request
+from loom.entrypoints.openai.errors import RequestError
 from loom.entrypoints.openai.tool_parsers import ToolCall, arguments_json
 from loom.sampling_params import StructuredOutputsParams
 
@@ -34,8 +34,8 @@ def request_structured_outputs(request: SamplingFields) -> StructuredOutputsPara
         else:
             schema = response_format.json_schema.json_schema if response_format.json_schema else None
             if schema is None:
-                raise bad_request("response_format json_schema needs json_schema.schema",
-                                  param="response_format")
+                raise RequestError("response_format json_schema needs json_schema.schema",
+                                   param="response_format")
             found.append(("response_format", {"json": schema}))
     if request.structured_outputs is not None:
         fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
@@ -51,8 +51,8 @@ def request_structured_outputs(request: SamplingFields) -> StructuredOutputsPara
     if not found:
         return None
     if len(found) > 1:
-        raise bad_request(f"give one structured output constraint, got "
-                          f"{', '.join(name for name, _ in found)}", param=found[1][0])
+        raise RequestError(f"give one structured output constraint, got "
+                           f"{', '.join(name for name, _ in found)}", param=found[1][0])
     param, fields = found[0]
     return make_params(fields, param)
 
@@ -62,7 +62,7 @@ def make_params(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as error:
         message = str(error).removeprefix("SamplingParams.structured_outputs ")
-        raise bad_request(f"{param}: {message}", param=param) from None
+        raise RequestError(f"{param}: {message}", param=param) from None
 
 
 # ----------------------------------------------------------------- tools
@@ -76,15 +76,15 @@ def check_tool_choice(request: ChatCompletionRequest, enable_auto_tool_choice: b
     if isinstance(choice, NamedToolChoice):
         names = [tool.function.name for tool in request.tools or []]
         if choice.function.name not in names:
-            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is "
-                              f"not in tools ({', '.join(names) or 'none given'})",
-                              param="tool_choice")
+            raise RequestError(f"tool_choice names function {choice.function.name!r}, which is "
+                               f"not in tools ({', '.join(names) or 'none given'})",
+                               param="tool_choice")
         return "named"
     if choice in ("required", "auto") and not request.tools:
-        raise bad_request(f'tool_choice "{choice}" needs tools', param="tool_choice")
+        raise RequestError(f'tool_choice "{choice}" needs tools', param="tool_choice")
     if choice == "auto" and not (enable_auto_tool_choice and tool_parser):
-        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
-                          "--tool-call-parser to be set", param="tool_choice")
+        raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and '
+                           "--tool-call-parser to be set", param="tool_choice")
     return choice
 
 
