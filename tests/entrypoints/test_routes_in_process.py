@@ -77,10 +77,11 @@ def test_chat_full(client, engine, tokenizer):
     assert body["choices"] == [{
         "index": 0, "message": {"role": "assistant", "content": "Hello world", "tool_calls": []},
         "logprobs": None, "finish_reason": "stop", "stop_reason": None}]
+    num_prompt_tokens = len(submitted.prompt_token_ids)
     num_completion_tokens = len(tokenizer.encode("Hello")) + len(tokenizer.encode(" world"))
-    assert body["usage"] == {"prompt_tokens": len(submitted.prompt_token_ids),
+    assert body["usage"] == {"prompt_tokens": num_prompt_tokens,
                              "completion_tokens": num_completion_tokens,
-                             "total_tokens": len(submitted.prompt_token_ids) + num_completion_tokens}
+                             "total_tokens": num_prompt_tokens + num_completion_tokens}
     assert submitted.prompt_token_ids == tokenizer.apply_chat_template(MESSAGES,
                                                                        add_generation_prompt=True)
     assert not submitted.stream and submitted.params.max_tokens == 5
@@ -362,6 +363,14 @@ def test_client_leaving_a_stream_aborts_it(engine):
                        lambda sent: any(b"Hello" in m.get("body", b"") for m in sent))
     assert b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
     assert engine.aborted == list(engine.requests) and len(engine.aborted) == 1
+
+
+def test_client_leaving_a_batch_stream_aborts_every_prompt(engine):
+    engine.hold_after = 1
+    _leave_when(serve(engine), "/v1/completions",
+                {"prompt": ["hi", "there", "you"], "stream": True},
+                lambda sent: sum(b"Hello" in m.get("body", b"") for m in sent) == 3)
+    assert sorted(engine.aborted) == sorted(engine.requests) and len(engine.aborted) == 3
 
 
 def test_client_leaving_a_full_request_aborts_it(engine):

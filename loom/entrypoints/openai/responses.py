@@ -1,8 +1,8 @@
 """The two ways a generation route answers, both ending the moment the client leaves:
 
     stream: true    SSEResponse over an async generator of ``sse(...)`` events, then
-                    SSE_DONE; the client leaving closes the generator, which aborts
-                    its requests
+                    SSE_DONE; however it ends (the client leaving too, even before the
+                    first event), it closes the generator and calls ``abort``
     stream: false   cancel_on_disconnect(handler): the client leaving cancels the
                     handler, whose awaited RequestStream aborts its request
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -28,10 +28,15 @@ class SSEResponse(StreamingResponse):
     """An event stream that stops (and so aborts its requests) the moment the client leaves.
 
     Starlette on ASGI 2.4 only notices a gone client when a send fails; here the body
-    races ``http.disconnect``, and the body iterator is always closed.
+    races ``http.disconnect``, the body iterator is always closed and ``abort`` always
+    called (it must be a no-op for requests that finished).
     """
 
     media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], abort: Callable[[], None]) -> None:
+        super().__init__(events)
+        self.abort = abort
 
     async def __call__(self, scope, receive, send) -> None:
         stream = asyncio.create_task(self.stream_response(send))
@@ -43,6 +48,7 @@ class SSEResponse(StreamingResponse):
                 task.cancel()
             await asyncio.gather(stream, disconnect, return_exceptions=True)
             await self.body_iterator.aclose()
+            self.abort()
 
 
 async def cancel_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:

@@ -21,7 +21,8 @@ from loom.async_llm import AsyncLLM, RequestStream
 from loom.entrypoints.openai.chat_output import ChatOutputBuilder
 from loom.entrypoints.openai.errors import RequestError, engine_error, raise_if_failed
 from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from loom.entrypoints.openai.reasoning_parsers import explicit_reasoning_parser, get_reasoning_parser
+from loom.entrypoints.openai.reasoning_parsers import (explicit_reasoning_parser,
+                                                       get_reasoning_parser)
 from loom.entrypoints.openai.responses import SSE_DONE, SSEResponse, sse
 from loom.entrypoints.openai.serving_engine import OpenAIServing, finite, top_logprobs, usage
 from loom.entrypoints.openai.structured_outputs import (check_tool_choice,
@@ -57,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.submit(request_id, None, token_ids, params, request.stream)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, len(token_ids), stream,
-                                            output_builder))
+                                            output_builder), abort=stream.abort)
         return await self._full(request, request_id, len(token_ids), stream, output_builder)
 
     def _output_constraints(self, request: ChatCompletionRequest
@@ -158,10 +159,6 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
         except Exception as error:  # noqa: BLE001 — the engine died or aborted us mid-stream
             yield sse(engine_error(error).body())
-        finally:
-            # The client left (SSEResponse closed this generator): free the request's KV
-            # blocks. A no-op once the request finished.
-            stream.abort()
         yield SSE_DONE
 
 

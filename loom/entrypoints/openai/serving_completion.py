@@ -11,6 +11,7 @@ validated whole before any of it reaches the engine; each prompt is one engine r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -52,7 +53,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 stream.abort()
             raise
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, prompts, streams))
+            return SSEResponse(self._stream(request, request_id, prompts, streams),
+                               abort=lambda: [stream.abort() for stream in streams])
         return await self._full(request, request_id, prompts, streams)
 
     def _prompts(self, request: CompletionRequest) -> list[Prompt]:
@@ -80,8 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     streams: list[RequestStream]) -> Response:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for prompt_index, output in _merge(streams):
-                finals[prompt_index] = output
+            async with contextlib.aclosing(_merge(streams)) as outputs:
+                async for prompt_index, output in outputs:
+                    finals[prompt_index] = output
         except Exception as error:  # noqa: BLE001 — the engine died or aborted the request
             raise engine_error(error) from None
         choices, num_completion_tokens = [], 0
@@ -118,35 +121,36 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs (echo)
         num_completion_tokens = 0
         try:
-            async for prompt_index, output in _merge(streams):
-                if output.prompt_logprobs is not None:
-                    prompt_logprobs[prompt_index] = output.prompt_logprobs
-                for seq in output.outputs:
-                    raise_if_failed(seq)
-                    index = prompt_index * request.n + seq.index
-                    text = seq.text
-                    echoed_logprobs = None
-                    if not echoed[index]:
-                        text, echoed[index] = (prompts[prompt_index][0] or "") + text, True
+            async with contextlib.aclosing(_merge(streams)) as outputs:
+                async for prompt_index, output in outputs:
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs[prompt_index] = output.prompt_logprobs
+                    for seq in output.outputs:
+                        raise_if_failed(seq)
+                        index = prompt_index * request.n + seq.index
+                        text = seq.text
+                        echoed_logprobs = None
+                        if not echoed[index]:
+                            text, echoed[index] = (prompts[prompt_index][0] or "") + text, True
+                            if seq.logprobs is not None:
+                                echoed_logprobs, text_offsets[index] = self._echo_logprobs(
+                                    request, prompts[prompt_index][1],
+                                    prompt_logprobs.get(prompt_index))
+                        logprobs = None
                         if seq.logprobs is not None:
-                            echoed_logprobs, text_offsets[index] = self._echo_logprobs(
-                                request, prompts[prompt_index][1],
-                                prompt_logprobs.get(prompt_index))
-                    logprobs = None
-                    if seq.logprobs is not None:
-                        logprobs, text_offsets[index] = _logprobs(
-                            seq.token_ids, seq.logprobs, request.logprobs, text_offsets[index])
-                        logprobs = _join(echoed_logprobs, logprobs)
-                    num_completion_tokens += len(seq.token_ids)
-                    chunk: dict[str, Any] = {
-                        "id": request_id, "object": "text_completion", "created": created,
-                        "model": self.model_name,
-                        "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": seq.finish_reason,
-                                     "stop_reason": seq.stop_reason}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
+                            logprobs, text_offsets[index] = _logprobs(
+                                seq.token_ids, seq.logprobs, request.logprobs, text_offsets[index])
+                            logprobs = _join(echoed_logprobs, logprobs)
+                        num_completion_tokens += len(seq.token_ids)
+                        chunk: dict[str, Any] = {
+                            "id": request_id, "object": "text_completion", "created": created,
+                            "model": self.model_name,
+                            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": seq.finish_reason,
+                                         "stop_reason": seq.stop_reason}]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield sse(chunk)
             if include_usage:
                 num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
@@ -171,17 +175,15 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index of the prompt, output) from the prompts' streams as outputs arrive.
+    """(index of the prompt, output) from the prompts' streams as outputs arrive; a
+    stream's failure is raised here.
 
-    Closing the merged iterator (the client left) or a failure of one stream aborts
-    them all (an abort is a no-op for a finished stream).
+    Closing the merged iterator, or a failure, cancels the tasks reading the other
+    streams, and a RequestStream cancelled while it waits aborts its request.
     """
     if len(streams) == 1:
-        try:
-            async for output in streams[0]:
-                yield 0, output
-        finally:
-            streams[0].abort()
+        async for output in streams[0]:
+            yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -192,8 +194,6 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
                 queue.put_nowait((index, output))
         except Exception as error:  # noqa: BLE001 — re-raised by the consumer
             queue.put_nowait((index, error))
-        finally:
-            stream.abort()
         queue.put_nowait((index, done))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
