@@ -133,6 +133,7 @@ class RemoteStatus(msgspec.Struct, tag="status"):
     heartbeat: float
     step: int = 0  # as WorkerSignals.step / step_started
     step_started: float = 0.0
+    kv_cache_bytes_per_block: int = 0
 
 
 EngineToWorker = ExecuteModel | WorkerShutdown

@@ -28,10 +28,13 @@ class WorkerHungError(WorkerDiedError):
 
 
 class Executor(abc.ABC):
-    """Contract: ``initialize()`` brings every rank to ready and returns the number of
-    KV blocks all of them can hold (the minimum over ranks); ``execute_model`` runs one
-    step on every rank and returns rank 0's output; ``shutdown`` stops every rank and
-    may be called more than once."""
+    """Contract: ``initialize()`` brings every rank to ready, prints the KV cache's
+    size (``kv_cache_summary``, from the bytes per block rank 0 reported) and returns
+    the number of KV blocks all ranks can hold (the minimum over ranks);
+    ``execute_model`` runs one step on every rank and returns rank 0's output;
+    ``shutdown`` stops every rank and may be called more than once."""
+
+    kv_cache_bytes_per_block: int  # rank 0's, set by initialize()
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -42,11 +42,12 @@ import weakref
 from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, SchedulerOutput,
                             StepResult, WorkerFailure, WorkerShutdown)
 from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, WorkerHungError,
-                                cap_num_blocks)
+                                cap_num_blocks, kv_cache_summary)
 from loom.ipc.debris import remove_debris
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import (TaskQueue, TaskQueueAddresses, UnexpectedMessageError,
                                  new_instance_id)
+from loom.progress import progress
 from loom.worker.worker_process import WorkerSpec, run_worker_proc
 
 logger = logging.getLogger(__name__)
@@ -159,10 +160,12 @@ class MultiProcExecutor(Executor):
         num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
         self.startup_time_s = time.monotonic() - started
         # Every rank ran check_num_blocks on this count before it allocated (a failure
-        # arrived as its ValueError); not repeated here, which would import torch into
-        # the engine core for it (~250 MiB resident).
+        # arrived as its ValueError), and published the bytes of its blocks: nothing here
+        # imports torch or reads the checkpoint's config (~250 MiB resident).
+        self.kv_cache_bytes_per_block = int(self.signals.kv_cache_bytes_per_block[0])
         logger.info("%d worker(s) ready in %.1fs; %d KV blocks", parallel.world_size,
                     self.startup_time_s, num_blocks)
+        progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))
         return num_blocks
 
     # ----------------------------------------------------------------- steps
@@ -256,7 +259,8 @@ class MultiProcExecutor(Executor):
         message = self.queue.poll(timeout_ms)
         while message is not None:
             if isinstance(message, RemoteStatus):
-                for name in ("loaded", "ready", "profiled_blocks", "step", "step_started"):
+                for name in ("loaded", "ready", "profiled_blocks", "kv_cache_bytes_per_block",
+                             "step", "step_started"):
                     getattr(self.signals, name)[message.rank] = getattr(message, name)
                 self.signals.heartbeat[message.rank] = time.time()  # our clock, not theirs
             elif isinstance(message, WorkerFailure):

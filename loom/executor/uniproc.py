@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from loom.core.wire import ModelRunnerOutput, SchedulerOutput
-from loom.executor.base import Executor, cap_num_blocks, check_num_blocks
+from loom.executor.base import Executor, cap_num_blocks, check_num_blocks, kv_cache_summary
+from loom.progress import progress
 from loom.worker.worker import Worker
 
 
@@ -17,9 +18,10 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
         self.profiled_num_blocks = self.worker.determine_num_blocks()
         num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
-        check_num_blocks(self.config, num_blocks,
-                         self.worker.model_runner.kv_cache_bytes_per_block)
+        self.kv_cache_bytes_per_block = self.worker.model_runner.kv_cache_bytes_per_block
+        check_num_blocks(self.config, num_blocks, self.kv_cache_bytes_per_block)
         self.worker.initialize_kv_cache(num_blocks)
+        progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))
         self.worker.warm_up()
         return num_blocks
 

@@ -99,6 +99,9 @@ class WorkerSignals:
 
     loaded[rank] = 1          weights in place, after a barrier over the ranks
     profiled_blocks[rank] = n KV blocks every rank can hold (already MIN-reduced)
+    kv_cache_bytes_per_block[rank] = b
+                              bytes of one KV block on this rank (written with
+                              profiled_blocks, so the engine never computes it)
     ready[rank] = 1           KV cache allocated, warmed up, in the event loop
     heartbeat[rank] = time    written by the event loop each iteration (so it means
                               the loop runs, not merely that the process lives)
@@ -109,13 +112,15 @@ class WorkerSignals:
     step for longer than that step's bound is hung, whatever its process does.
     """
 
-    FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64, "ready": np.int32,
+    FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64,
+              "kv_cache_bytes_per_block": np.int64, "ready": np.int32,
               "heartbeat": np.float64, "step": np.int64, "step_started": np.float64}
 
     def __init__(self, signals: dict[str, Signal]) -> None:
         self._signals = signals
         self.loaded = signals["loaded"].array
         self.profiled_blocks = signals["profiled_blocks"].array
+        self.kv_cache_bytes_per_block = signals["kv_cache_bytes_per_block"].array
         self.ready = signals["ready"].array
         self.heartbeat = signals["heartbeat"].array
         self.step = signals["step"].array
@@ -149,7 +154,8 @@ class WorkerSignals:
         return [signal.name for signal in self._signals.values()]
 
     def close(self) -> None:
-        self.loaded = self.profiled_blocks = self.ready = self.heartbeat = None
+        self.loaded = self.profiled_blocks = self.kv_cache_bytes_per_block = None
+        self.ready = self.heartbeat = None
         self.step = self.step_started = None
         for signal in self._signals.values():
             signal.close()

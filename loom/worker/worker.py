@@ -18,7 +18,7 @@ import torch
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
-from loom.executor.base import kv_cache_summary, lean_cpu_kv_cache_bytes
+from loom.executor.base import lean_cpu_kv_cache_bytes
 from loom.progress import progress
 from loom.sampling_params import SamplingParams
 from loom.worker import memory
@@ -160,9 +160,6 @@ class Worker:
             storage = self.model_runner.kv_cache_storage
             self.populate_thread = memory.populate_in_background(
                 [(storage.data_ptr(), storage.numel() * storage.element_size())])
-        if self.rank == 0:
-            progress(kv_cache_summary(self.config, num_blocks,
-                                      self.model_runner.kv_cache_bytes_per_block))
 
     def warm_up(self) -> None:
         """One dummy decode step at batch sizes 1, 2, 4, ... before any request.

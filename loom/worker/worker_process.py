@@ -77,7 +77,7 @@ class StatusReporter:
                                              owner_pid=spec.parent_pid)
                         if spec.local else None)
         self.loaded = self.ready = False
-        self.profiled_blocks = 0
+        self.profiled_blocks = self.kv_cache_bytes_per_block = 0
         self.step = 0
         self.step_started = 0.0
         self._last_sent = 0.0
@@ -94,9 +94,11 @@ class StatusReporter:
         if self.signals is not None:
             self.signals.heartbeat[self.rank] = now
         elif force or now - self._last_sent >= REMOTE_STATUS_INTERVAL_S:
-            self.queue.send(RemoteStatus(rank=self.rank, loaded=self.loaded, ready=self.ready,
-                                         profiled_blocks=self.profiled_blocks, heartbeat=now,
-                                         step=self.step, step_started=self.step_started))
+            self.queue.send(RemoteStatus(
+                rank=self.rank, loaded=self.loaded, ready=self.ready,
+                profiled_blocks=self.profiled_blocks, heartbeat=now, step=self.step,
+                step_started=self.step_started,
+                kv_cache_bytes_per_block=self.kv_cache_bytes_per_block))
             self._last_sent = now
 
     def begin_step(self, step: int) -> None:
@@ -179,13 +181,15 @@ def load_model(worker, status: StatusReporter) -> None:
 
 
 def initialize_kv_cache(worker, status: StatusReporter) -> int:
-    """Profile, publish the block count every rank can hold, allocate (capped) blocks."""
+    """Profile, publish the block count every rank can hold and the bytes of a block,
+    allocate (capped) blocks."""
     from loom.executor.base import cap_num_blocks, check_num_blocks
 
     profiled_blocks = worker.determine_num_blocks()  # the same on every rank: MIN-reduced
-    status.set(profiled_blocks=profiled_blocks)
+    bytes_per_block = worker.model_runner.kv_cache_bytes_per_block
+    status.set(profiled_blocks=profiled_blocks, kv_cache_bytes_per_block=bytes_per_block)
     num_blocks = cap_num_blocks(worker.config, profiled_blocks)
-    check_num_blocks(worker.config, num_blocks, worker.model_runner.kv_cache_bytes_per_block)
+    check_num_blocks(worker.config, num_blocks, bytes_per_block)
     worker.initialize_kv_cache(num_blocks)
     return num_blocks
 

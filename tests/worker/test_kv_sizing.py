@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import subprocess
+import sys
 
 import pytest
 
 from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loom.executor import base
 from loom.executor.base import kv_cache_summary, lean_cpu_kv_cache_bytes
+from loom.executor.multiproc import MultiProcExecutor
 from loom.executor.uniproc import UniProcExecutor
 from loom.worker import memory
 
@@ -82,6 +85,27 @@ def test_cpu_default_is_sized_to_the_concurrency_without_profiling(model_dir, mo
         executor.shutdown()
     assert ("loom: KV cache 0.00 GiB, 512 tokens (32 blocks of 16); maximum concurrency for "
             "128 tokens per request: 4.00x") in capfd.readouterr().err
+
+
+def test_worker_processes_report_the_bytes_of_a_block_for_the_summary(model_dir, capfd):
+    """Ranks publish their block size with their ready signal; the engine prints the
+    summary from it (it imports no torch and reads no checkpoint config for it)."""
+    executor = MultiProcExecutor(_config(model_dir, max_num_seqs=4, enable_warm_up=False,
+                                         distributed_executor_backend="mp"))
+    try:
+        assert executor.initialize() == 4 * BLOCKS_PER_SEQ
+        assert executor.kv_cache_bytes_per_block == BYTES_PER_BLOCK
+        assert list(executor.signals.kv_cache_bytes_per_block) == [BYTES_PER_BLOCK]
+    finally:
+        executor.shutdown()
+    assert ("loom: KV cache 0.00 GiB, 512 tokens (32 blocks of 16); maximum concurrency for "
+            "128 tokens per request: 4.00x") in capfd.readouterr().err
+
+
+def test_the_engine_core_with_worker_processes_imports_no_torch():
+    code = ("import sys; sys.modules['torch'] = None; import loom.core.engine_core_proc, "
+            "loom.core.engine_core, loom.executor.multiproc")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cpu_default_is_capped(model_dir, monkeypatch):
