@@ -20,7 +20,8 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import RequestStream
-from loom.entrypoints.openai.errors import RequestError, engine_error, raise_if_failed
+from loom.entrypoints.openai.errors import (OpenAIError, RequestError, engine_error,
+                                           raise_if_failed)
 from loom.entrypoints.openai.protocol import CompletionRequest
 from loom.entrypoints.openai.responses import SSE_DONE, SSEResponse, sse
 from loom.entrypoints.openai.serving_engine import OpenAIServing, finite, top_logprobs, usage
@@ -44,17 +45,21 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_params(prompt_params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
+
+        def abort_all() -> None:
+            for stream in streams:
+                stream.abort()
+
         try:
             for i, ((text, token_ids), prompt_params) in enumerate(zip(prompts, params)):
                 streams.append(self.submit(f"{request_id}-{i}", text, token_ids, prompt_params,
                                            request.stream))
-        except Exception:
-            for stream in streams:
-                stream.abort()
+        except OpenAIError:  # the queue filled up or the engine died midway: none of it runs
+            abort_all()
             raise
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prompts, streams),
-                               abort=lambda: [stream.abort() for stream in streams])
+                               abort=abort_all)
         return await self._full(request, request_id, prompts, streams)
 
     def _prompts(self, request: CompletionRequest) -> list[Prompt]:
