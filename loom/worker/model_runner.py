@@ -49,6 +49,9 @@ class CachedRequestState:
     sampling_params: SamplingParams
     stop_ids_for_min_tokens: list[int]  # eos (unless ignore_eos) + stop_token_ids
     block_ids: list[int] = field(default_factory=list)
+    # The scheduler's count when it scheduled this step: set from NewRequestData or
+    # CachedRequestData every step the request runs, never advanced here (the
+    # scheduler advances its own after the step, and rolls back rejected drafts).
     num_computed_tokens: int = 0
     generator: torch.Generator | None = None
 
@@ -256,7 +259,6 @@ class ModelRunner:
                 num_drafts[i] = len(drafts)
             else:
                 input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
-            state.num_computed_tokens = end
             if end >= len(state.token_ids):
                 sample_rows.append(i)
         slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
