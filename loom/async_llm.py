@@ -2,11 +2,12 @@
 
 Input processing (validation) and output processing (detokenization, stop strings,
 n > 1 fan-out) run here, in the server's event loop; the engine core runs in a child
-process (``loom/core/engine_core_proc.py``). One output-handler task reads the core's
-socket and puts each ``RequestOutput`` into its request's asyncio queue; the
-``RequestStream`` that ``add_request`` returns reads that queue. Closing the stream
-early (a client that disconnected, a cancelled task) aborts the request in the core,
-freeing its KV blocks.
+process (``loom/core/engine_core_proc.py``), reached through an ``EngineCoreClient``
+(``loom/ipc/engine_core_client.py``: the process and its sockets). One output-handler
+task reads the core's messages and puts each ``RequestOutput`` into its request's
+asyncio queue; the ``RequestStream`` that ``add_request`` returns reads that queue.
+Closing the stream early (a client that disconnected, a cancelled task) aborts the
+request in the core, freeing its KV blocks.
 
 When the core process dies or reports a failed step, every request in flight gets an
 ``EngineDeadError`` and the ``on_dead`` callbacks run (the server answers 503 and exits).
@@ -20,26 +21,18 @@ one after every step). Past that the core is hung: its stacks go to the log
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-import zmq
-import zmq.asyncio
-
 from loom.config import EngineConfig
-from loom.core.engine_core_proc import EngineCoreProcess, core_step_bound_s
-from loom.core.wire import (AbortRequests, EngineCoreFailed, EngineCoreMessage, EngineCoreOutputs,
-                            EngineCoreReady, EngineCoreRequest, EngineCoreShutdown,
-                            FinishRequests)
+from loom.core.engine_core_proc import core_step_bound_s
+from loom.core.wire import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutputs,
+                            EngineCoreRequest, FinishRequests)
 from loom.executor.base import EngineDeadError
 from loom.input_processor import InputProcessor
-from loom.ipc.debris import remove_debris
+from loom.ipc.engine_core_client import EngineCoreClient
 from loom.metrics import ServerMetrics
 from loom.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
@@ -47,8 +40,6 @@ from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-_STACK_DUMP_WAIT_S = 0.5  # for the hung core's faulthandler to write its stacks
 
 
 class QueueFullError(RuntimeError):
@@ -122,9 +113,7 @@ class AsyncLLM:
         self._requests: dict[str, _TrackedRequest] = {}
         self.metrics.server_requests_in_flight.set_function(lambda: len(self._requests))
         self._num_sequences = 0  # engine requests in flight, n per user request
-        self._core = EngineCoreProcess(config)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+        self._core = EngineCoreClient(config)
         self._output_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
         # Progress: when the core last sent anything, and since when requests wait.
@@ -138,47 +127,22 @@ class AsyncLLM:
 
     async def start(self) -> int:
         """Start the engine core process and wait until it can serve; returns its KV blocks."""
-        self._sync_context = zmq.Context()
-        self._input_socket = self._sync_context.socket(zmq.PUSH)
-        self._input_socket.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        self._input_socket.bind(self._core.input_address)
-        self._async_context = zmq.asyncio.Context()
-        self._output_socket = self._async_context.socket(zmq.PULL)
-        self._output_socket.setsockopt(zmq.RCVHWM, 0)
-        self._output_socket.bind(self._core.output_address)
-        self._core.start()
-        while True:
-            if await self._output_socket.poll(200):
-                message = self._decoder.decode(await self._output_socket.recv())
-                if isinstance(message, EngineCoreReady):
-                    break
-                if isinstance(message, EngineCoreFailed):
-                    raise RuntimeError(message.message)
-            elif not self._core.is_alive():
-                raise RuntimeError(f"the engine core process exited with code "
-                                   f"{self._core.exitcode} while loading the model")
+        num_blocks = await self._core.start()
         asyncio.get_running_loop().add_reader(self._core.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._handle_outputs(), name="loom-outputs")
         self._watchdog_task = asyncio.create_task(self._watch_core(), name="loom-watchdog")
-        return message.num_blocks
+        return num_blocks
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (it finishes its current step) and close the sockets."""
         if self._shutting_down:
             return
         self._shutting_down = True
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._core.sentinel)
+        asyncio.get_running_loop().remove_reader(self._core.sentinel)
         for task in (self._output_task, self._watchdog_task):
             if task is not None:
                 task.cancel()
-        if self._core.is_alive():
-            self._send(EngineCoreShutdown())
-        await loop.run_in_executor(None, self._core.join, timeout)
-        self._input_socket.close(linger=0)
-        self._output_socket.close(linger=0)
-        self._sync_context.term()
-        self._async_context.term()
+        await self._core.shutdown(timeout)
 
     @property
     def is_dead(self) -> bool:
@@ -263,13 +227,15 @@ class AsyncLLM:
     async def _handle_outputs(self) -> None:
         try:
             while True:
-                message = self._decoder.decode(await self._output_socket.recv())
+                message = await self._core.receive()
                 self._last_core_message = time.monotonic()
                 if isinstance(message, EngineCoreFailed):
                     self._fail(message.message)
                     return
-                if isinstance(message, EngineCoreOutputs):
-                    self._process_outputs(message)
+                if not isinstance(message, EngineCoreOutputs):
+                    self._fail(f"the engine core sent {type(message).__name__} out of turn")
+                    return
+                self._process_outputs(message)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 — a bug here must not hang every client
@@ -312,14 +278,8 @@ class AsyncLLM:
 
     async def _core_hung(self, message: str) -> None:
         logger.error("%s; dumping the engine core's stacks (pid %s)", message, self._core.pid)
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._core.sentinel)
-        with contextlib.suppress(ProcessLookupError, TypeError):
-            os.kill(self._core.pid, signal.SIGUSR1)
-        await asyncio.sleep(_STACK_DUMP_WAIT_S)
-        self._core.kill()
-        # The core's workers die with it (PR_SET_PDEATHSIG); what it owned is debris now.
-        await loop.run_in_executor(None, remove_debris)
+        asyncio.get_running_loop().remove_reader(self._core.sentinel)
+        await self._core.kill()
         self._fail(message)
 
     def _on_core_exit(self) -> None:
@@ -332,8 +292,7 @@ class AsyncLLM:
         if self._output_task is not None:
             self._output_task.cancel()
         message = None
-        while self.dead_error is None and await self._output_socket.poll(100):
-            received = self._decoder.decode(await self._output_socket.recv())
+        for received in await self._core.receive_remaining():
             if isinstance(received, EngineCoreFailed):
                 message = received.message
             elif isinstance(received, EngineCoreOutputs):
@@ -354,5 +313,5 @@ class AsyncLLM:
         for callback in self.on_dead:
             callback()
 
-    def _send(self, message) -> None:
-        self._input_socket.send(self._encoder.encode(message), copy=False)
+    def _send(self, message: EngineCoreInput) -> None:
+        self._core.send(message)

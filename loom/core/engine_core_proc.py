@@ -3,11 +3,11 @@
     API server ── PUSH ─▶ EngineCoreInput  (add / abort / finish / shutdown)  ─▶ PULL ┐
                ◀─ PULL ── EngineCoreMessage (ready / outputs+stats / failed) ◀─ PUSH ┘ core
 
-The API process binds both sockets (ipc paths in a fresh temporary directory, so
-two servers never collide) and the core connects. The core's loop: take every
-pending input, step while there is work, and block on the input socket when there
-is none (waking every ``_HEALTH_CHECK_INTERVAL_S`` only to check the workers and
-that its parent lives). Every iteration that did anything sends one
+This module is the core's side. The API process's side, ``EngineCoreClient``
+(``loom/ipc/engine_core_client.py``), starts this process and binds both sockets;
+the core connects. The core's loop: take every pending input, step while there is
+work, and block on the input socket when there is none (waking every
+``_HEALTH_CHECK_INTERVAL_S`` only to check the workers and that its parent lives). Every iteration that did anything sends one
 ``EngineCoreOutputs`` batch carrying the scheduler's stats, so the API side's
 gauges follow aborts too. An exception in a step is fatal: the core sends
 ``EngineCoreFailed`` and exits non-zero; the API side fails every request.
@@ -18,18 +18,16 @@ hung. SIGUSR1 makes the core write every thread's stack to stderr first. Test ho
 read once at the process's entry: ``LOOM_TEST_STALL_ENGINE_AT_STEP=N`` blocks the
 core's loop forever before its N-th step.
 
-Nothing here imports torch; the executor (and with it torch) is built in the child.
+Importing this module imports no torch: the executor is built once the process runs,
+and only an in-process worker (one rank) brings torch into it.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import logging
-import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import traceback
@@ -190,54 +188,3 @@ def _report_failure(input_address: str, output_address: str, message: str,
         context.destroy(linger=2000)
     except Exception:  # noqa: BLE001 — the exit code still tells the parent
         pass
-
-
-# ----------------------------------------------------------------- the parent side
-
-class EngineCoreProcess:
-    """Starts, watches and stops the engine core process; owns its socket paths."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self._socket_dir = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-engine-")  # ipc.debris
-        self.input_address = f"ipc://{self._socket_dir}/input"
-        self.output_address = f"ipc://{self._socket_dir}/output"
-        self.process: multiprocessing.process.BaseProcess | None = None
-
-    def start(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.process = context.Process(
-            target=run_engine_core, name="loom-engine-core", daemon=False,
-            args=(msgspec.msgpack.encode(self.config), self.input_address, self.output_address))
-        self.process.start()
-
-    @property
-    def sentinel(self) -> int:
-        return self.process.sentinel
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.process.exitcode
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
-
-    def kill(self) -> None:
-        """SIGKILL, then reap; for a core that no longer makes progress."""
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-
-    def join(self, timeout: float) -> None:
-        """Wait for the process to exit (after EngineCoreShutdown was sent); kill it at the timeout."""
-        if self.process is not None:
-            self.process.join(timeout)
-            if self.process.is_alive():
-                logger.warning("engine core did not exit in %.0f s; killing it", timeout)
-                self.process.kill()
-                self.process.join(5)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)

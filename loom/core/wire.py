@@ -5,7 +5,7 @@
 
 All are msgspec Structs in tagged unions, encoded as msgpack, never pickled. The
 sockets that carry them: ``loom.ipc.task_queue`` (engine core and ranks) and
-``loom.core.engine_core_proc`` (API server and engine core). With the worker in the
+``loom.ipc.engine_core_client`` (API server and engine core). With the worker in the
 engine's process (``UniProcExecutor``) the scheduler and the model runner exchange
 the same ``SchedulerOutput`` and ``ModelRunnerOutput`` objects directly.
 
@@ -141,7 +141,7 @@ WorkerToEngine = StepResult | WorkerFailure | RemoteStatus
 
 
 # ================================================================= API server <-> engine core
-# loom.core.engine_core_proc: the API process drives the engine core process.
+# loom.ipc.engine_core_client: the API process drives the engine core process.
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
