@@ -31,7 +31,7 @@ import sys
 import time
 
 from loom.config import EngineConfig
-from loom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from loom.executor.base import cap_num_blocks
 from loom.sampling_params import SamplingParams
 from loom.worker.worker import Worker

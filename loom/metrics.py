@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
-from loom.core.outputs import EngineCoreOutput
+from loom.core.wire import EngineCoreOutput
 from loom.core.scheduler import SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
