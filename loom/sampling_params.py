@@ -42,12 +42,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("SamplingParams.structured_outputs needs exactly one of json, regex, "
-                             f"choice, grammar or json_object, got {given or 'none'}")
+            raise SamplingParamsError("structured_outputs", "needs exactly one of json, regex, "
+                                      f"choice, grammar or json_object, got {given or 'none'}")
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) for c in self.choice)):
-            raise ValueError("SamplingParams.structured_outputs choice must be a non-empty list "
-                             "of strings")
+            raise SamplingParamsError("structured_outputs",
+                                      "choice must be a non-empty list of strings")
 
     @property
     def kind(self) -> str:
@@ -144,6 +144,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return msgspec.structs.replace(self, **changes)
 
 
+class SamplingParamsError(ValueError):
+    """A SamplingParams value out of its range: ``field`` names it, ``problem`` says what
+    is wrong with it (str(): "SamplingParams.<field> <problem>")."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"SamplingParams.{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field} {message}")
+        raise SamplingParamsError(field, message)

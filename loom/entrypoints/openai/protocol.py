@@ -19,7 +19,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       ValidationInfo, field_validator)
 
 from loom.entrypoints.openai.errors import RequestError
-from loom.sampling_params import SamplingParams, StructuredOutputsParams
+from loom.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 _MAX_N = 128  # OpenAI's limit on n
 _MAX_TOP_LOGPROBS = 20
@@ -214,21 +214,9 @@ class SamplingFields(OpenAIModel):
                 logprobs=logprobs, logit_bias=logit_bias,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured_outputs, **fields)
-        except ValueError as error:
-            raise _sampling_params_error(error, self.REQUEST_FIELDS) from None
-
-
-def _sampling_params_error(error: ValueError, request_fields: dict[str, str]) -> RequestError:
-    """SamplingParams checks its own values (ranges, min_tokens <= max_tokens, ...) and
-    raises ValueError("SamplingParams.<field> <what is wrong>") (``sampling_params._check``),
-    with no field attribute to read. This is the one place that reads that message
-    format: the field, renamed to the request's name for it, is the 400's param."""
-    message = str(error)
-    if not message.startswith("SamplingParams."):
-        return RequestError(message)
-    field, _, problem = message.removeprefix("SamplingParams.").partition(" ")
-    field = request_fields.get(field, field)
-    return RequestError(f"{field} {problem}", param=field)
+        except SamplingParamsError as error:  # the field, in the request's name for it
+            field = self.REQUEST_FIELDS.get(error.field, error.field)
+            raise RequestError(f"{field} {error.problem}", param=field) from None
 
 
 class CompletionRequest(SamplingFields):

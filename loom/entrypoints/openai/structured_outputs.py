@@ -19,7 +19,7 @@ from typing import Any
 from loom.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from loom.entrypoints.openai.errors import RequestError
 from loom.entrypoints.openai.tool_parsers import ToolCall, arguments_json
-from loom.sampling_params import StructuredOutputsParams
+from loom.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -60,9 +60,10 @@ def request_structured_outputs(request: SamplingFields) -> StructuredOutputsPara
 def make_params(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**fields)
-    except (ValueError, TypeError) as error:
-        message = str(error).removeprefix("SamplingParams.structured_outputs ")
-        raise RequestError(f"{param}: {message}", param=param) from None
+    except SamplingParamsError as error:
+        raise RequestError(f"{param}: {error.problem}", param=param) from None
+    except (ValueError, TypeError) as error:  # msgspec's own type checks
+        raise RequestError(f"{param}: {error}", param=param) from None
 
 
 # ----------------------------------------------------------------- tools
