@@ -4,7 +4,7 @@ throughput``), for a refactor that must not cost speed.
 
     git worktree add /tmp/loom_before <commit>
     python benchmarks/ab_trees.py --before /tmp/loom_before --after . --rounds 3 \\
-        [--model DIR --tokenizer GGUF] [--skip-throughput] > benchmarks/results/ab.md
+        [--model DIR --tokenizer GGUF] [--only latency|throughput] > benchmarks/results/ab.md
 
 Each run is a fresh process with ``PYTHONPATH`` at its tree (its own ``loom``, its own
 kernel build, cached by source hash), in the order before, after, before, after, ...
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="for a random checkpoint without one: e.g. the default GGUF")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--only", choices=["latency", "throughput"], default=None)
     args = parser.parse_args()
     common = ["--dtype", args.dtype, "--max-model-len", "1024"]
     if args.model:
@@ -68,12 +68,13 @@ def main() -> None:
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     for round_index in range(args.rounds):
         for name, tree in trees.items():
-            result, rss = run(tree, latency)
-            for row in result["results"]:
-                key = f"decode b={row['batch_size']} step ms"
-                figures[name].setdefault(key, []).append(row["median_decode_step_s"] * 1000)
-            figures[name].setdefault("latency process peak RSS MiB", []).append(rss)
-            if not args.skip_throughput:
+            if args.only != "throughput":
+                result, rss = run(tree, latency)
+                for row in result["results"]:
+                    key = f"decode b={row['batch_size']} step ms"
+                    figures[name].setdefault(key, []).append(row["median_decode_step_s"] * 1000)
+                figures[name].setdefault("latency process peak RSS MiB", []).append(rss)
+            if args.only != "latency":
                 result, rss = run(tree, throughput)
                 figures[name].setdefault("256 mixed output tok/s", []).append(
                     result["output_tokens_per_s"])
@@ -83,12 +84,14 @@ def main() -> None:
                   file=sys.stderr)
     print(f"model {args.model or 'default (SmolLM2-135M Q4_1 GGUF)'}, {args.dtype}, "
           f"{args.rounds} rounds interleaved, median per tree\n")
-    print("| figure | before | after | after / before |")
-    print("|---|---|---|---|")
+    print("| figure | before | after | after / before | before, each round | after, each round |")
+    print("|---|---|---|---|---|---|")
     for key in figures["before"]:
         before = statistics.median(figures["before"][key])
         after = statistics.median(figures["after"][key])
-        print(f"| {key} | {before:.2f} | {after:.2f} | {after / before:.3f} |")
+        rounds = [" ".join(f"{v:.1f}" for v in figures[name][key]) for name in trees]
+        print(f"| {key} | {before:.2f} | {after:.2f} | {after / before:.3f} | {rounds[0]} | "
+              f"{rounds[1]} |")
 
 
 if __name__ == "__main__":

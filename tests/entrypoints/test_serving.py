@@ -393,11 +393,11 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
             "ignore_eos": True}
     generated_before = server.metric("vllm:generation_tokens_total")
     with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    # Closed after 3 events (no query in between: on a quiet machine the tiny model may
-    # finish 500 tokens in well under a second): aborted at once, its blocks freed.
+        next(response.iter_lines())
+    # Closed after the first event (no query in between: the tiny model may finish 500
+    # tokens in well under a second, sooner than a busy client reads 3 events):
+    # aborted at once, its blocks freed. The in-process route tests prove the abort
+    # without a race (test_routes_in_process.py).
     assert server.wait_for_metric("vllm:num_requests_running", 0, timeout=2) == 0
     assert server.wait_for_metric("vllm:kv_cache_usage_perc", 0, timeout=2) == 0
     assert server.metric("vllm:generation_tokens_total") - generated_before < 500

@@ -167,6 +167,23 @@ class SamplingFields(OpenAIModel):
     # The field holding the prompt: the param of a context-length error.
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                           defaults: dict[str, Any],
+                           structured_outputs: StructuredOutputsParams | None
+                           ) -> SamplingParams:
+        """The SamplingParams of one prompt of this request (of ``num_prompt_tokens``
+        tokens, rendered from the messages for a chat)."""
+        requested, logprobs, fields = self._endpoint_fields()
+        max_tokens = self._max_tokens(requested, num_prompt_tokens, max_model_len,
+                                      defaults.get("max_tokens"))
+        return self._sampling_params(max_tokens, logprobs, defaults, structured_outputs,
+                                     **fields)
+
+    def _endpoint_fields(self) -> tuple[int | None, int | None, dict[str, Any]]:
+        """What the endpoint calls them: (max_tokens asked for, SamplingParams.logprobs,
+        further SamplingParams fields)."""
+        raise NotImplementedError
+
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, max_model_len: int,
                     default: int | None) -> int:
         """max_tokens, defaulting to what the context leaves (at most ``default``, the
@@ -243,18 +260,11 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of other than n is not supported")
         return value
 
-    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
-                           defaults: dict[str, Any],
-                           structured_outputs: StructuredOutputsParams | None
-                           ) -> SamplingParams:
-        """The SamplingParams of one prompt of this request (of ``num_prompt_tokens``)."""
-        max_tokens = self._max_tokens(self.max_tokens, num_prompt_tokens, max_model_len,
-                                      defaults.get("max_tokens"))
+    def _endpoint_fields(self) -> tuple[int | None, int | None, dict[str, Any]]:
         # With echo, the echoed prompt's tokens carry logprobs too (the first one None).
         echoed = ({"prompt_logprobs": self.logprobs}
                   if self.echo and self.logprobs is not None else {})
-        return self._sampling_params(max_tokens, self.logprobs, defaults, structured_outputs,
-                                     **echoed)
+        return self.max_tokens, self.logprobs, echoed
 
 
 class TextContentPart(OpenAIModel):
@@ -331,14 +341,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return value
 
-    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
-                           defaults: dict[str, Any],
-                           structured_outputs: StructuredOutputsParams | None
-                           ) -> SamplingParams:
-        """The SamplingParams of this chat (its rendered prompt has ``num_prompt_tokens``)."""
+    def _endpoint_fields(self) -> tuple[int | None, int | None, dict[str, Any]]:
         requested = (self.max_completion_tokens if self.max_completion_tokens is not None
                      else self.max_tokens)
-        max_tokens = self._max_tokens(requested, num_prompt_tokens, max_model_len,
-                                      defaults.get("max_tokens"))
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, defaults, structured_outputs)
+        return requested, (self.top_logprobs or 0) if self.logprobs else None, {}
