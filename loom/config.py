@@ -21,6 +21,9 @@ DTYPE_CHOICES = (*_DTYPES, *_DTYPE_ALIASES)
 _GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
                            "max_new_tokens")
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
+# --quantization (loom/model/layers/quantization.py); "auto" keeps the checkpoint's weights.
+QUANTIZATION_CHOICES = ("auto", "none", "wint8")
+_QUANTIZATION_NOT_BUILT = ("wint4", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")  # issue 15
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class ModelConfig:
     # A registered name (loom.model.attention) or auto: cpu where loom's native kernels
     # apply, else torch; resolved when the model is built.
     attention_backend: str = "auto"
+    # Weight-only quantization (loom/model/layers/quantization.py): auto and none keep
+    # the checkpoint's weights (a GGUF file dequantized); wint8 makes the decoder's
+    # linear weights int8 per output channel at load.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
@@ -52,6 +59,7 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         check_attn_backend_name(self.attention_backend)
+        check_quantization_name(self.quantization)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -65,6 +73,17 @@ class ModelConfig:
         ``get_diff_sampling_param``): the offline ``LLM`` when no SamplingParams is given,
         the server for every field a request omits."""
         return dict(self.sampling_defaults)
+
+
+def check_quantization_name(name: str) -> None:
+    """A one-line ValueError for a --quantization value loom does not run."""
+    if name in QUANTIZATION_CHOICES:
+        return
+    if str(name).lower() in _QUANTIZATION_NOT_BUILT:
+        raise ValueError(f"quantization {name} is not built yet; use one of "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                     f"got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -336,6 +355,7 @@ class EngineConfig:
         override_generation_config: dict[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
         attention_backend: str = "auto",
+        quantization: str = "auto",
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
     ) -> EngineConfig:
@@ -348,7 +368,8 @@ class EngineConfig:
         never runs a checkpoint's code, and captures no CUDA graphs yet.
         """
         from loom.config_checks import (check_architecture_before_loading, check_kv_budget,
-                                        check_tensor_parallel, check_tokenizer_files)
+                                        check_quantization, check_tensor_parallel,
+                                        check_tokenizer_files)
         from loom.model.loader import load_hf_config
         from loom.model.models.registry import get_model_architecture
 
@@ -365,6 +386,7 @@ class EngineConfig:
         check_architecture_before_loading(model)
         hf_config = load_hf_config(model)
         get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
+        check_quantization(hf_config, quantization)
         if not skip_tokenizer_init:
             check_tokenizer_files(model, tokenizer)
         check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
@@ -399,7 +421,8 @@ class EngineConfig:
                               enable_warm_up=enable_warm_up,
                               sampling_defaults=tuple(sampling_defaults.items()),
                               skip_tokenizer_init=skip_tokenizer_init,
-                              attention_backend=attention_backend),
+                              attention_backend=attention_backend,
+                              quantization=quantization),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

@@ -1,7 +1,8 @@
 """Checks of user arguments against the checkpoint that ``EngineConfig.from_args`` runs
 before any weight is read or any process starts, so that a bad argument is one line
 naming it and the fix: the architecture (before the tokenizer is looked for), the
-tokenizer files, the tensor-parallel split of the heads, an explicit KV budget.
+tokenizer files, the tensor-parallel split of the heads, an explicit KV budget, the
+quantization asked for and the checkpoint's own.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import logging
 import os
 
-from loom.config import CacheConfig
+from loom.config import CacheConfig, check_quantization_name
 
 logger = logging.getLogger("loom.config")
 
@@ -39,6 +40,22 @@ def check_architecture_before_loading(model: str) -> None:
     if architectures and not set(architectures) & set(supported):
         raise ValueError(f"model architecture {', '.join(architectures)} ({config_path}) is not "
                          f"supported; supported: {', '.join(supported)}")
+
+
+def check_quantization(hf_config, quantization: str) -> None:
+    """``--quantization`` must name a method loom runs, and the checkpoint must not be
+    stored quantized (its config's ``quantization_config``): loom runs no pre-quantized
+    Hugging Face format yet."""
+    check_quantization_name(quantization)
+    stored = getattr(hf_config, "quantization_config", None)
+    if stored is None:
+        return
+    method = (stored.get("quant_method") if isinstance(stored, dict)
+              else getattr(stored, "quant_method", None))
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    raise ValueError(f"the checkpoint is stored quantized with {method or 'an unnamed method'} "
+                     "(config.json quantization_config.quant_method), which loom cannot run; "
+                     "use an unquantized checkpoint, with --quantization wint8 for int8 weights")
 
 
 def check_tokenizer_files(model: str, tokenizer: str | None) -> None:

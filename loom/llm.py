@@ -35,7 +35,8 @@ class LLM:
     ``enable_chunked_prefill``, ``block_size``, ``enable_prefix_caching``,
     ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
     (or ``memory_utilization``), ``tensor_parallel_size``, ``seed``, ``chat_template``,
-    ``device``, ``attention_backend`` ("auto", "cpu" or "torch"), ``generation_config``
+    ``device``, ``attention_backend`` ("auto", "cpu" or "torch"), ``quantization``
+    ("auto", "none" or "wint8": int8 decoder weights made at load), ``generation_config``
     ("auto": the checkpoint's sampling defaults apply when ``generate`` gets no
     SamplingParams; "vllm": loom's; or a directory) and
     ``override_generation_config``; and for worker processes
@@ -147,7 +148,6 @@ _ALIASES = {"gpu_memory_utilization": "memory_utilization"}
 # vLLM arguments for features loom does not have: accepted at these values only.
 _ONLY_AT = {
     "revision": None, "tokenizer_revision": None, "code_revision": None,  # local paths only
-    "quantization": None,  # a GGUF file says how it is quantized
     "pipeline_parallel_size": 1,
     "tokenizer_mode": "auto",
 }
@@ -177,6 +177,8 @@ def llm_kwargs_to_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
             reason = _NO_EFFECT[name]
             if reason is not None and value:
                 logger.warning("LLM(%s=%r) has no effect: %s", name, value, reason)
+        elif name == "quantization" and value is None:  # vLLM's default: as stored
+            result[name] = "auto"
         elif name in known:
             result[name] = value
         else:

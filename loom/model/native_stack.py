@@ -126,6 +126,8 @@ def _fill_role(weights: Any, fields: set[str], role: str, module: nn.Module | No
         setattr(weights, role, module.weight)
         return None
     if isinstance(module, LinearBase):
+        if module.quantization != "none":
+            return f"the {role} weight is {module.quantization}; the stack runs bf16-packed weights"
         packed = module.packed_weight
         if packed is None or not packed.is_loom_kernel:
             return f"the {role} weight is not packed for loom's bf16 matmul"

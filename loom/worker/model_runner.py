@@ -89,7 +89,8 @@ class ModelRunner:
         chosen = self.config.model.attention_backend
         self.model = load_model(self.config.model.model, self.hf_config, dtype=self.dtype,
                                 device=self.device, tp_group=self.tp_group,
-                                attention_backend=chosen)
+                                attention_backend=chosen,
+                                quantization=self.config.model.quantization)
         if self.tp_group.rank == 0:
             backend = self.model.attention_layers[0].impl.name
             logger.info("attention backend: %s%s", backend,

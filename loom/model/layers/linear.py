@@ -7,6 +7,10 @@ gate_up → down) needs one all-reduce per pair.
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``,
 which takes the full checkpoint tensor and copies this rank's slice into ``param``.
+
+With ``quantization="wint8"`` (quantization.py) a layer loads its weight as usual and
+turns it into int8 with per-output scales after loading: ``weight`` is then the int8
+tensor (N, K) and ``weight_scale`` the float32 scales (N,); no full-precision copy stays.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.envs import settings
 from loom.kernels import native_ops_for
+from loom.model.layers.quantization import dequantize_int8, int8_linear, quantize_int8
 from loom.model.layers.scratch import scratch
 
 
@@ -123,11 +128,14 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 tp_group: TPGroup) -> None:
+                 tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
+        if quantization not in ("none", "wint8"):
+            raise ValueError(f"linear layers hold none or wint8 weights, not {quantization!r}")
         self.tp_group = tp_group
         self.input_size = input_size
         self.output_size = output_size
+        self.quantization = quantization
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -135,6 +143,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)  # (N,) float32 once wint8
         self.packed_weight: PackedWeight | None = None  # see pack_weight
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
@@ -142,20 +151,46 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def process_weights_after_loading(self) -> None:
-        """Called by the loader once every weight is in place (and again after a reload)."""
-        self.packed_weight = pack_weight(self.weight)
+        """Called by the loader once every weight is in place (and again after a reload):
+        quantize (wint8) or pack (none) the weight."""
+        if self.quantization == "none":
+            self.packed_weight = pack_weight(self.weight)
+        elif self.weight_scale is None:
+            self._params_dtype = self.weight.dtype
+            q, scale = quantize_int8(self.weight)
+            self.weight = nn.Parameter(q, requires_grad=False)  # the float one is freed
+            self.weight.weight_loader = self._reload_quantized
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def _reload_quantized(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: object = None) -> None:
+        """A checkpoint tensor loaded again into a wint8 layer: the weight dequantized into
+        a staging tensor of the loaded dtype, this shard copied in by the layer's own
+        loader, the whole re-quantized. Rows are quantized independently, so the rows
+        loaded equal a fresh load's; the others round-trip to the same int8 values."""
+        staging = dequantize_int8(self.weight, self.weight_scale, self._params_dtype)
+        self.weight_loader(nn.Parameter(staging, requires_grad=False), loaded_weight, shard_id)
+        q, scale = quantize_int8(staging)
+        self.weight.data.copy_(q)
+        self.weight_scale.data.copy_(scale)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` on this rank's weight, however it is held."""
+        if self.weight_scale is not None:
+            return int8_linear(x, self.weight, self.weight_scale, bias)
+        return linear(x, self.weight, bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_group: TPGroup = SINGLE) -> None:
-        super().__init__(input_size, output_size, bias, tp_group)
+                 tp_group: TPGroup = SINGLE, quantization: str = "none") -> None:
+        super().__init__(input_size, output_size, bias, tp_group, quantization)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -164,9 +199,10 @@ class ColumnParallelLinear(LinearBase):
     Returns this rank's slice of the output unless ``gather_output``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_group: TPGroup = SINGLE, gather_output: bool = False) -> None:
+                 tp_group: TPGroup = SINGLE, gather_output: bool = False,
+                 quantization: str = "none") -> None:
         start, end = tp_group.shard_range(output_size)
-        super().__init__(input_size, end - start, bias, tp_group)
+        super().__init__(input_size, end - start, bias, tp_group, quantization)
         self.gather_output = gather_output
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
@@ -175,7 +211,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.matmul(x, self.bias)
         return self.tp_group.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -185,11 +221,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ``output_sizes``. Each rank holds ``[gate_r | up_r]``."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp_group: TPGroup = SINGLE) -> None:
+                 tp_group: TPGroup = SINGLE, quantization: str = "none") -> None:
         for size in output_sizes:
             tp_group.shard_range(size)  # validates divisibility
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp_group)
+        super().__init__(input_size, sum(output_sizes), bias, tp_group,
+                         quantization=quantization)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         if shard_id is None:
@@ -211,7 +248,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False,
-                 tp_group: TPGroup = SINGLE) -> None:
+                 tp_group: TPGroup = SINGLE, quantization: str = "none") -> None:
         tp = tp_group.world_size
         if total_num_heads % tp:
             raise ValueError(f"{total_num_heads} attention heads are not divisible by "
@@ -233,7 +270,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         # Sizes are per rank already; build the base with tp-scaled totals.
-        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, tp_group)
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, tp_group,
+                            quantization)
         self.gather_output = False
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
@@ -255,9 +293,10 @@ class RowParallelLinear(LinearBase):
     summed with an all-reduce. The bias is added once, after the sum."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_group: TPGroup = SINGLE, reduce_results: bool = True) -> None:
+                 tp_group: TPGroup = SINGLE, reduce_results: bool = True,
+                 quantization: str = "none") -> None:
         start, end = tp_group.shard_range(input_size)
-        super().__init__(end - start, output_size, bias, tp_group)
+        super().__init__(end - start, output_size, bias, tp_group, quantization)
         self.reduce_results = reduce_results
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
@@ -269,7 +308,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, packed=self.packed_weight)
+        y = self.matmul(x, None)
         if self.reduce_results:
             self.tp_group.all_reduce(y)
         if self.bias is not None:

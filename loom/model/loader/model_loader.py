@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -13,9 +14,12 @@ from torch import nn
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
+from loom.model.layers.quantization import linear_weight_quantization
 from loom.model.loader.gguf_loader import gguf_weights_iterator, load_gguf_config
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def is_gguf(model_path: str) -> bool:
@@ -46,16 +50,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
-               attention_backend: str = "auto") -> nn.Module:
+               attention_backend: str = "auto", quantization: str = "auto") -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
-    parameter from ``model_path``, return it in eval mode."""
+    parameter from ``model_path``, quantize the decoder's linear weights if
+    ``quantization`` says so (layers/quantization.py), return it in eval mode. Rank 0
+    logs the resident weight bytes by dtype."""
     model_cls = get_model_class(get_model_architecture(hf_config))
     if torch.device(device).type == "cpu":
         native_ops()  # build (or load) the CPU kernels now, not inside the first step
     attention_backend = select_attn_backend(attention_backend, device, dtype)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, tp_group, attention_backend=attention_backend)
+        model = model_cls(hf_config, tp_group, attention_backend=attention_backend,
+                          weight_quantization=linear_weight_quantization(quantization))
     if is_gguf(model_path):
         weights = gguf_weights_iterator(model_path, hf_config)
     else:
@@ -70,7 +77,34 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None:
             hook()
+    if tp_group.rank == 0:
+        logger.info("weights: %s", describe_weight_bytes(weight_bytes_by_dtype(model)))
     return model.eval()
+
+
+def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
+    """Bytes of every parameter (a tied one once) by dtype name, and under ``packed``
+    the copies laid out for the CPU matmul (``PackedWeight``), which also stay resident."""
+    totals: dict[str, int] = {}
+    for param in model.parameters():
+        name = str(param.dtype).removeprefix("torch.")
+        totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            data = packed.data
+            totals["packed"] = totals.get("packed", 0) + data.numel() * data.element_size()
+    return totals
+
+
+def describe_weight_bytes(totals: dict[str, int]) -> str:
+    """``{"int8": 43.2e6, "bfloat16": 18.9e6}`` -> "41.2 MiB int8 + 18.0 MiB bfloat16"."""
+    parts = [f"{size / 2**20:.1f} MiB {name}" for name, size in
+             sorted(totals.items(), key=lambda item: -item[1]) if name != "packed"]
+    text = " + ".join(parts)
+    if "packed" in totals:
+        text += f" (+ {totals['packed'] / 2**20:.1f} MiB packed copies for the CPU matmul)"
+    return text
 
 
 def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,6 +51,10 @@ class DecoderLayerSpec:
     mlp_bias: bool = False  # on gate_up and down
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
     activation: str = "silu"  # between gate and up
+    # what the qkv, o, gate_up and down weights hold: none (as loaded) or wint8 (int8
+    # per output channel, made at load; layers/quantization.py). Not from the HF config:
+    # the model's constructor sets it from --quantization.
+    weight_quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.activation != "silu":
@@ -77,12 +81,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads,
                                           spec.num_kv_heads, bias=spec.qkv_bias,
-                                          tp_group=tp_group)
+                                          tp_group=tp_group,
+                                          quantization=spec.weight_quantization)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size,
-                                        bias=spec.o_bias, tp_group=tp_group)
+                                        bias=spec.o_bias, tp_group=tp_group,
+                                        quantization=spec.weight_quantization)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
@@ -116,9 +122,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias,
-            tp_group=tp_group)
+            tp_group=tp_group, quantization=spec.weight_quantization)
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size,
-                                           bias=spec.mlp_bias, tp_group=tp_group)
+                                           bias=spec.mlp_bias, tp_group=tp_group,
+                                           quantization=spec.weight_quantization)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,11 +249,15 @@ class LlamaForCausalLM(nn.Module):
         return DecoderLayerSpec.from_config(config)
 
     def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", weight_quantization: str = "none") -> None:
+        """``weight_quantization``: what the decoder's linear layers hold (none or wint8,
+        ``DecoderLayerSpec.weight_quantization``); the embedding and LM head stay in
+        the model's dtype."""
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.model = LlamaModel(config, self.layer_spec(config), tp_group, attention_backend)
+        spec = replace(self.layer_spec(config), weight_quantization=weight_quantization)
+        self.model = LlamaModel(config, spec, tp_group, attention_backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
