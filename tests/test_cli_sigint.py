@@ -47,9 +47,16 @@ def interrupt_when(proc: subprocess.Popen, marker: str) -> tuple[str, str, float
     return stdout, "".join(seen) + stderr, elapsed
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT at its default, as a terminal's foreground job has it: a shell starts
+    background jobs (CI run with `&`, nohup) with SIGINT ignored, which every child
+    inherits, and Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_as_from_a_terminal)
 
 
 # 64 prompts x 480 tokens that ignore eos: tens of seconds of work for the tiny model.
