@@ -93,9 +93,45 @@ def matmul_table(iters: int) -> None:
               f"{cell.get('loom', '–')} |")
 
 
+SMOLLM2_HEADS = (9, 3, 64)  # query heads, KV heads, head_dim
+BLOCK_SIZE = 16
+
+
+def paged_case(context_lens: list[int], query_lens: list[int]):
+    """SmolLM2's heads over a shuffled bf16 block pool holding every context: (cache,
+    metadata, q, k, v) of one step, q/k/v views of one qkv row as the model has them."""
+    heads, kv_heads, head_dim = SMOLLM2_HEADS
+    block_size = BLOCK_SIZE
+    rng = random.Random(0)
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=torch.bfloat16)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, slots, starts = [], [], [0]
+    for ctx, q in zip(context_lens, query_lens):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx - q, ctx)]
+        starts.append(starts[-1] + q)
+    width = max(len(t) for t in tables)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_start_loc_cpu=starts, seq_lens_cpu=context_lens, max_query_len=max(query_lens),
+        max_seq_len=max(context_lens), block_size=block_size)
+    tokens = starts[-1]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    return cache, metadata, q, k, v
+
+
 def attention_table(iters: int) -> None:
     ops = loom.kernels.native_ops()
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    heads, kv_heads, head_dim = SMOLLM2_HEADS
     print("\n## paged attention, one layer (SmolLM2 heads), us min / median")
     print("| case | torch backend | loom kernel |")
     print("|---|---|---|")
@@ -103,30 +139,8 @@ def attention_table(iters: int) -> None:
              ("decode b=32 ctx 192", [192] * 32, [1] * 32), ("prefill 128", [128], [128]),
              ("chunk 256 over 1000", [1000], [256]), ("verify 4 x b=8", [192] * 8, [5] * 8)]
     for name, context_lens, query_lens in cases:
-        rng = random.Random(0)
-        num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
-        cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=torch.bfloat16)
-        free = list(range(1, num_blocks))
-        rng.shuffle(free)
-        tables, slots, starts = [], [], [0]
-        for ctx, q in zip(context_lens, query_lens):
-            table = [free.pop() for _ in range(-(-ctx // block_size))]
-            tables.append(table)
-            slots += [table[p // block_size] * block_size + p % block_size
-                      for p in range(ctx - q, ctx)]
-            starts.append(starts[-1] + q)
-        width = max(len(t) for t in tables)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32),
-            block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            query_start_loc_cpu=starts, seq_lens_cpu=context_lens, max_query_len=max(query_lens),
-            max_seq_len=max(context_lens), block_size=block_size)
-        tokens = starts[-1]
-        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
-        q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+        cache, metadata, q, k, v = paged_case(context_lens, query_lens)
+        tokens = q.shape[0]
         backend = TorchAttentionBackend(heads, kv_heads, head_dim, head_dim ** -0.5)
         out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
 

@@ -16,7 +16,6 @@ per-iteration ratios B / A (1.00: the same speed).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import loom.kernels  # noqa: E402
+from cpu_kernels import paged_case  # noqa: E402  (benchmarks/, on sys.path above)
 from loom.model.native_stack import NativeDecoderStack  # noqa: E402
 
 
@@ -41,37 +41,6 @@ def load_build(csrc: Path):
         loom.kernels._CSRC = checkout
     assert module is not None, f"the kernels in {csrc} did not build"
     return module
-
-
-def paged_case(context_lens: list[int], query_lens: list[int]):
-    """SmolLM2's heads (9 query, 3 KV, 64 dims) over a shuffled bf16 block pool."""
-    from loom.model.attention.metadata import AttentionMetadata
-
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    rng = random.Random(0)
-    num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
-    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=torch.bfloat16)
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    tables, slots, starts = [], [], [0]
-    for ctx, q in zip(context_lens, query_lens):
-        table = [free.pop() for _ in range(-(-ctx // block_size))]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx)]
-        starts.append(starts[-1] + q)
-    width = max(len(t) for t in tables)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_start_loc_cpu=starts, seq_lens_cpu=context_lens, max_query_len=max(query_lens),
-        max_seq_len=max(context_lens), block_size=block_size)
-    tokens = starts[-1]
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    return cache, metadata, q, k, v
 
 
 def attention_cases():
