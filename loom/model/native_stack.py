@@ -67,11 +67,14 @@ class NativeDecoderStack:
 
 
 def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, Any],
-                      dtype: torch.dtype, num_ranks: int) -> NativeDecoderStack | str | None:
+                      device: torch.device, dtype: torch.dtype,
+                      num_ranks: int) -> NativeDecoderStack | str | None:
     """The native stack over ``layers``, or why it does not apply (a sentence), or None
     while a layer has no KV cache yet (the memory profiler's forward: plan again later).
     ``options`` fills ``DecoderStackOptions`` by name."""
-    ops = native_ops_for(torch.device("cpu"), dtype)
+    if device.type != "cpu":
+        return f"the stack runs on the CPU and this model runs on {device.type}"
+    ops = native_ops_for(device, dtype)
     if ops is None:
         return ("loom's native kernels are not loaded (LOOM_NATIVE_KERNELS=0, no C++ "
                 "compiler, or a failed build)")

@@ -252,7 +252,7 @@ def test_no_full_precision_decoder_weight_stays(wint8_case):
         decoder_layer.attention.kv_cache = torch.empty(0)  # planned only once bound
     attn = bf16.model.layers[0].attention
     reason = plan_native_stack(bf16.model.layers, dict(rms_norm_eps=config.rms_norm_eps),
-                               torch.bfloat16, 1)
+                               torch.device("cpu"), torch.bfloat16, 1)
     assert attn.impl.name == "cpu", "the stack's backend check would come first"
     assert reason == "layer 0: the qkv weight is wint8; the stack runs bf16-packed weights"
 

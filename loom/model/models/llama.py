@@ -192,7 +192,7 @@ class LlamaModel(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.invalidate_native_stack()
 
-    def _plan_native_stack(self, dtype: torch.dtype) -> NativeDecoderStack | str | None:
+    def _plan_native_stack(self, hidden_states: torch.Tensor) -> NativeDecoderStack | str | None:
         """Plan the native stack (native_stack.py) and say once which path runs and why.
         Kept until ``invalidate_native_stack`` (a re-pack, or ``bind_kv_cache``: the
         memory profiler's throwaway cache is replaced before the first real step); not
@@ -205,7 +205,7 @@ class LlamaModel(nn.Module):
                               attention_scale=attn.impl.scale,
                               rms_norm_eps=self.spec.rms_norm_eps,
                               activation=self.spec.activation),
-            dtype, self.tp_group.world_size)
+            hidden_states.device, hidden_states.dtype, self.tp_group.world_size)
         if plan is None:
             return None
         self.native_stack = plan
@@ -219,7 +219,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         stack = self.native_stack if self.native_stack is not None else \
-            self._plan_native_stack(hidden_states.dtype)
+            self._plan_native_stack(hidden_states)
         if isinstance(stack, NativeDecoderStack):
             hidden_states, residual = stack.forward(hidden_states, positions,
                                                     self.rotary_emb.cos_sin_cache,
