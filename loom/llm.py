@@ -111,9 +111,62 @@ class LLM:
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # ----------------------------------------------------------------- weights that change
+    # As vLLM's and SGLang's offline engines have them for RL loops (docs/weight_updates.md).
+    # Between generate calls; each runs on every rank and empties the prefix cache.
+
+    def update_weights(self, path: str | None = None) -> dict[str, Any]:
+        """Load new weights of the same architecture and shapes from ``path``: a checkpoint
+        directory of safetensors, a .gguf file, or an ipc manifest written by
+        ``loom.weight_sync.WeightPublisher`` (None: reload the last checkpoint). Each rank
+        takes its shard through its parameters' ``weight_loader``s. A missing file or a
+        tensor that does not fit raises ValueError or FileNotFoundError naming it, and
+        the weights stay as they were. Returns ``{"num_parameters", "seconds"}``."""
+        return self.engine.engine_core.update_weights(path)
+
+    def update_weights_from_tensors(self, named_tensors) -> dict[str, Any]:
+        """Load (checkpoint name, tensor) pairs, any subset of the weights, e.g. from a
+        trainer in this process. Worker processes (TP > 1) map them from one
+        shared-memory segment."""
+        from loom.weight_sync import WeightPublisher
+
+        tensors = list(named_tensors)
+        core = self.engine.engine_core
+        if not self.engine.config.parallel.use_worker_processes:
+            return core.update_weights_from_tensors(tensors)
+        with WeightPublisher() as publisher:
+            return core.update_weights(publisher.publish(tensors, partial=True))
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the KV cache (level 1: weights kept) or the KV cache and the weights
+        (level 2: ``wake_up`` reloads them from the last checkpoint loaded, so weights
+        given as tensors since are lost, as in vLLM). The prefix cache is emptied.
+        ``generate`` raises until ``wake_up``."""
+        return self.engine.engine_core.sleep(level)
+
+    def wake_up(self) -> dict[str, Any]:
+        return self.engine.engine_core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.engine_core.sleep_level > 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold blocks."""
+        return self.engine.engine_core.reset_prefix_cache()
+
+    def collective_rpc(self, method: str, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``Worker.<method>(*args, **kwargs)`` on every rank (loom/worker/worker.py), each
+        rank's result in rank order; across processes the arguments and results are
+        msgpack values."""
+        return self.engine.engine_core.collective_rpc(method, args, kwargs)
+
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        if engine.engine_core.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {engine.engine_core.sleep_level}); "
+                               "call wake_up() before generate")
         request_ids = []
         try:
             for prompt, sp in zip(prompts, params):

@@ -8,7 +8,9 @@ It imports no torch: the executor it drives is handed in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from loom.config import EngineConfig
 from loom.core.scheduler import Scheduler
@@ -24,6 +26,8 @@ class ExecutorLike(Protocol):
 
     def initialize(self) -> int: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, args: tuple = ()) -> list[Any]: ...
     def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -47,6 +51,13 @@ class EngineCore:
         self.num_blocks = executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    config.speculative, config.early_stop)
+        # Weights that change (docs/weight_updates.md). While generation is paused, the
+        # engine asleep, or in-flight requests drain before a change, new requests are
+        # held here, not scheduled: every request runs on one set of weights.
+        self.paused = False
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 KV cache and weights freed
+        self.draining = False
+        self._held: list[Request] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer: Tokenizer | None = None) -> EngineCore:
@@ -74,11 +85,17 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None and self.structured_output is None:
             raise ValueError("this engine was built without structured outputs support")
+        if self.is_holding:
+            self._held.append(request)
+            return
         self.scheduler.add_request(request)
         if self.structured_output is not None:
             self.structured_output.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._held:
+            aborted = set(request_ids)
+            self._held = [r for r in self._held if r.request_id not in aborted]
         self.scheduler.abort_requests(request_ids)
 
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
@@ -130,7 +147,119 @@ class EngineCore:
             scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(requests)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self._held:  # held requests wait too
+            stats = msgspec.structs.replace(stats, num_waiting=stats.num_waiting + len(self._held),
+                                            num_requests=stats.num_requests + len(self._held))
+        return stats
+
+    # ----------------------------------------------------------------- weights that change
+    # The rule: a request runs on one set of weights. Requests in flight when a change is
+    # asked for finish first (pause "wait", and before update_weights or sleep) or are
+    # aborted (pause "abort"); requests that arrive meanwhile are held and run after it.
+    # Every change of weights, and a sleep (the KV cache's contents go), empties the
+    # prefix cache. The executor's collective_rpc runs the change on every rank.
+
+    @property
+    def is_holding(self) -> bool:
+        """New requests are held, not scheduled."""
+        return self.paused or self.sleep_level > 0 or self.draining
+
+    @property
+    def is_drained(self) -> bool:
+        """No request that was admitted before the hold is left."""
+        return not self.scheduler.has_unfinished_requests()
+
+    def pause_generation(self, mode: str = "wait") -> list[EngineCoreOutput]:
+        """Hold new requests; with ``abort``, end every request in flight with finish
+        reason ``abort`` (their outputs are returned); with ``wait`` the caller keeps
+        stepping until ``is_drained``."""
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"pause mode must be 'wait' (let running requests finish) or "
+                             f"'abort' (end them), got {mode!r}")
+        self.paused = True
+        if mode == "wait":
+            return []
+        request_ids = list(self.scheduler.requests)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(req_id=request_id, new_token_ids=[],
+                                 finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason.value)
+                for request_id in request_ids]
+
+    def resume_generation(self) -> None:
+        self.paused = False
+        self.release_held()
+
+    def update_weights(self, path: str | None = None) -> dict[str, Any]:
+        """Load new weights on every rank from a checkpoint directory, a .gguf file or an
+        ipc manifest (None: reload the last checkpoint); raises ValueError or
+        FileNotFoundError, weights unchanged, if they do not fit. Then the prefix cache
+        is emptied. A sleeping engine (level 2) gets its weights from here and wakes."""
+        self._check_drained("update weights")
+        result = self.executor.collective_rpc("update_weights", {"path": path})[0]
+        self.reset_prefix_cache()
+        if self.sleep_level:
+            self.wake_up()
+        return result
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the KV cache (level 1) or the KV cache and the weights (level 2) on every
+        rank; requests are held until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (free the KV "
+                             f"cache and the weights), got {level}")
+        self._check_drained("sleep")
+        if self.sleep_level >= level:
+            return {"level": self.sleep_level, "kv_cache_bytes_freed": 0}
+        result = self.executor.collective_rpc("sleep", {"level": level})[0]
+        self.sleep_level = level
+        self.reset_prefix_cache()  # the cache's contents are gone
+        return result
+
+    def wake_up(self) -> dict[str, Any]:
+        """Reallocate the KV cache and reload freed weights (from the last checkpoint
+        loaded); held requests then run unless generation is paused."""
+        result = self.executor.collective_rpc("wake_up")[0] if self.sleep_level else {}
+        self.sleep_level = 0
+        self.release_held()
+        return result
+
+    def status(self) -> dict[str, Any]:
+        return {"paused": self.paused, "is_sleeping": self.sleep_level > 0,
+                "sleep_level": self.sleep_level, "num_held": len(self._held)}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while a request holds blocks."""
+        return self.scheduler.kv_cache.pool.reset_prefix_cache()
+
+    def collective_rpc(self, method: str, args: list[Any] | tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker method on every rank, between steps; each rank's result."""
+        return self.executor.collective_rpc(method, kwargs, args=tuple(args))
+
+    def update_weights_from_tensors(self, named_tensors: list) -> dict[str, Any]:
+        """(checkpoint name, tensor) pairs, any subset of the weights, for a worker in
+        this process (UniProcExecutor); worker processes get them through shared memory
+        (``LLM.update_weights_from_tensors``)."""
+        self._check_drained("update weights")
+        result = self.executor.collective_rpc("update_weights_from_tensors",
+                                              {"named_tensors": named_tensors})[0]
+        self.reset_prefix_cache()
+        return result
+
+    def _check_drained(self, what: str) -> None:
+        if not self.is_drained:
+            raise RuntimeError(f"cannot {what} while {self.scheduler.get_num_unfinished_requests()}"
+                               " request(s) are in flight; pause generation first (mode wait "
+                               "or abort)")
+
+    def release_held(self) -> None:
+        """Schedule the held requests, unless something still holds them."""
+        if self.is_holding:
+            return
+        held, self._held = self._held, []
+        for request in held:
+            self.scheduler.add_request(request)
 
     def shutdown(self) -> None:
         if self.structured_output is not None:

@@ -31,14 +31,17 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 
 import msgspec
 import zmq
 
 from loom.config import EngineConfig
-from loom.core.wire import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreMessage,
-                            EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-                            EngineCoreRequest, FinishRequests)
+from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, EngineCoreFailed,
+                            EngineCoreInput, EngineCoreMessage, EngineCoreOutput,
+                            EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                            FinishRequests)
+from loom.executor.base import EngineDeadError
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.request import Request, RequestStatus
@@ -76,16 +79,18 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
         self.parent_pid = os.getppid()
         self.should_shutdown = False
+        self.controls: deque[ControlRequest] = deque()
         self.engine_core = _make_engine_core(config)
         self._send(EngineCoreReady(num_blocks=self.engine_core.num_blocks))
 
     def run(self) -> None:
         while not self.should_shutdown:
-            if not self.engine_core.has_unfinished_requests():
+            if not self.engine_core.has_unfinished_requests() and not self.controls:
                 self._wait_for_input()
             self._process_inputs()
             if self.should_shutdown:
                 break
+            self._run_controls()
             self.num_steps += 1
             if self.num_steps == self.stall_at_step:
                 logger.warning("engine core: stalling before step %d "
@@ -118,8 +123,52 @@ class EngineCoreProc:
             elif isinstance(message, FinishRequests):
                 for request_id, stop in message.stops:
                     core.finish_by_stop_string(request_id, stop)
+            elif isinstance(message, ControlRequest):
+                self.controls.append(message)
             else:
                 self.should_shutdown = True
+
+    def _run_controls(self) -> None:
+        """Answer the control calls in order. A pause in mode wait, an update and a sleep
+        first let the requests in flight finish (new ones are held meanwhile), so each
+        waits here, the engine stepping, until the scheduler is drained."""
+        core = self.engine_core
+        while self.controls:
+            control = self.controls[0]
+            if control.method in _CONTROLS_AFTER_DRAIN or (
+                    control.method == "pause_generation"
+                    and control.kwargs.get("mode", "wait") == "wait"):
+                if control.method == "pause_generation":
+                    core.paused = True
+                if not core.is_drained:
+                    core.draining = True
+                    return
+            self.controls.popleft()
+            core.draining = False
+            self._send(self._run_control(control))
+        core.draining = False
+
+    def _run_control(self, control: ControlRequest) -> ControlResponse:
+        core = self.engine_core
+        if control.method not in _CONTROLS:
+            return ControlResponse(control.call_id, error=f"no control method "
+                                   f"{control.method!r}; known: {sorted(_CONTROLS)}",
+                                   exc_type="ValueError")
+        try:
+            result = getattr(core, control.method)(**control.kwargs)
+        except EngineDeadError:
+            raise  # fatal: the loop's caller reports it
+        except Exception as error:  # noqa: BLE001 — the caller's answer; the engine serves on
+            logger.warning("control %s failed: %s: %s", control.method, type(error).__name__,
+                           error)
+            core.draining = False
+            core.release_held()
+            return ControlResponse(control.call_id, error=str(error),
+                                   exc_type=type(error).__name__)
+        if control.method == "pause_generation":  # the aborted requests' last outputs
+            self._send(EngineCoreOutputs(result, core.get_stats(), time.time()))
+            result = None
+        return ControlResponse(control.call_id, result=result)
 
     def _add_request(self, message: EngineCoreRequest) -> None:
         try:
@@ -136,6 +185,12 @@ class EngineCoreProc:
 
     def _send(self, message: EngineCoreMessage) -> None:
         self.output_socket.send(self.encoder.encode(message), copy=False)
+
+
+# EngineCore methods a ControlRequest may call, and those that wait for a drained scheduler.
+_CONTROLS = frozenset({"pause_generation", "resume_generation", "update_weights", "sleep",
+                       "wake_up", "reset_prefix_cache", "collective_rpc", "status"})
+_CONTROLS_AFTER_DRAIN = frozenset({"update_weights", "sleep"})
 
 
 def _make_engine_core(config: EngineConfig):

@@ -18,6 +18,8 @@ User-facing results (``RequestOutput``) are not wire types: ``loom.outputs``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from loom.sampling_params import SamplingParams
@@ -134,10 +136,32 @@ class RemoteStatus(msgspec.Struct, tag="status"):
     step: int = 0  # as WorkerSignals.step / step_started
     step_started: float = 0.0
     kv_cache_bytes_per_block: int = 0
+    weights_status: int = 0  # as WorkerSignals.weights_status
 
 
-EngineToWorker = ExecuteModel | WorkerShutdown
-WorkerToEngine = StepResult | WorkerFailure | RemoteStatus
+class WorkerRPC(msgspec.Struct, tag="rpc"):
+    """Run ``Worker.<method>(**kwargs)`` on every rank (``collective_rpc``): weight updates,
+    sleep and wake-up, between steps. Arguments and results are msgpack values."""
+
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = {}
+    args: list[Any] = []
+
+
+class RPCResult(msgspec.Struct, tag="rpc_result"):
+    """Every rank's answer to one WorkerRPC; a raised error is an answer too (``error``),
+    so a failed weight update leaves the rank serving."""
+
+    call_id: int
+    rank: int
+    result: Any = None
+    error: str | None = None  # "ValueError: ..." as the worker raised it
+    exc_type: str | None = None
+
+
+EngineToWorker = ExecuteModel | WorkerShutdown | WorkerRPC
+WorkerToEngine = StepResult | WorkerFailure | RemoteStatus | RPCResult
 
 
 # ================================================================= API server <-> engine core
@@ -170,7 +194,18 @@ class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | FinishRequests | EngineCoreShutdown
+class ControlRequest(msgspec.Struct, tag="control"):
+    """A control call on the engine core (``EngineCore.<method>(**kwargs)``): pause and
+    resume generation, update weights, sleep and wake up, reset the prefix cache,
+    collective_rpc. Answered by one ControlResponse with the same ``call_id``."""
+
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = {}
+
+
+EngineCoreInput = (EngineCoreRequest | AbortRequests | FinishRequests | EngineCoreShutdown
+                   | ControlRequest)
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -220,4 +255,11 @@ class EngineCoreFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
+class ControlResponse(msgspec.Struct, tag="control_response"):
+    call_id: int
+    result: Any = None
+    error: str | None = None  # why the call failed; the engine serves on as before
+    exc_type: str | None = None  # "ValueError" (the caller's fault) or another name
+
+
+EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed | ControlResponse

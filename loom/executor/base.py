@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, SchedulerOutput
@@ -50,6 +51,28 @@ class Executor(abc.ABC):
 
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if any rank is dead or hung; cheap, for idle polling."""
+
+    @abc.abstractmethod
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, args: tuple = ()) -> list[Any]:
+        """Run ``Worker.<method>(*args, **kwargs)`` on every rank, between steps; returns each
+        rank's result in rank order. A rank's exception is raised here as the same type
+        for ValueError and FileNotFoundError (the caller's fault, the ranks serve on),
+        else as ``RPCError``."""
+
+
+class RPCError(RuntimeError):
+    """A worker method run by collective_rpc raised (other than ValueError or
+    FileNotFoundError); the ranks serve on."""
+
+
+def rpc_error(method: str, rank: int, exc_type: str | None, error: str) -> Exception:
+    """The exception to raise for a rank's failed collective_rpc ``method``."""
+    if exc_type == "ValueError":
+        return ValueError(error)
+    if exc_type == "FileNotFoundError":
+        return FileNotFoundError(error)
+    return RPCError(f"{method} failed on rank {rank}: {exc_type}: {error}")
 
 
 def cap_num_blocks(config: EngineConfig, num_blocks: int) -> int:

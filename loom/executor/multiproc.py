@@ -31,6 +31,7 @@ what a kill of the whole group leaves, the next engine removes (loom.ipc.debris)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -38,11 +39,13 @@ import signal
 import socket
 import time
 import weakref
+from typing import Any
 
-from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, SchedulerOutput,
-                            StepResult, WorkerFailure, WorkerShutdown)
+from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, RPCResult,
+                            SchedulerOutput, StepResult, WorkerFailure, WorkerRPC,
+                            WorkerShutdown)
 from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, WorkerHungError,
-                                cap_num_blocks, kv_cache_summary)
+                                cap_num_blocks, kv_cache_summary, rpc_error)
 from loom.ipc.debris import remove_debris
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import (TaskQueue, TaskQueueAddresses, UnexpectedMessageError,
@@ -101,6 +104,10 @@ class MultiProcExecutor(Executor):
         self._step_tokens = 0
         self._result: StepResult | None = None
         self._last_step_end = time.time()
+        # The collective_rpc in flight and the answers that have come for it, by rank.
+        self._rpc_ids = itertools.count(1)
+        self._rpc_in_flight: int | None = None
+        self._rpc_results: dict[int, RPCResult] = {}
 
     # ----------------------------------------------------------------- start-up
 
@@ -197,6 +204,47 @@ class MultiProcExecutor(Executor):
         self._last_step_end = time.time()
         return result.output
 
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, args: tuple = ()) -> list[Any]:
+        """Broadcast a WorkerRPC and wait for every rank's RPCResult. Ranks run it from
+        their event loop, between steps; a rank that dies meanwhile fails it as a step
+        would, and one that has not answered after ``timeout_s`` (default: the
+        watchdog's timeout and the start-up timeout together, a reload being a load) is
+        hung."""
+        if self._dead is not None:
+            raise self._dead
+        parallel = self.config.parallel
+        if timeout_s is None:
+            timeout_s = parallel.watchdog_timeout_s + parallel.worker_start_timeout_s
+        call_id = next(self._rpc_ids)
+        self._rpc_in_flight, self._rpc_results = call_id, {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.queue.broadcast(WorkerRPC(call_id=call_id, method=method, kwargs=kwargs or {},
+                                           args=list(args)))
+            while len(self._rpc_results) < parallel.world_size:
+                self._receive(timeout_ms=int(HEALTH_CHECK_INTERVAL_S * 1000),
+                              during=f"collective_rpc {method}")
+                self._check_processes(during=f"collective_rpc {method}")
+                if time.monotonic() > deadline:
+                    waiting = sorted(set(range(parallel.world_size)) - set(self._rpc_results))
+                    self._hang(f"collective_rpc {method} has run for {timeout_s:.0f}s without "
+                               f"an answer from ranks {waiting}", ranks=waiting)
+        except EngineDeadError:
+            raise
+        except BaseException:
+            self._fail(EngineDeadError(f"collective_rpc {method} was interrupted; the engine "
+                                       "must be rebuilt"), raise_it=False)
+            raise
+        finally:
+            self._rpc_in_flight = None
+            self._last_step_end = time.time()  # a long call is not a silent idle loop
+        results = [self._rpc_results[rank] for rank in range(parallel.world_size)]
+        for result in results:
+            if result.error is not None:
+                raise rpc_error(method, result.rank, result.exc_type, result.error)
+        return [result.result for result in results]
+
     def check_health(self) -> None:
         """Raise ``WorkerDiedError`` if a rank exited or failed, ``WorkerHungError`` if it
         makes no progress (see the module's docstring). Cheap; a server polls it while
@@ -260,7 +308,7 @@ class MultiProcExecutor(Executor):
         while message is not None:
             if isinstance(message, RemoteStatus):
                 for name in ("loaded", "ready", "profiled_blocks", "kv_cache_bytes_per_block",
-                             "step", "step_started"):
+                             "step", "step_started", "weights_status"):
                     getattr(self.signals, name)[message.rank] = getattr(message, name)
                 self.signals.heartbeat[message.rank] = time.time()  # our clock, not theirs
             elif isinstance(message, WorkerFailure):
@@ -268,6 +316,9 @@ class MultiProcExecutor(Executor):
             elif (isinstance(message, StepResult) and message.step == self._step_in_flight
                     and self._result is None):
                 self._result = message
+            elif (isinstance(message, RPCResult) and message.call_id == self._rpc_in_flight
+                    and message.rank not in self._rpc_results):
+                self._rpc_results[message.rank] = message
             else:
                 waiting = (f"step {self._step_in_flight}" if self._step_in_flight is not None
                            else "no step")

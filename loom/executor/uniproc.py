@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from loom.core.wire import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import Executor, cap_num_blocks, check_num_blocks, kv_cache_summary
 from loom.progress import progress
@@ -27,6 +29,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, args: tuple = ()) -> list[Any]:
+        if method.startswith("_") or not callable(getattr(self.worker, method, None)):
+            raise ValueError(f"the worker has no method {method!r}")
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
         self.worker = None

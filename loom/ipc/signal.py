@@ -18,6 +18,7 @@ every new engine) removes those whose owner PID no longer runs.
 
 from __future__ import annotations
 
+import enum
 import os
 import weakref
 from multiprocessing import resource_tracker, shared_memory
@@ -94,6 +95,25 @@ def segment_name(owner_pid: int, instance_id: str, field: str) -> str:
     return f"loom-{owner_pid}-{instance_id}-{field}"
 
 
+class WeightsStatus(enum.IntEnum):
+    """Where a rank's weights are, as the seed's ``model_weights_status`` counts them.
+    Every change of weights moves every rank through the same states:
+
+        NORMAL -> CLEARING -> CLEARED -> UPDATING -> NORMAL     an update
+        NORMAL -> CLEARING -> CLEARED                            weights freed (sleep 2,
+                                                                 /clear_load_weight)
+        CLEARED -> UPDATING -> NORMAL                            reloaded (wake_up)
+
+    CLEARING drops what was derived from the old weights (packed copies, the native
+    stack's plan) and frees them if asked; UPDATING copies the new ones in and derives
+    again. A rank steps only in NORMAL."""
+
+    NORMAL = 0
+    UPDATING = 1
+    CLEARING = -1
+    CLEARED = -2
+
+
 class WorkerSignals:
     """The signals between an engine and its ranks, one slot per rank:
 
@@ -107,6 +127,8 @@ class WorkerSignals:
                               the loop runs, not merely that the process lives)
     step[rank] = s            the last step the rank began
     step_started[rank] = time when it began step[rank]; 0.0 once it finished it
+    weights_status[rank] = w  WeightsStatus: the rank's weights normal, being cleared,
+                              cleared, or being updated (written by the rank as it moves)
 
     From ``step`` and ``step_started`` the engine judges progress: a rank inside one
     step for longer than that step's bound is hung, whatever its process does.
@@ -114,7 +136,8 @@ class WorkerSignals:
 
     FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64,
               "kv_cache_bytes_per_block": np.int64, "ready": np.int32,
-              "heartbeat": np.float64, "step": np.int64, "step_started": np.float64}
+              "heartbeat": np.float64, "step": np.int64, "step_started": np.float64,
+              "weights_status": np.int32}
 
     def __init__(self, signals: dict[str, Signal]) -> None:
         self._signals = signals
@@ -125,6 +148,7 @@ class WorkerSignals:
         self.heartbeat = signals["heartbeat"].array
         self.step = signals["step"].array
         self.step_started = signals["step_started"].array
+        self.weights_status = signals["weights_status"].array
 
     @staticmethod
     def names(instance_id: str, owner_pid: int) -> dict[str, str]:
@@ -156,6 +180,6 @@ class WorkerSignals:
     def close(self) -> None:
         self.loaded = self.profiled_blocks = self.kv_cache_bytes_per_block = None
         self.ready = self.heartbeat = None
-        self.step = self.step_started = None
+        self.step = self.step_started = self.weights_status = None
         for signal in self._signals.values():
             signal.close()

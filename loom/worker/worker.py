@@ -24,6 +24,7 @@ from loom.sampling_params import SamplingParams
 from loom.worker import memory
 from loom.worker.memory import activation_bytes_estimate
 from loom.worker.model_runner import ModelRunner
+from loom.worker.weight_updates import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class Worker:
         self.rank = rank
         self.tp_group = tp_group
         self.model_runner: ModelRunner | None = None
+        self.weights = WeightUpdater(self)  # update, clear, sleep, wake (weight_updates.py)
 
     def init_device(self) -> None:
         if self.config.device == "cuda":
@@ -211,6 +213,42 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    # ------------------------------------------------- weights that change (collective_rpc)
+    # Called between steps on every rank, by the engine's collective_rpc; see
+    # weight_updates.py for the states each moves the rank through.
+
+    def update_weights(self, path: str | None = None) -> dict:
+        """Load every weight from a checkpoint directory, a .gguf file or an ipc manifest
+        (None: the last checkpoint loaded)."""
+        return self.weights.update_from_path(path)
+
+    def update_weights_from_tensors(self, named_tensors) -> dict:
+        """(checkpoint name, tensor) pairs from a caller in this process."""
+        return self.weights.update_from_tensors(named_tensors)
+
+    def clear_weights(self) -> None:
+        self.weights.clear()
+
+    def sleep(self, level: int = 1) -> dict:
+        return self.weights.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.weights.wake_up()
+
+    def weights_status(self) -> dict:
+        """The rank's WeightsStatus now and every state it has entered."""
+        return {"status": int(self.weights.status), "history": list(self.weights.history)}
+
+    def memory_usage(self) -> dict:
+        """This rank's resident bytes (CPU: the process's RSS), and the bytes of its KV
+        cache and of its parameters."""
+        storage = self.model_runner.kv_cache_storage
+        kv_bytes = 0 if storage is None else storage.numel() * storage.element_size()
+        weight_bytes = sum(p.numel() * p.element_size()
+                           for p in self.model_runner.model.parameters())
+        return {"rss": memory.process_rss(), "kv_cache_bytes": kv_bytes,
+                "weight_bytes": weight_bytes}
 
 
 # Past 64 a cold first step costs its 1-2 ms in a step of 60 ms or more.

@@ -36,7 +36,8 @@ import traceback
 from dataclasses import dataclass
 
 from loom.config import EngineConfig
-from loom.core.wire import RemoteStatus, StepResult, WorkerFailure, WorkerShutdown
+from loom.core.wire import (RemoteStatus, RPCResult, StepResult, WorkerFailure, WorkerRPC,
+                            WorkerShutdown)
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.ipc.signal import WorkerSignals, unlink_segment
@@ -80,6 +81,7 @@ class StatusReporter:
         self.profiled_blocks = self.kv_cache_bytes_per_block = 0
         self.step = 0
         self.step_started = 0.0
+        self.weights_status = 0
         self._last_sent = 0.0
 
     def set(self, **facts) -> None:
@@ -98,7 +100,8 @@ class StatusReporter:
                 rank=self.rank, loaded=self.loaded, ready=self.ready,
                 profiled_blocks=self.profiled_blocks, heartbeat=now, step=self.step,
                 step_started=self.step_started,
-                kv_cache_bytes_per_block=self.kv_cache_bytes_per_block))
+                kv_cache_bytes_per_block=self.kv_cache_bytes_per_block,
+                weights_status=self.weights_status))
             self._last_sent = now
 
     def begin_step(self, step: int) -> None:
@@ -133,6 +136,8 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         started = time.monotonic()
         tp_group = init_distributed(spec)
         worker = init_device(spec, tp_group)
+        # Each rank writes its own weights_status as an update moves it (weight_updates.py).
+        worker.weights.on_status = lambda state: status.set(weights_status=int(state))
         load_model(worker, status)
         loaded = time.monotonic()
         num_blocks = initialize_kv_cache(worker, status)
@@ -231,6 +236,9 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
             continue
         if isinstance(message, WorkerShutdown):
             return
+        if isinstance(message, WorkerRPC):
+            queue.send(run_rpc(worker, message, spec.rank))
+            continue
         status.begin_step(message.step)
         if message.step == stall_at_step:
             _stall_forever(spec.rank, message.step)
@@ -238,6 +246,21 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
         status.end_step()
         if is_rank0:
             queue.send(StepResult(step=message.step, output=output))
+
+
+def run_rpc(worker, message: WorkerRPC, rank: int) -> RPCResult:
+    """``worker.<method>(**kwargs)``; an exception is this rank's answer, not its end (a
+    refused weight update leaves the rank serving the weights it had)."""
+    try:
+        if message.method.startswith("_") or not callable(getattr(worker, message.method, None)):
+            raise ValueError(f"the worker has no method {message.method!r}")
+        result = getattr(worker, message.method)(*message.args, **message.kwargs)
+        return RPCResult(call_id=message.call_id, rank=rank, result=result)
+    except Exception as exc:
+        logger.warning("worker rank %d: %s failed: %s: %s", rank, message.method,
+                       type(exc).__name__, exc)
+        return RPCResult(call_id=message.call_id, rank=rank, error=f"{exc}",
+                         exc_type=type(exc).__name__)
 
 
 def _stall_forever(rank: int, step: int) -> None:

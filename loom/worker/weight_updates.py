@@ -1,0 +1,312 @@
+"""A rank's side of weights that change while serving: update, clear, sleep and wake.
+
+Every change moves the rank through the seed's weights states (``WeightsStatus``,
+written to the rank's ``weights_status`` signal as it goes):
+
+    update_weights    NORMAL -> CLEARING -> CLEARED -> UPDATING -> NORMAL
+    sleep(level=2)    NORMAL -> CLEARING -> CLEARED         (weights freed)
+    wake_up / update  CLEARED -> UPDATING -> NORMAL          (weights loaded again)
+
+An update is checked whole before any weight changes: the new tensors' names and
+shapes go through the model's own ``load_weights`` on a meta-device twin of the model
+(the same name mapping and ``weight_loader`` shard checks, no memory), and every rank
+must pass (a MIN over the TP group) before any rank copies. A failed check raises
+``ValueError`` (or ``FileNotFoundError``) naming the problem and leaves the weights
+serving as they were. Then the real copy goes through ``load_weights`` (each rank takes
+its shard; a wint8 layer re-quantizes what it is given) and every module's
+``process_weights_after_loading`` runs again, as after the first load: CPU linears pack
+their new weight, the native decoder stack is planned again.
+
+Sources: a checkpoint directory of safetensors, a ``.gguf`` file, an ipc manifest
+(``loom.weight_sync``: tensors mapped from the trainer's shared memory), or tensors
+handed in by a caller in the same process.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.ipc.signal import WeightsStatus
+from loom.worker import memory
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class WeightUpdater:
+    """Owns one rank's weights state. ``on_status`` publishes each state (the worker
+    process writes it to the shared-memory signal); ``history`` keeps every state
+    entered, for tests and logs."""
+
+    def __init__(self, worker, on_status: Callable[[WeightsStatus], None] | None = None) -> None:
+        self.worker = worker
+        self.on_status = on_status
+        self.status = WeightsStatus.NORMAL
+        self.history: list[int] = [int(WeightsStatus.NORMAL)]
+        self.source = worker.config.model.model  # what wake_up reloads from
+        self.freed_params: dict[str, tuple[torch.Size, torch.dtype, torch.device]] | None = None
+        self.kv_cache_freed = False
+
+    @property
+    def runner(self):
+        return self.worker.model_runner
+
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
+    def _set(self, status: WeightsStatus) -> None:
+        self.status = status
+        self.history.append(int(status))
+        if self.on_status is not None:
+            self.on_status(status)
+
+    # ----------------------------------------------------------------- updates
+
+    def update_from_path(self, path: str | None) -> dict[str, Any]:
+        """Load every weight from ``path`` (None: the last checkpoint loaded)."""
+        path = path or self.source
+        with ExitStack() as stack:
+            try:
+                named, meta, kind = open_source(path, self.runner.hf_config, stack)
+            except (ValueError, FileNotFoundError) as error:  # every rank must hear of it
+                return self._update(None, None, False, path, refused=error)
+            result = self._update(named, meta, require_all=kind != "ipc-partial",
+                                  description=f"{kind} {path}")
+        if kind in ("safetensors", "gguf"):
+            self.source = path
+        return result
+
+    def update_from_tensors(self, named_tensors: NamedTensors) -> dict[str, Any]:
+        """Load the given (checkpoint name, tensor) pairs, any subset of the weights."""
+        tensors = list(named_tensors)
+        return self._update(lambda: iter(tensors), lambda: _meta_of(tensors),
+                            require_all=False, description=f"{len(tensors)} tensors")
+
+    def _update(self, named: Callable[[], Iterator] | None, meta: Callable[[], Iterator] | None,
+                require_all: bool, description: str,
+                refused: Exception | None = None) -> dict[str, Any]:
+        started = time.perf_counter()
+        refill = self.freed_params is not None
+        error = refused
+        if error is None:
+            try:
+                self.check(meta(), require_all=require_all or refill)
+            except (ValueError, FileNotFoundError) as exc:
+                error = exc
+        tp_group = self.worker.tp_group
+        if not tp_group.all_reduce_min(int(error is None)):
+            if error is not None:
+                raise error
+            raise ValueError("another rank refused this weight update (its error is in its "
+                             "log); the weights are unchanged")
+        if not refill:
+            self._set(WeightsStatus.CLEARING)
+            self._drop_derived_state()
+            self._set(WeightsStatus.CLEARED)
+        self._set(WeightsStatus.UPDATING)
+        if refill:
+            self._reallocate_params()
+        with torch.no_grad():
+            loaded = self.model.load_weights(named())
+        self._derive_state()
+        tp_group.barrier()
+        self._set(WeightsStatus.NORMAL)
+        seconds = time.perf_counter() - started
+        if tp_group.rank == 0:
+            logger.info("weights updated from %s: %d parameters in %.3fs", description,
+                        len(loaded), seconds)
+        return {"num_parameters": len(loaded), "seconds": seconds}
+
+    def check(self, meta_weights: Iterator[tuple[str, torch.Tensor]], require_all: bool) -> None:
+        """Run the new weights' names and shapes through ``load_weights`` on a meta twin
+        of the model: the errors a real load would raise, before anything changes."""
+        twin = meta_twin(self.model, self.runner.hf_config, self.worker.tp_group)
+        current = [None]
+
+        def named(weights):
+            for name, tensor in weights:
+                current[0] = f"{name} {tuple(tensor.shape)}"
+                yield name, tensor
+
+        try:
+            loaded = twin.load_weights(named(meta_weights))
+        except (ValueError, RuntimeError, IndexError) as exc:  # a slice past the tensor's end
+            raise ValueError(f"weight update refused, the weights are unchanged: tensor "
+                             f"{current[0]} does not fit: {exc}") from None
+        if require_all:
+            missing = sorted(set(dict(twin.named_parameters())) - loaded)
+            if missing:
+                raise ValueError(f"weight update refused, the weights are unchanged: the new "
+                                 f"weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+
+    # ----------------------------------------------------------------- clear, sleep, wake
+
+    def clear(self) -> None:
+        """Free the weights (NORMAL -> CLEARING -> CLEARED); an update or wake_up refills."""
+        if self.freed_params is not None:
+            return
+        self._set(WeightsStatus.CLEARING)
+        self._drop_derived_state()
+        self.freed_params = {}
+        for name, param in _unique_params(self.model):
+            self.freed_params[name] = (param.shape, param.dtype, param.device)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._release_memory()
+        self._set(WeightsStatus.CLEARED)
+
+    def free_kv_cache(self) -> int:
+        """Drop the KV cache; returns its bytes. ``wake_up`` allocates it again."""
+        if self.kv_cache_freed:
+            return 0
+        thread = getattr(self.worker, "populate_thread", None)
+        if thread is not None:
+            thread.join()  # it writes into the cache's pages
+            self.worker.populate_thread = None
+        runner = self.runner
+        storage = runner.kv_cache_storage
+        nbytes = storage.numel() * storage.element_size()
+        runner.kv_cache_storage = None
+        runner.kv_caches = []
+        for attention in self.model.attention_layers:
+            attention.kv_cache = None
+        _invalidate_native_stack(self.model)
+        del storage
+        self.kv_cache_freed = True
+        self._release_memory()
+        return nbytes
+
+    def sleep(self, level: int) -> dict[str, Any]:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (free the KV "
+                             f"cache and the weights), got {level}")
+        kv_bytes = self.free_kv_cache()
+        if level == 2:
+            self.clear()
+        return {"kv_cache_bytes_freed": kv_bytes, "level": level}
+
+    def wake_up(self) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        if self.freed_params is not None:
+            result["weights"] = self.update_from_path(self.source)
+        if self.kv_cache_freed:
+            self.worker.initialize_kv_cache(self.worker.num_blocks)
+            self.kv_cache_freed = False
+        return result
+
+    # ----------------------------------------------------------------- internals
+
+    def _drop_derived_state(self) -> None:
+        """What was made from the old weights: packed copies, the native stack's plan."""
+        for module in self.model.modules():
+            if getattr(module, "packed_weight", None) is not None:
+                module.packed_weight = None
+        _invalidate_native_stack(self.model)
+
+    def _derive_state(self) -> None:
+        """The loader's post-load pass again (model_loader.load_model): pack, re-plan."""
+        for module in self.model.modules():
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
+        _invalidate_native_stack(self.model)
+        self._release_memory()
+
+    def _reallocate_params(self) -> None:
+        params = dict(_unique_params(self.model))
+        for name, (shape, dtype, device) in self.freed_params.items():
+            params[name].data = torch.zeros(shape, dtype=dtype, device=device)
+        self.freed_params = None
+
+    def _release_memory(self) -> None:
+        if self.worker.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            memory.release_freed_memory()
+
+
+# ----------------------------------------------------------------- sources
+
+
+def open_source(path: str, hf_config: Any, stack: ExitStack
+                ) -> tuple[Callable[[], Iterator], Callable[[], Iterator], str]:
+    """(real tensors, meta tensors, kind) for the weights at ``path``: a directory of
+    safetensors, a .gguf file, or an ipc manifest (file or its directory)."""
+    from loom.model.loader.model_loader import is_gguf
+    from loom.model.loader.safetensors_loader import safetensors_weights_iterator
+    from loom.weight_sync import mapped_weights, read_manifest
+
+    manifest = read_manifest(path)
+    if manifest is not None:
+        views = stack.enter_context(mapped_weights(manifest))
+        kind = "ipc" if not manifest.get("partial") else "ipc-partial"
+        return (lambda: iter(views)), (lambda: _meta_of(views)), kind
+    if is_gguf(path):
+        from loom.model.loader.gguf_loader import gguf_weights_iterator
+
+        # A GGUF's shapes come out of dequantizing; its check reads the file once more.
+        return (lambda: gguf_weights_iterator(path, hf_config),
+                lambda: _meta_of(gguf_weights_iterator(path, hf_config)), "gguf")
+    if os.path.isdir(path) and glob.glob(os.path.join(path, "*.safetensors")):
+        return (lambda: safetensors_weights_iterator(path),
+                lambda: _safetensors_meta(path), "safetensors")
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"no *.safetensors files (and no loom ipc manifest) in {path}")
+    raise FileNotFoundError(f"no weights at {path!r}: give a checkpoint directory of "
+                            "*.safetensors, a .gguf file, or a loom ipc manifest "
+                            "(loom.weight_sync.WeightPublisher)")
+
+
+def _meta_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _safetensors_meta(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Names and shapes from the files' headers; no tensor data is read."""
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor_slice = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype(), torch.float32)
+                yield name, torch.empty(tensor_slice.get_shape(), dtype=dtype, device="meta")
+
+
+# ----------------------------------------------------------------- the model
+
+
+def meta_twin(model: nn.Module, hf_config: Any, tp_group) -> nn.Module:
+    """The model's architecture on the meta device, unquantized: its parameters have
+    the shapes the checkpoint's shards load into, and cost no memory."""
+    with torch.device("meta"):
+        return type(model)(hf_config, tp_group, attention_backend="torch")
+
+
+def _unique_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Each parameter once (a tied LM head is the embedding's)."""
+    yield from model.named_parameters()  # named_parameters already skips duplicates
+
+
+def _invalidate_native_stack(model: nn.Module) -> None:
+    for module in model.modules():
+        invalidate = getattr(module, "invalidate_native_stack", None)
+        if invalidate is not None:
+            invalidate()
