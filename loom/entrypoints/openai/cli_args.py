@@ -59,6 +59,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--root-path", default="",
                        help="the path prefix a reverse proxy serves the API under and strips "
                             "before forwarding, e.g. /llm (links in /docs carry it)")
+    group.add_argument("--disable-web-ui", action="store_true",
+                       help="do not serve the chat page at / (it then answers 404)")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request (its prompt length and sampling parameters)")
     group.add_argument("--disable-log-stats", action="store_true",

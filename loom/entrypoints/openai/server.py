@@ -8,8 +8,9 @@ Life cycle:
     -> SIGTERM: drain (new requests get 503) for up to --shutdown-timeout, abort what
     is left, exit 0 | engine core died: fail requests in flight, /health 503, exit 1
 
-Every route but /health, /ping and the API docs (/docs, /openapi.json) needs the API
-key when --api-key is given; CORS preflights are answered before the key is asked for.
+Every route but /health, /ping, the API docs (/docs, /openapi.json) and the chat page
+(/, web_ui.py) needs the API key when --api-key is given; CORS preflights are answered
+before the key is asked for.
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``, never a bare 500.
 """
 
@@ -52,6 +53,7 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
                                                       TokenizeChatRequest,
                                                       TokenizeCompletionRequest,
                                                       TokenizeResponse)
+from loom.entrypoints.openai.web_ui import add_web_ui
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loom.sampling_params import SamplingParams
 from loom.stats_logger import LoggingStatLogger
@@ -62,7 +64,7 @@ logger = logging.getLogger("loom.serve")
 # why, then exit 1.
 _DEAD_ENGINE_EXIT_DELAY_S = 1.0
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
-_UNGUARDED_PATHS = ("/health", "/health_generate", "/ping", "/docs", "/docs/oauth2-redirect", "/openapi.json")
+_UNGUARDED_PATHS = ("/", "/health", "/health_generate", "/ping", "/docs", "/docs/oauth2-redirect", "/openapi.json")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class ServerState:
         # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
         self.chat_options: dict[str, Any] = {}
         self.http_options = HttpOptions()
+        self.web_ui = True  # the chat page at GET / (--disable-web-ui)
 
     @property
     def healthy(self) -> bool:
@@ -329,6 +332,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(request: Request) -> Response:
         return tokenization.detokenize(await request.body())
 
+    if state.web_ui:
+        add_web_ui(app)
     return app
 
 
@@ -409,6 +414,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
                           "tool_call_parser": args.tool_call_parser,
                           "reasoning_parser": args.reasoning_parser}
     state.http_options = HttpOptions.from_args(args)
+    state.web_ui = not args.disable_web_ui
     switch = _LoadingSwitch()
     server = _Server(uvicorn.Config(switch, log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off",
