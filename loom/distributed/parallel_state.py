@@ -1,4 +1,5 @@
-"""The tensor-parallel group, passed explicitly to every layer that shards.
+"""The tensor-parallel group, passed explicitly to every layer that shards, and the
+expert-parallel group of MoE layers over the same ranks.
 
 Layers never call ``torch.distributed.get_rank()``; they receive a ``TPGroup``.
 With ``world_size == 1`` every collective is the identity and no process group
@@ -64,6 +65,48 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """The expert-parallel group of MoE layers: ``size`` ranks, rank r owning experts
+    ``[r * E / size, (r + 1) * E / size)`` whole (the seed's num_experts_start_offset and
+    num_experts_per_rank). Its ranks are the tensor-parallel ones (vLLM's
+    --enable-expert-parallel), so it communicates through ``tp_group``: each rank runs
+    the tokens routed to its experts, and the all-reduce that ends the layer combines
+    them."""
+
+    tp_group: TPGroup = SINGLE
+
+    @property
+    def size(self) -> int:
+        return self.tp_group.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.tp_group.rank
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """[start, end) of the experts this rank owns."""
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts do not split over expert parallel size "
+                             f"{self.size}; choose a size that divides them")
+        per_rank = num_experts // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+
+NO_EP = EPGroup()
+
+
+def expert_parallel_group(tp_group: TPGroup, expert_parallel_size: int) -> EPGroup:
+    """The EP group over ``tp_group``'s ranks, or NO_EP (experts split like every other
+    matrix, over TP) for size 1."""
+    if expert_parallel_size == 1:
+        return NO_EP
+    if expert_parallel_size != tp_group.world_size:
+        raise ValueError(f"expert parallel size {expert_parallel_size} must be 1 or the "
+                         f"tensor parallel size {tp_group.world_size}")
+    return EPGroup(tp_group)
 
 
 # The store the ranks met through: a TCP server inside rank 0's process, which

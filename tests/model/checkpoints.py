@@ -2,8 +2,12 @@
 
 ``make_tiny_checkpoint(family, path)`` writes ``config.json`` and
 ``model.safetensors`` into ``path`` and returns ``path``. Families: ``llama``,
-``qwen2``, ``qwen3``, ``llama_tied_rope3`` (tied embeddings, llama3 rope scaling).
-The final norm weight is scaled up so that logits are decisive for greedy tests.
+``qwen2``, ``qwen3``, ``llama_tied_rope3`` (tied embeddings, llama3 rope scaling),
+``mistral_sliding`` and ``gemma3`` (sliding windows of ``SLIDING_WINDOW`` tokens, shorter
+than most test prompts), ``ernie4_5`` (interleaved rope, biases), and the mixtures of
+experts ``qwen3_moe``, ``mixtral``, ``ernie4_5_moe`` (shared experts, a dense first
+layer, a score-correction bias). The final norm weight is scaled up so that logits are
+decisive for greedy tests.
 """
 
 from __future__ import annotations
@@ -12,7 +16,14 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "llama_tied_rope3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "llama_tied_rope3")
+NEW_DENSE_FAMILIES = ("mistral_sliding", "gemma3", "ernie4_5")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "ernie4_5_moe")
+FAMILIES = DENSE_FAMILIES + NEW_DENSE_FAMILIES + MOE_FAMILIES
+# the families whose every layer the native decoder stack runs (the others have a
+# sliding window, Gemma's norms and GELU, or experts: the modules run them)
+NATIVE_STACK_FAMILIES = DENSE_FAMILIES + ("ernie4_5",)
+SLIDING_WINDOW = 12
 
 _COMMON = dict(
     hidden_size=64,
@@ -29,7 +40,9 @@ _COMMON = dict(
 
 
 def make_tiny_config(family: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (Ernie4_5Config, Ernie4_5_MoeConfig, Gemma3TextConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     if family == "llama":
         return LlamaConfig(**_COMMON, vocab_size=256, rope_theta=10000.0,
@@ -46,6 +59,38 @@ def make_tiny_config(family: str):
     if family == "qwen3":
         return Qwen3Config(**_COMMON, vocab_size=512, head_dim=32, rope_theta=1000000.0,
                            tie_word_embeddings=False, use_sliding_window=False)
+    if family == "mistral_sliding":
+        return MistralConfig(**_COMMON, vocab_size=288, rope_theta=10000.0,
+                             sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    if family == "gemma3":
+        common = _COMMON | dict(num_hidden_layers=3)
+        return Gemma3TextConfig(**common, vocab_size=300, head_dim=16,
+                                query_pre_attn_scalar=24, sliding_window=SLIDING_WINDOW,
+                                layer_types=["sliding_attention", "full_attention",
+                                             "sliding_attention"],
+                                rope_parameters={
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default",
+                                                       "rope_theta": 1000000.0}},
+                                tie_word_embeddings=True)
+    if family == "ernie4_5":
+        return Ernie4_5Config(**_COMMON, vocab_size=272, head_dim=16, use_bias=True,
+                              tie_word_embeddings=True)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**_COMMON, vocab_size=320, head_dim=16, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=48,
+                              norm_topk_prob=True, tie_word_embeddings=False)
+    if family == "mixtral":
+        return MixtralConfig(**_COMMON | dict(intermediate_size=48), vocab_size=304,
+                             num_local_experts=4, num_experts_per_tok=2,
+                             tie_word_embeddings=False)
+    if family == "ernie4_5_moe":
+        common = _COMMON | dict(num_hidden_layers=3)
+        return Ernie4_5_MoeConfig(**common, vocab_size=336, moe_num_experts=8, moe_k=3,
+                                  moe_intermediate_size=32, moe_num_shared_experts=2,
+                                  moe_layer_start_index=1, moe_layer_end_index=2,
+                                  moe_layer_interval=1, tie_word_embeddings=True)
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 

@@ -12,7 +12,7 @@ from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
                                load_hf_config, load_model)
 from loom.model.native_stack import NativeDecoderStack
 
-from .checkpoints import FAMILIES, make_tiny_checkpoint
+from .checkpoints import FAMILIES, NATIVE_STACK_FAMILIES, make_tiny_checkpoint
 from .paged import PagedDriver
 
 ATOL = 1e-4
@@ -113,7 +113,7 @@ def test_bfloat16_runs_close(checkpoints, kernels):
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", NATIVE_STACK_FAMILIES)
 def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch):
     """bf16 on the CPU: the decoder layers in one native call (native_stack.py) give the
     modules' forward bit for bit, through prefill chunks, mixed steps and decodes, for
@@ -191,6 +191,30 @@ def test_native_stack_says_why_it_does_not_apply(checkpoints, caplog):
                     "model runs float32"]
 
 
+@pytest.mark.parametrize("family,reason", [
+    ("mistral_sliding", "layer 0: it attends over a sliding window of 12 tokens"),
+    ("gemma3", "layer 0: it attends over a sliding window of 12 tokens"),
+    ("qwen3_moe", "layer 0: it is a mixture of experts"),
+    ("ernie4_5_moe", "layer 1: it is a mixture of experts")])
+def test_native_stack_refuses_what_it_does_not_run(checkpoints, family, reason, caplog):
+    """bf16 on the CPU, where the stack would run: a layer it cannot run makes the model
+    say why, once, and run the modules."""
+    from loom.kernels import native_ops
+
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("no native bf16 kernels on this CPU")
+    path = checkpoints[family]
+    model = load_model(path, load_hf_config(path), dtype=torch.bfloat16)
+    driver = PagedDriver(model, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="loom.model.models.llama"):
+        driver.step([(0, list(range(5, 12)), 7)])
+        driver.step([(0, list(range(5, 13)), 1)])
+    assert model.model.native_stack == reason
+    said = [r.getMessage() for r in caplog.records if "decoder layers" in r.getMessage()]
+    assert said == [f"decoder layers: PyTorch modules, as {reason}"]
+
+
 def test_native_stack_schema_matches_the_declaration(checkpoints):
     """Every role a family declares is a field of the kernels' DecoderLayerWeights, and
     every required field is declared: the two languages agree by name."""
@@ -200,7 +224,7 @@ def test_native_stack_schema_matches_the_declaration(checkpoints):
     if ops is None:
         pytest.skip("no native kernels")
     fields, required = set(ops.DecoderLayerWeights.fields), set(ops.DecoderLayerWeights.required)
-    for family in FAMILIES:
+    for family in NATIVE_STACK_FAMILIES:
         path = checkpoints[family]
         model = load_model(path, load_hf_config(path), dtype=torch.float32)
         roles = model.model.layers[0].weights_by_role()

@@ -16,8 +16,10 @@ from .checkpoints import make_tiny_checkpoint
 from .test_models import run_scenario
 
 # qwen2: qkv bias; qwen3: 2 KV heads split over 2 ranks; llama_tied_rope3: tied,
-# vocab-parallel embedding and LM head. Checked in one spawn to keep startup cost once.
-TP_FAMILIES = ("qwen2", "qwen3", "llama_tied_rope3")
+# vocab-parallel embedding and LM head; gemma3, ernie4_5, mistral_sliding: sliding
+# windows, sandwich norms, rope pairs reordered before the split (the MoE families:
+# test_moe.py). Checked in one spawn to keep startup cost once.
+TP_FAMILIES = ("qwen2", "qwen3", "llama_tied_rope3", "gemma3", "ernie4_5", "mistral_sliding")
 
 
 def _scenario_logits(path: str, tp_group: TPGroup) -> list[torch.Tensor]:

@@ -4,7 +4,8 @@
 // query (T, H, D) rows strided, last dim contiguous; out (T, H, D) contiguous;
 // block_table (B, W) int32; seq_lens (B,) int32 (context length after this step);
 // query_start_loc (B + 1,) int32. Query j of request b sits at position
-// seq_lens[b] - q_len + j and sees keys 0 .. that position.
+// seq_lens[b] - q_len + j and sees keys 0 .. that position; with a sliding window W > 0
+// (paged_attention_windowed) only the last W of them, itself included.
 //
 // Work is split into items (request, KV head, tile of up to kTile query tokens);
 // an item's G * tile query rows share each K/V row it loads. Scores and softmax
@@ -79,7 +80,7 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
                     int64_t q_stride0, int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
                     int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
                     int64_t first_token, int64_t q_len, int64_t context, int64_t j0, int64_t j1,
-                    float scale, std::vector<float>& buf) {
+                    float scale, int64_t window, std::vector<float>& buf) {
   const int64_t rows = (j1 - j0) * group;
   const int64_t past = context - q_len;  // keys before the first new token
   const int64_t num_keys = past + j1;    // the tile's last query sees keys [0, past + j1)
@@ -100,8 +101,9 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
     load_row(keys + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = past + j0 + r / group + 1;
-      scores[r * num_keys + p] = p < visible ? dot(q + r * head_dim, row_f, head_dim) * scale
-                                             : -std::numeric_limits<float>::infinity();
+      const bool seen = p < visible && (window <= 0 || p >= visible - window);
+      scores[r * num_keys + p] = seen ? dot(q + r * head_dim, row_f, head_dim) * scale
+                                      : -std::numeric_limits<float>::infinity();
     }
   }
   std::vector<float> inv_sum(rows);
@@ -210,7 +212,7 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
                          int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
                          int64_t block_size, int64_t group, int64_t kv_head,
                          int64_t first_token, int64_t q_len, int64_t context, int64_t j0,
-                         int64_t j1, float scale, std::vector<float>& buf,
+                         int64_t j1, float scale, int64_t window, std::vector<float>& buf,
                          std::vector<const c10::BFloat16*>& rows_ptr,
                          BlockPrefetcher& prefetcher) {
   constexpr int64_t head_dim = VC * 16;
@@ -263,9 +265,10 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
         partial[i] = sum;
       }
       const int64_t visible = past + j0 + r / group + 1;  // keys [0, visible)
-      const __mmask16 hidden = _mm512_cmpge_epi32_mask(
-          _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0))),
-          _mm512_set1_epi32(static_cast<int>(visible)));
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0)));
+      __mmask16 hidden = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible)));
+      if (window > 0)  // and keys [0, visible - window) outside the window
+        hidden |= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible - window)));
       const __m512 s = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
       _mm512_storeu_ps(scores + r * key_stride + p0, _mm512_mask_mov_ps(s, hidden, neg_inf));
     }
@@ -309,6 +312,16 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor seq_lens,
                      at::Tensor query_start_loc, double scale, int64_t max_query_len) {
+  paged_attention_windowed(out, query, kv_cache, block_table, seq_lens, query_start_loc, scale,
+                           max_query_len, 0);
+}
+
+// As paged_attention, each query seeing only the last sliding_window keys up to its own
+// position (0: all of them).
+void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                              at::Tensor block_table, at::Tensor seq_lens,
+                              at::Tensor query_start_loc, double scale, int64_t max_query_len,
+                              int64_t sliding_window) {
   check_cpu(kv_cache, "kv_cache");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
@@ -405,20 +418,20 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
             const int64_t s0 = query.stride(0), s1 = query.stride(1);
             if (head_dim == 32)
               attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, sliding_window, buf, ptrs, prefetcher);
             else if (head_dim == 64)
               attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, sliding_window, buf, ptrs, prefetcher);
             else
               attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
-                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, buf, ptrs, prefetcher);
+                                     it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, sliding_window, buf, ptrs, prefetcher);
             continue;
           }
 #endif
           attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
                          kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
                          starts[it.req], q_len, lens[it.req], it.j0, it.j1,
-                         static_cast<float>(scale), buf);
+                         static_cast<float>(scale), sliding_window, buf);
         }
       }
     });

@@ -28,5 +28,9 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
                      double scale, int64_t max_query_len);
+void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                              at::Tensor block_table, at::Tensor seq_lens,
+                              at::Tensor query_start_loc, double scale, int64_t max_query_len,
+                              int64_t sliding_window);
 
 }  // namespace loom

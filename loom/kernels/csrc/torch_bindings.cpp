@@ -111,3 +111,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention) take 'generic' or 'avx512'; returns the previous one",
         py::arg("name"));
 }
+  m.def("paged_attention_windowed", &loom::paged_attention_windowed,
+        "causal attention over paged K/V, each query seeing its last sliding_window keys",
+        release());

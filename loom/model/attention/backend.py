@@ -4,7 +4,8 @@ A backend instance serves one attention layer. Each forward it
 
 1. writes the new tokens' K/V into the layer's paged cache at ``slot_mapping``, and
 2. computes causal attention of the new queries over each request's whole context
-   (cached tokens plus the new ones), read through ``block_table``.
+   (cached tokens plus the new ones), read through ``block_table``; a layer with a
+   ``sliding_window`` W masks the keys more than W - 1 positions behind each query.
 
 The layer's cache is laid out as ``kv_layout.py`` declares (``kv_cache_shape``, with
 its region map); the model sizes the allocation through ``AttentionBackend.kv_cache_shape``.
@@ -23,7 +24,8 @@ from loom.model.attention.metadata import AttentionMetadata
 class AttentionBackend(ABC):
     name: str
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads are not a multiple of "
                              f"{num_kv_heads} KV heads")
@@ -31,6 +33,9 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # A query at position p sees keys p - sliding_window + 1 .. p (Hugging Face's
+        # sliding_window: the window counts the query itself); None: keys 0 .. p.
+        self.sliding_window = sliding_window
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The shape of this layer's cache tensor, which ``forward`` then receives."""

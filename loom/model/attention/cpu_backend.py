@@ -3,7 +3,8 @@
 Same cache layout (``kv_layout.py``, which the kernels index) and results as the torch
 backend, without its gathers: new K/V go to their slots in one call, and one call runs
 attention for every request (decodes, speculative verification, prefill chunks),
-reading each context where it lies in the block pool. In float32, prefill chunks longer than
+reading each context where it lies in the block pool (a sliding-window layer's keys
+outside its window masked). In float32, prefill chunks longer than
 ``MAX_NATIVE_QUERY_LEN`` run one SDPA each, as in the torch backend, whose
 matmuls win there. Without the kernels (no compiler, ``LOOM_NATIVE_KERNELS=0``), on CUDA, in
 float16, and in the profiling run before the cache exists, it is the torch backend.
@@ -33,8 +34,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         ops.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         max_query_len = MAX_NATIVE_QUERY_LEN.get(query.dtype, 0)
-        ops.paged_attention(output, query, kv_cache, metadata.block_table, metadata.seq_lens,
-                            metadata.query_start_loc, self.scale, max_query_len)
+        if self.sliding_window is None:
+            ops.paged_attention(output, query, kv_cache, metadata.block_table,
+                                metadata.seq_lens, metadata.query_start_loc, self.scale,
+                                max_query_len)
+        else:
+            ops.paged_attention_windowed(output, query, kv_cache, metadata.block_table,
+                                         metadata.seq_lens, metadata.query_start_loc,
+                                         self.scale, max_query_len, self.sliding_window)
         if metadata.max_query_len > max_query_len:
             starts = metadata.query_start_loc_cpu
             for i in range(metadata.num_reqs):

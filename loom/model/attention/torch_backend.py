@@ -30,8 +30,9 @@ class TorchAttentionBackend(AttentionBackend):
         if kv_cache is not None:
             self._write_kv(key, value, kv_cache, metadata.slot_mapping)
             if metadata.is_pure_decode:
-                slots, mask = metadata.cached(("decode", query.dtype),
-                                              lambda: _decode_plan(metadata, None, query.dtype))
+                slots, mask = metadata.cached(
+                    ("decode", query.dtype, self.sliding_window),
+                    lambda: _decode_plan(metadata, None, query.dtype, self.sliding_window))
                 return self._decode(query, kv_cache, slots, mask)
         output = torch.empty_like(query)
         plan = metadata.cached(("plan", kv_cache is None),
@@ -40,9 +41,10 @@ class TorchAttentionBackend(AttentionBackend):
         for i in plan.single:
             self._prefill_request(i, query, key, value, kv_cache, metadata, output)
         if plan.decode:
-            slots, mask = metadata.cached(("decode_subset", query.dtype),
+            slots, mask = metadata.cached(("decode_subset", query.dtype, self.sliding_window),
                                           lambda: _decode_plan(metadata, plan.decode,
-                                                               query.dtype))
+                                                               query.dtype,
+                                                               self.sliding_window))
             token_index = metadata.cached(("decode_tokens",), lambda: torch.tensor(
                 [starts[i] for i in plan.decode], device=query.device))
             output[token_index] = self._decode(query[token_index], kv_cache, slots, mask)
@@ -59,9 +61,10 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             slots = metadata.cached(("context", i), partial(_context_slots, metadata, i))
             k, v = self._gather(kv_cache, slots)
-        mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype),
+        mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype,
+                                self.sliding_window),
                                partial(_prefill_mask, end - start, k.shape[1], self.group,
-                                       query.dtype, query.device))
+                                       query.dtype, query.device, self.sliding_window))
         output[start:end] = self._prefill(query[start:end], k, v, mask)
 
     @property
@@ -138,11 +141,13 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
 
 
 def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype,
+                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather slots (B*L,) and additive mask (1, B, 1, L) for the decode requests
     ``req_index`` (all when None), L their longest context. Positions past a shorter
     context are masked and read the request's position 0 again, so attention never
-    reads a slot that was not written (the cache may hold NaN: 0 * NaN is NaN)."""
+    reads a slot that was not written (the cache may hold NaN: 0 * NaN is NaN). With a
+    ``sliding_window`` W, positions before ``seq_len - W`` are masked too."""
     block_table, seq_lens = metadata.block_table, metadata.seq_lens
     if req_index is None:
         max_len = metadata.max_seq_len
@@ -154,8 +159,11 @@ def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
     positions = torch.arange(max_len, device=block_table.device)
     beyond = positions[None, :] >= seq_lens[:, None]  # (B, L)
     slots = torch.where(beyond, slots[:, :1], slots).flatten()
+    hidden = beyond
+    if sliding_window is not None:
+        hidden = beyond | (positions[None, :] < seq_lens[:, None] - sliding_window)
     mask = torch.zeros(beyond.shape, dtype=dtype, device=block_table.device)
-    mask.masked_fill_(beyond, float("-inf"))
+    mask.masked_fill_(hidden, float("-inf"))
     return slots, mask[None, :, None, :]
 
 
@@ -165,11 +173,15 @@ def _context_slots(metadata: AttentionMetadata, i: int) -> torch.Tensor:
 
 
 def _prefill_mask(q_len: int, seq_len: int, group: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, sliding_window: int | None = None) -> torch.Tensor:
     """(G*Q, S) additive causal mask: query j sits at position S - Q + j and sees keys
-    0 .. S - Q + j; repeated for the G query rows of each KV head."""
+    0 .. S - Q + j (with a ``sliding_window`` W, only the last W of them); repeated for
+    the G query rows of each KV head."""
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    hidden = torch.arange(seq_len, device=device)[None, :] > query_pos[:, None]  # (Q, S)
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    hidden = key_pos > query_pos[:, None]  # (Q, S)
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos[:, None] - sliding_window
     mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
     mask.masked_fill_(hidden, float("-inf"))
     return mask.repeat(group, 1)

@@ -1,4 +1,4 @@
-"""Gated activations."""
+"""Gated activations: SiLU (Llama and most families) and GELU-tanh (Gemma)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,11 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (Gemma's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

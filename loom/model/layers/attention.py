@@ -14,13 +14,16 @@ from loom.model.attention.metadata import get_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int, backend: str = "torch") -> None:
+                 layer_idx: int, backend: str = "torch",
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
-        self.impl = get_attn_backend(backend)(num_heads, num_kv_heads, head_dim, scale)
+        self.sliding_window = sliding_window
+        self.impl = get_attn_backend(backend)(num_heads, num_kv_heads, head_dim, scale,
+                                              sliding_window)
         # Shaped by kv_cache_shape below (layout: kv_layout.py); bound by the model runner.
         self.kv_cache: torch.Tensor | None = None
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.distributed.parallel_state import SINGLE, TPGroup, expert_parallel_group
 from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.quantization import linear_weight_quantization
@@ -50,19 +50,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
-               attention_backend: str = "auto", quantization: str = "auto") -> nn.Module:
+               attention_backend: str = "auto", quantization: str = "auto",
+               expert_parallel_size: int = 1) -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
     parameter from ``model_path``, quantize the decoder's linear weights if
     ``quantization`` says so (layers/quantization.py), return it in eval mode. Rank 0
-    logs the resident weight bytes by dtype."""
+    logs the resident weight bytes by dtype. ``expert_parallel_size`` 1 or the TP size:
+    MoE layers split their experts whole over the TP ranks (layers/fused_moe.py)."""
     model_cls = get_model_class(get_model_architecture(hf_config))
     if torch.device(device).type == "cpu":
         native_ops()  # build (or load) the CPU kernels now, not inside the first step
     attention_backend = select_attn_backend(attention_backend, device, dtype)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_group, attention_backend=attention_backend,
-                          weight_quantization=linear_weight_quantization(quantization))
+                          weight_quantization=linear_weight_quantization(quantization),
+                          expert_parallel=expert_parallel_group(tp_group,
+                                                                expert_parallel_size))
     if is_gguf(model_path):
         weights = gguf_weights_iterator(model_path, hf_config)
     else:

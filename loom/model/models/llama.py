@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.attention.metadata import get_forward_context
-from loom.model.layers.activation import SiluAndMul
+from loom.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from loom.model.layers.attention import Attention
 from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from loom.model.layers.fused_moe import FusedMoE, MoESpec
 from loom.model.layers.layernorm import RMSNorm
 from loom.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear, default_weight_loader)
@@ -50,15 +52,33 @@ class DecoderLayerSpec:
     o_bias: bool = False
     mlp_bias: bool = False  # on gate_up and down
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
-    activation: str = "silu"  # between gate and up
+    activation: str = "silu"  # between gate and up: silu or gelu_pytorch_tanh
+    # keys a query sees: the last sliding_window positions up to its own (None: all)
+    sliding_window: int | None = None
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # this layer's rope (rope_type, rope_theta, scaling) where a family sets it per
+    # layer (Gemma 3's local base on sliding layers); None: the config's
+    rope_parameters: dict[str, Any] | None = field(default=None, hash=False)
+    moe: MoESpec | None = None  # a mixture of experts in place of the dense MLP
     # what the qkv, o, gate_up and down weights hold: none (as loaded) or wint8 (int8
     # per output channel, made at load; layers/quantization.py). Not from the HF config:
     # the model's constructor sets it from --quantization.
     weight_quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.activation!r} is not supported; only "
+                             f"{', '.join(_ACTIVATIONS)}")
+
+    def native_stack_refusal(self) -> str | None:
+        """Why the native stack cannot run this layer (it has none of these), or None."""
+        if self.sliding_window is not None:
+            return f"it attends over a sliding window of {self.sliding_window} tokens"
+        if self.moe is not None:
+            return "it is a mixture of experts"
         if self.activation != "silu":
-            raise ValueError(f"hidden_act {self.activation!r} is not supported; only silu")
+            return f"its activation is {self.activation}"
+        return None
 
     @classmethod
     def from_config(cls, config: Any, **family: Any) -> DecoderLayerSpec:
@@ -72,6 +92,9 @@ class DecoderLayerSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             activation=getattr(config, "hidden_act", "silu"))
         return cls(**(fields | family))
+
+
+_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
 class LlamaAttention(nn.Module):
@@ -94,9 +117,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
         self.rotary_emb = rotary_emb  # shared by all layers
+        scale = spec.attention_scale if spec.attention_scale is not None \
+            else self.head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5, layer_idx=layer_idx,
-                              backend=attention_backend)
+                              scale=scale, layer_idx=layer_idx, backend=attention_backend,
+                              sliding_window=spec.sliding_window)
 
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -118,15 +143,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: DecoderLayerSpec, tp_group: TPGroup) -> None:
+    def __init__(self, spec: DecoderLayerSpec, tp_group: TPGroup,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
+        intermediate_size = intermediate_size or spec.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias,
+            spec.hidden_size, [intermediate_size] * 2, bias=spec.mlp_bias,
             tp_group=tp_group, quantization=spec.weight_quantization)
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size,
+        self.down_proj = RowParallelLinear(intermediate_size, spec.hidden_size,
                                            bias=spec.mlp_bias, tp_group=tp_group,
                                            quantization=spec.weight_quantization)
-        self.act_fn = SiluAndMul()
+        self.act_fn = _ACTIVATIONS[spec.activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -134,11 +161,19 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: DecoderLayerSpec, layer_idx: int, tp_group: TPGroup,
-                 rotary_emb: RotaryEmbedding, attention_backend: str) -> None:
+                 rotary_emb: RotaryEmbedding, attention_backend: str,
+                 expert_parallel: EPGroup = NO_EP) -> None:
         super().__init__()
+        self.spec = spec
         self.self_attn = LlamaAttention(spec, layer_idx, tp_group, rotary_emb,
                                         attention_backend)
-        self.mlp = LlamaMLP(spec, tp_group)
+        if spec.moe is None:
+            self.mlp: nn.Module = LlamaMLP(spec, tp_group)
+        else:
+            shared = (LlamaMLP(spec, tp_group, spec.moe.shared_intermediate_size)
+                      if spec.moe.shared_intermediate_size else None)
+            self.mlp = FusedMoE(spec.moe, spec.hidden_size, tp_group, expert_parallel,
+                                shared, layer_idx)
         self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
@@ -150,11 +185,13 @@ class LlamaDecoderLayer(nn.Module):
         """The native stack's roles (``DecoderLayerWeights`` in decoder_stack.h), each
         filled by the module that holds it here (native_stack.py)."""
         attn, mlp = self.self_attn, self.mlp
+        dense = isinstance(mlp, LlamaMLP)
         return {"input_norm": self.input_layernorm, "qkv": attn.qkv_proj,
                 "q_norm": attn.q_norm if attn.qk_norm else None,
                 "k_norm": attn.k_norm if attn.qk_norm else None, "o": attn.o_proj,
                 "post_attention_norm": self.post_attention_layernorm,
-                "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+                "gate_up": mlp.gate_up_proj if dense else None,
+                "down": mlp.down_proj if dense else None}
 
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,22 +205,58 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def _rope_of(config: Any, spec: DecoderLayerSpec) -> RotaryEmbedding:
+    """The rope of a layer: its spec's rope_parameters, else the config's."""
+    if spec.rope_parameters is None:
+        rope = get_rope(config, spec.head_dim)
+    else:
+        rope = get_rope(SimpleNamespace(rope_parameters=spec.rope_parameters,
+                                        max_position_embeddings=config.max_position_embeddings),
+                        spec.head_dim)
+    rope.rope_parameters = spec.rope_parameters
+    return rope
+
+
 class LlamaModel(nn.Module):
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, config: Any, spec: DecoderLayerSpec, tp_group: TPGroup,
-                 attention_backend: str) -> None:
+                 attention_backend: str,
+                 layer_specs: list[DecoderLayerSpec] | None = None,
+                 expert_parallel: EPGroup = NO_EP) -> None:
+        """``layer_specs``: each layer's spec where they differ (a sliding window, a
+        mixture of experts on some layers); ``spec`` for all when None."""
         super().__init__()
         self.spec = spec
         self.tp_group = tp_group
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, spec.hidden_size,
                                                    tp_group)
-        self.rotary_emb = get_rope(config, spec.head_dim)
+        self.rotary_emb = _rope_of(config, spec)
+        layer_specs = layer_specs or [spec] * config.num_hidden_layers
+        # ropes of layers that set their own (each distinct one built once)
+        self.layer_ropes = nn.ModuleDict()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, i, tp_group, self.rotary_emb, attention_backend)
-            for i in range(config.num_hidden_layers))
+            self.decoder_layer_cls(layer_spec, i, tp_group,
+                                   self._layer_rope(config, layer_spec),
+                                   attention_backend, expert_parallel)
+            for i, layer_spec in enumerate(layer_specs))
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         # the native stack, the reason it does not apply, or None: not planned yet
         self.native_stack: NativeDecoderStack | str | None = None
         self._announced: str | None = None
+
+    def _layer_rope(self, config: Any, layer_spec: DecoderLayerSpec) -> RotaryEmbedding:
+        if layer_spec.rope_parameters is None or \
+                layer_spec.rope_parameters == self.spec.rope_parameters:
+            return self.rotary_emb
+        for rope in self.layer_ropes.values():
+            if rope.rope_parameters == layer_spec.rope_parameters:
+                return rope
+        rope = self.layer_ropes[str(len(self.layer_ropes))] = _rope_of(config, layer_spec)
+        return rope
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def invalidate_native_stack(self) -> None:
         """Weights re-packed or KV caches re-bound: plan again at the next step."""
@@ -198,7 +271,9 @@ class LlamaModel(nn.Module):
         memory profiler's throwaway cache is replaced before the first real step); not
         kept while a layer has no KV cache (a forward without one)."""
         attn = self.layers[0].attention
-        plan = plan_native_stack(
+        refusal = next((f"layer {i}: {reason}" for i, layer in enumerate(self.layers)
+                        if (reason := layer.spec.native_stack_refusal())), None)
+        plan = refusal or plan_native_stack(
             self.layers, dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                               head_dim=attn.head_dim,
                               intermediate_size=self.layers[0].mlp.down_proj.input_size,
@@ -217,7 +292,7 @@ class LlamaModel(nn.Module):
         return plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed(input_ids)
         stack = self.native_stack if self.native_stack is not None else \
             self._plan_native_stack(hidden_states)
         if isinstance(stack, NativeDecoderStack):
@@ -226,14 +301,19 @@ class LlamaModel(nn.Module):
                                                     get_forward_context())
         else:
             rope = self.rotary_emb.step_inputs(positions, hidden_states.dtype)
+            ropes = {id(self.rotary_emb): rope} | {
+                id(other): other.step_inputs(positions, hidden_states.dtype)
+                for other in self.layer_ropes.values()}
             residual = None
             for layer in self.layers:
-                hidden_states, residual = layer(rope, hidden_states, residual)
+                hidden_states, residual = layer(ropes[id(layer.self_attn.rotary_emb)],
+                                                hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel
     # checkpoint name -> (fused parameter name, shard id)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -248,16 +328,26 @@ class LlamaForCausalLM(nn.Module):
         """This family's decoder layer, read from its HF config."""
         return DecoderLayerSpec.from_config(config)
 
+    @classmethod
+    def layer_specs(cls, config: Any, spec: DecoderLayerSpec) -> list[DecoderLayerSpec]:
+        """Each layer's spec, where a family's layers differ (``spec`` for all here)."""
+        return [spec] * config.num_hidden_layers
+
     def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
-                 attention_backend: str = "torch", weight_quantization: str = "none") -> None:
+                 attention_backend: str = "torch", weight_quantization: str = "none",
+                 expert_parallel: EPGroup = NO_EP) -> None:
         """``weight_quantization``: what the decoder's linear layers hold (none or wint8,
         ``DecoderLayerSpec.weight_quantization``); the embedding and LM head stay in
-        the model's dtype."""
+        the model's dtype. ``expert_parallel``: how MoE layers split their experts
+        over the TP ranks (layers/fused_moe.py)."""
         super().__init__()
         self.config = config
         self.tp_group = tp_group
         spec = replace(self.layer_spec(config), weight_quantization=weight_quantization)
-        self.model = LlamaModel(config, spec, tp_group, attention_backend)
+        layer_specs = [replace(s, weight_quantization=weight_quantization)
+                       for s in self.layer_specs(config, spec)]
+        self.model = self.model_cls(config, spec, tp_group, attention_backend, layer_specs,
+                                    expert_parallel)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -319,4 +409,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral without sliding window is Llama."""
+    """Llama, each layer attending over the last ``sliding_window`` tokens where the
+    config sets one."""
+
+    @classmethod
+    def layer_spec(cls, config: Any) -> DecoderLayerSpec:
+        return DecoderLayerSpec.from_config(
+            config, sliding_window=getattr(config, "sliding_window", None) or None)

@@ -1,0 +1,288 @@
+"""A mixture-of-experts MLP: router, top-k, routed experts on stacked weights, shared
+experts; tensor and expert parallel.
+
+One step of the layer, for T tokens with hidden states x (T, H):
+
+    router logits (T, E) = x @ gate^T                 (float32, as every family's HF code)
+    scores  = softmax(logits) | sigmoid(logits)       (MoESpec.scoring)
+    chosen  = top-k of (scores + correction bias)     (the bias picks experts, it does not weigh)
+    weights = scores[chosen], renormalized to sum 1 where the family does
+    out     = sum_k weights[t, k] * expert_{chosen[t, k]}(x[t])  (+ shared experts(x))
+
+The routed experts run grouped by expert (``fused_experts``): the T*K (token, expert)
+assignments are sorted by expert once; the tokens of each expert form one contiguous
+segment, gathered once, and each expert hit this step runs its two matmuls once, on its
+slice of the stacked weights ``w13`` (E, 2I, H) and ``w2`` (E, H, I). No Python loop
+over tokens; the loop is over the experts hit, which ``loop_over_experts`` (the shape of
+Hugging Face's reference, a mask per expert) is measured against
+(benchmarks/moe.py).
+
+Parallelism, as vLLM's FusedMoE:
+
+- tensor parallel (default): every rank holds every expert, with its intermediate
+  size split as a column/row-parallel pair; each rank's partial sums are all-reduced.
+- expert parallel (an ``EPGroup`` of size > 1, parallel_state.py): rank r holds experts
+  ``[r * E / ep, (r + 1) * E / ep)`` whole. Hidden states are replicated over the ranks
+  (they leave attention all-reduced), so each rank takes the tokens routed to its own
+  experts, runs them, and the all-reduce over the group combines every token's
+  experts' results: the dispatch is local selection, the combine one collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What one MoE layer of a family is (whole-model sizes)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    scoring: str = "softmax"  # softmax | sigmoid over the router logits
+    renormalize: bool = True  # chosen weights divided by their sum
+    renormalize_min: float = 0.0  # that sum clamped below (Ernie's moe_norm_min)
+    correction_bias: bool = False  # e_score_correction_bias added to scores to choose
+    shared_intermediate_size: int = 0  # one shared-expert MLP of this size, 0: none
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring {self.scoring!r} is not supported; "
+                             "only softmax and sigmoid")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} experts")
+        if self.activation != "silu":
+            raise ValueError(f"MoE activation {self.activation!r} is not supported; only silu")
+
+
+
+
+# Rank 0 logs each MoE layer's load (tokens per expert) every this many forwards.
+LOG_LOAD_EVERY = 1000
+
+
+def select_experts(router_logits: torch.Tensor, spec: MoESpec,
+                   correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) float32 logits -> (weights (T, K) float32, expert ids (T, K) int64)."""
+    if spec.scoring == "softmax":
+        scores = router_logits.softmax(dim=-1)
+    else:
+        scores = router_logits.sigmoid()
+    if correction_bias is not None:
+        _, topk_ids = torch.topk(scores + correction_bias.float(), spec.top_k, dim=-1)
+        topk_weights = scores.gather(-1, topk_ids)
+    else:
+        topk_weights, topk_ids = torch.topk(scores, spec.top_k, dim=-1)
+    if spec.renormalize:
+        total = topk_weights.sum(dim=-1, keepdim=True)
+        if spec.renormalize_min > 0:
+            total = total.clamp(min=spec.renormalize_min)
+        topk_weights = topk_weights / total
+    return topk_weights, topk_ids
+
+
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_start: int = 0) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) over the experts this
+    rank holds (``w13`` (E_local, 2I, H), ``w2`` (E_local, H, I), global ids
+    ``expert_start ..``); assignments to other ranks' experts add nothing.
+
+    Grouped by expert: sort the T*K assignments by expert id once, gather their tokens
+    into one (N, H) matrix whose rows for expert e are one contiguous segment, run each
+    expert hit once on its segment, weigh the rows, and scatter-add them back.
+
+        topk_ids [[2, 0], [2, 1]] -> order of (token, k): (0,1) (1,1) (0,0) (1,0)
+        experts 0 | 1 | 2 2  -> counts [1, 1, 2]
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_local = w13.shape[0]
+    flat_ids = topk_ids.flatten() - expert_start  # (T*K,) local ids
+    mine = (flat_ids >= 0) & (flat_ids < num_local)
+    flat_ids = torch.where(mine, flat_ids, num_local)  # other ranks' sort last, never run
+    order = torch.argsort(flat_ids, stable=True)  # (T*K,) assignments grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local].tolist()
+    token_of = order // top_k  # (T*K,) the token of each sorted assignment
+    num_routed = sum(counts)
+    out = torch.zeros_like(x)
+    if num_routed == 0:
+        return out
+    token_of = token_of[:num_routed]
+    routed = x.index_select(0, token_of)  # (N, H), N = assignments to this rank
+    results = torch.empty_like(routed)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert])
+            start = end
+    weights = topk_weights.flatten()[order[:num_routed]].to(results.dtype)
+    results.mul_(weights[:, None])
+    return out.index_add_(0, token_of, results)
+
+
+def loop_over_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      expert_start: int = 0) -> torch.Tensor:
+    """The reference the grouped path is measured and tested against: Hugging Face's
+    shape, a mask per expert (every expert, hit or not, looked at each step)."""
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        token_idx, k_idx = torch.where(topk_ids == expert + expert_start)
+        if token_idx.numel() == 0:
+            continue
+        result = _expert_mlp(x[token_idx], w13[expert], w2[expert])
+        out.index_add_(0, token_idx, result * topk_weights[token_idx, k_idx, None].to(x.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer, with the router and the shared experts.
+
+    Parameters (names the families' loaders fill): ``gate.weight`` (E, H) replicated;
+    ``e_score_correction_bias`` (E,) where the spec has one; ``w13_weight``
+    (E_local, 2 * I_shard, H) with gate rows then up rows, ``w2_weight``
+    (E_local, H, I_shard), filled per expert through ``weight_loader(param, tensor,
+    (expert_id, "gate" | "up" | "down"))``; ``shared_experts`` an MLP module given by
+    the family (column/row parallel, it all-reduces its own output)."""
+
+    def __init__(self, spec: MoESpec, hidden_size: int, tp_group: TPGroup = SINGLE,
+                 expert_parallel: EPGroup = NO_EP,
+                 shared_experts: nn.Module | None = None, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.tp_group = tp_group
+        self.expert_parallel = expert_parallel
+        if expert_parallel.size > 1:
+            if expert_parallel.tp_group != tp_group:
+                raise ValueError("expert parallel runs over the tensor-parallel ranks")
+            self.expert_start, self.expert_end = expert_parallel.expert_range(spec.num_experts)
+            self.intermediate_per_rank = spec.intermediate_size
+            self.intermediate_start = 0
+        else:
+            self.expert_start, self.expert_end = 0, spec.num_experts
+            start, end = tp_group.shard_range(spec.intermediate_size)
+            self.intermediate_per_rank, self.intermediate_start = end - start, start
+        num_local = self.expert_end - self.expert_start
+        inter = self.intermediate_per_rank
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(spec.num_experts),
+                                                     requires_grad=False)
+                                        if spec.correction_bias else None)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.weight_loader = _bias_loader
+        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, inter),
+                                      requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.expert_weight_loader
+        self.shared_experts = shared_experts
+        # tokens routed to each expert (all ranks' experts, counted on every rank) since
+        # start: the load balance, logged by rank 0 every LOG_LOAD_EVERY forwards
+        self.register_buffer("tokens_per_expert",
+                             torch.zeros(spec.num_experts, dtype=torch.int64),
+                             persistent=False)
+        self.use_grouped = True  # False: loop_over_experts (the measured reference)
+        self._forwards = 0
+
+    def load_summary(self) -> str:
+        """Tokens routed to each expert since start, and the busiest expert's share over
+        the mean (1.0: even load): "tokens per expert [12, 3, ...], max/mean 1.8"."""
+        counts = self.tokens_per_expert.tolist()
+        mean = sum(counts) / len(counts)
+        ratio = max(counts) / mean if mean else 0.0
+        return f"tokens per expert {counts}, max/mean {ratio:.2f}"
+
+    def expert_weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                             shard_id: tuple[int, str]) -> None:
+        """Copy expert ``shard_id[0]``'s gate, up or down (``shard_id[1]``) weight, as
+        the checkpoint has it (out, in), into this rank's slice; another rank's expert is
+        skipped."""
+        expert_id, which = shard_id
+        if not self.expert_start <= expert_id < self.expert_end:
+            return
+        local = expert_id - self.expert_start
+        inter, first = self.intermediate_per_rank, self.intermediate_start
+        if which in ("gate", "up"):
+            rows = loaded_weight[first:first + inter]
+            offset = 0 if which == "gate" else inter
+            target = param.data[local, offset:offset + inter]
+        elif which == "down":
+            rows = loaded_weight[:, first:first + inter]
+            target = param.data[local]
+        else:
+            raise ValueError(f"expert weight {which!r} is none of gate, up, down")
+        if target.shape != rows.shape:
+            raise ValueError(f"expert {expert_id} {which} weight has shape "
+                             f"{tuple(loaded_weight.shape)}, which does not fit the "
+                             f"parameter slice {tuple(target.shape)}; does the config match?")
+        target.copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, H) -> (T, H), summed over the ranks."""
+        router_logits = F.linear(x.float(), self.gate.weight.float())  # (T, E)
+        topk_weights, topk_ids = select_experts(router_logits, self.spec,
+                                                self.e_score_correction_bias)
+        self.tokens_per_expert += torch.bincount(topk_ids.flatten(),
+                                                 minlength=self.spec.num_experts)
+        self._forwards += 1
+        if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
+            logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
+        run = fused_experts if self.use_grouped else loop_over_experts
+        out = run(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                  self.expert_start)
+        out = self.tp_group.all_reduce(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def _bias_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                 shard_id: object = None) -> None:
+    """Ernie stores the correction bias as (1, E): one group of experts."""
+    param.data.copy_(loaded_weight.reshape(param.shape))
+
+
+_EXPERT_WEIGHT = re.compile(r"^(?P<layer>.*\.)experts\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
+
+
+def load_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                        params: dict[str, nn.Parameter], loaded: set[str],
+                        roles: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Load each checkpoint tensor ``<layer>.experts.<i>.<name>.weight`` whose ``name``
+    is in ``roles`` (checkpoint name -> gate | up | down, e.g. Mixtral's w1 -> gate)
+    into ``<layer>.w13_weight`` / ``<layer>.w2_weight`` of that layer's FusedMoE, adding
+    the parameter names to ``loaded``; pass every other tensor on."""
+    for name, tensor in weights:
+        match = _EXPERT_WEIGHT.match(name)
+        if match is None or match["name"] not in roles:
+            yield name, tensor
+            continue
+        role = roles[match["name"]]
+        param_name = match["layer"] + ("w2_weight" if role == "down" else "w13_weight")
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching MoE layer "
+                             f"({param_name}); is the architecture right?")
+        param = params[param_name]
+        param.weight_loader(param, tensor, (int(match["expert"]), role))
+        loaded.add(param_name)

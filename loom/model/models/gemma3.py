@@ -1,0 +1,104 @@
+"""Gemma 3 (text) for causal LM.
+
+Llama's layer with these differences, each declared once:
+
+- layers alternate local and global attention (``config.layer_types``): a local layer
+  attends over the last ``sliding_window`` tokens and has its own rope base
+  (``rope_parameters["sliding_attention"]``), a global one over all tokens;
+- attention scaled by ``query_pre_attn_scalar ** -0.5``, a per-head RMSNorm on q and k;
+- four norms per layer (a "sandwich"): the attention output and the MLP output are each
+  normed before joining the residual stream, the MLP input after it;
+- GELU (tanh) between gate and up; embeddings multiplied by ``sqrt(hidden_size)``;
+- RMSNorm weights stored as offsets from 1 (``x * (1 + w)``): 1 is added at load, so
+  the layers run loom's RMSNorm (a GGUF file already stores ``1 + w``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from loom.model.layers.layernorm import RMSNorm
+from loom.model.layers.rotary import RopeStep
+from loom.model.models.llama import (DecoderLayerSpec, LlamaDecoderLayer, LlamaForCausalLM,
+                                     LlamaModel)
+
+
+def _rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type in params:
+        return dict(params[layer_type])
+    # configs written before rope_parameters: rope_theta and rope_local_base_freq
+    theta = getattr(config, "rope_local_base_freq", 10000.0) if layer_type == \
+        "sliding_attention" else getattr(config, "rope_theta", 1000000.0)
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, spec: DecoderLayerSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(spec, *args, **kwargs)
+        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+
+    def weights_by_role(self) -> dict[str, Any]:
+        return super().weights_by_role() | {
+            "pre_feedforward_norm": self.pre_feedforward_layernorm,
+            "post_feedforward_norm": self.post_feedforward_layernorm}
+
+    def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # residual stream r:  r += post_attn_norm(attn(input_norm(r)))
+        #                     r += post_ff_norm(mlp(pre_ff_norm(r)))
+        # with each "r +=" fused into the next norm, as Llama's layer does.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.post_attention_layernorm(self.self_attn(rope, hidden_states))
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class Gemma3Model(LlamaModel):
+    decoder_layer_cls = Gemma3DecoderLayer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        # as Hugging Face: the scale rounded to the model's dtype first
+        scale = torch.tensor(self.spec.hidden_size ** 0.5, dtype=hidden_states.dtype)
+        return hidden_states * scale
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    model_cls = Gemma3Model
+
+    @classmethod
+    def layer_spec(cls, config: Any) -> DecoderLayerSpec:
+        """The spec of a global layer."""
+        return DecoderLayerSpec.from_config(
+            config, qk_norm=True, activation=config.hidden_activation,
+            attention_scale=config.query_pre_attn_scalar ** -0.5,
+            rope_parameters=_rope_parameters(config, "full_attention"))
+
+    @classmethod
+    def layer_specs(cls, config: Any, spec: DecoderLayerSpec) -> list[DecoderLayerSpec]:
+        local = replace(spec, sliding_window=config.sliding_window,
+                        rope_parameters=_rope_parameters(config, "sliding_attention"))
+        return [local if layer_type == "sliding_attention" else spec
+                for layer_type in config.layer_types]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_norms_from_offsets(weights))
+
+
+def _norms_from_offsets(
+        weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0
+        yield name, tensor

@@ -1,0 +1,163 @@
+"""The mixture-of-experts layer (layers/fused_moe.py): routing as each family defines
+it, the grouped expert path against a loop over experts, tensor parallel and expert
+parallel against one rank, with a router biased toward a few experts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from loom.distributed.parallel_state import NO_EP, EPGroup, TPGroup, expert_parallel_group
+from loom.model.layers.fused_moe import (FusedMoE, MoESpec, fused_experts, loop_over_experts,
+                                         select_experts)
+from loom.model.loader import load_hf_config, load_model
+
+from .checkpoints import MOE_FAMILIES, make_tiny_checkpoint
+from .test_models import run_scenario
+
+FAVOURED = (1, 2)  # the experts the biased router sends most tokens to
+
+
+def _random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    return select_experts(logits, MoESpec(num_experts, top_k, 8), None)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_grouped_experts_equal_the_loop_over_experts(num_tokens):
+    torch.manual_seed(0)
+    num_experts, top_k, hidden, inter = 8, 3, 32, 24
+    x = torch.randn(num_tokens, hidden)
+    w13 = torch.randn(num_experts, 2 * inter, hidden) * 0.1
+    w2 = torch.randn(num_experts, hidden, inter) * 0.1
+    weights, ids = _random_routing(num_tokens, num_experts, top_k)
+    expected = loop_over_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), expected,
+                               atol=1e-6, rtol=1e-5)
+    # a rank holding experts 4..7 gives exactly their part; the two halves sum to all
+    half = [fused_experts(x, w13[s:s + 4], w2[s:s + 4], weights, ids, expert_start=s)
+            for s in (0, 4)]
+    torch.testing.assert_close(half[0] + half[1], expected, atol=1e-6, rtol=1e-5)
+    direct = torch.stack([
+        sum(weights[t, k] * loop_over_experts(x[t:t + 1], w13[ids[t, k]:ids[t, k] + 1],
+                                              w2[ids[t, k]:ids[t, k] + 1],
+                                              torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))[0]
+            for k in range(top_k))
+        for t in range(num_tokens)])
+    torch.testing.assert_close(expected, direct, atol=1e-6, rtol=1e-5)
+
+
+def test_routing_rules():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    # softmax, top-2, not renormalized (Qwen3-MoE without norm_topk_prob)
+    weights, ids = select_experts(logits, MoESpec(4, 2, 8, renormalize=False), None)
+    probs = logits.softmax(-1)
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, probs[:, :2])
+    # renormalized (Mixtral)
+    weights, _ = select_experts(logits, MoESpec(4, 2, 8), None)
+    torch.testing.assert_close(weights, probs[:, :2] / probs[:, :2].sum())
+    # a correction bias chooses (experts 3 and 2 here) but does not weigh (Ernie)
+    bias = torch.tensor([0.0, 0.0, 1.0, 2.0])
+    weights, ids = select_experts(logits, MoESpec(4, 2, 8, correction_bias=True), bias)
+    assert ids.tolist() == [[3, 2]]
+    chosen = probs[:, [3, 2]]
+    torch.testing.assert_close(weights, chosen / chosen.sum())
+    # sigmoid scoring
+    weights, ids = select_experts(logits, MoESpec(4, 2, 8, scoring="sigmoid"), None)
+    sig = logits.sigmoid()[:, :2]
+    torch.testing.assert_close(weights, sig / sig.sum())
+    with pytest.raises(ValueError, match="scoring"):
+        MoESpec(4, 2, 8, scoring="relu")
+
+
+def test_layer_counts_tokens_per_expert():
+    torch.manual_seed(0)
+    layer = FusedMoE(MoESpec(4, 2, 8), hidden_size=16)
+    for param in (layer.gate.weight, layer.w13_weight, layer.w2_weight):
+        param.data.normal_(0, 0.1)
+    with torch.no_grad():
+        layer(torch.randn(5, 16))
+    assert layer.tokens_per_expert.sum() == 10
+    assert layer.load_summary().startswith("tokens per expert [")
+
+
+def test_expert_parallel_group_splits_experts():
+    assert NO_EP.expert_range(8) == (0, 8)
+    groups = [expert_parallel_group(TPGroup(rank, 2, None), 2) for rank in range(2)]
+    assert [g.expert_range(8) for g in groups] == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="do not split"):
+        EPGroup(TPGroup(0, 3, None)).expert_range(8)
+    with pytest.raises(ValueError, match="must be 1 or the tensor parallel size"):
+        expert_parallel_group(TPGroup(0, 2, None), 4)
+
+
+def bias_router(path: str) -> str:
+    """Rewrite the checkpoint so that most tokens go to the FAVOURED experts: every
+    token's embedding gets a large constant in dim 0, which stays positive through the
+    layers, and the routers weigh dim 0 heavily for those experts only (Ernie's
+    correction bias favours them too)."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.embed_tokens.weight"][:, 0] = 3.0
+    for name, tensor in tensors.items():
+        if name.endswith("gate.weight") and tensor.dim() == 2 and "experts" not in name:
+            tensor[list(FAVOURED), 0] = 1.0
+        elif name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.zeros_like(tensor)
+            tensors[name][..., list(FAVOURED)] = 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def _scenario(path: str, tp_group: TPGroup, expert_parallel_size: int):
+    config = load_hf_config(path)
+    model = load_model(path, config, dtype=torch.float32, tp_group=tp_group,
+                       expert_parallel_size=expert_parallel_size)
+    logits = [logits for _, logits, _ in run_scenario(model, config.vocab_size)]
+    loads = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, FusedMoE)]
+    return logits, loads
+
+
+def _worker(rank: int, store_path: str, paths: list[str], out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=2)
+    try:
+        group = TPGroup(rank, 2, dist.group.WORLD)
+        results = {(path, ep): _scenario(path, group, ep) for path in paths for ep in (1, 2)}
+        if rank == 0:
+            torch.save(results, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as test_tensor_parallel.py: no C++ static destructors after gloo
+
+
+def test_tp2_and_ep2_equal_one_rank_with_uneven_experts(tmp_path):
+    """Each MoE family, its router biased toward two experts (both on rank 0 under
+    EP=2): TP=2 (experts' matrices split) and EP=2 (experts split whole) give the
+    logits of one rank through prefill chunks, mixed steps and decodes."""
+    paths = [bias_router(make_tiny_checkpoint(f, tmp_path / f)) for f in MOE_FAMILIES]
+    out_path = str(tmp_path / "ranks.pt")
+    mp.spawn(_worker, args=(str(tmp_path / "store"), paths, out_path), nprocs=2, join=True)
+    results = torch.load(out_path)
+    for path in paths:
+        one_rank, loads = _scenario(path, TPGroup(), 1)
+        for layer_load in loads:  # the bias worked: the favoured experts are busiest
+            mean = layer_load.float().mean()
+            assert layer_load[list(FAVOURED)].float().min() > 1.5 * mean, (path, layer_load)
+        for ep in (1, 2):
+            logits, ep_loads = results[(path, ep)]
+            assert len(logits) == len(one_rank)
+            for a, b in zip(one_rank, logits):
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+                assert torch.equal(a.argmax(-1), b.argmax(-1))
+            for a, b in zip(loads, ep_loads):
+                assert torch.equal(a, b)  # every rank counts every expert's tokens
