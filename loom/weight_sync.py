@@ -27,13 +27,16 @@ CUDA IPC handles (device memory mapped by the ranks) are not built yet.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
+
+import _posixshmem
 
 import torch
 
@@ -144,15 +147,18 @@ def read_manifest(path: str) -> dict | None:
 def mapped_weights(manifest: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The manifest's tensors as views of the trainer's segment, valid inside the block;
     nothing is copied. FileNotFoundError if the trainer has closed the segment."""
+    # Mapped directly, not through SharedMemory: attaching one registers it with this
+    # process's resource tracker (before Python 3.13), which would unlink the trainer's
+    # segment when the engine exits, or, shared with the publisher's, unregister it twice.
     try:
-        shm = shared_memory.SharedMemory(name=manifest["segment"], create=False)
+        fd = _posixshmem.shm_open("/" + manifest["segment"].lstrip("/"), os.O_RDWR, mode=0o600)
     except FileNotFoundError:
         raise FileNotFoundError(f"the weights' shared-memory segment {manifest['segment']!r} "
                                 "is gone; did the trainer close its WeightPublisher?") from None
-    try:  # attached, not owned: this process must not unlink it at exit (Python < 3.13)
-        resource_tracker.unregister(shm._name, "shared_memory")
-    except Exception:
-        pass
+    try:
+        buffer = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
     views: list[tuple[str, torch.Tensor]] = []
     try:
         for entry in manifest["tensors"]:
@@ -162,13 +168,13 @@ def mapped_weights(manifest: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
             count = 1
             for dim in entry["shape"]:
                 count *= dim
-            view = (torch.frombuffer(shm.buf, dtype=dtype, count=count, offset=entry["offset"])
+            view = (torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry["offset"])
                     if count else torch.empty(0, dtype=dtype))
             views.append((entry["name"], view.view(entry["shape"])))
         yield views
     finally:
         views.clear()
         try:
-            shm.close()
+            buffer.close()
         except BufferError:  # a view outlived the block; the mapping goes with it
             pass

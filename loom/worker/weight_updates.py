@@ -139,6 +139,7 @@ class WeightUpdater:
                 current[0] = f"{name} {tuple(tensor.shape)}"
                 yield name, tensor
 
+        shards = _record_shards(twin)
         try:
             loaded = twin.load_weights(named(meta_weights))
         except (ValueError, RuntimeError, IndexError) as exc:  # a slice past the tensor's end
@@ -146,6 +147,7 @@ class WeightUpdater:
                              f"{current[0]} does not fit: {exc}") from None
         if require_all:
             missing = sorted(set(dict(twin.named_parameters())) - loaded)
+            missing += _missing_shards(twin, shards)
             if missing:
                 raise ValueError(f"weight update refused, the weights are unchanged: the new "
                                  f"weights lack {len(missing)} parameters, e.g. {missing[:3]}")
@@ -298,6 +300,36 @@ def meta_twin(model: nn.Module, hf_config: Any, tp_group) -> nn.Module:
     the shapes the checkpoint's shards load into, and cost no memory."""
     with torch.device("meta"):
         return type(model)(hf_config, tp_group, attention_backend="torch")
+
+
+def _record_shards(model: nn.Module) -> dict[str, set]:
+    """Wrap each parameter's weight_loader to record the shard ids it is given."""
+    from loom.model.layers.linear import default_weight_loader
+
+    shards: dict[str, set] = {}
+    for name, param in model.named_parameters():
+        loader = getattr(param, "weight_loader", default_weight_loader)
+
+        def recording(p, loaded_weight, shard_id=None, _name=name, _loader=loader):
+            shards.setdefault(_name, set()).add(shard_id)
+            return _loader(p, loaded_weight, shard_id)
+
+        param.weight_loader = recording
+    return shards
+
+
+def _missing_shards(model: nn.Module, shards: dict[str, set]) -> list[str]:
+    """Fused parameters (``packed_modules_mapping``: q, k, v -> qkv_proj) that were given
+    only some of their parts, as "param[shard]"."""
+    parts: dict[str, set] = {}
+    for packed_name, shard_id in getattr(model, "packed_modules_mapping", {}).values():
+        parts.setdefault(packed_name, set()).add(shard_id)
+    missing = []
+    for name, given in shards.items():
+        for packed_name, expected in parts.items():
+            if f".{packed_name}." in name and None not in given:  # given by parts
+                missing += [f"{name}[{shard}]" for shard in sorted(expected - given, key=str)]
+    return missing
 
 
 def _unique_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
