@@ -29,7 +29,7 @@ from scripted_engine import ScriptedEngine
 from tokenizer_fixtures import make_tiny_tokenizer
 
 from loom.cli import build_parser
-from loom.entrypoints.openai.server import ServerState, build_app
+from loom.entrypoints.openai.server import ServerState, _LoadingSwitch, build_app
 from loom.tokenizer import load_tokenizer
 
 API_KEY = "web-ui-secret"
@@ -86,6 +86,15 @@ def test_page_under_root_path(engine):
     with app_client(engine, api_key=API_KEY, root_path="/llm") as client:
         assert client.get("/llm/").status_code == 200
         assert client.get("/llm/v1/models").status_code == 401
+
+
+def test_page_answers_while_the_model_loads():
+    # It then says the model is loading and retries v1/models until it has loaded.
+    # (No `with`: uvicorn serves the switch with lifespan off.)
+    client = TestClient(_LoadingSwitch(web_ui=True))
+    assert client.get("/").headers["content-type"] == "text/html; charset=utf-8"
+    assert client.get("/v1/models").status_code == 503
+    assert TestClient(_LoadingSwitch(web_ui=False)).get("/").status_code == 503
 
 
 def test_disable_web_ui(engine):
@@ -321,7 +330,7 @@ def test_chat_page_in_chromium(browser, long_context_model_dir, tmp_path):
         page.type_and_send("Tell me a long story")
         first, second = page.watch_streaming()[:2]
         assert first != second
-        assert server.metric("vllm:num_requests_running") == 1
+        assert server.wait_for_metric("vllm:num_requests_running", 1, timeout=10) == 1
         page.by_id("stop").click()
         stopped = page.wait_for_reply("stopped", 30)
         assert stopped["text"].endswith("Stopped.") and "time to first token" in stopped["figures"]

@@ -53,7 +53,7 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
                                                       TokenizeChatRequest,
                                                       TokenizeCompletionRequest,
                                                       TokenizeResponse)
-from loom.entrypoints.openai.web_ui import add_web_ui
+from loom.entrypoints.openai.web_ui import add_web_ui, chat_page
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loom.sampling_params import SamplingParams
 from loom.stats_logger import LoggingStatLogger
@@ -366,17 +366,21 @@ class _Server(uvicorn.Server):
 
 class _LoadingSwitch:
     """The ASGI app uvicorn serves from the moment the port is bound: until the model
-    has loaded, 503 on every route ({"status": "loading"} on the health probes), then
-    the real app."""
+    has loaded, 503 on every route ({"status": "loading"} on the health probes) but the
+    chat page (which retries until loaded), then the real app."""
 
-    def __init__(self) -> None:
+    def __init__(self, web_ui: bool = False) -> None:
         self.app = None
+        self.web_ui = web_ui
 
     async def __call__(self, scope, receive, send) -> None:
         if self.app is not None:
             await self.app(scope, receive, send)
             return
         if scope["type"] != "http":
+            return
+        if self.web_ui and _route_path(scope) == "/" and scope["method"] in ("GET", "HEAD"):
+            await chat_page().response()(scope, receive, send)
             return
         if _route_path(scope) in ("/health", "/health_generate", "/ping"):
             body = {"status": "loading"}
@@ -415,7 +419,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
                           "reasoning_parser": args.reasoning_parser}
     state.http_options = HttpOptions.from_args(args)
     state.web_ui = not args.disable_web_ui
-    switch = _LoadingSwitch()
+    switch = _LoadingSwitch(web_ui=state.web_ui)
     server = _Server(uvicorn.Config(switch, log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5, root_path=args.root_path,

@@ -11,6 +11,7 @@ do (the page asks for the key and keeps it in the tab's sessionStorage).
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,15 @@ class WebPage:
         return Response(self.html, media_type="text/html; charset=utf-8", headers=self.headers)
 
 
+@functools.cache
+def chat_page() -> WebPage:
+    """The page, built once per process (the server answers with it while loading too)."""
+    return WebPage.from_static()
+
+
 def add_web_ui(app: FastAPI) -> None:
     """Serve the chat page at GET / (and HEAD /)."""
-    page = WebPage.from_static()
+    page = chat_page()
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def web_ui() -> Response:

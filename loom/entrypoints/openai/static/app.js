@@ -89,9 +89,11 @@ async function connect() {
       return;
     }
     if (!response.ok) throw await serverError(response);
-    const model = (await response.json()).data[0];
+    const model = (await response.json()).data?.[0];
+    if (!model) throw new Error("the server lists no model at v1/models");
     modelName = model.id;
-    setStatus(`${model.id} · context ${model.max_model_len.toLocaleString()} tokens`);
+    setStatus(model.max_model_len ? `${model.id} · context ${model.max_model_len.toLocaleString()} tokens`
+                                  : model.id);
   } catch (error) {
     setStatus(describe(error), true);
   }
