@@ -21,15 +21,18 @@ one after every step). Past that the core is hung: its stacks go to the log
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from loom.config import EngineConfig
 from loom.core.engine_core_proc import core_step_bound_s
-from loom.core.wire import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutputs,
-                            EngineCoreRequest, FinishRequests)
+from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, EngineCoreFailed,
+                            EngineCoreInput, EngineCoreOutputs, EngineCoreRequest,
+                            FinishRequests)
 from loom.executor.base import EngineDeadError
 from loom.input_processor import InputProcessor
 from loom.ipc.engine_core_client import EngineCoreClient
@@ -48,6 +51,16 @@ class QueueFullError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The server aborted the request (e.g. the shutdown timeout passed while draining)."""
+
+
+class ControlError(RuntimeError):
+    """A control call (``AsyncLLM.control``) failed in the engine core, which serves on;
+    ``exc_type`` is the core's exception name (ValueError, FileNotFoundError: the
+    caller's fault)."""
+
+    def __init__(self, message: str, exc_type: str | None) -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
 
 
 @dataclass
@@ -122,6 +135,11 @@ class AsyncLLM:
         self._shutting_down = False
         self._idle = asyncio.Event()
         self._idle.set()
+        # Control calls awaiting the core's answer; while any is pending, or generation is
+        # paused or asleep, requests may legitimately wait: the watchdog does not judge.
+        self._control_ids = itertools.count(1)
+        self._controls: dict[int, asyncio.Future] = {}
+        self._held = False
 
     # ----------------------------------------------------------------- life cycle
 
@@ -191,6 +209,30 @@ class AsyncLLM:
                         params)
         return RequestStream(self, request_id, queue)
 
+    async def control(self, method: str, **kwargs: Any) -> Any:
+        """Call ``EngineCore.<method>(**kwargs)`` in the core process, between steps
+        (pause_generation, resume_generation, update_weights, sleep, wake_up,
+        reset_prefix_cache, collective_rpc, status); returns its result. A pause in mode
+        wait, an update and a sleep answer once the requests in flight have finished.
+        Raises ControlError if it failed (the engine serves on), EngineDeadError if the
+        engine died."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        call_id = next(self._control_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._controls[call_id] = future
+        self._send(ControlRequest(call_id=call_id, method=method, kwargs=kwargs))
+        try:
+            result = await future  # the answer's handler forgets the call, even if cancelled
+        finally:
+            self._busy_since = time.monotonic()  # requests waited on the call, not a hang
+        if method in ("pause_generation", "sleep"):
+            self._held = True
+        elif method in ("resume_generation", "wake_up", "update_weights"):
+            status = await self.control("status") if method != "status" else None
+            self._held = bool(status and (status["paused"] or status["is_sleeping"]))
+        return result
+
     async def wait_until_idle(self) -> None:
         """Return once no request is in flight."""
         await self._idle.wait()
@@ -232,6 +274,9 @@ class AsyncLLM:
                 if isinstance(message, EngineCoreFailed):
                     self._fail(message.message)
                     return
+                if isinstance(message, ControlResponse):
+                    self._answer_control(message)
+                    continue
                 if not isinstance(message, EngineCoreOutputs):
                     self._fail(f"the engine core sent {type(message).__name__} out of turn")
                     return
@@ -241,6 +286,20 @@ class AsyncLLM:
         except Exception as error:  # noqa: BLE001 — a bug here must not hang every client
             logger.exception("output handler failed")
             self._fail(f"the server's output handler failed: {type(error).__name__}: {error}")
+
+    def _answer_control(self, message: ControlResponse) -> None:
+        future = self._controls.pop(message.call_id, None)
+        if future is None:
+            self._fail(f"the engine core answered control call {message.call_id}, which "
+                       "was never made")
+            return
+        if future.done():  # the caller was cancelled; the call took effect all the same
+            logger.info("control call %d answered after its caller left", message.call_id)
+            return
+        if message.error is not None:
+            future.set_exception(ControlError(message.error, message.exc_type))
+        else:
+            future.set_result(message.result)
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
         now = time.time()
@@ -263,7 +322,7 @@ class AsyncLLM:
         bound = core_step_bound_s(self.config)
         while self.dead_error is None:
             await asyncio.sleep(min(1.0, bound / 4))
-            if not self._requests:
+            if not self._requests or self._controls or self._held:
                 continue
             silent = time.monotonic() - max(self._last_core_message, self._busy_since)
             if silent > bound:
@@ -308,6 +367,9 @@ class AsyncLLM:
         for tracked in self._requests.values():
             tracked.queue.put_nowait(self.dead_error)
         self._requests.clear()
+        for future in self._controls.values():
+            if not future.done():
+                future.set_exception(self.dead_error)
         self._num_sequences = 0
         self._idle.set()
         for callback in self.on_dead:

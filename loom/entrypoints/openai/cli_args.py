@@ -66,6 +66,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-log-stats", action="store_true",
                        help="no stats line every 10 s while requests run (throughput, "
                             "running/waiting requests, KV cache usage)")
+    group.add_argument("--enable-control-endpoints", action="store_true",
+                       help="serve the control plane for RL loops: /update_weights, "
+                            "/pause_generation, /resume_generation, /sleep, /wake_up, "
+                            "/is_sleeping, /reset_prefix_cache (docs/weight_updates.md)")
+    group.add_argument("--dynamic-load-weight", action="store_true",
+                       help="the seed's name: --enable-control-endpoints, with FastDeploy's "
+                            "/clear_load_weight and /update_model_weight")
+    group.add_argument("--load-strategy", default="ipc_snapshot",
+                       choices=["ipc_snapshot", "ipc"],
+                       help="what an update without a path reads: ipc_snapshot, the model "
+                            "directory's safetensors again (a trainer rewrote them); ipc, the "
+                            "manifest a trainer's loom.weight_sync.WeightPublisher wrote in "
+                            "the model directory (tensors mapped from its shared memory)")
 
 
 def _port(text: str) -> int:

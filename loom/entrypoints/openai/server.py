@@ -43,6 +43,7 @@ import loom
 from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
 from loom.config import EngineConfig
 from loom.entrypoints.openai.cli_args import ssl_config
+from loom.entrypoints.openai.control_routes import add_control_routes
 from loom.entrypoints.openai.errors import OpenAIError, error_body
 from loom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loom.entrypoints.openai.responses import cancel_on_disconnect
@@ -92,6 +93,9 @@ class ServerState:
         self.engine = engine  # None until the model has loaded
         self.served_model_name = served_model_name
         self.api_key = api_key
+        # --enable-control-endpoints: control_routes.py, and what a path-less update reads
+        self.control_endpoints = False
+        self.default_weights_path: str | None = None
         self.shutdown_timeout = shutdown_timeout
         self.draining = False
         self.exit_code = 0
@@ -257,6 +261,9 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("unexpected error while serving a request")
         return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}",
                                        "server_error"), status_code=500)
+
+    if state.control_endpoints:
+        add_control_routes(app, engine, state.default_weights_path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -425,6 +432,9 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
                                     timeout_graceful_shutdown=5, root_path=args.root_path,
                                     **ssl_config(args)), state)
     state.server = server
+    state.control_endpoints = args.enable_control_endpoints or args.dynamic_load_weight
+    if args.load_strategy == "ipc":  # the trainer's manifest beside the checkpoint
+        state.default_weights_path = config.model.model
     serving = asyncio.create_task(server.serve(sockets=[listener]))
     print(f"loom serve: listening on {url} (503 until loaded); loading {config.model.model} ...",
           flush=True)

@@ -1,0 +1,135 @@
+"""The control plane: routes that change what the engine serves, for RL loops (issue 17).
+
+Off unless ``--enable-control-endpoints`` (or the seed's ``--dynamic-load-weight``);
+behind ``--api-key`` like every route. Each is one ``AsyncLLM.control`` call into the
+engine core, which runs it between steps:
+
+    POST /update_weights      {"path": DIR | .gguf | ipc manifest}  new weights, same shapes
+    POST /pause_generation    {"mode": "wait" | "abort"}   hold new requests; running ones
+                              finish (wait) or end with finish_reason "abort"
+    POST /resume_generation   run what was held
+    POST /sleep               {"level": 1 | 2}   free the KV cache (and the weights)
+    POST /wake_up
+    GET  /is_sleeping         {"is_sleeping": bool}
+    POST /reset_prefix_cache  {"reset": bool}   false while requests hold blocks
+    /clear_load_weight        FastDeploy's: free the weights (sleep level 2)
+    /update_model_weight      FastDeploy's: load weights (body or query "path", default:
+                              the last checkpoint loaded) and wake up
+
+A failed call answers OpenAI's error envelope: 400 for the caller's fault (a path with no
+weights, a tensor that does not fit: the old weights keep serving), 409 for a call
+the engine's state refuses, 500 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from loom.async_llm import AsyncLLM, ControlError
+from loom.entrypoints.openai.errors import OpenAIError, RequestError
+
+
+def add_control_routes(app: FastAPI, engine: AsyncLLM,
+                       default_weights_path: str | None = None) -> None:
+    """``default_weights_path``: what an update without a path loads (None: the last
+    checkpoint loaded; --load-strategy ipc: the model directory, for its manifest)."""
+
+    async def call(method: str, **kwargs: Any) -> Any:
+        try:
+            return await engine.control(method, **kwargs)
+        except ControlError as error:
+            if error.exc_type in ("ValueError", "FileNotFoundError"):
+                raise RequestError(str(error)) from None
+            if error.exc_type == "RuntimeError":
+                raise OpenAIError(409, str(error), code="conflict") from None
+            raise OpenAIError(500, f"{method} failed: {error}", "server_error") from None
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        body = await _body(request)
+        path = body.get("path", default_weights_path)
+        if path is not None and not isinstance(path, str):
+            raise RequestError("path must be a string: a checkpoint directory, a .gguf file "
+                               "or a loom ipc manifest", param="path")
+        started = time.perf_counter()
+        result = await call("update_weights", path=path)
+        return JSONResponse({"success": True, "seconds": time.perf_counter() - started,
+                             **(result or {})})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        body = await _body(request)
+        mode = body.get("mode", request.query_params.get("mode", "wait"))
+        if mode not in ("wait", "abort"):
+            raise RequestError(f"mode must be 'wait' or 'abort', got {mode!r}", param="mode")
+        await call("pause_generation", mode=mode)
+        return JSONResponse({"success": True, "paused": True, "mode": mode})
+
+    @app.post("/resume_generation")
+    async def resume_generation() -> JSONResponse:
+        await call("resume_generation")
+        return JSONResponse({"success": True, "paused": False})
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> JSONResponse:
+        body = await _body(request)
+        level = body.get("level", request.query_params.get("level", 1))
+        try:
+            level = int(level)
+        except (TypeError, ValueError):
+            raise RequestError(f"level must be 1 or 2, got {level!r}", param="level") from None
+        if level not in (1, 2):
+            raise RequestError(f"level must be 1 or 2, got {level}", param="level")
+        result = await call("sleep", level=level)
+        return JSONResponse({"success": True, "is_sleeping": True, **(result or {})})
+
+    @app.post("/wake_up")
+    async def wake_up() -> JSONResponse:
+        await call("wake_up")
+        return JSONResponse({"success": True, "is_sleeping": False})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        status = await call("status")
+        return JSONResponse({"is_sleeping": status["is_sleeping"], "paused": status["paused"]})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        return JSONResponse({"success": True, "reset": bool(await call("reset_prefix_cache"))})
+
+    # FastDeploy's names, as its RL integrations call them.
+    @app.get("/clear_load_weight")
+    @app.post("/clear_load_weight")
+    async def clear_load_weight() -> JSONResponse:
+        await call("sleep", level=2)
+        return JSONResponse({"success": True, "status": "cleared"})
+
+    @app.get("/update_model_weight")
+    @app.post("/update_model_weight")
+    async def update_model_weight(request: Request) -> JSONResponse:
+        body = await _body(request)
+        path = body.get("path", request.query_params.get("path", default_weights_path))
+        started = time.perf_counter()
+        result = await call("update_weights", path=path)
+        return JSONResponse({"success": True, "status": "normal",
+                             "seconds": time.perf_counter() - started, **(result or {})})
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The JSON object body, or {} for none; a 400 for anything else."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"the body is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
