@@ -56,6 +56,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "0.5 on CUDA; on the CPU max-num-seqs x max-model-len tokens, "
                             "at most 512 MiB")
     group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: split the experts, whole, over the tensor-parallel "
+                            "ranks (each rank runs the tokens routed to its experts) instead "
+                            "of splitting every expert")
+    group.add_argument("--expert-parallel-size", "-ep", type=_positive_int, default=None,
+                       help="ranks the experts are split over: 1, or the tensor parallel "
+                            "size (as --enable-expert-parallel)")
     group.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
                        help="mp: worker processes; uni: in-process (one rank); "
                             "default: uni for one rank, mp for more")
@@ -123,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "block_size", "enable_prefix_caching", "num_gpu_blocks_override",
              "kv_cache_memory_bytes", "memory_utilization", "tensor_parallel_size",
              "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port",
+             "enable_expert_parallel", "expert_parallel_size",
              "worker_health_timeout_s", "watchdog_timeout_s", "seed",
              "device", "chat_template", "structured_outputs_backend",
              "structured_outputs_disable_any_whitespace",

@@ -148,8 +148,17 @@ class ParallelConfig:
     watchdog_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+    # Mixture-of-experts layers split their experts, whole, over this many ranks (the
+    # seed's --expert-parallel-size) instead of splitting every expert's matrices; the
+    # expert-parallel ranks are the tensor-parallel ones, so it is 1 or
+    # tensor_parallel_size. --enable-expert-parallel means tensor_parallel_size.
+    expert_parallel_size: int = 1
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"--expert-parallel-size {self.expert_parallel_size} must be 1 or "
+                             f"the tensor parallel size {self.tensor_parallel_size}: experts "
+                             "are split over the tensor-parallel ranks")
         if self.distributed_executor_backend not in (None, "mp", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'uni', got "
                              f"{self.distributed_executor_backend!r}")
@@ -335,6 +344,8 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         nnodes: int = 1,
+        enable_expert_parallel: bool = False,
+        expert_parallel_size: int | None = None,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
@@ -431,6 +442,10 @@ class EngineConfig:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                    expert_parallel_size=(
+                                        expert_parallel_size if expert_parallel_size
+                                        else tensor_parallel_size if enable_expert_parallel
+                                        else 1),
                                     master_port=master_port,
                                     worker_health_timeout_s=worker_health_timeout_s,
                                     watchdog_timeout_s=watchdog_timeout_s),

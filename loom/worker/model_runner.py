@@ -90,7 +90,8 @@ class ModelRunner:
         self.model = load_model(self.config.model.model, self.hf_config, dtype=self.dtype,
                                 device=self.device, tp_group=self.tp_group,
                                 attention_backend=chosen,
-                                quantization=self.config.model.quantization)
+                                quantization=self.config.model.quantization,
+                                expert_parallel_size=self.config.parallel.expert_parallel_size)
         if self.tp_group.rank == 0:
             backend = self.model.attention_layers[0].impl.name
             logger.info("attention backend: %s%s", backend,

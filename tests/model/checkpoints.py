@@ -24,6 +24,7 @@ FAMILIES = DENSE_FAMILIES + NEW_DENSE_FAMILIES + MOE_FAMILIES
 # sliding window, Gemma's norms and GELU, or experts: the modules run them)
 NATIVE_STACK_FAMILIES = DENSE_FAMILIES + ("ernie4_5",)
 SLIDING_WINDOW = 12
+FAVOURED = (1, 2)  # the experts bias_router sends most tokens to
 
 _COMMON = dict(
     hidden_size=64,
@@ -114,4 +115,24 @@ def make_tiny_checkpoint(family: str, path: str | os.PathLike) -> str:
         model.model.norm.weight.mul_(8.0)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def bias_router(path: str) -> str:
+    """Rewrite the checkpoint so that most tokens go to the FAVOURED experts: every
+    token's embedding gets a large constant in dim 0, which stays positive through the
+    layers, and the routers weigh dim 0 heavily for those experts only (Ernie's
+    correction bias favours them too)."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.embed_tokens.weight"][:, 0] = 3.0
+    for name, tensor in tensors.items():
+        if name.endswith("gate.weight") and tensor.dim() == 2 and "experts" not in name:
+            tensor[list(FAVOURED), 0] = 1.0
+        elif name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.zeros_like(tensor)
+            tensors[name][..., list(FAVOURED)] = 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
     return path

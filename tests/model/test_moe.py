@@ -10,17 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 
 from loom.distributed.parallel_state import NO_EP, EPGroup, TPGroup, expert_parallel_group
 from loom.model.layers.fused_moe import (FusedMoE, MoESpec, fused_experts, loop_over_experts,
                                          select_experts)
 from loom.model.loader import load_hf_config, load_model
 
-from .checkpoints import MOE_FAMILIES, make_tiny_checkpoint
+from .checkpoints import FAVOURED, MOE_FAMILIES, bias_router, make_tiny_checkpoint
 from .test_models import run_scenario
-
-FAVOURED = (1, 2)  # the experts the biased router sends most tokens to
 
 
 def _random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0):
@@ -51,6 +48,22 @@ def test_grouped_experts_equal_the_loop_over_experts(num_tokens):
             for k in range(top_k))
         for t in range(num_tokens)])
     torch.testing.assert_close(expected, direct, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_bf16_experts_equal_the_loop():
+    """bf16 on the CPU: each expert's matrices packed for loom's bf16 matmul give the
+    loop over experts (plain F.linear) within bf16 rounding."""
+    torch.manual_seed(0)
+    layer = FusedMoE(MoESpec(8, 2, 64), hidden_size=64).to(torch.bfloat16)
+    for param in (layer.gate.weight, layer.w13_weight, layer.w2_weight):
+        param.data.normal_(0, 0.1)
+    layer.process_weights_after_loading()
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        grouped = layer(x)
+        layer.use_grouped = False
+        looped = layer(x)
+    torch.testing.assert_close(grouped.float(), looped.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_routing_rules():
@@ -96,24 +109,6 @@ def test_expert_parallel_group_splits_experts():
         EPGroup(TPGroup(0, 3, None)).expert_range(8)
     with pytest.raises(ValueError, match="must be 1 or the tensor parallel size"):
         expert_parallel_group(TPGroup(0, 2, None), 4)
-
-
-def bias_router(path: str) -> str:
-    """Rewrite the checkpoint so that most tokens go to the FAVOURED experts: every
-    token's embedding gets a large constant in dim 0, which stays positive through the
-    layers, and the routers weigh dim 0 heavily for those experts only (Ernie's
-    correction bias favours them too)."""
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    tensors["model.embed_tokens.weight"][:, 0] = 3.0
-    for name, tensor in tensors.items():
-        if name.endswith("gate.weight") and tensor.dim() == 2 and "experts" not in name:
-            tensor[list(FAVOURED), 0] = 1.0
-        elif name.endswith("e_score_correction_bias"):
-            tensors[name] = torch.zeros_like(tensor)
-            tensors[name][..., list(FAVOURED)] = 0.5
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
 
 
 def _scenario(path: str, tp_group: TPGroup, expert_parallel_size: int):

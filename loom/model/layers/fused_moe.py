@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
+from loom.model.layers.linear import PackedWeight, linear, pack_weight
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +95,26 @@ def select_experts(router_logits: torch.Tensor, spec: MoESpec,
     return topk_weights, topk_ids
 
 
-def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                packed: tuple[PackedWeight | None, PackedWeight | None] = (None, None)
+                ) -> torch.Tensor:
+    gate, up = linear(x, w13, packed=packed[0]).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2, packed=packed[1])
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  expert_start: int = 0) -> torch.Tensor:
+                  expert_start: int = 0,
+                  packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
+                  ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) over the experts this
     rank holds (``w13`` (E_local, 2I, H), ``w2`` (E_local, H, I), global ids
     ``expert_start ..``); assignments to other ranks' experts add nothing.
 
     Grouped by expert: sort the T*K assignments by expert id once, gather their tokens
     into one (N, H) matrix whose rows for expert e are one contiguous segment, run each
-    expert hit once on its segment, weigh the rows, and scatter-add them back.
+    expert hit once on its segment, weigh the rows, and scatter-add them back. With
+    ``packed`` (bf16 on the CPU) each expert's matrices run loom's packed bf16 matmul.
 
         topk_ids [[2, 0], [2, 1]] -> order of (token, k): (0,1) (1,1) (0,0) (1,0)
         experts 0 | 1 | 2 2  -> counts [1, 1, 2]
@@ -132,7 +138,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert])
+            results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert],
+                                             packed[expert] if packed else (None, None))
             start = end
     weights = topk_weights.flatten()[order[:num_routed]].to(results.dtype)
     results.mul_(weights[:, None])
@@ -203,7 +210,16 @@ class FusedMoE(nn.Module):
                              torch.zeros(spec.num_experts, dtype=torch.int64),
                              persistent=False)
         self.use_grouped = True  # False: loop_over_experts (the measured reference)
+        # each local expert's w13 and w2 packed for the CPU bf16 matmul, or None
+        self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
         self._forwards = 0
+
+    def process_weights_after_loading(self) -> None:
+        """Pack each local expert's matrices for the CPU bf16 matmul (linear.py's
+        ``pack_weight``; None elsewhere), once the weights are in place."""
+        packed = [(pack_weight(self.w13_weight[e]), pack_weight(self.w2_weight[e]))
+                  for e in range(self.w13_weight.shape[0])]
+        self.packed = packed if any(p is not None for pair in packed for p in pair) else None
 
     def load_summary(self) -> str:
         """Tokens routed to each expert since start, and the busiest expert's share over
@@ -248,9 +264,12 @@ class FusedMoE(nn.Module):
         self._forwards += 1
         if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
             logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
-        run = fused_experts if self.use_grouped else loop_over_experts
-        out = run(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                  self.expert_start)
+        if self.use_grouped:
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                self.expert_start, self.packed)
+        else:
+            out = loop_over_experts(x, self.w13_weight, self.w2_weight, topk_weights,
+                                    topk_ids, self.expert_start)
         out = self.tp_group.all_reduce(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

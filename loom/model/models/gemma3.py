@@ -9,6 +9,7 @@ Llama's layer with these differences, each declared once:
 - four norms per layer (a "sandwich"): the attention output and the MLP output are each
   normed before joining the residual stream, the MLP input after it;
 - GELU (tanh) between gate and up; embeddings multiplied by ``sqrt(hidden_size)``;
+  logits soft-capped where ``final_logit_softcapping`` is set;
 - RMSNorm weights stored as offsets from 1 (``x * (1 + w)``): 1 is added at load, so
   the layers run loom's RMSNorm (a GGUF file already stores ``1 + w``).
 """
@@ -80,6 +81,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def layer_spec(cls, config: Any) -> DecoderLayerSpec:
         """The spec of a global layer."""
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("attn_logit_softcapping (Gemma 2's) is not supported; Gemma 3 "
+                             "checkpoints leave it unset")
         return DecoderLayerSpec.from_config(
             config, qk_norm=True, activation=config.hidden_activation,
             attention_scale=config.query_pre_attn_scalar ** -0.5,
@@ -91,6 +95,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                         rope_parameters=_rope_parameters(config, "sliding_attention"))
         return [local if layer_type == "sliding_attention" else spec
                 for layer_type in config.layer_types]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:  # as Hugging Face: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(_norms_from_offsets(weights))
