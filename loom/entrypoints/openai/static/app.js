@@ -290,12 +290,13 @@ async function send(text) {
       reply.state = "error";
       reply.error = describe(error);
       if (error.status === 401) askForKey("The server refused the request: enter its API key, then send again.");
-      if (!reply.content) {
-        // Nothing came back: take the turn out of the conversation and give the text back.
-        conversation.splice(conversation.indexOf(user), 2);
-        user.view.classList.add("failed");
-        if (!$("prompt").value) $("prompt").value = text;
-      }
+    }
+    const turn = conversation.indexOf(user);
+    if (!reply.content && turn >= 0) {
+      // Nothing came back: take the turn out of the conversation and give the text back.
+      conversation.splice(turn, 2);
+      user.view.classList.add("failed");
+      if (!$("prompt").value) $("prompt").value = text;
     }
   } finally {
     clearTimeout(renderTimer);
