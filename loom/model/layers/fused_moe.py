@@ -71,6 +71,10 @@ class MoESpec:
 
 
 
+# Segments of at most this many rows run the packed bf16 matmul, longer ones oneDNN's
+# F.linear: one expert's 1024x1024 at 1/4/16/32 rows took 0.11/0.14/0.41/1.8 ms packed
+# against 0.28/0.21/0.18/0.51 ms (1 thread, this 2-core AVX512-BF16 VM, loaded).
+PACKED_MAX_ROWS = 8
 # Rank 0 logs each MoE layer's load (tokens per expert) every this many forwards.
 LOG_LOAD_EVERY = 1000
 
@@ -114,13 +118,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Grouped by expert: sort the T*K assignments by expert id once, gather their tokens
     into one (N, H) matrix whose rows for expert e are one contiguous segment, run each
     expert hit once on its segment, weigh the rows, and scatter-add them back. With
-    ``packed`` (bf16 on the CPU) each expert's matrices run loom's packed bf16 matmul.
+    ``packed`` (bf16 on the CPU) a short segment runs loom's packed bf16 matmul.
 
         topk_ids [[2, 0], [2, 1]] -> order of (token, k): (0,1) (1,1) (0,0) (1,0)
         experts 0 | 1 | 2 2  -> counts [1, 1, 2]
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
+    if num_tokens == 1:  # a batch-1 decode: its experts in turn, in the same order
+        return _one_token(x, w13, w2, topk_weights, topk_ids, expert_start, packed)
     flat_ids = topk_ids.flatten() - expert_start  # (T*K,) local ids
     mine = (flat_ids >= 0) & (flat_ids < num_local)
     flat_ids = torch.where(mine, flat_ids, num_local)  # other ranks' sort last, never run
@@ -138,12 +144,30 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for expert, count in enumerate(counts):
         if count:
             end = start + count
+            use_packed = packed is not None and count <= PACKED_MAX_ROWS
             results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert],
-                                             packed[expert] if packed else (None, None))
+                                             packed[expert] if use_packed else (None, None))
             start = end
     weights = topk_weights.flatten()[order[:num_routed]].to(results.dtype)
     results.mul_(weights[:, None])
     return out.index_add_(0, token_of, results)
+
+
+def _one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
+               packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None
+               ) -> torch.Tensor:
+    """``fused_experts`` for one token, without the sort, gather and scatter (a dozen
+    small ops that cost as much as an expert at batch 1); same roundings and order."""
+    out = torch.zeros_like(x)
+    weights = topk_weights[0].to(x.dtype)
+    for k, expert in sorted(enumerate(topk_ids[0].tolist()), key=lambda item: item[1]):
+        local = expert - expert_start
+        if 0 <= local < w13.shape[0]:
+            result = _expert_mlp(x, w13[local], w2[local],
+                                 packed[local] if packed else (None, None))
+            out += result.mul_(weights[k])
+    return out
 
 
 def loop_over_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
