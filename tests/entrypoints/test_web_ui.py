@@ -6,7 +6,9 @@ selenium, against a real ``loom serve`` on a tiny random checkpoint under --api-
 --root-path: the key dialog, settings, a reply streamed token by token with its figures,
 Stop (the running gauge returns to 0), a prompt longer than the context (the server's
 message shown), reload, markdown without XSS, a new conversation, Escape, phone width,
-an unreachable server. The test writes screenshots to its tmp_path and prints where.
+an unreachable server. Screenshots of the page (after a reply; at phone width) are
+written outside git, to .pytest_cache/d/web_ui/ (pytest's cache; tmp_path without it),
+and the run prints where.
 """
 
 from __future__ import annotations
@@ -189,20 +191,25 @@ class PrefixProxy:
         request_line, *header_lines = head.decode("latin-1").split("\r\n")
         method, target, version = request_line.split(" ")
         if not (target + "/").startswith(self.prefix + "/"):
-            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            writer.close()
+            await _answer(writer, b"404 Not Found")
             return
         target = target[len(self.prefix):] or "/"
-        headers = [line for line in header_lines if line and not line.lower().startswith("connection:")]
+        headers = [line for line in header_lines
+                   if line and not line.lower().startswith("connection:")]
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
-            writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            writer.close()
+            await _answer(writer, b"502 Bad Gateway")
             return
         upstream_writer.write("\r\n".join([f"{method} {target} {version}", *headers,
                                             "Connection: close", "", ""]).encode("latin-1"))
         await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+
+
+async def _answer(writer: asyncio.StreamWriter, status: bytes) -> None:
+    writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -227,9 +234,11 @@ return reply ? {state: reply.dataset.state, text: reply.querySelector('.content'
 class Page:
     """The chat page in the browser, as a user drives it."""
 
-    def __init__(self, driver, url: str) -> None:
+    def __init__(self, driver, url: str, screenshot_dir, capsys) -> None:
         self.driver = driver
         self.url = url
+        self.screenshot_dir = screenshot_dir
+        self.capsys = capsys
 
     def wait(self, condition, timeout: float = 30.0, what: str = ""):
         from selenium.webdriver.support.ui import WebDriverWait
@@ -266,7 +275,8 @@ class Page:
             field.send_keys(value)
         assert self.by_id("settings-error").text == ""
         self.by_id("close-settings").click()
-        self.wait(lambda: self.by_id("settings").get_attribute("open") is None, 10, "settings closed")
+        self.wait(lambda: self.by_id("settings").get_attribute("open") is None, 10,
+                  "settings closed")
 
     def wait_for_reply(self, state: str = "done", timeout: float = REPLY_WAIT_S) -> dict:
         return self.wait(lambda: (reply := self.last_reply()) and reply["state"] == state and reply,
@@ -286,20 +296,29 @@ class Page:
         self.wait(grew, REPLY_WAIT_S, "the reply to grow while streaming")
         return seen
 
-    def screenshot(self, path) -> None:
+    def screenshot(self, name: str) -> None:
+        path = self.screenshot_dir / name
         self.driver.save_screenshot(str(path))
-        print(f"web UI screenshot: {path}")
+        with self.capsys.disabled():
+            print(f"\nweb UI screenshot: {path}")
 
 
-def test_chat_page_in_chromium(browser, long_context_model_dir, tmp_path):
+@pytest.fixture
+def screenshot_dir(request, tmp_path):
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    return cache.mkdir("web_ui") if cache is not None else tmp_path
+
+
+def test_chat_page_in_chromium(browser, long_context_model_dir, screenshot_dir, capsys):
     from selenium.webdriver.common.keys import Keys
 
     started = time.monotonic()
     server = LoomServer(long_context_model_dir, "--kv-cache-memory", "64MiB", "--max-model-len",
                         str(MAX_MODEL_LEN), "--root-path", "/llm", api_key=API_KEY)
+    ready = time.monotonic()
     proxy = PrefixProxy(server.url, "/llm")
     try:
-        page = Page(browser, f"{proxy.url}/llm/")
+        page = Page(browser, f"{proxy.url}/llm/", screenshot_dir, capsys)
         browser.get(page.url)
 
         # The API answers 401 without the key: the page asks for it.
@@ -323,7 +342,7 @@ def test_chat_page_in_chromium(browser, long_context_model_dir, tmp_path):
         assert browser.execute_script(
             "return document.querySelector('#conversation .message.user .content').textContent"
         ) == "Hello\nworld"
-        page.screenshot(tmp_path / "web_ui_reply.png")
+        page.screenshot("reply.png")
 
         # A long reply, seen growing token by token, then Stop: the server aborts it.
         page.set_settings(max_tokens=str(MAX_MODEL_LEN - 200))
@@ -364,17 +383,20 @@ def test_chat_page_in_chromium(browser, long_context_model_dir, tmp_path):
         browser.refresh()
         page.wait(lambda: len(page.messages()) == 2, 30, "the stored conversation")
         rendered = browser.execute_script("""
-            const reply = document.querySelector('#conversation .message.assistant .content');
-            return {h: reply.querySelector('h3').textContent, strong: reply.querySelector('strong').textContent,
-                    code: reply.querySelector('pre code').textContent, items: reply.querySelectorAll('li').length,
-                    links: [...reply.querySelectorAll('a')].map(a => a.href),
-                    inlineCode: reply.querySelector('p code').textContent,
-                    markup: document.querySelectorAll('#conversation img, #conversation script, #conversation b, #conversation i').length,
-                    xss: window.xss === undefined ? null : window.xss,
-                    user: document.querySelector('#conversation .message.user .content').textContent}""")
-        assert rendered == {"h": "Title", "strong": "bold", "code": "print('<script>window.xss=1</script>')",
-                            "items": 2, "links": ["https://example.com/x"], "inlineCode": "<b>code</b>",
-                            "markup": 0, "xss": None, "user": "<i>hi</i>"}
+            const conversation = document.getElementById('conversation');
+            const reply = conversation.querySelector('.message.assistant .content');
+            const text = (selector) => reply.querySelector(selector).textContent;
+            return {
+              heading: text('h3'), strong: text('strong'), inlineCode: text('p code'),
+              code: text('pre code'), items: reply.querySelectorAll('li').length,
+              links: [...reply.querySelectorAll('a')].map(a => a.href),
+              markup: conversation.querySelectorAll('img, script, b, i').length,
+              xss: window.xss === undefined ? null : window.xss,
+              user: conversation.querySelector('.message.user .content').textContent};""")
+        assert rendered == {
+            "heading": "Title", "strong": "bold", "inlineCode": "<b>code</b>",
+            "code": "print('<script>window.xss=1</script>')", "items": 2,
+            "links": ["https://example.com/x"], "markup": 0, "xss": None, "user": "<i>hi</i>"}
 
         # A new conversation, then a reply stopped by Escape.
         page.by_id("new-chat").click()
@@ -395,7 +417,7 @@ def test_chat_page_in_chromium(browser, long_context_model_dir, tmp_path):
         browser.set_window_size(390, 844)
         assert browser.execute_script(
             "return document.documentElement.scrollWidth <= document.documentElement.clientWidth")
-        page.screenshot(tmp_path / "web_ui_phone.png")
+        page.screenshot("phone.png")
 
         # The server gone: the page says it cannot reach it.
         proxy.close()
@@ -406,4 +428,6 @@ def test_chat_page_in_chromium(browser, long_context_model_dir, tmp_path):
     finally:
         proxy.close()
         server.close()
-        print(f"browser test took {time.monotonic() - started:.1f} s")
+        with capsys.disabled():
+            print(f"\nbrowser test: server ready in {ready - started:.1f} s, "
+                  f"the page's steps took {time.monotonic() - ready:.1f} s")

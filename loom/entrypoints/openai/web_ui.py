@@ -36,7 +36,8 @@ class WebPage:
         html = (static_dir / "index.html").read_text(encoding="utf-8")
         css = (static_dir / "style.css").read_text(encoding="utf-8")
         script = (static_dir / "app.js").read_text(encoding="utf-8")
-        for tag, text, closing in ((_STYLESHEET_TAG, css, "</style"), (_SCRIPT_TAG, script, "</script")):
+        for tag, text, closing in ((_STYLESHEET_TAG, css, "</style"),
+                                   (_SCRIPT_TAG, script, "</script")):
             if html.count(tag) != 1 or closing in text.lower():
                 raise ValueError(f"{static_dir}: index.html must hold {tag} once and the file "
                                  f"it names must not contain {closing}")
