@@ -78,7 +78,8 @@ class WeightUpdater:
         path = path or self.source
         with ExitStack() as stack:
             try:
-                named, meta, kind = open_source(path, self.runner.hf_config, stack)
+                named, meta, kind = open_source(path, self.runner.hf_config, stack,
+                                                self.worker.config.model.quantization)
             except (ValueError, FileNotFoundError) as error:  # every rank must hear of it
                 return self._update(None, None, False, path, refused=error)
             result = self._update(named, meta, require_all=kind != "ipc-partial",
@@ -240,7 +241,7 @@ class WeightUpdater:
 # ----------------------------------------------------------------- sources
 
 
-def open_source(path: str, hf_config: Any, stack: ExitStack
+def open_source(path: str, hf_config: Any, stack: ExitStack, quantization: str = "auto"
                 ) -> tuple[Callable[[], Iterator], Callable[[], Iterator], str]:
     """(real tensors, meta tensors, kind) for the weights at ``path``: a directory of
     safetensors, a .gguf file, or an ipc manifest (file or its directory)."""
@@ -254,11 +255,7 @@ def open_source(path: str, hf_config: Any, stack: ExitStack
         kind = "ipc" if not manifest.get("partial") else "ipc-partial"
         return (lambda: iter(views)), (lambda: _meta_of(views)), kind
     if is_gguf(path):
-        from loom.model.loader.gguf_loader import gguf_weights_iterator
-
-        # A GGUF's shapes come out of dequantizing; its check reads the file once more.
-        return (lambda: gguf_weights_iterator(path, hf_config),
-                lambda: _meta_of(gguf_weights_iterator(path, hf_config)), "gguf")
+        return _gguf_weights(path, hf_config, quantization), lambda: _gguf_meta(path), "gguf"
     if os.path.isdir(path) and glob.glob(os.path.join(path, "*.safetensors")):
         return (lambda: safetensors_weights_iterator(path),
                 lambda: _safetensors_meta(path), "safetensors")
@@ -267,6 +264,29 @@ def open_source(path: str, hf_config: Any, stack: ExitStack
     raise FileNotFoundError(f"no weights at {path!r}: give a checkpoint directory of "
                             "*.safetensors, a .gguf file, or a loom ipc manifest "
                             "(loom.weight_sync.WeightPublisher)")
+
+
+def _gguf_weights(path: str, hf_config: Any, quantization: str) -> Callable[[], Iterator]:
+    """The GGUF's tensors as the loader reads them at start-up (model_loader.load_model):
+    linear weights kept quantized where the loader keeps them."""
+    import inspect
+
+    from loom.model.loader.gguf_loader import gguf_weights_iterator
+
+    if "keep_quantized" in inspect.signature(gguf_weights_iterator).parameters:
+        return lambda: gguf_weights_iterator(path, hf_config,
+                                             keep_quantized=quantization == "auto")
+    return lambda: gguf_weights_iterator(path, hf_config)
+
+
+def _gguf_meta(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Names and shapes from the GGUF header (what dequantizing gives); no data read."""
+    from loom.model.loader.gguf_loader import gguf_to_hf_name, open_gguf
+
+    for info in open_gguf(path).tensors.values():
+        hf_name = gguf_to_hf_name(info.name)
+        if hf_name is not None:
+            yield hf_name, torch.empty(tuple(info.shape), device="meta")
 
 
 def _meta_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -179,15 +179,64 @@ def test_fastdeploy_aliases(client, checkpoints, expected):
     assert tokens(client) == expected["A"]
 
 
-def test_control_routes_need_the_key_and_are_off_by_default(server, tiny_model_dir):
+def test_control_routes_need_the_key(server, tiny_model_dir):
     response = httpx.post(f"{server.url}/update_weights", json={"path": tiny_model_dir})
     assert response.status_code == 401
-    plain = LoomServer(tiny_model_dir, *TINY_SERVER_ARGS, "--dtype", "float32")
-    try:
-        for path in ("/update_weights", "/sleep", "/pause_generation", "/clear_load_weight"):
-            assert httpx.post(f"{plain.url}{path}", json={}).status_code == 404
-    finally:
-        plain.kill()
+
+
+def in_process_app(tmp_path, control_endpoints: bool, answer=None):
+    """The real app over ScriptedEngine, whose ``control`` calls ``answer``."""
+    from fastapi.testclient import TestClient
+    from scripted_engine import ScriptedEngine
+    from tokenizer_fixtures import make_tiny_tokenizer
+
+    from loom.entrypoints.openai.server import ServerState, build_app
+    from loom.tokenizer import load_tokenizer
+
+    tokenizer_dir = make_tiny_tokenizer(str(tmp_path))
+    engine = ScriptedEngine.on(load_tokenizer(tokenizer_dir), tokenizer_dir, max_model_len=128)
+    calls = []
+
+    async def control(method, **kwargs):
+        calls.append((method, kwargs))
+        return answer(method, kwargs) if answer else None
+
+    engine.control = control
+    state = ServerState(engine, "tiny", api_key=None, shutdown_timeout=1.0)
+    state.control_endpoints = control_endpoints
+    return TestClient(build_app(state)), calls
+
+
+def test_control_routes_are_off_by_default(tmp_path):
+    client, calls = in_process_app(tmp_path, control_endpoints=False)
+    for path in ("/update_weights", "/sleep", "/pause_generation", "/clear_load_weight",
+                 "/update_model_weight", "/reset_prefix_cache"):
+        assert client.post(path, json={}).status_code == 404
+    assert calls == []
+
+
+def test_control_errors_are_openai_envelopes(tmp_path):
+    from loom.async_llm import ControlError
+
+    def answer(method, kwargs):
+        if method == "update_weights":
+            raise ControlError("no weights at '/x'", "FileNotFoundError")
+        if method == "sleep":
+            raise ControlError("cannot sleep while 2 request(s) are in flight", "RuntimeError")
+        return {"is_sleeping": False, "paused": True} if method == "status" else None
+
+    client, calls = in_process_app(tmp_path, control_endpoints=True, answer=answer)
+    response = client.post("/update_weights", json={"path": "/x"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "no weights at '/x'"
+    assert client.post("/sleep", json={"level": 1}).status_code == 409
+    assert client.post("/sleep", json={"level": "two"}).status_code == 400
+    assert client.post("/pause_generation", json={"mode": "later"}).status_code == 400
+    assert client.post("/update_weights", json={"path": 3}).json()["error"]["param"] == "path"
+    assert client.post("/update_weights", content=b"[1]").status_code == 400
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False, "paused": True}
+    assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    assert ("pause_generation", {"mode": "abort"}) in calls
 
 
 def test_tensor_parallel_update_through_the_server(checkpoints, expected):
