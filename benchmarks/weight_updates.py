@@ -93,7 +93,7 @@ def measure(model: str, repeats: int, **engine) -> dict:
         result["ipc_update_s"] = statistics.median(update)
         result["tensors_update_s"] = statistics.median(
             timed(lambda: llm.update_weights_from_tensors(tensors)) for _ in range(repeats))
-        del tensors
+        tensors.clear()  # their memory, before the RSS figures
         if worker.populate_thread is not None:
             worker.populate_thread.join()
         [awake] = llm.collective_rpc("memory_usage")

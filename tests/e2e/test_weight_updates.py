@@ -195,8 +195,8 @@ def test_sleep_and_wake_up(checkpoints):
 
 def test_tensor_parallel_updates(checkpoints):
     """TP=2, worker processes: from a directory, a refused one, from tensors (mapped
-    from shared memory by both ranks), sleep and wake; both ranks through the same
-    states."""
+    from shared memory by both ranks), from a trainer process (ipc), sleep and wake;
+    both ranks through the same states."""
     a, b = checkpoints
     expected_a = fresh_outputs(a, dtype="float32")
     expected_b = fresh_outputs(b, dtype="float32")
@@ -214,8 +214,15 @@ def test_tensor_parallel_updates(checkpoints):
 
         llm.update_weights_from_tensors(load_file(os.path.join(a, "model.safetensors")).items())
         assert generate(llm) == expected_a
-        llm.sleep(level=2)
-        llm.wake_up()  # reloads B, the last checkpoint loaded from disk
+        trainer = start_trainer(a, SEED_B)  # both ranks map a trainer process's segment
+        try:
+            llm.update_weights(trainer.stdout.readline().strip())
+        finally:
+            stop_trainer(trainer)
         assert generate(llm) == expected_b
+        llm.update_weights(a)
+        llm.sleep(level=2)
+        llm.wake_up()  # reloads A, the last checkpoint loaded from disk
+        assert generate(llm) == expected_a
         statuses = llm.collective_rpc("weights_status")
         assert statuses[0]["history"] == statuses[1]["history"]

@@ -39,17 +39,29 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Architectures whose layers name some tensors otherwise (Gemma 3's four norms)
+_ARCH_LAYER_NAMES = {
+    "gemma3": _LAYER_NAMES | {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Architectures whose converter stores RMSNorm weights as 1 + w (Hugging Face keeps w)
+_NORMS_PLUS_ONE = ("gemma3",)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for
-    tensors loom does not use (e.g. ``rope_freqs``)."""
+    tensors loom does not use (e.g. ``rope_freqs``). ``architecture``: the file's
+    ``general.architecture`` (gemma3 names its norms otherwise)."""
     if m := _LAYER_RE.match(name):
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
         return None
     if (m := _GLOBAL_RE.match(name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
@@ -159,11 +171,12 @@ def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torc
     """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to float32 (the
     weight loaders cast to the parameter's dtype as they copy)."""
     gguf_file = open_gguf(path)
-    permute_qk = gguf_file.metadata.get("general.architecture") == "llama"
+    architecture = gguf_file.metadata.get("general.architecture")
+    permute_qk = architecture == "llama"
     num_heads = hf_config.num_attention_heads
     num_kv_heads = hf_config.num_key_value_heads
     for info in gguf_file.tensors.values():
-        hf_name = gguf_to_hf_name(info.name)
+        hf_name = gguf_to_hf_name(info.name, architecture)
         if hf_name is None:
             continue
         weights = dequantize(gguf_file.tensor_bytes(info), info.ggml_type, info.shape)
@@ -171,6 +184,8 @@ def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torc
             weights = reverse_permute(weights, num_heads)
         elif permute_qk and ".attn_k." in info.name:
             weights = reverse_permute(weights, num_kv_heads)
+        elif architecture in _NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
+            weights = weights - 1.0  # back to Hugging Face's w, as transformers does
         yield hf_name, weights
     # Every tensor is in the model now: unmap the file, whose pages read so far would
     # otherwise stay in the resident set (the file's size) as long as the process.
