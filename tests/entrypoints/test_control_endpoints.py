@@ -56,6 +56,33 @@ def complete(client: httpx.Client, prompt: list[int], max_tokens: int = MAX_TOKE
     return response.json()["choices"][0]
 
 
+def stream_in_background(client: httpx.Client, prompt: list[int], max_tokens: int):
+    """A streamed completion in a thread; returns once its first token has arrived (so it
+    runs in the engine), with the thread and the dict its text and finish_reason go to."""
+    import json
+
+    result = {"text": ""}
+    started = threading.Event()
+
+    def run():
+        with client.stream("POST", "/v1/completions", json={
+                "model": client.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                result["text"] += choice["text"]
+                result["finish_reason"] = choice["finish_reason"] or result.get("finish_reason")
+                started.set()
+        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(30)
+    return thread, result
+
+
 def tokens(client: httpx.Client) -> list[str]:
     """The greedy completions' texts (the tiny tokenizer decodes token ids one to one)."""
     return [complete(client, prompt)["text"] for prompt in PROMPTS]
@@ -102,17 +129,11 @@ def test_update_weights_equals_a_fresh_engine_and_refusals_keep_serving(
 def test_pause_abort_ends_running_requests_and_holds_new_ones(client, checkpoints, expected):
     a, b = checkpoints
     finished = {}
-
-    def long_request():
-        finished["long"] = complete(client, PROMPTS[0], max_tokens=400)
-
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(0.3)
+    thread, long = stream_in_background(client, PROMPTS[0], max_tokens=440)
     response = client.post("/pause_generation", json={"mode": "abort"})
     assert response.status_code == 200, response.text
     thread.join(30)
-    assert finished["long"]["finish_reason"] == "abort"
+    assert long["finish_reason"] == "abort"
 
     # Sent while paused: held, then run on B after the update and the resume.
     held = threading.Thread(target=lambda: finished.update(held=complete(client, PROMPTS[0])))
@@ -130,16 +151,12 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones(client, checkpoint
 def test_pause_wait_lets_running_requests_finish_on_the_old_weights(client, checkpoints,
                                                                    expected):
     a, b = checkpoints
-    finished = {}
-    long = threading.Thread(target=lambda: finished.update(
-        long=complete(client, PROMPTS[0], max_tokens=LONG)))
-    long.start()
-    time.sleep(0.3)
+    thread, long = stream_in_background(client, PROMPTS[0], max_tokens=LONG)
     response = client.post("/pause_generation", json={"mode": "wait"})
-    assert response.status_code == 200
-    long.join(30)
-    assert finished["long"]["finish_reason"] == "length"
-    assert finished["long"]["text"] == expected["A long"]  # every token on A
+    assert response.status_code == 200  # answered once the running request finished
+    thread.join(30)
+    assert long["finish_reason"] == "length"
+    assert long["text"] == expected["A long"]  # every token on A
     assert client.post("/update_weights", json={"path": b}).status_code == 200
     assert client.post("/resume_generation").status_code == 200
     assert tokens(client) == expected["B"]
