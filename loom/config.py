@@ -147,12 +147,13 @@ class ParallelConfig:
     # way from the API process.
     watchdog_timeout_s: float = 60.0
 
-    def __post_init__(self) -> None:
     # Mixture-of-experts layers split their experts, whole, over this many ranks (the
     # seed's --expert-parallel-size) instead of splitting every expert's matrices; the
     # expert-parallel ranks are the tensor-parallel ones, so it is 1 or
     # tensor_parallel_size. --enable-expert-parallel means tensor_parallel_size.
     expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):
@@ -401,6 +402,9 @@ class EngineConfig:
         if not skip_tokenizer_init:
             check_tokenizer_files(model, tokenizer)
         check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
+        if expert_parallel_size is None:
+            expert_parallel_size = tensor_parallel_size if enable_expert_parallel else 1
+        _check_expert_parallel(hf_config, expert_parallel_size)
         limit = _max_position_embeddings(hf_config)
         if max_model_len is None:
             max_model_len = min(limit, 4096) if limit else 4096
@@ -442,10 +446,7 @@ class EngineConfig:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                                    expert_parallel_size=(
-                                        expert_parallel_size if expert_parallel_size
-                                        else tensor_parallel_size if enable_expert_parallel
-                                        else 1),
+                                    expert_parallel_size=expert_parallel_size,
                                     master_port=master_port,
                                     worker_health_timeout_s=worker_health_timeout_s,
                                     watchdog_timeout_s=watchdog_timeout_s),
@@ -557,6 +558,22 @@ def _check_draft_model(path: str, target_hf_config) -> None:
     if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:
         raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is smaller than the "
                          f"target's ({target_vocab}); the draft must share the target's tokenizer")
+
+
+def _check_expert_parallel(hf_config: Any, expert_parallel_size: int) -> None:
+    """Experts split whole over the ranks: their number must divide (a model without
+    experts ignores the setting, with a warning)."""
+    if expert_parallel_size == 1:
+        return
+    num_experts = next((getattr(hf_config, name) for name in
+                        ("num_experts", "num_local_experts", "moe_num_experts")
+                        if getattr(hf_config, name, None)), None)
+    if num_experts is None:
+        logger.warning("expert parallel: the model has no experts; its layers split over the "
+                       "tensor-parallel ranks as usual")
+    elif num_experts % expert_parallel_size:
+        raise ValueError(f"--expert-parallel-size {expert_parallel_size} does not divide the "
+                         f"model's {num_experts} experts; choose a size that does")
 
 
 def _max_position_embeddings(hf_config) -> int | None:

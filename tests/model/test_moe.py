@@ -156,3 +156,17 @@ def test_tp2_and_ep2_equal_one_rank_with_uneven_experts(tmp_path):
                 assert torch.equal(a.argmax(-1), b.argmax(-1))
             for a, b in zip(loads, ep_loads):
                 assert torch.equal(a, b)  # every rank counts every expert's tokens
+
+
+def test_expert_parallel_settings_are_checked():
+    from types import SimpleNamespace
+
+    from loom.config import ParallelConfig, _check_expert_parallel
+
+    assert ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).expert_parallel_size == 2
+    with pytest.raises(ValueError, match="must be 1 or the tensor parallel size 2"):
+        ParallelConfig(tensor_parallel_size=2, expert_parallel_size=4)
+    with pytest.raises(ValueError, match="does not divide the model's 3 experts"):
+        _check_expert_parallel(SimpleNamespace(num_local_experts=3), 2)
+    _check_expert_parallel(SimpleNamespace(moe_num_experts=8), 2)
+    _check_expert_parallel(SimpleNamespace(), 2)  # no experts: a warning only

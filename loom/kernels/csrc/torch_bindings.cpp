@@ -96,6 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &loom::rotary_embedding, "neox rotary, in place", release());
   m.def("write_kv_cache", &loom::write_kv_cache, "copy new K/V into their cache slots", release());
   m.def("paged_attention", &loom::paged_attention, "causal attention over paged K/V", release());
+  m.def("paged_attention_windowed", &loom::paged_attention_windowed,
+        "causal attention over paged K/V, each query seeing its last sliding_window keys",
+        release());
   m.def("bf16_gemm_available", &loom::bf16_gemm_available,
         "whether bf16_linear runs here (AVX512-BF16)");
   m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout",
@@ -111,6 +114,3 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention) take 'generic' or 'avx512'; returns the previous one",
         py::arg("name"));
 }
-  m.def("paged_attention_windowed", &loom::paged_attention_windowed,
-        "causal attention over paged K/V, each query seeing its last sliding_window keys",
-        release());
