@@ -132,7 +132,8 @@ class WeightUpdater:
     def check(self, meta_weights: Iterator[tuple[str, torch.Tensor]], require_all: bool) -> None:
         """Run the new weights' names and shapes through ``load_weights`` on a meta twin
         of the model: the errors a real load would raise, before anything changes."""
-        twin = meta_twin(self.model, self.runner.hf_config, self.worker.tp_group)
+        twin = meta_twin(self.model, self.runner.hf_config, self.worker.tp_group,
+                         getattr(self.worker.config.parallel, "expert_parallel_size", 1))
         current = [None]
 
         def named(weights):
@@ -315,11 +316,20 @@ def _safetensors_meta(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 # ----------------------------------------------------------------- the model
 
 
-def meta_twin(model: nn.Module, hf_config: Any, tp_group) -> nn.Module:
-    """The model's architecture on the meta device, unquantized: its parameters have
-    the shapes the checkpoint's shards load into, and cost no memory."""
+def meta_twin(model: nn.Module, hf_config: Any, tp_group, expert_parallel_size: int = 1
+              ) -> nn.Module:
+    """The model's architecture on the meta device, sharded as the model is (TP, and EP
+    for MoE experts) but unquantized: its parameters have the shapes the checkpoint's
+    shards load into, and cost no memory."""
+    import inspect
+
+    kwargs: dict[str, Any] = {"attention_backend": "torch"}
+    if "expert_parallel" in inspect.signature(type(model)).parameters:
+        from loom.distributed.parallel_state import expert_parallel_group
+
+        kwargs["expert_parallel"] = expert_parallel_group(tp_group, expert_parallel_size)
     with torch.device("meta"):
-        return type(model)(hf_config, tp_group, attention_backend="torch")
+        return type(model)(hf_config, tp_group, **kwargs)
 
 
 def _record_shards(model: nn.Module) -> dict[str, set]:

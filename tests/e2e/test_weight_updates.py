@@ -60,10 +60,17 @@ def prefix_hits(llm: LLM) -> int:
     return llm.engine.engine_core.get_stats().prefix_cache_hits
 
 
-@pytest.mark.parametrize("kwargs", [dict(dtype="float32"),
-                                    dict(dtype="bfloat16"),
-                                    dict(dtype="bfloat16", quantization="wint8")],
-                         ids=["float32", "bfloat16-packed", "bfloat16-wint8"])
+def _quantization(name: str):
+    from loom.config import QUANTIZATION_CHOICES
+
+    return pytest.param(dict(dtype="bfloat16", quantization=name), id=f"bfloat16-{name}",
+                        marks=pytest.mark.skipif(name not in QUANTIZATION_CHOICES,
+                                                 reason=f"--quantization {name} not built"))
+
+
+@pytest.mark.parametrize("kwargs", [pytest.param(dict(dtype="float32"), id="float32"),
+                                    pytest.param(dict(dtype="bfloat16"), id="bfloat16-packed"),
+                                    _quantization("wint8"), _quantization("wint4")])
 def test_update_from_directory_equals_fresh_engine(checkpoints, kwargs):
     """Packed CPU weights, the native stack's plan and wint8's int8 copies are all made
     again from the new weights: the same tokens as a fresh engine on B (with the same
@@ -90,6 +97,20 @@ def test_update_from_directory_equals_fresh_engine(checkpoints, kwargs):
         assert type(model.model.native_stack) is stack_before
         [status] = llm.collective_rpc("weights_status")
         assert status == {"status": NORMAL, "history": UPDATE_STATES}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama_tied_rope3", "gemma3", "qwen3_moe"])
+def test_update_every_kind_of_family(family, tmp_path):
+    """q/k norms, tied embeddings, Gemma's norms and sliding window, MoE experts: each
+    family's own load_weights maps the new tensors; the tokens equal a fresh engine's."""
+    a = make_tiny_checkpoint(family, tmp_path / "a")
+    make_tiny_tokenizer(a)
+    b = make_variant(a, str(tmp_path / "b"), SEED_B)
+    expected_b = fresh_outputs(b, dtype="float32")
+    with LLM(a, dtype="float32", **ENGINE) as llm:
+        expected_a = generate(llm)
+        llm.update_weights(b)
+        assert generate(llm) == expected_b != expected_a
 
 
 def test_update_from_tensors_equals_fresh_engine(checkpoints):
