@@ -104,9 +104,9 @@ class WeightsStatus(enum.IntEnum):
                                                                  /clear_load_weight)
         CLEARED -> UPDATING -> NORMAL                            reloaded (wake_up)
 
-    CLEARING drops what was derived from the old weights (packed copies, the native
-    stack's plan) and frees them if asked; UPDATING copies the new ones in and derives
-    again. A rank steps only in NORMAL."""
+    CLEARING drops what was planned on the old weights (the native stack) and frees
+    them if asked (with their packed copies); UPDATING copies the new ones in and makes
+    what derives from them again. A rank steps only in NORMAL."""
 
     NORMAL = 0
     UPDATING = 1

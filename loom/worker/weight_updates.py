@@ -112,8 +112,10 @@ class WeightUpdater:
             raise ValueError("another rank refused this weight update (its error is in its "
                              "log); the weights are unchanged")
         if not refill:
+            # In place: the weights stay allocated; what was planned on them goes. Packed
+            # copies are replaced layer by layer after the load (a peak of one layer's).
             self._set(WeightsStatus.CLEARING)
-            self._drop_derived_state()
+            _invalidate_native_stack(self.model)
             self._set(WeightsStatus.CLEARED)
         self._set(WeightsStatus.UPDATING)
         if refill:
@@ -211,7 +213,8 @@ class WeightUpdater:
     # ----------------------------------------------------------------- internals
 
     def _drop_derived_state(self) -> None:
-        """What was made from the old weights: packed copies, the native stack's plan."""
+        """What was made from the weights being freed: packed copies, the native stack's
+        plan."""
         for module in self.model.modules():
             if getattr(module, "packed_weight", None) is not None:
                 module.packed_weight = None
