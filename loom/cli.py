@@ -88,10 +88,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="attention implementation, by registered name: cpu (loom's native "
                             "CPU kernels), torch (the PyTorch reference), or auto (default: cpu "
                             "where the native kernels apply, else torch)")
-    group.add_argument("--quantization", "-q", default="auto", metavar="auto|none|wint8",
-                       help="weight-only quantization: wint8 makes the decoder's linear "
-                            "weights int8 per output channel at load; auto and none keep the "
-                            "checkpoint's weights (a GGUF file dequantized)")
+    group.add_argument("--quantization", "-q", default="auto", metavar="auto|none|wint8|wint4",
+                       help="weight-only quantization of the decoder's linear weights: auto "
+                            "(default) runs them as stored, a GGUF file's Q4_0/Q4_1/Q8_0 "
+                            "kept quantized; none dequantizes everything; wint8 makes them "
+                            "int8 per output channel at load, wint4 4-bit in groups of "
+                            "--quantization-group-size")
+    group.add_argument("--quantization-group-size", type=int, default=128, metavar="32|64|128",
+                       help="wint4: input features per scale and offset (default 128)")
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     group.add_argument("--structured-outputs-backend", "--guided-decoding-backend",
                        default="auto", choices=["auto", "guidance", "llguidance"],
@@ -137,7 +141,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "structured_outputs_disable_additional_properties", "speculative_config",
              "early_stop_config", "enable_warm_up", "enable_chunked_prefill",
              "generation_config", "override_generation_config", "trust_remote_code",
-             "enforce_eager", "attention_backend", "quantization")
+             "enforce_eager", "attention_backend", "quantization",
+             "quantization_group_size")
     return {name: getattr(args, name) for name in names}
 
 

@@ -22,8 +22,9 @@ _GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p"
                            "max_new_tokens")
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
 # --quantization (loom/model/layers/quantization.py); "auto" keeps the checkpoint's weights.
-QUANTIZATION_CHOICES = ("auto", "none", "wint8")
-_QUANTIZATION_NOT_BUILT = ("wint4", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")  # issue 15
+QUANTIZATION_CHOICES = ("auto", "none", "wint8", "wint4")
+# GGUF formats are a file's, not a flag: --quantization auto keeps them
+_QUANTIZATION_NOT_BUILT = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,13 @@ class ModelConfig:
     # A registered name (loom.model.attention) or auto: cpu where loom's native kernels
     # apply, else torch; resolved when the model is built.
     attention_backend: str = "auto"
-    # Weight-only quantization (loom/model/layers/quantization.py): auto and none keep
-    # the checkpoint's weights (a GGUF file dequantized); wint8 makes the decoder's
-    # linear weights int8 per output channel at load.
+    # Weight-only quantization (loom/model/layers/quantization.py): auto keeps the
+    # checkpoint's weights as stored (a GGUF file's Q4_0/Q4_1/Q8_0 linears quantized),
+    # none dequantizes everything, wint8/wint4 quantize the decoder's linears at load.
     quantization: str = "auto"
+    # wint4's input features per scale and offset (32, 64 or 128; a layer whose shard of
+    # input features it does not divide takes the largest smaller one that does).
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
@@ -60,6 +64,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         check_attn_backend_name(self.attention_backend)
         check_quantization_name(self.quantization)
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
+                             f"{self.quantization_group_size!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -80,7 +87,8 @@ def check_quantization_name(name: str) -> None:
     if name in QUANTIZATION_CHOICES:
         return
     if str(name).lower() in _QUANTIZATION_NOT_BUILT:
-        raise ValueError(f"quantization {name} is not built yet; use one of "
+        raise ValueError(f"quantization {name} is a GGUF file's format, not a flag: "
+                         f"--quantization auto keeps a GGUF file's formats; use one of "
                          f"{', '.join(QUANTIZATION_CHOICES)}")
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                      f"got {name!r}")
@@ -367,6 +375,7 @@ class EngineConfig:
         override_generation_config: dict[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
         attention_backend: str = "auto",
+        quantization_group_size: int = 128,
         quantization: str = "auto",
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
@@ -437,7 +446,8 @@ class EngineConfig:
                               sampling_defaults=tuple(sampling_defaults.items()),
                               skip_tokenizer_init=skip_tokenizer_init,
                               attention_backend=attention_backend,
-                              quantization=quantization),
+                              quantization=quantization,
+                              quantization_group_size=quantization_group_size),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

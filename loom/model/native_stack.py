@@ -6,7 +6,8 @@ A family declares each layer once, in Python, next to its modules: its
 ``DecoderLayerSpec`` (sizes, biases, norms, activation), from which the modules are
 built, and ``weights_by_role()``, which names the module behind each role. The roles
 are the fields of the C++ ``DecoderLayerWeights``: a norm's role takes its weight, a
-linear layer's role takes its packed weight and ``<role>_bias`` its bias. Nothing is
+linear layer's role takes its weight as a ``LinearWeight`` (bf16 panels or a quantized
+weight, layers/quantization.py) and ``<role>_bias`` its bias. Nothing is
 passed by position. The stack runs the same kernels, on the same tensors, in the same
 order as the modules' forward with the ``cpu`` attention backend, so the results are
 identical (tests/model/test_models.py compares the two paths bit for bit). It saves the
@@ -96,7 +97,8 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
                     "the stack runs the 'cpu' kernels")
         weights = ops.DecoderLayerWeights()
         for role, module in layer.weights_by_role().items():
-            refusal = _fill_role(weights, fields, role, module, options["rms_norm_eps"], dtype)
+            refusal = _fill_role(ops, weights, fields, role, module, options["rms_norm_eps"],
+                                 dtype)
             if refusal:
                 return f"layer {index}: {refusal}"
         missing = [name for name in ops.DecoderLayerWeights.required
@@ -115,7 +117,7 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
                               len(stack_layers))
 
 
-def _fill_role(weights: Any, fields: set[str], role: str, module: nn.Module | None,
+def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.Module | None,
                eps: float, dtype: torch.dtype) -> str | None:
     """Set ``role`` (and ``<role>_bias``) of ``weights`` from ``module``; the reason it
     cannot be, or None."""
@@ -129,12 +131,15 @@ def _fill_role(weights: Any, fields: set[str], role: str, module: nn.Module | No
         setattr(weights, role, module.weight)
         return None
     if isinstance(module, LinearBase):
-        if module.quantization != "none":
-            return f"the {role} weight is {module.quantization}; the stack runs bf16-packed weights"
-        packed = module.packed_weight
-        if packed is None or not packed.is_loom_kernel:
+        if module.quant_weight is not None:
+            setattr(weights, role, ops.LinearWeight.quantized(module.quant_weight))
+        elif module.weight_format is not None:
+            return (f"the {role} weight is {module.weight_format} on the PyTorch path (no "
+                    "AVX512-BF16 kernel for it here)")
+        elif module.packed_weight is None or not module.packed_weight.is_loom_kernel:
             return f"the {role} weight is not packed for loom's bf16 matmul"
-        setattr(weights, role, packed.data)
+        else:
+            setattr(weights, role, ops.LinearWeight.bf16(module.packed_weight.data))
         if module.bias is not None:
             if f"{role}_bias" not in fields:
                 return f"{role} has a bias and the kernels have no {role}_bias"

@@ -91,6 +91,7 @@ class ModelRunner:
                                 device=self.device, tp_group=self.tp_group,
                                 attention_backend=chosen,
                                 quantization=self.config.model.quantization,
+                                quantization_group_size=self.config.model.quantization_group_size,
                                 expert_parallel_size=self.config.parallel.expert_parallel_size)
         if self.tp_group.rank == 0:
             backend = self.model.attention_layers[0].impl.name

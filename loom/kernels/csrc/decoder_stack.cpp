@@ -17,6 +17,14 @@
 
 namespace loom {
 
+void LinearWeight::matmul(at::Tensor out, at::Tensor x,
+                          const c10::optional<at::Tensor>& bias) const {
+  if (quantized)
+    quantized_linear(out, x, *quantized, bias);
+  else
+    bf16_linear(out, x, bf16_packed, bias);
+}
+
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers,
                            std::vector<at::Tensor> kv_caches, DecoderStackOptions options)
     : layers_(std::move(layers)), kv_caches_(std::move(kv_caches)), options_(std::move(options)) {
@@ -33,6 +41,12 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers,
   TORCH_CHECK(layers_[l].name.defined(), "DecoderStack: layer ", l, " has no " #name);
     LOOM_DECODER_LAYER_REQUIRED(LOOM_CHECK_DEFINED)
 #undef LOOM_CHECK_DEFINED
+#define LOOM_CHECK_LINEAR(name, doc)                                               \
+  TORCH_CHECK(layers_[l].name.has_value() &&                                      \
+                  (layers_[l].name->quantized || layers_[l].name->bf16_packed.defined()), \
+              "DecoderStack: layer ", l, " has no " #name);
+    LOOM_DECODER_LAYER_LINEARS(LOOM_CHECK_LINEAR)
+#undef LOOM_CHECK_LINEAR
     TORCH_CHECK(layers_[l].q_norm.has_value() == layers_[l].k_norm.has_value(),
                 "DecoderStack: layer ", l, " has one of q_norm and k_norm");
   }
@@ -49,11 +63,11 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
   const int64_t q_size = o.num_heads * o.head_dim, kv_size = o.num_kv_heads * o.head_dim;
   // a bias in the float32 sum goes to the kernel; one after the rounded product (a
   // row-parallel layer's, added after its all-reduce) is a separate bf16 add
-  auto linear = [&](const at::Tensor& x, const at::Tensor& packed,
+  auto linear = [&](const at::Tensor& x, const c10::optional<LinearWeight>& weight,
                     const c10::optional<at::Tensor>& bias_in_sum,
                     const c10::optional<at::Tensor>& bias_after, int64_t out_features) {
     auto out = at::empty({tokens, out_features}, x.options());
-    bf16_linear(out, x, packed, bias_in_sum);
+    weight->matmul(out, x, bias_in_sum);
     if (bias_after) out.add_(*bias_after);
     return out;
   };

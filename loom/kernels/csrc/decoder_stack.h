@@ -11,6 +11,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "quant_gemm.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -18,11 +20,15 @@
 // X(name, doc): a tensor every layer has.
 #define LOOM_DECODER_LAYER_REQUIRED(X)                                                 \
   X(input_norm, "RMSNorm weight before attention, (hidden,)")                        \
-  X(qkv, "q|k|v projection, packed for bf16_linear")                                 \
-  X(o, "attention output projection, packed")                                        \
-  X(post_attention_norm, "RMSNorm weight before the MLP, (hidden,)")                 \
-  X(gate_up, "gate|up projection, packed")                                           \
-  X(down, "MLP down projection, packed")
+  X(post_attention_norm, "RMSNorm weight before the MLP, (hidden,)")
+
+// X(name, doc): a linear layer's weight every layer has (a LinearWeight: bf16 packed
+// or quantized).
+#define LOOM_DECODER_LAYER_LINEARS(X)                                                  \
+  X(qkv, "q|k|v projection")                                                         \
+  X(o, "attention output projection")                                                \
+  X(gate_up, "gate|up projection")                                                   \
+  X(down, "MLP down projection")
 
 // X(name, doc): a tensor some families have (None where absent).
 #define LOOM_DECODER_LAYER_OPTIONAL(X)                                                 \
@@ -45,12 +51,29 @@
 
 namespace loom {
 
+// A linear layer's weight as one of the two matmuls holds it: bf16 panels
+// (pack_bf16_weight, for bf16_linear) or a QuantizedWeight (for quantized_linear).
+struct LinearWeight {
+  at::Tensor bf16_packed;
+  c10::optional<QuantizedWeight> quantized;
+
+  static LinearWeight bf16(at::Tensor packed) { return LinearWeight{std::move(packed), {}}; }
+  static LinearWeight of_quantized(QuantizedWeight weight) {
+    return LinearWeight{at::Tensor(), std::move(weight)};
+  }
+  // out (M, N) = x (M, K) @ W^T (+ bias in the float32 sum)
+  void matmul(at::Tensor out, at::Tensor x, const c10::optional<at::Tensor>& bias) const;
+};
+
 struct DecoderLayerWeights {
 #define LOOM_REQUIRED_FIELD(name, doc) at::Tensor name;
+#define LOOM_LINEAR_FIELD(name, doc) c10::optional<LinearWeight> name;
 #define LOOM_OPTIONAL_FIELD(name, doc) c10::optional<at::Tensor> name;
   LOOM_DECODER_LAYER_REQUIRED(LOOM_REQUIRED_FIELD)
+  LOOM_DECODER_LAYER_LINEARS(LOOM_LINEAR_FIELD)
   LOOM_DECODER_LAYER_OPTIONAL(LOOM_OPTIONAL_FIELD)
 #undef LOOM_REQUIRED_FIELD
+#undef LOOM_LINEAR_FIELD
 #undef LOOM_OPTIONAL_FIELD
 };
 

@@ -7,6 +7,7 @@
 #include "common.h"
 #include "decoder_stack.h"
 #include "ops.h"
+#include "quant_gemm.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -36,11 +37,44 @@ std::string set_isa(const std::string& name) {
   return previous;
 }
 
+// Weight-only quantized matmul (quant_gemm.h).
+void bind_quant_gemm(py::module& m) {
+  py::class_<loom::QuantizedWeight>(m, "QuantizedWeight",
+                                    "a quantized linear weight in quantized_linear's layout")
+      .def_readonly("data", &loom::QuantizedWeight::data)
+      .def_readonly("out_features", &loom::QuantizedWeight::out_features)
+      .def_readonly("in_features", &loom::QuantizedWeight::in_features)
+      .def_readonly("bits", &loom::QuantizedWeight::bits)
+      .def_readonly("group_size", &loom::QuantizedWeight::group_size)
+      .def_readonly("asymmetric", &loom::QuantizedWeight::asymmetric)
+      .def_readonly("float_scales", &loom::QuantizedWeight::float_scales)
+      .def_property_readonly("nbytes", &loom::QuantizedWeight::nbytes);
+  m.def("quant_gemm_available", &loom::quant_gemm_available,
+        "whether quantized_linear runs here (AVX512-BF16)");
+  m.def("pack_quantized_weight", &loom::pack_quantized_weight,
+        "values (N, K) uint8, scales (N, groups) [, offsets] -> QuantizedWeight",
+        py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("unpack_quantized_weight", &loom::unpack_quantized_weight,
+        "QuantizedWeight -> [values, scales, offsets or None]", py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantized_linear", &loom::quantized_linear, "out = x @ W^T (+ bias), W quantized",
+        py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+}
+
 // The decoder stack's schema, field by field from decoder_stack.h, each under its C++
 // name; `fields` lists them for the Python side to check its roles against.
 void bind_decoder_stack(py::module& m) {
   using loom::DecoderLayerWeights;
   using loom::DecoderStackOptions;
+  py::class_<loom::LinearWeight>(m, "LinearWeight", "a linear layer's weight for the stack")
+      .def_static("bf16", &loom::LinearWeight::bf16, "from pack_bf16_weight's panels",
+                  py::arg("packed"))
+      .def_static("quantized", &loom::LinearWeight::of_quantized, "from a QuantizedWeight",
+                  py::arg("weight"))
+      .def_property_readonly("is_quantized",
+                             [](const loom::LinearWeight& w) { return w.quantized.has_value(); });
   py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights",
                                           "one decoder layer's weights, by role");
   weights.def(py::init<>());
@@ -49,12 +83,14 @@ void bind_decoder_stack(py::module& m) {
   weights.def_readwrite(#name, &DecoderLayerWeights::name, doc); \
   weight_fields.push_back(#name);
   LOOM_DECODER_LAYER_REQUIRED(LOOM_BIND_FIELD)
+  LOOM_DECODER_LAYER_LINEARS(LOOM_BIND_FIELD)
   LOOM_DECODER_LAYER_OPTIONAL(LOOM_BIND_FIELD)
 #undef LOOM_BIND_FIELD
   weights.attr("fields") = py::tuple(py::cast(weight_fields));
   std::vector<std::string> required;
 #define LOOM_LIST_REQUIRED(name, doc) required.push_back(#name);
   LOOM_DECODER_LAYER_REQUIRED(LOOM_LIST_REQUIRED)
+  LOOM_DECODER_LAYER_LINEARS(LOOM_LIST_REQUIRED)
 #undef LOOM_LIST_REQUIRED
   weights.attr("required") = py::tuple(py::cast(required));
 
@@ -106,6 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
         release());
+  bind_quant_gemm(m);
   bind_decoder_stack(m);
   m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");
   m.def("isa", &isa, "the instruction set the kernels with two paths take now");

@@ -8,12 +8,13 @@ gate_up → down) needs one all-reduce per pair.
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``,
 which takes the full checkpoint tensor and copies this rank's slice into ``param``.
 
-With ``quantization="wint8"`` (quantization.py) a layer loads its weight as usual and
-turns it into int8 with per-output scales after loading: ``weight`` is then the int8
-tensor (N, K) and ``weight_scale`` the float32 scales (N,); no full-precision copy stays.
+With ``quantization`` wint8 or wint4, or a weight that arrives quantized (a GGUF Q4_1
+tensor), a layer holds its weight quantized (``LinearBase``; layers/quantization.py).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +22,13 @@ from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.envs import settings
-from loom.kernels import native_ops_for
-from loom.model.layers.quantization import dequantize_int8, int8_linear, quantize_int8
+from loom.kernels import native_ops, native_ops_for
+from loom.model.layers.quantization import (QuantizedTensor, fitting_group_size,
+                                            parse_weight_quantization, quantize,
+                                            reference_linear)
 from loom.model.layers.scratch import scratch
+
+logger = logging.getLogger(__name__)
 
 
 class PackedWeight:
@@ -126,58 +131,162 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+class _Staging:
+    """What a subclass's ``weight_loader`` writes into while a quantized layer loads:
+    the parameter-shaped face (``data``, ``shape``, ``dim()``) of a ``QuantizedTensor``."""
+
+    def __init__(self, data: QuantizedTensor) -> None:
+        self.data = data
+        self.shape = data.shape
+
+    def dim(self) -> int:
+        return 2
+
+
 class LinearBase(nn.Module):
+    """A linear layer's weight and bias, however they are held.
+
+    ``quantization`` (layers/quantization.py) says what becomes of a full-precision
+    weight: ``none`` keeps it (and packs it for the CPU matmul), ``wint8``/``wint4[:G]``
+    quantize the whole checkpoint tensor in the loader, before this rank takes its
+    shard. A weight that arrives quantized (a GGUF Q4_1 tensor under ``auto``) is kept
+    in its format. Once loaded (``process_weights_after_loading``), a quantized layer
+    holds either loom's kernel layout (``quant_weight``; ``weight`` is its bytes) or,
+    for the PyTorch path, the values (``weight``, uint8), ``weight_scale`` and
+    ``weight_offset``; no full-precision copy stays."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
-        if quantization not in ("none", "wint8"):
-            raise ValueError(f"linear layers hold none or wint8 weights, not {quantization!r}")
         self.tp_group = tp_group
         self.input_size = input_size
         self.output_size = output_size
-        self.quantization = quantization
+        self.quantization, self.group_size = parse_weight_quantization(quantization)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self._load_weight
+        self._params_dtype = self.weight.dtype
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.register_parameter("weight_scale", None)  # (N,) float32 once wint8
+        self.register_parameter("weight_scale", None)  # quantized, PyTorch path
+        self.register_parameter("weight_offset", None)
         self.packed_weight: PackedWeight | None = None  # see pack_weight
+        self.quant_weight = None  # the kernel's QuantizedWeight
+        self.weight_format: str | None = None  # Q4_1, wint8, ... once quantized
+        self._staging: QuantizedTensor | None = None  # quantized shards while loading
+        self._bits = 0
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         raise NotImplementedError
 
+    def _load_weight(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedTensor,
+                     shard_id: object = None) -> None:
+        """The weight's loader: a full-precision tensor into a ``none`` layer goes to the
+        subclass's loader as is; anything quantized (or to be quantized, from the whole
+        tensor) goes into the quantized staging, shard by shard."""
+        if not isinstance(loaded_weight, QuantizedTensor) and self.quantization != "none":
+            group = (fitting_group_size(self.group_size, self.input_size)
+                     if self.quantization == "wint4" else self.group_size)
+            loaded_weight = quantize(loaded_weight, self.quantization, group)
+        if not isinstance(loaded_weight, QuantizedTensor):
+            if self.weight_format is not None or self._staging is not None:
+                self._to_full_precision()
+            self.weight_loader(self.weight, loaded_weight, shard_id)
+            return
+        if self._staging is None:
+            if self.weight_format is not None and self._holds_weight():
+                self._staging = self._unpack()  # loaded before: reload into its values
+            else:
+                self._staging = QuantizedTensor.empty(
+                    loaded_weight, (self.output_size, self.input_size))
+        if not self._staging.same_layout(loaded_weight):
+            # one projection of a fused layer in another format (a GGUF file mixing them)
+            logger.info("a %s shard into a %s layer: the layer is dequantized",
+                        loaded_weight.format, self._staging.format)
+            self._to_full_precision()
+            self.weight_loader(self.weight, loaded_weight.dequantize(), shard_id)
+            return
+        self.weight_loader(_Staging(self._staging), loaded_weight, shard_id)
+
+    def _to_full_precision(self) -> None:
+        """Drop quantization: the weight so far, dequantized, in the model's dtype."""
+        held = self._staging if self._staging is not None else (
+            self._unpack() if self.weight_format is not None and self._holds_weight() else None)
+        weight = torch.empty(self.output_size, self.input_size, dtype=self._params_dtype)
+        if held is not None:
+            weight.copy_(held.dequantize())
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        self.weight_scale = self.weight_offset = None
+        self.quant_weight = self.weight_format = self._staging = None
+        self.quantization = "none"
+
+    def _holds_weight(self) -> bool:
+        """Whether the quantized weight is still here (``release_weight`` drops it)."""
+        return self.quant_weight is not None or self.weight_scale is not None
+
+    def release_weight(self) -> None:
+        """Free what the weight is made of beyond its parameter (``quant_weight`` holds
+        the kernel's bytes too): a weight-update sleep; the next load fills it whole."""
+        self.quant_weight = None
+        self.packed_weight = None
+
+    def _unpack(self) -> QuantizedTensor:
+        """The held quantized weight as a ``QuantizedTensor`` (a copy to load into)."""
+        if self.quant_weight is not None:
+            values, scales, offsets = native_ops().unpack_quantized_weight(self.quant_weight)
+            return QuantizedTensor(values, scales, offsets, self._bits, self.weight_format)
+        return QuantizedTensor(self.weight.detach().clone(), self.weight_scale.detach().clone(),
+                               None if self.weight_offset is None
+                               else self.weight_offset.detach().clone(),
+                               self._bits, self.weight_format)
+
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every weight is in place (and again after a reload):
-        quantize (wint8) or pack (none) the weight."""
-        if self.quantization == "none":
-            self.packed_weight = pack_weight(self.weight)
-        elif self.weight_scale is None:
-            self._params_dtype = self.weight.dtype
-            q, scale = quantize_int8(self.weight)
-            self.weight = nn.Parameter(q, requires_grad=False)  # the float one is freed
-            self.weight.weight_loader = self._reload_quantized
-            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        lay a quantized weight out for its matmul, or pack a full-precision one."""
+        staged, self._staging = self._staging, None
+        if staged is None:
+            if self.weight_format is None:
+                self.packed_weight = pack_weight(self.weight)
+            return
+        self.weight_format, self._bits = staged.format, staged.bits
+        self.packed_weight = None
+        ops = native_ops_for(self.weight.device, self._params_dtype)
+        if (ops is not None and self._params_dtype == torch.bfloat16
+                and ops.quant_gemm_available()):
+            self.quant_weight = ops.pack_quantized_weight(staged.values, staged.scales,
+                                                          staged.offsets, staged.bits)
+            self.weight = nn.Parameter(self.quant_weight.data, requires_grad=False)
+            self.weight_scale = self.weight_offset = None
+        else:
+            self.quant_weight = None
+            self.weight = nn.Parameter(staged.values, requires_grad=False)
+            self.weight_scale = nn.Parameter(staged.scales, requires_grad=False)
+            self.weight_offset = (None if staged.offsets is None
+                                  else nn.Parameter(staged.offsets, requires_grad=False))
+        self.weight.weight_loader = self._load_weight
 
-    def _reload_quantized(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                          shard_id: object = None) -> None:
-        """A checkpoint tensor loaded again into a wint8 layer: the weight dequantized into
-        a staging tensor of the loaded dtype, this shard copied in by the layer's own
-        loader, the whole re-quantized. Rows are quantized independently, so the rows
-        loaded equal a fresh load's; the others round-trip to the same int8 values."""
-        staging = dequantize_int8(self.weight, self.weight_scale, self._params_dtype)
-        self.weight_loader(nn.Parameter(staging, requires_grad=False), loaded_weight, shard_id)
-        q, scale = quantize_int8(staging)
-        self.weight.data.copy_(q)
-        self.weight_scale.data.copy_(scale)
+    def quantized(self) -> QuantizedTensor | None:
+        """The PyTorch path's quantized weight (None for loom's kernel or unquantized)."""
+        if self.weight_format is None or self.quant_weight is not None:
+            return None
+        return QuantizedTensor(self.weight, self.weight_scale, self.weight_offset, self._bits,
+                               self.weight_format)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` on this rank's weight, however it is held."""
-        if self.weight_scale is not None:
-            return int8_linear(x, self.weight, self.weight_scale, bias)
+        if self.quant_weight is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            out = torch.empty(flat.shape[0], self.output_size, dtype=x.dtype)
+            native_ops().quantized_linear(out, flat, self.quant_weight, bias)
+            return out.view(*x.shape[:-1], self.output_size)
+        if self.weight_format is not None:
+            return reference_linear(x, self.quantized(), bias)
         return linear(x, self.weight, bias, self.packed_weight)
 
 

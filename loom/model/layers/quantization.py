@@ -1,61 +1,286 @@
-"""Weight-only quantization of the decoder's linear layers, made at load.
+"""Weight-only quantization of the decoder's linear layers.
 
-``--quantization`` (``ModelConfig.quantization``) names it: ``auto`` and ``none`` keep
-the weights as the checkpoint stores them (a GGUF file dequantized to the model's
-dtype); ``wint8`` turns each decoder linear weight (qkv, o, gate_up, down) into
-per-output-channel symmetric int8 once every weight is in place
-(``LinearBase.process_weights_after_loading``)::
+``--quantization`` (``ModelConfig.quantization``) names it:
 
-    scale[n] = max_k |W[n, k]| / 127   (float32; a zero row gets scale 1)
-    q[n, k]  = round(W[n, k] / scale[n]), clamped to [-127, 127]   (int8)
+- ``auto``: a checkpoint runs as stored; a GGUF file keeps its Q8_0, Q4_0 and Q4_1
+  linear weights quantized (other GGUF formats are dequantized, with a log line).
+- ``none``: every weight dequantized to the model's dtype (a GGUF file too).
+- ``wint8``: per-output-channel symmetric int8 made at load from the loaded weights.
+- ``wint4``: group-wise asymmetric 4-bit (``group_size`` input features per scale and
+  offset, 128 by default) made at load.
 
-and drops the full-precision weight: a layer holds q (N, K) and scale (N,), one byte
-per weight and four per output. The embedding and the LM head (often tied to the
-embedding) stay in the model's dtype in this step. ``wint4`` and GGUF formats kept
-quantized are not built yet and are refused by name.
+Every one of these is held as a ``QuantizedTensor``: ``bits``-wide unsigned values q in
+groups of input features, each group of each output row with a scale d and either an
+offset m (asymmetric) or the fixed zero point z = 2^(bits-1) (symmetric)::
 
-The matmul here is the PyTorch reference, correct and not fast: ``x @ q^T`` in float32
-(q is exact in float32), times the scale, plus the bias, rounded once to the
-activation's dtype. Against dequantize-then-matmul in float32 it differs only by the
-order of the float32 rounding steps.
+    w = d * (q - z)      symmetric:  Q8_0 (8-bit, float16 d per 32), Q4_0 (4-bit, per 32),
+                                     wint8 (8-bit, one float32 d per row)
+    w = d * q + m        asymmetric: Q4_1 (4-bit, float16 d and m per 32), wint4
+
+which is also what the CPU kernel reads (``loom/kernels/csrc/quant_gemm.cpp``), so a
+GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
+(``gguf.quants``) bit for bit. Quantizing at load (wint8, wint4) happens in the weight
+loader on the whole checkpoint tensor, before a rank takes its shard: a row's scale
+comes from the full row, and tensor parallel ranks hold exactly TP=1's values.
+
+Two ways to multiply: loom's kernel (bfloat16 models on AVX512-BF16 CPUs: the values
+unpacked in registers to exact bf16 integers, vdpbf16ps, the scale and offset applied
+per group in float32; no activation is quantized, so it equals the reference up to
+float32 rounding) and the PyTorch reference (``reference_linear``: dequantize to
+float32, then matmul), which float32 models, other CPUs and CUDA run: correct, not fast.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from loom.config import check_quantization_name
 
 INT8_MAX = 127
+WINT4_GROUP_SIZE = 128
+KERNEL_BLOCK = 32  # input features per block of the kernel; groups are multiples of it
+
+# ggml types (gguf_file.py) kept quantized: (name, bits, asymmetric, values per block)
+_GGML_Q4_0, _GGML_Q4_1, _GGML_Q8_0 = 2, 3, 8
+GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q8_0: "Q8_0"}
 
 
-def linear_weight_quantization(name: str) -> str:
-    """What the decoder's linear layers hold under ``--quantization name``: ``none``
-    (as loaded) or ``wint8``."""
+def linear_weight_quantization(name: str, group_size: int = WINT4_GROUP_SIZE) -> str:
+    """What the decoder's linear layers do with full-precision weights under
+    ``--quantization name``, as ``LinearBase(quantization=...)`` takes it: ``none`` (keep
+    them), ``wint8``, or ``wint4:<group size>`` (``parse_weight_quantization``)."""
     check_quantization_name(name)
+    if name == "wint4":
+        return f"wint4:{group_size}"
     return "none" if name == "auto" else name
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (q int8 (N, K), scale float32 (N,)), per output row, symmetric."""
+def parse_weight_quantization(value: str) -> tuple[str, int]:
+    """``wint4:64`` -> (wint4, 64); ``wint8`` -> (wint8, 128): a layer's method and wint4
+    group size."""
+    method, _, group = value.partition(":")
+    if method not in ("none", "wint8", "wint4") or (group and not group.isdigit()):
+        raise ValueError(f"linear layers hold none, wint8 or wint4[:group] weights, not "
+                         f"{value!r}")
+    return method, int(group) if group else WINT4_GROUP_SIZE
+
+
+@dataclass
+class QuantizedTensor:
+    """A (N, K) weight as ``bits``-wide values (uint8 (N, K), one byte per value) with a
+    scale per group of input features (``scales`` (N, groups), float16 or float32) and
+    an offset per group if asymmetric (``offsets``, same shape), else the zero point
+    2^(bits-1). ``format`` names it for logs (Q4_1, wint8, ...).
+
+    Shaped like the tensors a weight loader takes: ``shape``, ``dim()``, ``narrow``
+    (rows freely, input features at group boundaries, or anywhere with one group per
+    row: its scale holds for every part of the row) and ``copy_``."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    bits: int
+    format: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[1] // self.scales.shape[1]
+
+    @property
+    def zero_point(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def same_layout(self, other: QuantizedTensor) -> bool:
+        """Whether ``other`` can be copied into this one (shape aside)."""
+        return (self.bits == other.bits and (self.offsets is None) == (other.offsets is None)
+                and self.scales.dtype == other.scales.dtype
+                and (self.scales.shape[1] == 1) == (other.scales.shape[1] == 1)
+                and (self.scales.shape[1] == 1 or self.group_size == other.group_size))
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        if dim == 0:
+            return QuantizedTensor(self.values.narrow(0, start, length),
+                                   self.scales.narrow(0, start, length),
+                                   None if self.offsets is None
+                                   else self.offsets.narrow(0, start, length),
+                                   self.bits, self.format)
+        if self.scales.shape[1] == 1:  # one scale per row
+            return QuantizedTensor(self.values.narrow(1, start, length), self.scales,
+                                   self.offsets, self.bits, self.format)
+        group = self.group_size
+        if start % group or length % group:
+            raise ValueError(f"a {self.format} weight splits at multiples of its group of "
+                             f"{group} input features, not at {start}:{start + length}")
+        return QuantizedTensor(self.values.narrow(1, start, length),
+                               self.scales.narrow(1, start // group, length // group),
+                               None if self.offsets is None
+                               else self.offsets.narrow(1, start // group, length // group),
+                               self.bits, self.format)
+
+    def copy_(self, src: QuantizedTensor) -> QuantizedTensor:
+        if not self.same_layout(src):
+            raise ValueError(f"cannot copy a {src.format} weight into a {self.format} one")
+        self.values.copy_(src.values)
+        self.scales.copy_(src.scales)
+        if self.offsets is not None:
+            self.offsets.copy_(src.offsets)
+        return self
+
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """The rows ``index`` (a permutation, e.g. GGUF's q/k order undone)."""
+        return QuantizedTensor(self.values[index], self.scales[index],
+                               None if self.offsets is None else self.offsets[index],
+                               self.bits, self.format)
+
+    @classmethod
+    def empty(cls, like: QuantizedTensor, shape: tuple[int, int]) -> QuantizedTensor:
+        """Zeros of ``like``'s layout in ``shape`` (a layer's shard of it)."""
+        n, k = shape
+        groups = 1 if like.scales.shape[1] == 1 else k // like.group_size
+        if groups != 1 and k % like.group_size:
+            raise ValueError(f"{k} input features are not whole groups of "
+                             f"{like.group_size} ({like.format})")
+        scales = torch.zeros(n, groups, dtype=like.scales.dtype)
+        return cls(torch.zeros(n, k, dtype=torch.uint8), scales,
+                   None if like.offsets is None else torch.zeros_like(scales),
+                   like.bits, like.format)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(N, K) weights computed in float32 (``d * (q - z)`` or ``d * q + m``, each
+        operation rounded once, as ``gguf.quants`` does) and rounded once to ``dtype``."""
+        group = self.group_size
+        d = self.scales.float().repeat_interleave(group, dim=1)
+        if self.offsets is None:
+            w = (self.values.float() - self.zero_point) * d
+        else:
+            w = self.values.float() * d + self.offsets.float().repeat_interleave(group, dim=1)
+        return w.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.values, self.scales] + ([] if self.offsets is None else [self.offsets])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantize(weight: torch.Tensor, method: str, group_size: int = WINT4_GROUP_SIZE
+             ) -> QuantizedTensor:
+    """A full-precision (N, K) weight quantized by ``method`` (wint8 or wint4)."""
+    if method == "wint8":
+        return quantize_wint8(weight)
+    if method == "wint4":
+        return quantize_wint4(weight, group_size)
+    raise ValueError(f"no quantization method {method!r}")
+
+
+def quantize_wint8(weight: torch.Tensor) -> QuantizedTensor:
+    """Per output row, symmetric::
+
+        scale[n] = max_k |W[n, k]| / 127   (float32; a zero row gets scale 1)
+        q[n, k]  = round(W[n, k] / scale[n]) in [-127, 127], held as q + 128
+    """
     weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1) / INT8_MAX  # (N,)
+    scale = weight.abs().amax(dim=1) / INT8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(weight / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scale
+    return QuantizedTensor((q + 128).to(torch.uint8), scale[:, None].contiguous(), None, 8,
+                           "wint8")
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(N, K) ``q * scale[n]``, computed in float32 and rounded once to ``dtype``."""
-    return (q.float() * scale[:, None]).to(dtype)
+def quantize_wint4(weight: torch.Tensor, group_size: int = WINT4_GROUP_SIZE) -> QuantizedTensor:
+    """Per group of ``group_size`` input features of each row, asymmetric (min to max
+    over 16 levels), scale and offset in float16::
+
+        d = float16((max - min) / 15)   (1 where max == min)   m = float16(min)
+        q = round((W - m) / d) in [0, 15]
+
+    Asymmetric rather than symmetric: 16 levels over [min, max] instead of 15 over
+    [-amax, amax] (SmolLM2's linears, measured: round-trip RMS error 0.80x the
+    symmetric one's at group 128) for one more float16 per group."""
+    n, k = weight.shape
+    if group_size % KERNEL_BLOCK or k % group_size:
+        raise ValueError(f"wint4 groups of {group_size} must be a multiple of {KERNEL_BLOCK} "
+                         f"that divides the {k} input features")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    d = ((high - low) / 15).half()
+    d = torch.where(d > 0, d, torch.ones_like(d))
+    m = low.half()
+    q = torch.round((w - m.float()[..., None]) / d.float()[..., None]).clamp_(0, 15)
+    return QuantizedTensor(q.to(torch.uint8).reshape(n, k), d, m, 4, "wint4")
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, q * scale, bias)`` for int8 ``q`` (N, K) and float32 ``scale`` (N,):
-    sums in float32, one rounding to ``x.dtype`` at the end. (..., K) -> (..., N)."""
-    out = torch.matmul(x.float(), q.float().t()) * scale  # (..., N) float32
-    if bias is not None:
-        out = out + bias.float()
+def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
+                   ) -> QuantizedTensor | None:
+    """A GGUF tensor's bytes as a ``QuantizedTensor`` if loom keeps its format (Q4_0,
+    Q4_1, Q8_0 and 2-d), else None (dequantize it)."""
+    if ggml_type not in GGUF_KEPT or len(shape) != 2 or shape[1] % KERNEL_BLOCK:
+        return None
+    n, k = shape
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if ggml_type == _GGML_Q8_0:
+        blocks = raw.reshape(n, k // 32, 34)
+        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+        values = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return QuantizedTensor(torch.from_numpy(values.reshape(n, k)), torch.from_numpy(d),
+                               None, 8, "Q8_0")
+    size = 18 if ggml_type == _GGML_Q4_0 else 20
+    blocks = raw.reshape(n, k // 32, size)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    packed = blocks[:, :, size - 16:]
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # values 0-15, 16-31
+    if ggml_type == _GGML_Q4_0:
+        return QuantizedTensor(torch.from_numpy(values.reshape(n, k)), torch.from_numpy(d),
+                               None, 4, "Q4_0")
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
+    return QuantizedTensor(torch.from_numpy(values.reshape(n, k)), torch.from_numpy(d),
+                           torch.from_numpy(m), 4, "Q4_1")
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedTensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight dequantized, bias)`` with sums in float32 and one rounding to
+    ``x.dtype`` at the end: the PyTorch path, and what the kernel is compared with."""
+    out = F.linear(x.float(), weight.dequantize(torch.float32),
+                   None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """An upper bound on |kernel - reference| for each output of ``x @ W^T``, from the
+    rounding steps both take: every product is exact (bf16 x times a small integer), and
+    each sum of at most K + 2 float32 terms per output (the kernel's per-group sums,
+    their scaling, the reference's matmul) rounds by at most (K + 2) 2^-24 of the sum of
+    the magnitudes it adds, which |x| (|d| 2^bits + |m|) bounds term by term. Four such
+    sums at most (S, d S + m X, the groups, the reference)."""
+    x = x.float()
+    group = weight.group_size
+    amplitude = weight.scales.float().abs() * 2 ** weight.bits
+    if weight.offsets is not None:
+        amplitude = amplitude + weight.offsets.float().abs()
+    amplitude = amplitude.repeat_interleave(group, dim=1)  # (N, K)
+    k = x.shape[1]
+    return 4 * (k + 2) * 2.0 ** -24 * (x.abs() @ amplitude.t()) + 1e-30
+
+
+def fitting_group_size(group_size: int, in_features: int) -> int:
+    """``group_size``, or the largest smaller power-of-two multiple of 32 that divides
+    ``in_features`` (this rank's: a row-parallel shard), so that groups never straddle
+    a shard (SmolLM2's 576 features take groups of 64 under the default 128)."""
+    size = group_size
+    while size > KERNEL_BLOCK and in_features % size:
+        size //= 2
+    if in_features % size:
+        raise ValueError(f"{in_features} input features are not a multiple of "
+                         f"{KERNEL_BLOCK}, the smallest wint4 group")
+    return size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -17,8 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from loom.model.layers.quantization import GGUF_KEPT, QuantizedTensor, gguf_quantized
 from loom.model.loader.gguf_dequant import dequantize
 from loom.model.loader.gguf_file import GGUFFile
+
+logger = logging.getLogger(__name__)
 
 # GGUF per-layer tensor -> Hugging Face module under model.layers.N
 _LAYER_NAMES = {
@@ -74,6 +78,23 @@ def reverse_permute(weights: np.ndarray | torch.Tensor, n_head: int) -> np.ndarr
     dim = weights.shape[0] // n_head // 2
     w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
     return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def _permute_rows(weights: torch.Tensor | QuantizedTensor, n_head: int
+                  ) -> torch.Tensor | QuantizedTensor:
+    if isinstance(weights, QuantizedTensor):
+        order = reverse_permute(torch.arange(weights.shape[0]), n_head)
+        return weights.rows(order)
+    return reverse_permute(weights, n_head)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"ggml type {ggml_type}"
 
 
 def load_gguf_config(path: str) -> Any:
@@ -167,26 +188,49 @@ def llama_config_from_metadata(gguf_file: GGUFFile) -> Any | None:
     return config
 
 
-def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+# Decoder linear weights: the tensors a GGUF file may keep quantized (the layers'
+# loaders take a QuantizedTensor; everything else is dequantized).
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                 "ffn_down")
+
+
+def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = False
+                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to float32 (the
-    weight loaders cast to the parameter's dtype as they copy)."""
+    weight loaders cast to the parameter's dtype as they copy); with ``keep_quantized``,
+    decoder linear weights in a format loom runs (Q4_0, Q4_1, Q8_0) as ``QuantizedTensor``
+    instead, and a log line names the formats that were dequantized."""
     gguf_file = open_gguf(path)
     architecture = gguf_file.metadata.get("general.architecture")
     permute_qk = architecture == "llama"
     num_heads = hf_config.num_attention_heads
     num_kv_heads = hf_config.num_key_value_heads
+    dequantized: dict[str, int] = {}
     for info in gguf_file.tensors.values():
         hf_name = gguf_to_hf_name(info.name, architecture)
         if hf_name is None:
             continue
-        weights = dequantize(gguf_file.tensor_bytes(info), info.ggml_type, info.shape)
+        raw = gguf_file.tensor_bytes(info)
+        m = _LAYER_RE.match(info.name)
+        linear = m is not None and m.group(2) in _LINEAR_PARTS and m.group(3) == "weight"
+        weights = gguf_quantized(raw, info.ggml_type, info.shape) \
+            if keep_quantized and linear else None
+        if weights is None:
+            if keep_quantized and linear:
+                kind = _type_name(info.ggml_type)
+                dequantized[kind] = dequantized.get(kind, 0) + 1
+            weights = dequantize(raw, info.ggml_type, info.shape)
         if permute_qk and ".attn_q." in info.name:
-            weights = reverse_permute(weights, num_heads)
+            weights = _permute_rows(weights, num_heads)
         elif permute_qk and ".attn_k." in info.name:
-            weights = reverse_permute(weights, num_kv_heads)
+            weights = _permute_rows(weights, num_kv_heads)
         elif architecture in _NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
             weights = weights - 1.0  # back to Hugging Face's w, as transformers does
         yield hf_name, weights
+    if dequantized:
+        logger.info("GGUF linear weights dequantized (loom keeps %s quantized): %s",
+                    ", ".join(GGUF_KEPT.values()),
+                    ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items())))
     # Every tensor is in the model now: unmap the file, whose pages read so far would
     # otherwise stay in the resident set (the file's size) as long as the process.
     _open_gguf.cache_clear()

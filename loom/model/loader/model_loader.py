@@ -51,6 +51,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
                attention_backend: str = "auto", quantization: str = "auto",
+               quantization_group_size: int = 128,
                expert_parallel_size: int = 1) -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
@@ -64,11 +65,13 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
     attention_backend = select_attn_backend(attention_backend, device, dtype)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, tp_group, attention_backend=attention_backend,
-                          weight_quantization=linear_weight_quantization(quantization),
+                          weight_quantization=linear_weight_quantization(quantization,
+                                                                         quantization_group_size),
                           expert_parallel=expert_parallel_group(tp_group,
                                                                 expert_parallel_size))
     if is_gguf(model_path):
-        weights = gguf_weights_iterator(model_path, hf_config)
+        weights = gguf_weights_iterator(model_path, hf_config,
+                                        keep_quantized=quantization == "auto")
     else:
         weights = safetensors_weights_iterator(model_path)
     with torch.no_grad():

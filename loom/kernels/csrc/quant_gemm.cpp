@@ -1,0 +1,408 @@
+// y = x W^T (+ bias) for weight-only quantized W (4- or 8-bit values in groups with
+// float16/float32 scales) and bfloat16 x, on CPUs with AVX512-BF16.
+//
+// One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0
+// and Q4_1 and loom's wint8 and wint4 all read as w = d * q + m per group, with the
+// offset m stored (asymmetric) or fixed at -d * 2^(bits-1) (symmetric). Per group g of
+// each output row, with bfloat16 x as it comes:
+//
+//     y[n] += d[n,g] * S[n,g] + m[n,g] * X[g],   S = sum_{k in g} q'[n,k] x[k],
+//                                                X = sum_{k in g} x[k]
+//
+// where q' is q as a bfloat16 integer (exact: 4-bit values through a 16-entry table,
+// 8-bit ones stored as q - 128 and converted through float32) and S comes from
+// vdpbf16ps: every product exact, float32 sums. So the result differs from
+// dequantize-then-matmul in float32 only by float32 rounding: no activation is
+// quantized. (The first version quantized x per block of 32 to int8 for VNNI dot
+// products, as llama.cpp does; on SmolLM2, whose MLP inputs reach 3,000 in a few
+// channels, that crushed the rest of those blocks and the default model stopped
+// answering "Paris".)
+//
+// One row streams each weight byte once and unpacks it in registers (a block of 32
+// features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
+// many rows reuse each unpacked block across up to 6 rows, with no dequantized copy
+// anywhere.
+//
+// Layout (pack_quantized_weight): panels of 16 output rows; in a panel, group after
+// group: its blocks of 32 features, then 16 scales, then 16 offsets if asymmetric. A
+// block holds 16 "pair vectors" j = 0..15, word 2i + c of vector j being feature
+// 2j + c of row i (the two bf16 a vdpbf16ps lane multiplies). 8-bit: vector j is 32
+// int8 bytes, q - 128, in word order. 4-bit: 8 chunks of 32 bytes, chunk c's byte t
+// holding word t of vector c in its low nibble and of vector c + 8 in its high one.
+
+#include "quant_gemm.h"
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LOOM_HAVE_QUANT_GEMM 1
+#else
+#define LOOM_HAVE_QUANT_GEMM 0
+#endif
+
+namespace loom {
+namespace {
+
+constexpr int64_t kLanes = 16;     // output rows per panel: one float32 vector
+constexpr int64_t kBlock = 32;     // input features per block
+constexpr int64_t kRowBlock = 6;   // rows per micro-kernel call
+constexpr int64_t kMaxRowChunk = 96;
+
+int64_t block_bytes(int64_t bits) { return kLanes * kBlock * bits / 8; }
+
+int64_t panel_bytes(int64_t k, int64_t bits, int64_t group_size, bool asymmetric,
+                    bool float_scales) {
+  const int64_t groups = k / group_size;
+  const int64_t scale_bytes = kLanes * (float_scales ? 4 : 2) * (asymmetric ? 2 : 1);
+  return groups * ((group_size / kBlock) * block_bytes(bits) + scale_bytes);
+}
+
+// x (M, K) bf16 -> xsum float (M, K / group_size): x summed over each group.
+void group_sums(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
+                int64_t group_size, float* xsum) {
+  const int64_t groups = k / group_size;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const c10::BFloat16* src = x + r * ldx + g * group_size;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < group_size; ++i) sum += to_float(src[i]);
+        xsum[r * groups + g] = sum;
+      }
+  });
+}
+
+#if LOOM_HAVE_QUANT_GEMM
+template <typename ScaleT>
+inline __m512 load_scales(const uint8_t* p) {
+  if constexpr (std::is_same_v<ScaleT, float>)
+    return _mm512_loadu_ps(p);
+  else
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// bf16 of 0..15, the table vpermw looks 4-bit values up in (twice: 32 entries).
+inline __m512i nibble_table() {
+  alignas(64) static const uint16_t table[32] = {
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  return _mm512_load_si512(table);
+}
+
+// 32 int8 -> 32 bf16 (exact), in order.
+inline __m512bh int8x32_to_bf16(const uint8_t* p) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+}
+
+// Rows [0, MR) of x times one panel: `cols` (<= 16) outputs per row.
+template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT>
+void micro_kernel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
+                  const c10::BFloat16* x, int64_t ldx, const float* xsum, const float* bias,
+                  OutT* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m512i table = nibble_table();
+  const int32_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
+  const uint8_t* p = panel;
+  int64_t pair = 0;  // index of the next pair of features
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 sum[MR];
+    for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < blocks_per_group; ++i, pair += 16) {
+      if constexpr (BITS == 4) {
+        for (int c = 0; c < 8; ++c) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+          const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(
+              _mm512_cvtepu8_epi16(_mm256_and_si256(w, low)), table);
+          const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(
+              _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low)), table);
+          for (int r = 0; r < MR; ++r) {
+            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + c]), w0);
+            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + c + 8]), w1);
+          }
+        }
+        p += 256;
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          const __m512bh w = int8x32_to_bf16(p + 32 * j);
+          for (int r = 0; r < MR; ++r)
+            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
+        }
+        p += 512;
+      }
+    }
+    const __m512 d = load_scales<ScaleT>(p);
+    p += kLanes * sizeof(ScaleT);
+    if constexpr (ASYM) {
+      const __m512 m = load_scales<ScaleT>(p);
+      p += kLanes * sizeof(ScaleT);
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]),
+                                 _mm512_fmadd_ps(d, sum[r], acc[r]));
+    } else if constexpr (BITS == 4) {  // w = d * (q - 8)
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm512_fmadd_ps(
+            d, _mm512_sub_ps(sum[r], _mm512_set1_ps(8.f * xsum[r * groups + g])), acc[r]);
+    } else {  // stored q - 128 already
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(d, sum[r], acc[r]);
+    }
+  }
+  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 add = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r) {
+    const __m512 v = _mm512_add_ps(acc[r], add);
+    if constexpr (std::is_same_v<OutT, float>)
+      _mm512_mask_storeu_ps(y + r * ldy, mask, v);
+    else
+      _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
+                      const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t rows,
+                      const float* bias, OutT* y, int64_t ldy, int64_t cols) {
+  for (int64_t r = 0; r < rows; r += kRowBlock) {
+#define LOOM_MICRO(MR)                                                                  \
+  micro_kernel<BITS, ASYM, ScaleT, MR, OutT>(panel, groups, blocks_per_group, x + r * ldx, \
+                                             ldx, xsum + r * groups, bias, y + r * ldy,    \
+                                             ldy, cols)
+    switch (std::min(kRowBlock, rows - r)) {
+      case 6: LOOM_MICRO(6); break;
+      case 5: LOOM_MICRO(5); break;
+      case 4: LOOM_MICRO(4); break;
+      case 3: LOOM_MICRO(3); break;
+      case 2: LOOM_MICRO(2); break;
+      default: LOOM_MICRO(1); break;
+    }
+#undef LOOM_MICRO
+  }
+}
+
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, const float* xsum,
+              int64_t rows, const float* bias, OutT* y, int64_t ldy) {
+  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
+  const int64_t groups = w.in_features / w.group_size, blocks_per_group = w.group_size / kBlock;
+  const auto* data = w.data.data_ptr<uint8_t>();
+  const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
+  const int64_t chunk_rows =
+      ((rows + chunks - 1) / chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
+  // Work item (chunk of rows, panel), panels inner: with few rows each thread takes a
+  // contiguous run of panels and reads only its share of the weights.
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / panels, p = item % panels;
+      const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
+      if (nrows <= 0) continue;
+      rows_times_panel<BITS, ASYM, ScaleT, OutT>(
+          data + p * stride, groups, blocks_per_group, x + r0 * ldx, ldx, xsum + r0 * groups,
+          nrows, bias ? bias + p * kLanes : nullptr, y + r0 * ldy + p * kLanes, ldy,
+          std::min(kLanes, n - p * kLanes));
+    }
+  });
+}
+
+template <typename OutT>
+void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx,
+                   const float* xsum, int64_t rows, const float* bias, OutT* y, int64_t ldy) {
+#define LOOM_RUN(BITS, ASYM, SCALE) \
+  return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, xsum, rows, bias, y, ldy)
+  if (w.bits == 4 && w.asymmetric && !w.float_scales) LOOM_RUN(4, true, c10::Half);
+  if (w.bits == 4 && !w.asymmetric && !w.float_scales) LOOM_RUN(4, false, c10::Half);
+  if (w.bits == 8 && !w.asymmetric && !w.float_scales) LOOM_RUN(8, false, c10::Half);
+  if (w.bits == 8 && !w.asymmetric && w.float_scales) LOOM_RUN(8, false, float);
+#undef LOOM_RUN
+  TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
+              w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
+              w.float_scales ? "float32" : "float16", " scales");
+}
+#endif
+
+}  // namespace
+
+bool quant_gemm_available() { return LOOM_HAVE_QUANT_GEMM; }
+
+QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
+                                      c10::optional<at::Tensor> offsets, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_quantized_weight: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kByte && values.dim() == 2,
+              "values must be a 2-d uint8 CPU tensor");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == values.size(0) &&
+                  (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+              "scales must be (N, groups) float16 or float32");
+  const bool asymmetric = offsets.has_value() && offsets->defined();
+  if (asymmetric)
+    TORCH_CHECK(offsets->sizes() == scales.sizes() &&
+                    offsets->scalar_type() == scales.scalar_type(),
+                "offsets must have the shape and dtype of scales");
+  const int64_t n = values.size(0), k = values.size(1), groups = scales.size(1);
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kBlock == 0,
+              "pack_quantized_weight: ", k, " input features in ", groups,
+              " groups: each group must be a multiple of ", kBlock, " features");
+  QuantizedWeight w;
+  w.out_features = n;
+  w.in_features = k;
+  w.bits = bits;
+  w.group_size = k / groups;
+  w.asymmetric = asymmetric;
+  w.float_scales = scales.scalar_type() == at::kFloat;
+  const int64_t panels = (n + kLanes - 1) / kLanes;
+  const int64_t stride = panel_bytes(k, bits, w.group_size, asymmetric, w.float_scales);
+  w.data = at::zeros({panels, stride}, values.options());
+  const auto v = values.contiguous();
+  const auto s = scales.contiguous();
+  const auto o = asymmetric ? offsets->contiguous() : at::Tensor();
+  const auto* vp = v.data_ptr<uint8_t>();
+  const auto* sp = static_cast<const uint8_t*>(s.data_ptr());
+  const auto* op = asymmetric ? static_cast<const uint8_t*>(o.data_ptr()) : nullptr;
+  auto* out = w.data.data_ptr<uint8_t>();
+  const int64_t scale_size = s.element_size();
+  const int64_t blocks_per_group = w.group_size / kBlock;
+  const int64_t limit = (1 << bits) - 1;
+  TORCH_CHECK(v.max().item<uint8_t>() <= limit, "values must be below 2^", bits);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* dst = out + p * stride;
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t i = 0; i < blocks_per_group; ++i) {
+          const int64_t k0 = (g * blocks_per_group + i) * kBlock;
+          for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const int64_t row = p * kLanes + lane;
+            if (row >= n) continue;
+            const uint8_t* src = vp + row * k + k0;
+            // word t = 2 * lane + e of pair vector j holds feature 2j + e
+            for (int64_t j = 0; j < 16; ++j)
+              for (int64_t e = 0; e < 2; ++e) {
+                const uint8_t q = src[2 * j + e];
+                const int64_t t = 2 * lane + e;
+                if (bits == 8)
+                  dst[32 * j + t] = static_cast<uint8_t>(static_cast<int>(q) - 128);
+                else if (j < 8)
+                  dst[32 * j + t] |= q;
+                else
+                  dst[32 * (j - 8) + t] |= static_cast<uint8_t>(q << 4);
+              }
+          }
+          dst += block_bytes(bits);
+        }
+        for (const uint8_t* table : {sp, op}) {
+          if (table == nullptr) continue;
+          for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const int64_t row = p * kLanes + lane;
+            if (row < n)
+              std::memcpy(dst + lane * scale_size, table + (row * groups + g) * scale_size,
+                          scale_size);
+          }
+          dst += kLanes * scale_size;
+        }
+      }
+    }
+  });
+  return w;
+}
+
+std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWeight& w) {
+  TORCH_CHECK(w.data.defined(), "unpack_quantized_weight: the weight is empty");
+  const int64_t n = w.out_features, k = w.in_features, groups = k / w.group_size;
+  const int64_t blocks_per_group = w.group_size / kBlock, stride = w.data.size(1);
+  const auto scale_type = w.float_scales ? at::kFloat : at::kHalf;
+  auto values = at::empty({n, k}, w.data.options());
+  auto scales = at::empty({n, groups}, w.data.options().dtype(scale_type));
+  auto offsets = w.asymmetric ? at::empty({n, groups}, scales.options()) : at::Tensor();
+  const auto* in = w.data.data_ptr<uint8_t>();
+  auto* vp = values.data_ptr<uint8_t>();
+  auto* sp = static_cast<uint8_t*>(scales.data_ptr());
+  auto* op = w.asymmetric ? static_cast<uint8_t*>(offsets.data_ptr()) : nullptr;
+  const int64_t scale_size = scales.element_size();
+  const int64_t panels = w.data.size(0);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* src = in + p * stride;
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t i = 0; i < blocks_per_group; ++i) {
+          const int64_t k0 = (g * blocks_per_group + i) * kBlock;
+          for (int64_t lane = 0; lane < kLanes && p * kLanes + lane < n; ++lane) {
+            uint8_t* dst = vp + (p * kLanes + lane) * k + k0;
+            for (int64_t j = 0; j < 16; ++j)
+              for (int64_t e = 0; e < 2; ++e) {
+                const int64_t t = 2 * lane + e;
+                if (w.bits == 8)
+                  dst[2 * j + e] = static_cast<uint8_t>(static_cast<int8_t>(src[32 * j + t]) + 128);
+                else if (j < 8)
+                  dst[2 * j + e] = src[32 * j + t] & 0x0F;
+                else
+                  dst[2 * j + e] = src[32 * (j - 8) + t] >> 4;
+              }
+          }
+          src += block_bytes(w.bits);
+        }
+        for (uint8_t* table : {sp, op}) {
+          if (table == nullptr) continue;
+          for (int64_t lane = 0; lane < kLanes && p * kLanes + lane < n; ++lane)
+            std::memcpy(table + ((p * kLanes + lane) * groups + g) * scale_size,
+                        src + lane * scale_size, scale_size);
+          src += kLanes * scale_size;
+        }
+      }
+    }
+  });
+  return {values, scales, w.asymmetric ? c10::optional<at::Tensor>(offsets) : c10::nullopt};
+}
+
+void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weight,
+                      c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(LOOM_HAVE_QUANT_GEMM, "quantized_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(weight.data.defined(), "quantized_linear: the weight is empty");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.stride(1) == 1 && x.stride(0) % 2 == 0,
+              "x must be a 2-d bfloat16 CPU tensor, last dim contiguous, rows 4-byte aligned");
+  TORCH_CHECK(x.size(1) == weight.in_features, "x has ", x.size(1), " features, the weight ",
+              weight.in_features);
+  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+                  out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.out_features,
+              "out must be (rows of x, ", weight.out_features,
+              ") bfloat16 or float32, last dim contiguous");
+  const int64_t rows = x.size(0), n = weight.out_features;
+  const int64_t panels = weight.data.size(0);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " entries");
+    bias_f = at::zeros({panels * kLanes}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(bias->reshape({n}));
+  }
+  if (rows == 0) return;
+#if LOOM_HAVE_QUANT_GEMM
+  const int64_t groups = weight.in_features / weight.group_size;
+  auto xsum = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  group_sums(xp, x.stride(0), rows, weight.in_features, weight.group_size,
+             xsum.data_ptr<float>());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (out.scalar_type() == at::kFloat)
+    dispatch_gemm(weight, xp, x.stride(0), xsum.data_ptr<float>(), rows, bp,
+                  out.data_ptr<float>(), out.stride(0));
+  else
+    dispatch_gemm(weight, xp, x.stride(0), xsum.data_ptr<float>(), rows, bp,
+                  out.data_ptr<c10::BFloat16>(), out.stride(0));
+#endif
+}
+
+}  // namespace loom
