@@ -242,8 +242,12 @@ def test_tensor_parallel_updates(checkpoints):
             stop_trainer(trainer)
         assert generate(llm) == expected_b
         llm.update_weights(a)
+        signal = llm.engine.engine_core.executor.signals.weights_status  # shared memory
+        assert signal.tolist() == [NORMAL, NORMAL]
         llm.sleep(level=2)
+        assert signal.tolist() == [CLEARED, CLEARED]
         llm.wake_up()  # reloads A, the last checkpoint loaded from disk
+        assert signal.tolist() == [NORMAL, NORMAL]
         assert generate(llm) == expected_a
         statuses = llm.collective_rpc("weights_status")
         assert statuses[0]["history"] == statuses[1]["history"]
