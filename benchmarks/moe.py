@@ -4,6 +4,7 @@ dense MLP with the same active parameters (top_k * moe_intermediate), interleave
 medians of repeated rounds.
 
     python benchmarks/moe.py [--threads 1] [--dtype bfloat16] [--rounds 30]
+    python benchmarks/moe.py --model [--layers 8] [--batch 1,8]   # whole-model decode
 
 Shapes of a Qwen3-MoE-like layer of about 1B total parameters over 24 layers (hidden
 1024, 32 experts of intermediate 512, top-4: ~50M expert parameters a layer).
@@ -84,5 +85,62 @@ def main() -> None:
                   f"{med['grouped'] / med['dense']:.2f}x |")
 
 
+
+
+def model_main() -> None:
+    """``--model``: whole-model decode, a random Qwen3-MoE checkpoint against a dense
+    Qwen3 of the same active size (intermediate = top_k * moe_intermediate), bf16,
+    in-process LLM, interleaved rounds; tokens/s medians."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    from loom import LLM, SamplingParams
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", action="store_true")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    common = dict(hidden_size=1024, num_hidden_layers=args.layers, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                  max_position_embeddings=1024, tie_word_embeddings=True)
+    configs = {"moe": Qwen3MoeConfig(**common, num_experts=32, num_experts_per_tok=4,
+                                     moe_intermediate_size=512, intermediate_size=2048,
+                                     norm_topk_prob=True),
+               "dense": Qwen3Config(**common, intermediate_size=4 * 512)}
+    root = tempfile.mkdtemp(prefix="loom-moe-bench-")
+    paths = {}
+    for name, config in configs.items():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        total = sum(p.numel() for p in model.parameters())
+        paths[name] = f"{root}/{name}"
+        model.save_pretrained(paths[name])
+        print(f"{name}: {total / 1e6:.0f}M parameters")
+        del model
+    llms = {name: LLM(path, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
+                      enable_prefix_caching=False) for name, path in paths.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for batch in map(int, args.batch.split(",")):
+        prompts = [{"prompt_token_ids": list(range(10 + i, 42 + i))} for i in range(batch)]
+        rates: dict[str, list[float]] = {name: [] for name in llms}
+        for _ in range(args.rounds):
+            for name, llm in llms.items():
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                rates[name].append(batch * args.max_tokens / (time.perf_counter() - start))
+        moe, dense = (statistics.median(rates[n]) for n in ("moe", "dense"))
+        print(f"batch {batch}: MoE {moe:.1f} tokens/s, dense (same active) {dense:.1f} "
+              f"tokens/s, dense/MoE {dense / moe:.2f}x")
+    for llm in llms.values():
+        llm.shutdown()
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    model_main() if "--model" in sys.argv else main()
