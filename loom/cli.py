@@ -96,6 +96,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "--quantization-group-size")
     group.add_argument("--quantization-group-size", type=int, default=128, metavar="32|64|128",
                        help="wint4: input features per scale and offset (default 128)")
+    group.add_argument("--lm-head-fp32", action="store_true",
+                       help="compute logits in float32 from a float32 copy of the LM head "
+                            "(dequantized if the checkpoint stores it quantized)")
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     group.add_argument("--structured-outputs-backend", "--guided-decoding-backend",
                        default="auto", choices=["auto", "guidance", "llguidance"],
@@ -142,7 +145,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "early_stop_config", "enable_warm_up", "enable_chunked_prefill",
              "generation_config", "override_generation_config", "trust_remote_code",
              "enforce_eager", "attention_backend", "quantization",
-             "quantization_group_size")
+             "quantization_group_size", "lm_head_fp32")
     return {name: getattr(args, name) for name in names}
 
 

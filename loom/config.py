@@ -56,6 +56,9 @@ class ModelConfig:
     # wint4's input features per scale and offset (32, 64 or 128; a layer whose shard of
     # input features it does not divide takes the largest smaller one that does).
     quantization_group_size: int = 128
+    # The seed's --lm-head-fp32: logits from a float32 copy of the LM head's weight
+    # (dequantized if it is quantized) and float32 hidden states.
+    lm_head_fp32: bool = False
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
@@ -376,6 +379,8 @@ class EngineConfig:
         skip_tokenizer_init: bool = False,
         attention_backend: str = "auto",
         quantization_group_size: int = 128,
+        lm_head_fp32: bool = False,
+        quantization_group_size: int = 128,
         quantization: str = "auto",
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
@@ -447,7 +452,8 @@ class EngineConfig:
                               skip_tokenizer_init=skip_tokenizer_init,
                               attention_backend=attention_backend,
                               quantization=quantization,
-                              quantization_group_size=quantization_group_size),
+                              quantization_group_size=quantization_group_size,
+                              lm_head_fp32=lm_head_fp32),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

@@ -92,6 +92,7 @@ class ModelRunner:
                                 attention_backend=chosen,
                                 quantization=self.config.model.quantization,
                                 quantization_group_size=self.config.model.quantization_group_size,
+                                lm_head_fp32=self.config.model.lm_head_fp32,
                                 expert_parallel_size=self.config.parallel.expert_parallel_size)
         if self.tp_group.rank == 0:
             backend = self.model.attention_layers[0].impl.name

@@ -297,6 +297,43 @@ def test_a_reload_requantizes_the_shards_it_is_given():
             assert torch.equal(after.scales[rows], before.scales[rows])
 
 
+def test_quantized_embedding_and_tied_head():
+    """A table kept quantized: the embedding's rows are the dequantized table's, bit for
+    bit; the tied LM head's logits are the reference's within the kernel's bound, or
+    float32 ones from a float32 copy (--lm-head-fp32)."""
+    from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    table = make_format("Q8_0", 100, 64, seed=5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for float32_head in (False, True):
+            torch.set_default_dtype(dtype)
+            try:
+                embedding = VocabParallelEmbedding(100, 64)
+                head = ParallelLMHead(100, 64)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            head.weight = embedding.weight  # tied, as LlamaForCausalLM ties them
+            head.float32 = float32_head
+            embedding.weight.weight_loader(embedding.weight, table)
+            embedding.process_weights_after_loading()
+            head.process_weights_after_loading()
+            assert embedding.weight.dtype == torch.uint8 and embedding.table is head.table
+            ids = torch.tensor([[0, 99, 5], [42, 42, 7]])
+            assert torch.equal(embedding(ids), table.rows(ids.reshape(-1)).dequantize(dtype)
+                               .view(2, 3, 64))
+            hidden = torch.randn(3, 64).to(dtype)
+            logits = head.compute_logits(hidden)
+            reference = reference_linear(hidden.float(), table)
+            assert logits.dtype == torch.float32 and logits.shape == (3, 100)
+            if float32_head:
+                assert head.float32_weight.dtype == torch.float32
+                assert torch.equal(logits, torch.nn.functional.linear(
+                    hidden.float(), table.dequantize()))
+            else:
+                assert bool(((logits - reference).abs()
+                             <= kernel_error_bound(hidden, table)).all())
+
+
 # ---- (d) the proof: loom's quantized greedy == transformers on the dequantized weights -
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -465,9 +502,15 @@ def test_default_gguf_kept_in_q4_1_follows_the_dequantized_file(caplog):
     try:
         said = [r.getMessage() for r in caplog.records]
         weights = next(m for m in said if m.startswith("weights: "))
-        uint8_mib = float(re.search(r"([\d.]+) MiB uint8", weights).group(1))
-        # 210 Q4_1 linears: 5 bits a weight (4 + float16 d and m per 32), 63.3 MiB
-        assert 60 < uint8_mib < 66, weights
+        mib = {dtype: float(size) for size, dtype in re.findall(r"([\d.]+) MiB (\w+)", weights)}
+        # 210 Q4_1 linears (5 bits a weight: 4 + float16 d and m per 32) and the Q8_0
+        # embedding, tied to the LM head (8.5 bits): within 10% of the file's tensors
+        from loom.model.loader.gguf_loader import open_gguf
+
+        file_mib = sum(info.num_bytes for info in open_gguf(path).tensors.values()) / 2**20
+        assert sum(mib.values()) <= 1.1 * file_mib and mib["uint8"] > 0.9 * file_mib, \
+            (weights, file_mib)
+        assert "packed" not in weights, weights  # no second copy of anything
         answer = kept.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         assert "Paris" in answer[0].outputs[0].text

@@ -366,6 +366,68 @@ std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWe
   return {values, scales, w.asymmetric ? c10::optional<at::Tensor>(offsets) : c10::nullopt};
 }
 
+void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
+  TORCH_CHECK(w.data.defined(), "dequantize_rows: the weight is empty");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be 1-d int64");
+  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+                  out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) &&
+                  out.size(1) == w.in_features,
+              "out must be (len(ids), ", w.in_features, ") bfloat16 or float32, contiguous");
+  const int64_t k = w.in_features, groups = k / w.group_size, stride = w.data.size(1);
+  const int64_t blocks_per_group = w.group_size / kBlock;
+  const int64_t scale_size = w.float_scales ? 4 : 2;
+  const auto ids_c = ids.contiguous();
+  const int64_t* idp = ids_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < w.out_features, "dequantize_rows: row ", idp[i],
+                " is out of range [0, ", w.out_features, ")");
+  const auto* data = w.data.data_ptr<uint8_t>();
+  auto scale_at = [&](const uint8_t* p, int64_t lane) {
+    if (w.float_scales) {
+      float f;
+      std::memcpy(&f, p + 4 * lane, 4);
+      return f;
+    }
+    c10::Half h;
+    std::memcpy(&h, p + 2 * lane, 2);
+    return static_cast<float>(h);
+  };
+  LOOM_DISPATCH(out.scalar_type(), "dequantize_rows", [&] {
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, ids.size(0), 1, [&](int64_t begin, int64_t end) {
+      float row[kBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t lane = idp[i] % kLanes;
+        const uint8_t* src = data + (idp[i] / kLanes) * stride;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* scales = src + blocks_per_group * block_bytes(w.bits);
+          const float d = scale_at(scales, lane);
+          const float m = w.asymmetric ? scale_at(scales + kLanes * scale_size, lane) : 0.f;
+          for (int64_t b = 0; b < blocks_per_group; ++b, src += block_bytes(w.bits)) {
+            for (int64_t j = 0; j < 16; ++j)
+              for (int64_t e = 0; e < 2; ++e) {
+                const int64_t t = 2 * lane + e;
+                float q;
+                if (w.bits == 8)
+                  q = static_cast<int8_t>(src[32 * j + t]);  // stored q - 128
+                else if (j < 8)
+                  q = src[32 * j + t] & 0x0F;
+                else
+                  q = src[32 * (j - 8) + t] >> 4;
+                if (w.bits == 4 && !w.asymmetric) q -= 8.f;
+                // as QuantizedTensor.dequantize: d * (q - z), or d * q + m
+                row[2 * j + e] = w.asymmetric ? d * q + m : d * q;
+              }
+            scalar_t* dst = op + i * k + (g * blocks_per_group + b) * kBlock;
+            for (int64_t c = 0; c < kBlock; ++c) dst[c] = from_float<scalar_t>(row[c]);
+          }
+          src += kLanes * scale_size * (w.asymmetric ? 2 : 1);
+        }
+      }
+    });
+  });
+}
+
 void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weight,
                       c10::optional<at::Tensor> bias) {
   TORCH_CHECK(LOOM_HAVE_QUANT_GEMM, "quantized_linear needs a CPU with AVX512-BF16");

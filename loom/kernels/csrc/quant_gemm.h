@@ -39,6 +39,11 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
 // The inverse of pack_quantized_weight: [values, scales, offsets or None].
 std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWeight& weight);
 
+// out (len(ids), K) = rows `ids` of the weight, dequantized (an embedding lookup from
+// a quantized table; each value as QuantizedTensor.dequantize computes it, rounded once
+// to out's dtype).
+void dequantize_rows(at::Tensor out, const QuantizedWeight& weight, at::Tensor ids);
+
 // out (M, N) = x (M, K) @ W^T (+ bias); x bfloat16, out bfloat16 or float32: float32
 // sums of exact products, no activation quantized.
 void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weight,

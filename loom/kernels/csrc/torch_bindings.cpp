@@ -58,6 +58,9 @@ void bind_quant_gemm(py::module& m) {
   m.def("unpack_quantized_weight", &loom::unpack_quantized_weight,
         "QuantizedWeight -> [values, scales, offsets or None]", py::arg("weight"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &loom::dequantize_rows, "out = rows ids of W, dequantized",
+        py::arg("out"), py::arg("weight"), py::arg("ids"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("quantized_linear", &loom::quantized_linear, "out = x @ W^T (+ bias), W quantized",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());

@@ -2,6 +2,12 @@
 
 The vocabulary is padded up to a multiple of the TP size and split into equal
 contiguous ranges, one per rank. Padded rows are zero and their logits are cut off.
+
+A table that arrives quantized (a GGUF file's Q8_0 ``token_embd`` under ``--quantization
+auto``) stays quantized: the embedding gathers and dequantizes the rows it looks up, and
+the LM head (often the same table, tied) multiplies with loom's quantized kernel, or in
+float32 with ``--lm-head-fp32`` (``ParallelLMHead.float32``). The quantized state hangs
+on the ``weight`` parameter itself (``QuantizedTable``), so a tied head shares it.
 """
 
 from __future__ import annotations
@@ -11,7 +17,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.kernels import native_ops_for
 from loom.model.layers.linear import PackedWeight, linear, pack_weight
+from loom.model.layers.quantization import QuantizedTensor, reference_linear
+
+
+class QuantizedTable:
+    """A quantized (rows, K) table as one of the two paths holds it: loom's kernel layout
+    (``kernel``, a ``QuantizedWeight``) or the PyTorch path's ``QuantizedTensor``."""
+
+    def __init__(self, staged: QuantizedTensor, dtype: torch.dtype) -> None:
+        self.format = staged.format
+        ops = native_ops_for(staged.values.device, dtype)
+        if ops is not None and dtype == torch.bfloat16 and ops.quant_gemm_available():
+            self.kernel = ops.pack_quantized_weight(staged.values, staged.scales,
+                                                    staged.offsets, staged.bits)
+            self.reference, self._ops = None, ops
+        else:
+            self.kernel, self.reference, self._ops = None, staged, None
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The bytes that stay resident (what the ``weight`` parameter holds)."""
+        return self.kernel.data if self.kernel is not None else self.reference.values
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        if self.kernel is None:
+            out = self.reference.rows(flat).dequantize(dtype)
+        else:
+            out = torch.empty(flat.numel(), self.kernel.in_features, dtype=dtype)
+            self._ops.dequantize_rows(out, self.kernel, flat)
+        return out.view(*ids.shape, out.shape[-1])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, K) -> float32 (N, rows)."""
+        if self.kernel is None:
+            return reference_linear(hidden.float(), self.reference)
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        out = torch.empty(flat.shape[0], self.kernel.out_features, dtype=torch.float32)
+        self._ops.quantized_linear(out, flat, self.kernel, None)
+        return out
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel is None:
+            return self.reference.dequantize(dtype)
+        ids = torch.arange(self.kernel.out_features)
+        return self.rows(ids, dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,28 +76,57 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_rank = -(-num_embeddings // tp)
         self.vocab_start = tp_group.rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
+        self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_rank, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self._dtype = self.weight.dtype
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedTensor,
                       shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings or \
-                loaded_weight.shape[1] != param.shape[1]:
+                loaded_weight.shape[1] != self.embedding_dim:
             raise ValueError(f"embedding of shape {tuple(loaded_weight.shape)} does not match "
-                             f"vocab_size {self.num_embeddings} x {param.shape[1]}")
+                             f"vocab_size {self.num_embeddings} x {self.embedding_dim}")
         end = min(self.vocab_end, self.num_embeddings)
         rows = max(end - self.vocab_start, 0)
-        param.data[:rows].copy_(loaded_weight[self.vocab_start:self.vocab_start + rows])
+        mine = loaded_weight.narrow(0, self.vocab_start, rows)
+        if isinstance(loaded_weight, QuantizedTensor):  # kept quantized: staged whole
+            staged = QuantizedTensor.empty(loaded_weight, (self.num_embeddings_per_rank,
+                                                           self.embedding_dim))
+            staged.narrow(0, 0, rows).copy_(mine)
+            param.staged = staged  # process_weights_after_loading lays it out
+            return
+        if getattr(param, "table", None) is not None:  # was quantized: full precision again
+            param.data = torch.zeros(self.num_embeddings_per_rank, self.embedding_dim,
+                                     dtype=self._dtype)
+            param.table = None
+        param.data[:rows].copy_(mine)
         param.data[rows:].zero_()
+
+    def process_weights_after_loading(self) -> None:
+        staged = getattr(self.weight, "staged", None)
+        if staged is not None:
+            self.weight.table = QuantizedTable(staged, self._dtype)
+            self.weight.data = self.weight.table.data  # the float table is freed
+            self.weight.staged = None
+
+    @property
+    def table(self) -> QuantizedTable | None:
+        """The quantized table, None when the weight is full precision."""
+        return getattr(self.weight, "table", None)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        return F.embedding(ids, self.weight) if table is None else table.rows(ids, self._dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.is_single:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Each rank looks up the ids in its range, zeroes the others; the sum is the lookup.
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = (input_ids - self.vocab_start) * in_range
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out.masked_fill_(~in_range.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(out)
 
@@ -55,18 +136,36 @@ class ParallelLMHead(VocabParallelEmbedding):
     ranges are gathered so every rank returns the full ``(N, vocab_size)``."""
 
     packed_weight: PackedWeight | None = None  # see linear.pack_weight
+    # --lm-head-fp32 (the seed's): logits from a float32 copy of the weight and float32
+    # hidden states, however the table is held (load_model sets it)
+    float32: bool = False
+    float32_weight: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits")
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_weight(self.weight)
+        super().process_weights_after_loading()  # a tied table: done already, a no-op
+        table = self.table
+        self.packed_weight = None
+        self.float32_weight = None
+        if self.float32:
+            self.float32_weight = (self.weight.detach().float() if table is None
+                                   else table.dequantize(torch.float32))
+        elif table is None:
+            self.packed_weight = pack_weight(self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # (N, vocab); float32 straight from the sums where the CPU kernel allows (bf16
         # logits tie tokens one bf16 step, 0.125 at 25, apart), in a buffer kept from
         # step to step (layers/scratch.py): valid until this head's next call
-        logits = linear(hidden_states, self.weight, packed=self.packed_weight,
-                        float_output=True, out_owner=self)
+        table = self.table
+        if self.float32_weight is not None:
+            logits = F.linear(hidden_states.float(), self.float32_weight)
+        elif table is not None:
+            logits = table.logits(hidden_states)
+        else:
+            logits = linear(hidden_states, self.weight, packed=self.packed_weight,
+                            float_output=True, out_owner=self)
         logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

@@ -205,8 +205,9 @@ def quantize_wint4(weight: torch.Tensor, group_size: int = WINT4_GROUP_SIZE) -> 
         q = round((W - m) / d) in [0, 15]
 
     Asymmetric rather than symmetric: 16 levels over [min, max] instead of 15 over
-    [-amax, amax] (SmolLM2's linears, measured: round-trip RMS error 0.80x the
-    symmetric one's at group 128) for one more float16 per group."""
+    [-amax, amax], for one more float16 per group. Measured on SmolLM2's linear weights
+    (as its Q4_1 file dequantizes them), groups of 64: round-trip RMS error 0.71x the
+    symmetric one's."""
     n, k = weight.shape
     if group_size % KERNEL_BLOCK or k % group_size:
         raise ValueError(f"wint4 groups of {group_size} must be a multiple of {KERNEL_BLOCK} "

@@ -188,8 +188,8 @@ def llama_config_from_metadata(gguf_file: GGUFFile) -> Any | None:
     return config
 
 
-# Decoder linear weights: the tensors a GGUF file may keep quantized (the layers'
-# loaders take a QuantizedTensor; everything else is dequantized).
+# Decoder linear weights (and token_embd, output): the tensors a GGUF file may keep
+# quantized (their loaders take a QuantizedTensor; everything else is dequantized).
 _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                  "ffn_down")
 
@@ -198,7 +198,8 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
                           ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to float32 (the
     weight loaders cast to the parameter's dtype as they copy); with ``keep_quantized``,
-    decoder linear weights in a format loom runs (Q4_0, Q4_1, Q8_0) as ``QuantizedTensor``
+    decoder linear weights, the embedding and the LM head in a format loom runs (Q4_0,
+    Q4_1, Q8_0) as ``QuantizedTensor``
     instead, and a log line names the formats that were dequantized."""
     gguf_file = open_gguf(path)
     architecture = gguf_file.metadata.get("general.architecture")
@@ -212,7 +213,8 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
             continue
         raw = gguf_file.tensor_bytes(info)
         m = _LAYER_RE.match(info.name)
-        linear = m is not None and m.group(2) in _LINEAR_PARTS and m.group(3) == "weight"
+        linear = (m is not None and m.group(2) in _LINEAR_PARTS and m.group(3) == "weight") \
+            or info.name in ("token_embd.weight", "output.weight")
         weights = gguf_quantized(raw, info.ggml_type, info.shape) \
             if keep_quantized and linear else None
         if weights is None:

@@ -51,13 +51,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
                attention_backend: str = "auto", quantization: str = "auto",
-               quantization_group_size: int = 128,
+               quantization_group_size: int = 128, lm_head_fp32: bool = False,
                expert_parallel_size: int = 1) -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
     parameter from ``model_path``, quantize the decoder's linear weights if
-    ``quantization`` says so (layers/quantization.py), return it in eval mode. Rank 0
-    logs the resident weight bytes by dtype. ``expert_parallel_size`` 1 or the TP size:
+    ``quantization`` says so (layers/quantization.py; ``quantization_group_size`` for
+    wint4; ``lm_head_fp32``: float32 logits from a float32 copy of the LM head), return
+    it in eval mode. Rank 0 logs the resident weight bytes by dtype. ``expert_parallel_size`` 1 or the TP size:
     MoE layers split their experts whole over the TP ranks (layers/fused_moe.py)."""
     model_cls = get_model_class(get_model_architecture(hf_config))
     if torch.device(device).type == "cpu":
@@ -69,6 +70,8 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                                                                          quantization_group_size),
                           expert_parallel=expert_parallel_group(tp_group,
                                                                 expert_parallel_size))
+    if lm_head_fp32 and hasattr(model, "lm_head"):
+        model.lm_head.float32 = True
     if is_gguf(model_path):
         weights = gguf_weights_iterator(model_path, hf_config,
                                         keep_quantized=quantization == "auto")
@@ -97,6 +100,9 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
         name = str(param.dtype).removeprefix("torch.")
         totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
     for module in model.modules():
+        copy = getattr(module, "float32_weight", None)  # --lm-head-fp32
+        if copy is not None:
+            totals["float32"] = totals.get("float32", 0) + copy.numel() * 4
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             data = packed.data

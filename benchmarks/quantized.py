@@ -1,0 +1,190 @@
+"""loom against llama.cpp on the same quantized GGUF file, interleaved, medians.
+
+    python benchmarks/quantized.py                           # the default Q4_1 file
+    python benchmarks/quantized.py --model F.gguf --repeats 5 --llama-bin DIR
+
+Per repeat, in an order rotated each repeat:
+
+- llama.cpp ``llama-bench`` (pp128: prompt processing; tg128: batch-1 decode) and
+  ``llama-batched-bench`` (128-token prompts, 128 new tokens, 32 sequences), 2 threads;
+- ``loom bench latency`` on the file as users have it (``--quantization auto``: its
+  Q4_0/Q4_1/Q8_0 tensors kept quantized) and dequantized to bf16 (``--quantization
+  none``, loom before issue 15), batch 1 and 32, 128 in, 128 out.
+
+Each process's peak resident memory (its whole tree, sampled every 50 ms) is reported
+beside its speed, and the batch-1 roofline: the bytes a decode step reads (every linear
+weight and the LM head, as stored) over the read bandwidth measured in the same run.
+llama.cpp comes from benchmarks/setup_baselines.sh (``$LOOM_BENCH_ENVS/llama.cpp/bin``);
+it is a benchmark tool, never a dependency. Results: ``--out`` (JSON) and a table on
+stdout, to be copied into benchmarks/quantized.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack.extend(int(c) for c in f.read().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def run_measured(cmd: list[str], timeout: float) -> tuple[str, int, float]:
+    """(stdout, peak tree RSS bytes, seconds) of ``cmd``."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_rss(proc.pid))
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        done.set()
+        sampler.join()
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}):\n{out[-2000:]}")
+    return out, peak[0], time.perf_counter() - start
+
+
+def run_llama_bench(bin_dir: str, model: str, threads: int) -> dict[str, Any]:
+    out, rss, _ = run_measured([os.path.join(bin_dir, "llama-bench"), "-m", model, "-p", "128",
+                                "-n", "128", "-t", str(threads), "-o", "json"], 900)
+    rows = json.loads(out[out.index("["):])
+    result: dict[str, Any] = {"peak_rss_mib": rss / 2**20}
+    for row in rows:
+        key = "pp128_tokens_per_s" if row.get("n_prompt") else "tg128_tokens_per_s"
+        result[key] = row["avg_ts"]
+    return result
+
+
+def run_llama_batched(bin_dir: str, model: str, threads: int, batch: int) -> dict[str, Any]:
+    out, rss, _ = run_measured([os.path.join(bin_dir, "llama-batched-bench"), "-m", model,
+                                "-c", str(batch * 256 + 256), "-b", "2048", "-ub", "512",
+                                "-npp", "128", "-ntg", "128", "-npl", str(batch),
+                                "-t", str(threads), "--output-format", "jsonl"], 1800)
+    for line in out.splitlines():
+        if line.startswith("{") and '"pl"' in line:
+            row = json.loads(line)
+            return {"batch": batch, "output_tokens_per_s": row["speed_tg"],
+                    "prompt_tokens_per_s": row["speed_pp"], "peak_rss_mib": rss / 2**20}
+    raise RuntimeError(f"llama-batched-bench printed no result:\n{out[-2000:]}")
+
+
+def run_loom(model: str, quantization: str, batches: list[int]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "latency.json")
+        _, rss, _ = run_measured([sys.executable, "-m", "loom.cli", "bench", "latency",
+                                  "--model", model, "--quantization", quantization,
+                                  "--input-len", "128", "--output-len", "128",
+                                  "--batch-size", *map(str, batches), "--num-iters", "2",
+                                  "--max-model-len", "512", "--result-file", result_file],
+                                 1800)
+        with open(result_file) as f:
+            record = json.load(f)
+    result: dict[str, Any] = {"peak_rss_mib": rss / 2**20}
+    for row in record["results"]:
+        b = row["batch_size"]
+        result[f"b{b}_decode_tokens_per_s"] = row["decode_tokens_per_s"]
+        result[f"b{b}_output_tokens_per_s"] = row["output_tokens_per_s"]
+        result[f"b{b}_prefill_tokens_per_s"] = row["prefill_tokens_per_s"]
+    return result
+
+
+def step_bytes(model: str) -> int:
+    """Bytes a batch-1 decode step reads from the file's tensors: every 2-d weight but
+    the embedding table, which the LM head reads whole when tied (one row otherwise)."""
+    from loom.model.loader.gguf_loader import open_gguf
+
+    tensors = open_gguf(model).tensors
+    total = sum(info.num_bytes for info in tensors.values() if len(info.shape) == 2)
+    if "output.weight" in tensors:
+        total -= tensors["token_embd.weight"].num_bytes
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--llama-bin", default=os.path.join(
+        os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
+    parser.add_argument("--engines", default="llamacpp,loom-kept,loom-bf16")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "quantized.json"))
+    args = parser.parse_args()
+    if args.model is None:
+        from loom.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    from benchmarks.roofline import measure_bandwidth
+
+    engines = args.engines.split(",")
+    if "llamacpp" in engines and not os.path.exists(os.path.join(args.llama_bin, "llama-bench")):
+        print(f"no llama.cpp at {args.llama_bin} (benchmarks/setup_baselines.sh llamacpp); "
+              "running loom only", file=sys.stderr)
+        engines.remove("llamacpp")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    bandwidth = []
+    for repeat in range(args.repeats):
+        order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
+        for name in order:
+            if name == "llamacpp":
+                result = run_llama_bench(args.llama_bin, args.model, args.threads)
+                result.update({f"b{args.batch}_{k}": v for k, v in run_llama_batched(
+                    args.llama_bin, args.model, args.threads, args.batch).items()})
+            else:
+                result = run_loom(args.model, "auto" if name == "loom-kept" else "none",
+                                  [1, args.batch])
+            runs[name].append(result)
+            print(f"repeat {repeat} {name}: {json.dumps(result)}", flush=True)
+        bandwidth.append(measure_bandwidth(512, 5)["read_gb_s"])
+    medians = {name: {key: statistics.median(r[key] for r in rows if key in r)
+                      for key in rows[0]} for name, rows in runs.items() if rows}
+    bytes_per_step = step_bytes(args.model)
+    read_gb_s = statistics.median(bandwidth)
+    summary = {"model": args.model, "repeats": args.repeats, "threads": args.threads,
+               "medians": medians, "raw": runs, "step_bytes": bytes_per_step,
+               "read_gb_s": read_gb_s,
+               "roofline_tokens_per_s": read_gb_s * 1e9 / bytes_per_step}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps({k: v for k, v in summary.items() if k != "raw"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
