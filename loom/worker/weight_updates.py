@@ -213,11 +213,20 @@ class WeightUpdater:
     # ----------------------------------------------------------------- internals
 
     def _drop_derived_state(self) -> None:
-        """What was made from the weights being freed: packed copies, the native stack's
-        plan."""
+        """What holds the weights' bytes beside the parameters, before they are freed: a
+        layer's ``release_weight()`` (a quantized linear's kernel layout, packed copies),
+        else its packed and float32 copies, and a quantized embedding table hung on its
+        parameter; and the native stack's plan."""
         for module in self.model.modules():
-            if getattr(module, "packed_weight", None) is not None:
-                module.packed_weight = None
+            release = getattr(module, "release_weight", None)
+            if release is not None:
+                release()
+            for name in ("packed_weight", "float32_weight"):
+                if getattr(module, name, None) is not None:
+                    setattr(module, name, None)
+        for param in self.model.parameters():
+            if getattr(param, "table", None) is not None:  # embedding.py's QuantizedTable
+                param.table = None
         _invalidate_native_stack(self.model)
 
     def _derive_state(self) -> None:

@@ -97,6 +97,11 @@ def test_update_from_directory_equals_fresh_engine(checkpoints, kwargs):
         assert type(model.model.native_stack) is stack_before
         [status] = llm.collective_rpc("weights_status")
         assert status == {"status": NORMAL, "history": UPDATE_STATES}
+        # Freed whole (a quantized layer's kernel layout too) and reloaded from B.
+        llm.sleep(level=2)
+        assert llm.collective_rpc("memory_usage")[0]["weight_bytes"] == 0
+        llm.wake_up()
+        assert generate(llm) == expected_b
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama_tied_rope3", "gemma3", "qwen3_moe"])
