@@ -97,3 +97,32 @@ def test_prompt_longer_than_the_window_equals_transformers(tmp_path, family,
         with torch.no_grad():
             expected = hf(torch.tensor([tokens[:seen]])).logits[0, -chunk:]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config_cls", ["Qwen2Config", "Qwen3Config"])
+def test_layer_types_set_the_window_per_layer(tmp_path, config_cls):
+    """Qwen2/Qwen3 with use_sliding_window: the layers from max_window_layers on attend
+    over the window (config.layer_types), the first ones over everything; a 30-token
+    prompt and decodes equal transformers."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoints import _COMMON
+
+    config = getattr(transformers, config_cls)(
+        **_COMMON | dict(num_hidden_layers=3), vocab_size=256, use_sliding_window=True,
+        sliding_window=8, max_window_layers=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(8.0)
+    hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), load_hf_config(str(tmp_path)), dtype=torch.float32)
+    assert [layer.attention.sliding_window for layer in model.model.layers] == [None, 8, 8]
+    tokens = list(range(3, 33))
+    driver = PagedDriver(model, num_blocks=32, block_size=4)
+    logits = driver.step([(0, tokens, 30)])
+    decoded = driver.step([(0, tokens + [7], 1)])
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens + [7]])).logits[0]
+    torch.testing.assert_close(torch.cat([logits, decoded]), expected, atol=1e-4, rtol=1e-4)

@@ -330,8 +330,15 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def layer_specs(cls, config: Any, spec: DecoderLayerSpec) -> list[DecoderLayerSpec]:
-        """Each layer's spec, where a family's layers differ (``spec`` for all here)."""
-        return [spec] * config.num_hidden_layers
+        """Each layer's spec, where a family's layers differ: ``spec`` for all, with the
+        config's ``sliding_window`` on the layers its ``layer_types`` call
+        ``sliding_attention`` (Qwen2/Qwen3 with ``use_sliding_window``)."""
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if not layer_types or not window:
+            return [spec] * config.num_hidden_layers
+        return [replace(spec, sliding_window=window) if layer_type == "sliding_attention"
+                else spec for layer_type in layer_types]
 
     def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
                  attention_backend: str = "torch", weight_quantization: str = "none",
