@@ -20,8 +20,9 @@
 //
 // One row streams each weight byte once and unpacks it in registers (a block of 32
 // features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
-// many rows reuse each unpacked block across up to 6 rows, with no dequantized copy
-// anywhere.
+// more than 6 rows unpack a panel of 16 outputs once into a thread's buffer (in L2) and
+// run every 6 rows over it, so the unpacking is paid once per panel, not per 6 rows.
+// No dequantized copy of the weights is kept anywhere.
 //
 // Layout (pack_quantized_weight): panels of 16 output rows; in a panel, group after
 // group: its blocks of 32 features, then 16 scales, then 16 offsets if asymmetric. A
@@ -40,6 +41,7 @@
 #include <c10/util/Half.h>
 
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -108,11 +110,41 @@ inline __m512bh int8x32_to_bf16(const uint8_t* p) {
                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
 }
 
-// Rows [0, MR) of x times one panel: `cols` (<= 16) outputs per row.
-template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT>
-void micro_kernel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
-                  const c10::BFloat16* x, int64_t ldx, const float* xsum, const float* bias,
-                  OutT* y, int64_t ldy, int64_t cols) {
+// A panel's values as bf16 pair vectors, in feature order (vector `pair` holds
+// features 2 pair, 2 pair + 1 of the 16 rows): what micro_kernel<..., true> reads
+// instead of unpacking each block again for every 6 rows.
+template <int BITS>
+void unpack_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
+                  int64_t scale_bytes, __m512i* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m512i table = nibble_table();
+  const uint8_t* p = panel;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < blocks_per_group; ++i, out += 16) {
+      if constexpr (BITS == 4) {
+        for (int c = 0; c < 8; ++c) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+          out[c] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(w, low)),
+                                            table);
+          out[c + 8] = _mm512_permutexvar_epi16(
+              _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low)), table);
+        }
+        p += 256;
+      } else {
+        for (int j = 0; j < 16; ++j) out[j] = (__m512i)int8x32_to_bf16(p + 32 * j);
+        p += 512;
+      }
+    }
+    p += scale_bytes;
+  }
+}
+
+// Rows [0, MR) of x times one panel: `cols` (<= 16) outputs per row. UNPACKED: the
+// panel's values come from `unpacked` (unpack_panel), its scales from `panel`.
+template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT, bool UNPACKED>
+void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
+                  int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
+                  const float* xsum, const float* bias, OutT* y, int64_t ldy, int64_t cols) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -125,7 +157,14 @@ void micro_kernel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group
     __m512 sum[MR];
     for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < blocks_per_group; ++i, pair += 16) {
-      if constexpr (BITS == 4) {
+      if constexpr (UNPACKED) {
+        for (int j = 0; j < 16; ++j) {
+          const __m512bh w = (__m512bh)_mm512_load_si512(unpacked + pair + j);
+          for (int r = 0; r < MR; ++r)
+            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
+        }
+        p += BITS == 4 ? 256 : 512;
+      } else if constexpr (BITS == 4) {
         for (int c = 0; c < 8; ++c) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
           const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(
@@ -178,11 +217,32 @@ template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
                       const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t rows,
                       const float* bias, OutT* y, int64_t ldy, int64_t cols) {
+  // More than one block of rows: unpack the panel once (K / 2 vectors, 32 KB per 1,024
+  // features, in L2) and let every block of rows read it, rather than unpack it again
+  // per 6 rows (batch 32: 6 unpackings of each weight instead of 1).
+  const __m512i* unpacked = nullptr;
+  if (rows > kRowBlock) {
+    thread_local std::vector<__m512i> buffer;
+    const int64_t vectors = groups * blocks_per_group * 16;
+    if (static_cast<int64_t>(buffer.size()) < vectors) buffer.resize(vectors);
+    unpack_panel<BITS>(panel, groups, blocks_per_group,
+                       kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1), buffer.data());
+    unpacked = buffer.data();
+  }
   for (int64_t r = 0; r < rows; r += kRowBlock) {
-#define LOOM_MICRO(MR)                                                                  \
-  micro_kernel<BITS, ASYM, ScaleT, MR, OutT>(panel, groups, blocks_per_group, x + r * ldx, \
-                                             ldx, xsum + r * groups, bias, y + r * ldy,    \
-                                             ldy, cols)
+#define LOOM_MICRO(MR)                                                                    \
+  do {                                                                                    \
+    if (unpacked)                                                                         \
+      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, true>(panel, unpacked, groups,           \
+                                                       blocks_per_group, x + r * ldx, ldx, \
+                                                       xsum + r * groups, bias, y + r * ldy, \
+                                                       ldy, cols);                        \
+    else                                                                                  \
+      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, false>(panel, nullptr, groups,           \
+                                                        blocks_per_group, x + r * ldx, ldx, \
+                                                        xsum + r * groups, bias,          \
+                                                        y + r * ldy, ldy, cols);          \
+  } while (0)
     switch (std::min(kRowBlock, rows - r)) {
       case 6: LOOM_MICRO(6); break;
       case 5: LOOM_MICRO(5); break;
