@@ -126,16 +126,36 @@ def test_update_weights_equals_a_fresh_engine_and_refusals_keep_serving(
     assert client.post("/reset_prefix_cache").json() == {"success": True, "reset": True}
 
 
-def test_pause_abort_ends_running_requests_and_holds_new_ones(client, checkpoints, expected):
+@pytest.fixture
+def restore(client, checkpoints):
+    """Whatever a test leaves, the next finds generation running on A (an update also
+    wakes a sleeping engine)."""
+    yield
+    assert client.post("/resume_generation").status_code == 200
+    assert client.post("/update_weights", json={"path": checkpoints[0]}).status_code == 200
+
+
+def test_pause_abort_ends_running_requests_and_holds_new_ones(client, checkpoints, expected,
+                                                             restore):
     a, b = checkpoints
-    finished = {}
-    thread, long = stream_in_background(client, PROMPTS[0], max_tokens=440)
+    # Sixteen long requests in one batch (the tiny model decodes in a millisecond a step;
+    # together they take long enough for the pause to find them running).
+    others = {}
+    threads = [threading.Thread(target=lambda i=i: others.update(
+        {i: complete(client, PROMPTS[0], max_tokens=440)})) for i in range(15)]
+    for thread in threads:
+        thread.start()
+    stream, long = stream_in_background(client, PROMPTS[0], max_tokens=440)
     response = client.post("/pause_generation", json={"mode": "abort"})
     assert response.status_code == 200, response.text
-    thread.join(30)
-    assert long["finish_reason"] == "abort"
+    for thread in threads + [stream]:
+        thread.join(30)
+    reasons = [long["finish_reason"]] + [choice["finish_reason"] for choice in others.values()]
+    assert len(reasons) == 16 and set(reasons) <= {"abort", "length"}
+    assert "abort" in reasons, "every request finished before the pause arrived"
 
     # Sent while paused: held, then run on B after the update and the resume.
+    finished = {}
     held = threading.Thread(target=lambda: finished.update(held=complete(client, PROMPTS[0])))
     held.start()
     time.sleep(0.5)
@@ -145,11 +165,10 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones(client, checkpoint
     assert client.post("/resume_generation").status_code == 200
     held.join(30)
     assert finished["held"]["text"] == expected["B"][0]
-    assert client.post("/update_weights", json={"path": a}).status_code == 200
 
 
 def test_pause_wait_lets_running_requests_finish_on_the_old_weights(client, checkpoints,
-                                                                   expected):
+                                                                   expected, restore):
     a, b = checkpoints
     thread, long = stream_in_background(client, PROMPTS[0], max_tokens=LONG)
     response = client.post("/pause_generation", json={"mode": "wait"})
@@ -160,10 +179,9 @@ def test_pause_wait_lets_running_requests_finish_on_the_old_weights(client, chec
     assert client.post("/update_weights", json={"path": b}).status_code == 200
     assert client.post("/resume_generation").status_code == 200
     assert tokens(client) == expected["B"]
-    assert client.post("/update_weights", json={"path": a}).status_code == 200
 
 
-def test_sleep_and_wake_up(client, server, expected):
+def test_sleep_and_wake_up(client, server, expected, restore):
     workers = server.worker_processes()
     before = sum(worker.memory_info().rss for worker in workers)
     response = client.post("/sleep", json={"level": 1})
@@ -184,7 +202,7 @@ def test_sleep_and_wake_up(client, server, expected):
     assert client.post("/sleep", json={"level": 3}).status_code == 400
 
 
-def test_fastdeploy_aliases(client, checkpoints, expected):
+def test_fastdeploy_aliases(client, checkpoints, expected, restore):
     a, b = checkpoints
     assert client.get("/clear_load_weight").status_code == 200
     assert client.get("/is_sleeping").json()["is_sleeping"] is True
