@@ -378,10 +378,9 @@ class EngineConfig:
         override_generation_config: dict[str, Any] | str | None = None,
         skip_tokenizer_init: bool = False,
         attention_backend: str = "auto",
+        quantization: str = "auto",
         quantization_group_size: int = 128,
         lm_head_fp32: bool = False,
-        quantization_group_size: int = 128,
-        quantization: str = "auto",
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
     ) -> EngineConfig:
