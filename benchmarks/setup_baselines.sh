@@ -6,7 +6,7 @@
 #   benchmarks/setup_baselines.sh llamacpp   # one of them
 #
 # llama.cpp: the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist, built with
-#   cmake (Release, -DGGML_NATIVE=ON, static) for llama-server, llama-bench,
+#   cmake (Release, AVX-512 without AMX, static) for llama-server, llama-bench,
 #   llama-batched-bench, llama-quantize, llama-perplexity, llama-cli -> $ENVS/llama.cpp/bin
 #   (~15-25 min on 2 idle cores, 47 min beside other work; the Python binding itself is not
 #   needed; convert_hf_to_gguf.py stays in $ENVS/src/llama_cpp_python-0.3.36/vendor/llama.cpp).
@@ -28,7 +28,13 @@ for item in $what; do
         pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d .
       [ -d llama_cpp_python-0.3.36 ] || tar xzf llama_cpp_python-0.3.36.tar.gz
       cd llama_cpp_python-0.3.36/vendor/llama.cpp
-      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+      # Not -DGGML_NATIVE=ON: this VM's CPU lists AMX in /proc/cpuinfo but the kernel does
+      # not enable its tile state, so a native build dies on its first AMX instruction
+      # (SIGILL in llama-bench). The AVX-512 set it does run, named one by one:
+      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+        -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+        -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
       cmake --build build -j"$(nproc)" --target llama-server llama-bench \
