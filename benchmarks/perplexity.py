@@ -23,7 +23,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests"),
+                os.path.join(os.path.dirname(HERE), "tests", "model")]
 
 
 def text(min_tokens: int, tokenizer) -> str:
