@@ -1,4 +1,4 @@
-"""The ``loom`` command: generate | chat | serve | worker | bench.
+"""The ``loom`` command: generate | chat | serve | worker | router | bench.
 
 Flags use vLLM's spelling. A bad argument exits with status 2 and one line naming it,
 without a traceback; Ctrl-C stops a command with one line and status 130.
@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=lambda args, chat=(name == "chat"): _generate(args, chat))
     _add_serve_command(commands)
     _add_worker_command(commands)
+    from loom.router.cli import add_router_command
+
+    add_router_command(commands)
     from loom.bench.cli import add_bench_command
     from loom.default_model import add_download_command
 

@@ -24,8 +24,8 @@ Choice, in order (SGLang's cache-aware rule):
   2. Affinity: else, if some target matches at least ``min_match_chunks`` chunks and
      that is at least ``min_match_ratio`` of the prompt's chunks, the longest match wins
      (ties: the least loaded).
-  3. Load: else the least loaded target (in-flight requests, then in-flight tokens,
-     then the lowest index: deterministic).
+  3. Load: else the least loaded target (in-flight requests, then in-flight tokens;
+     among equals, the next one after the target chosen last: idle targets take turns).
 
 The chosen target learns the prompt's hashes. Load is counted here: ``route`` returns
 a ``Ticket`` that the caller gives back with ``release`` when the request ends, however
@@ -130,6 +130,7 @@ class RoutingPolicy:
         self.loads = [TargetLoad() for _ in range(num_targets)]
         self._memories = [_PrefixMemory(self.config.capacity_chunks) for _ in range(num_targets)]
         self._available = [True] * num_targets
+        self._next = 0  # ties go to the first target from here on (round robin)
 
     @property
     def num_targets(self) -> int:
@@ -160,6 +161,7 @@ class RoutingPolicy:
             raise LookupError("no target is available")
         hashes = chunk_hashes(keys, self.config.chunk_size)
         target, reason, matched = self._choose(candidates, hashes)
+        self._next = (target + 1) % self.num_targets
         self._memories[target].learn(hashes)
         weight = len(keys) if num_tokens is None else num_tokens
         self.loads[target].requests += 1
@@ -177,7 +179,7 @@ class RoutingPolicy:
     def _choose(self, candidates: list[int], hashes: list[int]) -> tuple[int, str, int]:
         def load_key(target: int) -> tuple[int, int, int]:
             load = self.loads[target]
-            return load.requests, load.tokens, target
+            return load.requests, load.tokens, (target - self._next) % self.num_targets
 
         idlest = min(candidates, key=load_key)
         busiest = max(self.loads[t].requests for t in candidates)
@@ -188,8 +190,7 @@ class RoutingPolicy:
             return idlest, "balance", self._memories[idlest].matched(hashes)
         if hashes:
             matches = {t: self._memories[t].matched(hashes) for t in candidates}
-            best = max(candidates, key=lambda t: (matches[t], -self.loads[t].requests,
-                                                  -self.loads[t].tokens, -t))
+            best = min(candidates, key=lambda t: (-matches[t], *load_key(t)))
             matched = matches[best]
             if (matched >= cfg.min_match_chunks
                     and matched / len(hashes) >= cfg.min_match_ratio):

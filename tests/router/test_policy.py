@@ -110,3 +110,13 @@ def test_double_release_is_an_error():
 def test_bad_config_is_refused(kwargs):
     with pytest.raises(ValueError):
         PolicyConfig(**kwargs)
+
+
+def test_idle_targets_take_turns_even_one_request_at_a_time():
+    policy = RoutingPolicy(2, PolicyConfig(chunk_size=4))
+    targets = []
+    for i in range(4):
+        ticket = policy.route([i])
+        targets.append(ticket.target)
+        policy.release(ticket)
+    assert targets == [0, 1, 0, 1]
