@@ -28,6 +28,15 @@ flight; anything else is a leak that nothing will ever free):
     loom:kv_blocks_in_use              gauge      KV blocks with a reference
     loom:server_requests_in_flight     gauge      requests the API server waits on
 
+Mixture-of-experts models only, so that load imbalance is visible:
+
+    loom:moe_expert_tokens_total       counter    tokens routed to each expert (label
+                                                  ``expert``), summed over the MoE layers:
+                                                  a token counts once per layer and per
+                                                  expert chosen (top-k)
+    loom:moe_expert_load_max_over_mean gauge      the busiest expert's count over the
+                                                  mean of those counters (1.0: even)
+
 Counts are per sequence: a request with n = 4 is four sequences. Times are measured
 in the API process, where requests arrive and tokens leave.
 """
@@ -116,6 +125,13 @@ class ServerMetrics:
                                                _LATENCY_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "End-to-end request latency.", _REQUEST_BUCKETS)
+        self._expert_tokens = Counter("loom:moe_expert_tokens",
+                                      "Tokens routed to each expert, summed over MoE layers.",
+                                      ["model_name", "expert"], registry=r)
+        self.expert_load_max_over_mean = Gauge(
+            "loom:moe_expert_load_max_over_mean",
+            "Busiest expert's routed tokens over the mean (1.0: even).", labels,
+            registry=r).labels(model_name)
         self._sequences: dict[str, _SequenceTimes] = {}
         self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
@@ -146,7 +162,17 @@ class ServerMetrics:
             max(0, stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens))
         self.spec_decode_num_accepted_tokens.inc(
             max(0, stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens))
+        if stats.expert_tokens:
+            self._record_expert_tokens(stats.expert_tokens, last.expert_tokens)
         self._last_stats = stats
+
+    def _record_expert_tokens(self, totals: list[int], last: list[int]) -> None:
+        last = last or [0] * len(totals)
+        for expert, (total, before) in enumerate(zip(totals, last)):
+            # every expert gets its series, an idle one at 0: that is the imbalance
+            self._expert_tokens.labels(self._model_name, str(expert)).inc(max(0, total - before))
+        mean = sum(totals) / len(totals)
+        self.expert_load_max_over_mean.set(max(totals) / mean if mean else 0.0)
 
     def record_core_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:
         for out in outputs:

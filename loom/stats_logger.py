@@ -5,6 +5,9 @@ Every ``interval_s`` (10 s) while the engine has work, one line::
     Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 73.2 tokens/s,
     Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 3.1%, Prefix cache hit rate: 40.0%
 
+and, for a mixture-of-experts model, ", MoE expert load max/mean: 1.84" (the busiest
+expert's routed tokens over the mean since start, loom:moe_expert_load_max_over_mean).
+
 It reads the server's Prometheus metrics (loom/metrics.py), so the line and /metrics
 never disagree: the throughputs are the token counters' growth over the interval,
 the rest the gauges the engine core last reported. An idle server stays quiet, after
@@ -63,6 +66,10 @@ class LoggingStatLogger:
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {100 * self._sample('kv_cache_usage_perc'):.1f}%, "
                 f"Prefix cache hit rate: {100 * new_hits / new_queries if new_queries else 0:.1f}%")
+        moe_load = self.metrics.registry.get_sample_value(
+            "loom:moe_expert_load_max_over_mean", {"model_name": self.model_name})
+        if moe_load:
+            line += f", MoE expert load max/mean: {moe_load:.2f}"
         logger.info("%s", line)
         return line
 

@@ -50,7 +50,8 @@ class EngineCore:
         self.structured_output = structured_output
         self.num_blocks = executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
-                                   config.speculative, config.early_stop)
+                                   config.speculative, config.early_stop,
+                                   getattr(executor, "kv_cache_window", 0) or None)
         # Weights that change (docs/weight_updates.md). While generation is paused, the
         # engine asleep, or in-flight requests drain before a change, new requests are
         # held here, not scheduled: every request runs on one set of weights.

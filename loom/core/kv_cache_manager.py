@@ -7,6 +7,23 @@ A full block is identified by a chained hash, so equal hashes mean equal prefixe
 A new request looks up its hashes in order and stops at the first miss; those hits
 are its computed prefix. The last prompt token is always recomputed, because its
 logits are what the first sampled token comes from.
+
+Sliding windows. When every attention layer of the model reads only the last
+``sliding_window`` W positions (Mistral with a window; the workers report it), a query
+at position p never reads keys before p - W + 1, and every query still to come sits at
+``num_computed_tokens`` or later. So before each allocation the request's blocks that
+lie wholly before ``num_computed_tokens - W + 1`` go back to the pool (cached, if
+caching is on: they still hold a valid prefix). Their places in the request's block
+list stay, as None, so block indices keep meaning token positions; the workers keep
+the old ids in their block tables and never read them (the kernels mask keys outside
+the window, and a reused block holds another request's finite values):
+
+    positions   0 ....... 15 16 ...... 31 32 ...... 47 48 .. 53     W = 20, 54 computed
+    blocks      [  None   ] [   None   ]  [    b2     ] [  b3  ]    first needed: 35
+
+A model with any full-attention layer (Gemma 3 interleaves them) needs every block,
+so nothing is freed: that would take a block table per layer group (vLLM's hybrid
+KV cache manager), which loom does not have.
 """
 
 from __future__ import annotations
@@ -21,13 +38,21 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # A request's blocks by position; None where a block left every window (freed).
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         # How many leading blocks of each request are already registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # How many leading blocks of each request were freed as outside the window.
+        self._num_skipped_blocks: dict[str, int] = {}
+        self.num_blocks_freed_early = 0  # total over the pool's life, for stats and tests
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +97,9 @@ class KVCacheManager:
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if self.sliding_window is not None:
+            self._free_blocks_outside_window(request.request_id, blocks,
+                                             request.num_computed_tokens)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
         num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
@@ -87,16 +115,42 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        if self.sliding_window is not None and new_computed_blocks:
+            # hits wholly behind the window were taken only to be let go
+            self._free_blocks_outside_window(request.request_id, blocks, num_computed)
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its prefix stays cached longest."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self._num_skipped_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+        """The request's block table. A freed block's entry is never sent (the workers
+        got its id when it was allocated), but a table has no holes: it reads 0."""
+        return [0 if block is None else block.block_id
+                for block in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        return sum(block is not None for block in self.req_to_blocks.get(request_id, []))
+
+    def _free_blocks_outside_window(self, request_id: str, blocks: list[KVBlock | None],
+                                    num_computed: int) -> None:
+        """Return the blocks wholly before the first key any query still to come reads
+        (position ``num_computed - W + 1``) to the pool, oldest first, so that with
+        caching on they are evicted first."""
+        first_needed = num_computed - self.sliding_window + 1
+        num_skipped = min(max(first_needed, 0) // self.block_size, len(blocks))
+        start = self._num_skipped_blocks.get(request_id, 0)
+        if num_skipped <= start:
+            return
+        freed = [block for block in blocks[start:num_skipped] if block is not None]
+        blocks[start:num_skipped] = [None] * (num_skipped - start)
+        self._num_skipped_blocks[request_id] = num_skipped
+        self.pool.free_blocks(freed)
+        self.num_blocks_freed_early += len(freed)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         """Register every block that will be full of known tokens after this step.
@@ -110,7 +164,8 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not None:
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> None:

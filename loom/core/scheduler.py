@@ -35,7 +35,11 @@ from loom.request import Request, RequestStatus
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, speculative_config: SpeculativeConfig | None = None,
-                 early_stop_config: EarlyStopConfig | None = None) -> None:
+                 early_stop_config: EarlyStopConfig | None = None,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: every attention layer reads only the last this many
+        positions (the workers' ``kv_cache_window``), so blocks behind it are freed early;
+        None when some layer reads them all."""
         self.config = scheduler_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
@@ -43,7 +47,7 @@ class Scheduler:
                            and early_stop_config.enable_early_stop else None)
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
-                                       cache_config.enable_prefix_caching)
+                                       cache_config.enable_prefix_caching, sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -58,6 +62,7 @@ class Scheduler:
         self.spec_decode_num_drafts = 0
         self.spec_decode_num_draft_tokens = 0
         self.spec_decode_num_accepted_tokens = 0
+        self.expert_tokens: list[int] = []  # MoE: tokens routed to each expert, cumulative
 
     # ----------------------------------------------------------------- requests in
 
@@ -175,6 +180,11 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled ones, apply stops, free finished."""
         row = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        if runner_output.expert_tokens:
+            if not self.expert_tokens:
+                self.expert_tokens = [0] * len(runner_output.expert_tokens)
+            self.expert_tokens = [total + new for total, new
+                                  in zip(self.expert_tokens, runner_output.expert_tokens)]
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -251,7 +261,8 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
             num_requests=len(self.requests),
-            num_blocks_in_use=self.kv_cache.pool.num_blocks - self.kv_cache.num_free_blocks)
+            num_blocks_in_use=self.kv_cache.pool.num_blocks - self.kv_cache.num_free_blocks,
+            expert_tokens=list(self.expert_tokens))
 
     # ----------------------------------------------------------------- internals
 

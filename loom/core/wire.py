@@ -97,6 +97,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # prefill chunk: chunk positions start .. min(end, num_prompt - 1) - 1 predict prompt
     # tokens start + 1 .. min(end, num_prompt - 1).
     prompt_logprobs: list[SampleLogprobs | None] | None = None
+    # Mixture-of-experts models: tokens routed to each expert in this step, summed over
+    # the MoE layers (a token counts once per layer and chosen expert); None otherwise.
+    expert_tokens: list[int] | None = None
 
 
 
@@ -136,6 +139,7 @@ class RemoteStatus(msgspec.Struct, tag="status"):
     step: int = 0  # as WorkerSignals.step / step_started
     step_started: float = 0.0
     kv_cache_bytes_per_block: int = 0
+    kv_cache_window: int = 0  # as WorkerSignals.kv_cache_window
     weights_status: int = 0  # as WorkerSignals.weights_status
 
 
@@ -239,6 +243,9 @@ class SchedulerStats(msgspec.Struct):
     # The empty-state check, live: both are 0 whenever no request is in flight.
     num_requests: int = 0  # requests the scheduler holds, in any state
     num_blocks_in_use: int = 0  # KV blocks with a reference (cached-but-free ones excluded)
+    # MoE: tokens routed to each expert since start, summed over layers (cumulative;
+    # ModelRunnerOutput.expert_tokens added up); empty for a dense model
+    expert_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreReady(msgspec.Struct, tag="ready"):

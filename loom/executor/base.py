@@ -36,6 +36,9 @@ class Executor(abc.ABC):
     ``shutdown`` stops every rank and may be called more than once."""
 
     kv_cache_bytes_per_block: int  # rank 0's, set by initialize()
+    # rank 0's ModelRunner.kv_cache_window (0: some layer reads every position), set by
+    # initialize(): the scheduler frees blocks behind it early
+    kv_cache_window: int = 0
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

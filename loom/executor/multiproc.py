@@ -170,6 +170,7 @@ class MultiProcExecutor(Executor):
         # arrived as its ValueError), and published the bytes of its blocks: nothing here
         # imports torch or reads the checkpoint's config (~250 MiB resident).
         self.kv_cache_bytes_per_block = int(self.signals.kv_cache_bytes_per_block[0])
+        self.kv_cache_window = int(self.signals.kv_cache_window[0])
         logger.info("%d worker(s) ready in %.1fs; %d KV blocks", parallel.world_size,
                     self.startup_time_s, num_blocks)
         progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))
@@ -308,7 +309,7 @@ class MultiProcExecutor(Executor):
         while message is not None:
             if isinstance(message, RemoteStatus):
                 for name in ("loaded", "ready", "profiled_blocks", "kv_cache_bytes_per_block",
-                             "step", "step_started", "weights_status"):
+                             "kv_cache_window", "step", "step_started", "weights_status"):
                     getattr(self.signals, name)[message.rank] = getattr(message, name)
                 self.signals.heartbeat[message.rank] = time.time()  # our clock, not theirs
             elif isinstance(message, WorkerFailure):

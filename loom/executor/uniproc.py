@@ -21,6 +21,7 @@ class UniProcExecutor(Executor):
         self.profiled_num_blocks = self.worker.determine_num_blocks()
         num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
         self.kv_cache_bytes_per_block = self.worker.model_runner.kv_cache_bytes_per_block
+        self.kv_cache_window = self.worker.model_runner.kv_cache_window
         check_num_blocks(self.config, num_blocks, self.kv_cache_bytes_per_block)
         self.worker.initialize_kv_cache(num_blocks)
         progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))

@@ -122,6 +122,7 @@ class WorkerSignals:
     kv_cache_bytes_per_block[rank] = b
                               bytes of one KV block on this rank (written with
                               profiled_blocks, so the engine never computes it)
+    kv_cache_window[rank] = w the model runner's kv_cache_window (0: none), with them
     ready[rank] = 1           KV cache allocated, warmed up, in the event loop
     heartbeat[rank] = time    written by the event loop each iteration (so it means
                               the loop runs, not merely that the process lives)
@@ -135,7 +136,8 @@ class WorkerSignals:
     """
 
     FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64,
-              "kv_cache_bytes_per_block": np.int64, "ready": np.int32,
+              "kv_cache_bytes_per_block": np.int64, "kv_cache_window": np.int64,
+              "ready": np.int32,
               "heartbeat": np.float64, "step": np.int64, "step_started": np.float64,
               "weights_status": np.int32}
 
@@ -144,6 +146,7 @@ class WorkerSignals:
         self.loaded = signals["loaded"].array
         self.profiled_blocks = signals["profiled_blocks"].array
         self.kv_cache_bytes_per_block = signals["kv_cache_bytes_per_block"].array
+        self.kv_cache_window = signals["kv_cache_window"].array
         self.ready = signals["ready"].array
         self.heartbeat = signals["heartbeat"].array
         self.step = signals["step"].array
@@ -179,6 +182,7 @@ class WorkerSignals:
 
     def close(self) -> None:
         self.loaded = self.profiled_blocks = self.kv_cache_bytes_per_block = None
+        self.kv_cache_window = None
         self.ready = self.heartbeat = None
         self.step = self.step_started = self.weights_status = None
         for signal in self._signals.values():

@@ -99,8 +99,23 @@ class ModelRunner:
             logger.info("attention backend: %s%s", backend,
                         " (auto)" if chosen == "auto" else "")
         self.vocab_size = self.hf_config.vocab_size
+        self._bind_expert_counts()
         if self.draft_proposer is not None:
             self.draft_proposer.load_model()
+
+    def _bind_expert_counts(self) -> None:
+        """MoE models: one (E,) tensor every FusedMoE layer adds its routing counts to,
+        zeroed before each step and returned with it (ModelRunnerOutput.expert_tokens):
+        one zero_ and one tolist a step, whatever the number of layers."""
+        from loom.model.layers.fused_moe import FusedMoE
+
+        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        self.expert_step_tokens = None
+        if layers:
+            self.expert_step_tokens = torch.zeros(layers[0].spec.num_experts,
+                                                  dtype=torch.int64, device=self.device)
+            for layer in layers:
+                layer.step_tokens = self.expert_step_tokens
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
@@ -113,6 +128,17 @@ class ModelRunner:
             return target
         return target + kv_cache_bytes_per_block(load_hf_config(spec.model), self.block_size,
                                                  self.dtype, 1)
+
+    @property
+    def kv_cache_window(self) -> int:
+        """W when every attention layer reads only the last W positions of a request's
+        KV cache, so the scheduler may free the blocks behind them; 0 when some layer
+        reads them all (Gemma 3's global layers), and under speculative decoding (a
+        proposer's own layers and rolled-back drafts are not accounted for)."""
+        windows = [layer.sliding_window for layer in self.model.attention_layers]
+        if self.config.speculative is not None or not windows or None in windows:
+            return 0
+        return max(windows)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)  # see kv_layout.py
@@ -180,6 +206,8 @@ class ModelRunner:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, metadata, sample_rows, logits_indices = \
             self._prepare_inputs(req_ids, scheduler_output.num_scheduled_tokens, spec_tokens)
+        if self.expert_step_tokens is not None:
+            self.expert_step_tokens.zero_()
         with set_forward_context(metadata):
             hidden_states = self.model(input_ids, positions)
         sampled: list[list[int]] = [[] for _ in req_ids]
@@ -202,10 +230,13 @@ class ModelRunner:
         if self.tp_group.rank == 0 and (self.ngram_proposer or self.draft_proposer):
             spec_token_ids = self._propose(req_ids, sampled, input_ids, positions, metadata)
         has_logprobs = any(entry is not None for entry in logprobs)
+        expert_tokens = (self.expert_step_tokens.tolist()
+                         if self.expert_step_tokens is not None and self.tp_group.rank == 0
+                         else None)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs if has_logprobs else None,
                                  spec_token_ids=spec_token_ids, sampled_token_probs=probs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, expert_tokens=expert_tokens)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:

@@ -78,7 +78,7 @@ class StatusReporter:
                                              owner_pid=spec.parent_pid)
                         if spec.local else None)
         self.loaded = self.ready = False
-        self.profiled_blocks = self.kv_cache_bytes_per_block = 0
+        self.profiled_blocks = self.kv_cache_bytes_per_block = self.kv_cache_window = 0
         self.step = 0
         self.step_started = 0.0
         self.weights_status = 0
@@ -101,6 +101,7 @@ class StatusReporter:
                 profiled_blocks=self.profiled_blocks, heartbeat=now, step=self.step,
                 step_started=self.step_started,
                 kv_cache_bytes_per_block=self.kv_cache_bytes_per_block,
+                kv_cache_window=self.kv_cache_window,
                 weights_status=self.weights_status))
             self._last_sent = now
 
@@ -192,7 +193,8 @@ def initialize_kv_cache(worker, status: StatusReporter) -> int:
 
     profiled_blocks = worker.determine_num_blocks()  # the same on every rank: MIN-reduced
     bytes_per_block = worker.model_runner.kv_cache_bytes_per_block
-    status.set(profiled_blocks=profiled_blocks, kv_cache_bytes_per_block=bytes_per_block)
+    status.set(profiled_blocks=profiled_blocks, kv_cache_bytes_per_block=bytes_per_block,
+               kv_cache_window=worker.model_runner.kv_cache_window)
     num_blocks = cap_num_blocks(worker.config, profiled_blocks)
     check_num_blocks(worker.config, num_blocks, bytes_per_block)
     worker.initialize_kv_cache(num_blocks)

@@ -61,7 +61,7 @@ class FakeRunner:
             if scheduler is not None:
                 request = scheduler.requests[req_id]
                 assert tokens == request.all_token_ids, f"{req_id} tokens diverged"
-                assert self.block_ids[req_id] == scheduler.kv_cache.get_block_ids(req_id)
+                self._check_blocks(scheduler, req_id, start, end)
             req_ids.append(req_id)
             new_tokens = []
             if end >= len(tokens):
@@ -90,6 +90,21 @@ class FakeRunner:
             sampled_token_probs=probs if self.token_prob else None,
             prompt_logprobs=prompt_logprobs if any(e is not None for e in prompt_logprobs)
             else None)
+
+    def _check_blocks(self, scheduler: Scheduler, req_id: str, start: int, end: int) -> None:
+        """Our block table is the scheduler's, except where it freed a block every
+        window has left behind (we keep the old id; a real worker never reads it).
+        Every position this step's queries may read is in a block the request holds."""
+        kv_cache = scheduler.kv_cache
+        held = kv_cache.req_to_blocks[req_id]
+        assert len(self.block_ids[req_id]) == len(held)
+        assert all(ours == block.block_id for ours, block in zip(self.block_ids[req_id], held)
+                   if block is not None), f"{req_id}: block tables diverged"
+        window = kv_cache.sliding_window
+        first_read = 0 if window is None else max(0, start - window + 1)
+        for position in range(first_read, end):
+            assert held[position // kv_cache.block_size] is not None, (
+                f"{req_id}: position {position} is read this step but its block was freed")
 
 
 def assert_empty(scheduler: Scheduler) -> None:

@@ -71,7 +71,12 @@ def test_greedy_matches_transformers(family_case, config_name):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens): loom {g} != transformers {e}"
     stats = llm.engine.engine_core.get_stats()
-    if config_name == "preemption":
+    kv_cache = llm.engine.engine_core.scheduler.kv_cache
+    if kv_cache.sliding_window is not None:
+        # every layer windowed (Mistral): blocks behind the window went back to the pool,
+        # which left the small pool room enough that nothing was preempted
+        assert kv_cache.num_blocks_freed_early > 0
+    elif config_name == "preemption":
         assert stats.num_preemptions > 0, "the small pool was meant to force preemption"
     if config_name in ("default", "chunked_prefill"):
         assert stats.prefix_cache_hits > 0

@@ -95,8 +95,16 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
                q + ((j - j0) * group + g) * head_dim, head_dim);
   const T* keys = cache + kv_head * num_slots * head_dim;
   const T* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
+  // Keys before the tile's first window are never read: their blocks may be back in
+  // the pool (KVCacheManager frees blocks every window has left behind).
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, past + j0 + 1 - window) : 0;
 
   for (int64_t p = 0; p < num_keys; ++p) {
+    if (p < first_key) {
+      for (int64_t r = 0; r < rows; ++r)
+        scores[r * num_keys + p] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
     const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
     load_row(keys + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r) {
@@ -119,7 +127,7 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
     inv_sum[r] = 1.f / sum;
   }
   std::fill(acc, acc + rows * head_dim, 0.f);
-  for (int64_t p = 0; p < num_keys; ++p) {
+  for (int64_t p = first_key; p < num_keys; ++p) {
     const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
     load_row(values + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r) {
@@ -246,6 +254,13 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
     }
   }
   for (int64_t p = num_keys; p < key_stride; ++p) {  // the tail repeats the last key
+    key_rows[p] = key_rows[num_keys - 1];
+    value_rows[p] = value_rows[num_keys - 1];
+  }
+  // Keys before the tile's first window (masked below) repeat the last key too: their
+  // blocks may be back in the pool (KVCacheManager frees blocks every window has left).
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, past + j0 + 1 - window) : 0;
+  for (int64_t p = 0; p < first_key; ++p) {
     key_rows[p] = key_rows[num_keys - 1];
     value_rows[p] = value_rows[num_keys - 1];
   }

@@ -59,7 +59,9 @@ class TorchAttentionBackend(AttentionBackend):
             # nothing cached before these tokens: attend to them directly
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
-            slots = metadata.cached(("context", i), partial(_context_slots, metadata, i))
+            slots = metadata.cached(("context", i, self.sliding_window),
+                                    partial(_context_slots, metadata, i, end - start,
+                                            self.sliding_window))
             k, v = self._gather(kv_cache, slots)
         mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype,
                                 self.sliding_window),
@@ -147,7 +149,8 @@ def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
     ``req_index`` (all when None), L their longest context. Positions past a shorter
     context are masked and read the request's position 0 again, so attention never
     reads a slot that was not written (the cache may hold NaN: 0 * NaN is NaN). With a
-    ``sliding_window`` W, positions before ``seq_len - W`` are masked too."""
+    ``sliding_window`` W, positions before ``seq_len - W`` are masked too, and read
+    the last position as well (KVCacheManager may have freed their blocks)."""
     block_table, seq_lens = metadata.block_table, metadata.seq_lens
     if req_index is None:
         max_len = metadata.max_seq_len
@@ -158,18 +161,29 @@ def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
     slots = _slots(block_table, max_len, metadata.block_size)  # (B, L)
     positions = torch.arange(max_len, device=block_table.device)
     beyond = positions[None, :] >= seq_lens[:, None]  # (B, L)
-    slots = torch.where(beyond, slots[:, :1], slots).flatten()
     hidden = beyond
     if sliding_window is not None:
         hidden = beyond | (positions[None, :] < seq_lens[:, None] - sliding_window)
+    # Hidden positions read the request's last key again: a block before the window
+    # may be back in the pool.
+    last = slots.gather(1, (seq_lens[:, None] - 1).clamp(min=0).long())
+    slots = torch.where(hidden, last, slots).flatten()
     mask = torch.zeros(beyond.shape, dtype=dtype, device=block_table.device)
     mask.masked_fill_(hidden, float("-inf"))
     return slots, mask[None, :, None, :]
 
 
-def _context_slots(metadata: AttentionMetadata, i: int) -> torch.Tensor:
-    return _slots(metadata.block_table[i:i + 1], metadata.seq_lens_cpu[i],
-                  metadata.block_size)[0]
+def _context_slots(metadata: AttentionMetadata, i: int, q_len: int,
+                   sliding_window: int | None = None) -> torch.Tensor:
+    """Request ``i``'s context slots; with a ``sliding_window`` W, positions no query of
+    the chunk sees (before ``seq_len - q_len - W + 1``) read the last position instead,
+    since KVCacheManager may have freed their blocks (the mask hides them)."""
+    seq_len = metadata.seq_lens_cpu[i]
+    slots = _slots(metadata.block_table[i:i + 1], seq_len, metadata.block_size)[0]
+    if sliding_window is not None:
+        first_key = max(0, seq_len - q_len - sliding_window + 1)
+        slots[:first_key] = slots[seq_len - 1]
+    return slots
 
 
 def _prefill_mask(q_len: int, seq_len: int, group: int, dtype: torch.dtype,

@@ -233,6 +233,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("tokens_per_expert",
                              torch.zeros(spec.num_experts, dtype=torch.int64),
                              persistent=False)
+        # the model runner's (E,) count of this step, shared by every MoE layer, zeroed
+        # by it before each forward and shipped with the step's output; None: not counted
+        self.step_tokens: torch.Tensor | None = None
         self.use_grouped = True  # False: loop_over_experts (the measured reference)
         # each local expert's w13 and w2 packed for the CPU bf16 matmul, or None
         self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
@@ -283,8 +286,10 @@ class FusedMoE(nn.Module):
         router_logits = F.linear(x.float(), self.gate.weight.float())  # (T, E)
         topk_weights, topk_ids = select_experts(router_logits, self.spec,
                                                 self.e_score_correction_bias)
-        self.tokens_per_expert += torch.bincount(topk_ids.flatten(),
-                                                 minlength=self.spec.num_experts)
+        counts = torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts)
+        self.tokens_per_expert += counts
+        if self.step_tokens is not None:
+            self.step_tokens += counts
         self._forwards += 1
         if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
             logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
