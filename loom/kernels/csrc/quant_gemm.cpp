@@ -1,9 +1,10 @@
 // y = x W^T (+ bias) for weight-only quantized W (4- or 8-bit values in groups with
 // float16/float32 scales) and bfloat16 x, on CPUs with AVX512-BF16.
 //
-// One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0
-// and Q4_1 and loom's wint8 and wint4 all read as w = d * q + m per group, with the
-// offset m stored (asymmetric) or fixed at -d * 2^(bits-1) (symmetric). Per group g of
+// One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0,
+// Q4_1, Q4_K, Q5_K (5-bit values held in 8) and Q6_K (6-bit values in 8, groups of 16)
+// and loom's wint8 and wint4 all read as w = d * q + m per group, with the offset m
+// stored (asymmetric) or fixed at -d * 2^(bits-1) (symmetric). Per group g of
 // each output row, with bfloat16 x as it comes:
 //
 //     y[n] += d[n,g] * S[n,g] + m[n,g] * X[g],   S = sum_{k in g} q'[n,k] x[k],
@@ -26,11 +27,12 @@
 // No dequantized copy of the weights is kept anywhere.
 //
 // Layout (pack_quantized_weight): panels of 16 output rows; in a panel, group after
-// group: its blocks of 32 features, then 16 scales, then 16 offsets if asymmetric. A
-// block holds 16 "pair vectors" j = 0..15, word 2i + c of vector j being feature
-// 2j + c of row i (the two bf16 a vdpbf16ps lane multiplies). 8-bit: vector j is 32
-// int8 bytes, q - 128, in word order. 4-bit: 8 chunks of 32 bytes, chunk c's byte t
-// holding word t of vector c in its low nibble and of vector c + 8 in its high one.
+// group: its blocks (256 bytes each), then 16 scales, then 16 offsets if asymmetric.
+// "Pair vector" j holds in word 2i + c feature 2j + c of row i (the two bf16 a
+// vdpbf16ps lane multiplies). 4-bit block: 32 features, 16 pair vectors as 8 chunks of
+// 32 bytes, chunk c's byte t holding word t of vector c in its low nibble and of vector
+// c + 8 in its high one. 8-bit block: 16 features, 8 pair vectors of 32 int8 bytes,
+// q - 128, in word order (so an 8-bit group may be 16 features: Q6_K's).
 
 #include "quant_gemm.h"
 
@@ -54,18 +56,21 @@
 namespace loom {
 namespace {
 
-constexpr int64_t kLanes = 16;     // output rows per panel: one float32 vector
-constexpr int64_t kBlock = 32;     // input features per block
-constexpr int64_t kRowBlock = 6;   // rows per micro-kernel call
+constexpr int64_t kLanes = 16;       // output rows per panel: one float32 vector
+constexpr int64_t kBlockBytes = 256; // a block: 32 features of 16 rows at 4 bits, 16 at 8
+constexpr int64_t kRowBlock = 6;     // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;
 
-int64_t block_bytes(int64_t bits) { return kLanes * kBlock * bits / 8; }
+// Input features per block: 4-bit blocks pack pair vectors c and c + 8 in one chunk
+// (32 features); 8-bit ones are 8 vectors (16 features), so that an 8-bit group can be
+// 16 features (Q6_K's).
+int64_t block_features(int64_t bits) { return bits == 4 ? 32 : 16; }
 
 int64_t panel_bytes(int64_t k, int64_t bits, int64_t group_size, bool asymmetric,
                     bool float_scales) {
   const int64_t groups = k / group_size;
   const int64_t scale_bytes = kLanes * (float_scales ? 4 : 2) * (asymmetric ? 2 : 1);
-  return groups * ((group_size / kBlock) * block_bytes(bits) + scale_bytes);
+  return groups * ((group_size / block_features(bits)) * kBlockBytes + scale_bytes);
 }
 
 // x (M, K) bf16 -> xsum float (M, K / group_size): x summed over each group.
@@ -121,7 +126,7 @@ void unpack_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group
   const __m512i table = nibble_table();
   const uint8_t* p = panel;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t i = 0; i < blocks_per_group; ++i, out += 16) {
+    for (int64_t i = 0; i < blocks_per_group; ++i, out += BITS == 4 ? 16 : 8) {
       if constexpr (BITS == 4) {
         for (int c = 0; c < 8; ++c) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
@@ -132,8 +137,8 @@ void unpack_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group
         }
         p += 256;
       } else {
-        for (int j = 0; j < 16; ++j) out[j] = (__m512i)int8x32_to_bf16(p + 32 * j);
-        p += 512;
+        for (int j = 0; j < 8; ++j) out[j] = (__m512i)int8x32_to_bf16(p + 32 * j);
+        p += 256;
       }
     }
     p += scale_bytes;
@@ -153,18 +158,19 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
   const int32_t* xr[MR];
   for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
   const uint8_t* p = panel;
+  constexpr int kPairs = BITS == 4 ? 16 : 8;  // pair vectors per block
   int64_t pair = 0;  // index of the next pair of features
   for (int64_t g = 0; g < groups; ++g) {
     __m512 sum[MR];
     for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < blocks_per_group; ++i, pair += 16) {
+    for (int64_t i = 0; i < blocks_per_group; ++i, pair += kPairs) {
       if constexpr (UNPACKED) {
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kPairs; ++j) {
           const __m512bh w = (__m512bh)_mm512_load_si512(unpacked + pair + j);
           for (int r = 0; r < MR; ++r)
             sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
         }
-        p += BITS == 4 ? 256 : 512;
+        p += kBlockBytes;
       } else if constexpr (BITS == 4) {
         for (int c = 0; c < 8; ++c) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
@@ -179,19 +185,21 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
         }
         p += 256;
       } else {
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < 8; ++j) {
           const __m512bh w = int8x32_to_bf16(p + 32 * j);
           for (int r = 0; r < MR; ++r)
             sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
         }
-        p += 512;
+        p += 256;
       }
     }
     const __m512 d = load_scales<ScaleT>(p);
     p += kLanes * sizeof(ScaleT);
     if constexpr (ASYM) {
-      const __m512 m = load_scales<ScaleT>(p);
+      __m512 m = load_scales<ScaleT>(p);
       p += kLanes * sizeof(ScaleT);
+      // 8-bit values are stored q - 128: w = d (q - 128) + (m + 128 d)
+      if constexpr (BITS == 8) m = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), m);
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]),
                                  _mm512_fmadd_ps(d, sum[r], acc[r]));
@@ -224,7 +232,7 @@ void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_g
   const __m512i* unpacked = nullptr;
   if (rows > kRowBlock) {
     thread_local std::vector<__m512i> buffer;
-    const int64_t vectors = groups * blocks_per_group * 16;
+    const int64_t vectors = groups * blocks_per_group * (BITS == 4 ? 16 : 8);
     if (static_cast<int64_t>(buffer.size()) < vectors) buffer.resize(vectors);
     unpack_panel<BITS>(panel, groups, blocks_per_group,
                        kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1), buffer.data());
@@ -260,7 +268,8 @@ template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, const float* xsum,
               int64_t rows, const float* bias, OutT* y, int64_t ldy) {
   const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
-  const int64_t groups = w.in_features / w.group_size, blocks_per_group = w.group_size / kBlock;
+  const int64_t groups = w.in_features / w.group_size;
+  const int64_t blocks_per_group = w.group_size / block_features(BITS);
   const auto* data = w.data.data_ptr<uint8_t>();
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
   const int64_t chunk_rows =
@@ -289,6 +298,8 @@ void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx
   if (w.bits == 4 && !w.asymmetric && !w.float_scales) LOOM_RUN(4, false, c10::Half);
   if (w.bits == 8 && !w.asymmetric && !w.float_scales) LOOM_RUN(8, false, c10::Half);
   if (w.bits == 8 && !w.asymmetric && w.float_scales) LOOM_RUN(8, false, float);
+  if (w.bits == 4 && w.asymmetric && w.float_scales) LOOM_RUN(4, true, float);
+  if (w.bits == 8 && w.asymmetric && w.float_scales) LOOM_RUN(8, true, float);
 #undef LOOM_RUN
   TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
               w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
@@ -314,9 +325,10 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
                     offsets->scalar_type() == scales.scalar_type(),
                 "offsets must have the shape and dtype of scales");
   const int64_t n = values.size(0), k = values.size(1), groups = scales.size(1);
-  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kBlock == 0,
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % block_features(bits) == 0,
               "pack_quantized_weight: ", k, " input features in ", groups,
-              " groups: each group must be a multiple of ", kBlock, " features");
+              " groups: each group must be a multiple of ", block_features(bits),
+              " features at ", bits, " bits");
   QuantizedWeight w;
   w.out_features = n;
   w.in_features = k;
@@ -335,7 +347,8 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
   const auto* op = asymmetric ? static_cast<const uint8_t*>(o.data_ptr()) : nullptr;
   auto* out = w.data.data_ptr<uint8_t>();
   const int64_t scale_size = s.element_size();
-  const int64_t blocks_per_group = w.group_size / kBlock;
+  const int64_t features = block_features(bits);
+  const int64_t blocks_per_group = w.group_size / features;
   const int64_t limit = (1 << bits) - 1;
   TORCH_CHECK(v.max().item<uint8_t>() <= limit, "values must be below 2^", bits);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -343,13 +356,13 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
       uint8_t* dst = out + p * stride;
       for (int64_t g = 0; g < groups; ++g) {
         for (int64_t i = 0; i < blocks_per_group; ++i) {
-          const int64_t k0 = (g * blocks_per_group + i) * kBlock;
+          const int64_t k0 = (g * blocks_per_group + i) * features;
           for (int64_t lane = 0; lane < kLanes; ++lane) {
             const int64_t row = p * kLanes + lane;
             if (row >= n) continue;
             const uint8_t* src = vp + row * k + k0;
             // word t = 2 * lane + e of pair vector j holds feature 2j + e
-            for (int64_t j = 0; j < 16; ++j)
+            for (int64_t j = 0; j < features / 2; ++j)
               for (int64_t e = 0; e < 2; ++e) {
                 const uint8_t q = src[2 * j + e];
                 const int64_t t = 2 * lane + e;
@@ -361,7 +374,7 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
                   dst[32 * (j - 8) + t] |= static_cast<uint8_t>(q << 4);
               }
           }
-          dst += block_bytes(bits);
+          dst += kBlockBytes;
         }
         for (const uint8_t* table : {sp, op}) {
           if (table == nullptr) continue;
@@ -382,7 +395,8 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
 std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWeight& w) {
   TORCH_CHECK(w.data.defined(), "unpack_quantized_weight: the weight is empty");
   const int64_t n = w.out_features, k = w.in_features, groups = k / w.group_size;
-  const int64_t blocks_per_group = w.group_size / kBlock, stride = w.data.size(1);
+  const int64_t features = block_features(w.bits);
+  const int64_t blocks_per_group = w.group_size / features, stride = w.data.size(1);
   const auto scale_type = w.float_scales ? at::kFloat : at::kHalf;
   auto values = at::empty({n, k}, w.data.options());
   auto scales = at::empty({n, groups}, w.data.options().dtype(scale_type));
@@ -398,10 +412,10 @@ std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWe
       const uint8_t* src = in + p * stride;
       for (int64_t g = 0; g < groups; ++g) {
         for (int64_t i = 0; i < blocks_per_group; ++i) {
-          const int64_t k0 = (g * blocks_per_group + i) * kBlock;
+          const int64_t k0 = (g * blocks_per_group + i) * features;
           for (int64_t lane = 0; lane < kLanes && p * kLanes + lane < n; ++lane) {
             uint8_t* dst = vp + (p * kLanes + lane) * k + k0;
-            for (int64_t j = 0; j < 16; ++j)
+            for (int64_t j = 0; j < features / 2; ++j)
               for (int64_t e = 0; e < 2; ++e) {
                 const int64_t t = 2 * lane + e;
                 if (w.bits == 8)
@@ -412,7 +426,7 @@ std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWe
                   dst[2 * j + e] = src[32 * (j - 8) + t] >> 4;
               }
           }
-          src += block_bytes(w.bits);
+          src += kBlockBytes;
         }
         for (uint8_t* table : {sp, op}) {
           if (table == nullptr) continue;
@@ -435,7 +449,8 @@ void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
                   out.size(1) == w.in_features,
               "out must be (len(ids), ", w.in_features, ") bfloat16 or float32, contiguous");
   const int64_t k = w.in_features, groups = k / w.group_size, stride = w.data.size(1);
-  const int64_t blocks_per_group = w.group_size / kBlock;
+  const int64_t features = block_features(w.bits);
+  const int64_t blocks_per_group = w.group_size / features;
   const int64_t scale_size = w.float_scales ? 4 : 2;
   const auto ids_c = ids.contiguous();
   const int64_t* idp = ids_c.data_ptr<int64_t>();
@@ -456,21 +471,22 @@ void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
   LOOM_DISPATCH(out.scalar_type(), "dequantize_rows", [&] {
     auto* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, ids.size(0), 1, [&](int64_t begin, int64_t end) {
-      float row[kBlock];
+      float row[32];
       for (int64_t i = begin; i < end; ++i) {
         const int64_t lane = idp[i] % kLanes;
         const uint8_t* src = data + (idp[i] / kLanes) * stride;
         for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* scales = src + blocks_per_group * block_bytes(w.bits);
+          const uint8_t* scales = src + blocks_per_group * kBlockBytes;
           const float d = scale_at(scales, lane);
           const float m = w.asymmetric ? scale_at(scales + kLanes * scale_size, lane) : 0.f;
-          for (int64_t b = 0; b < blocks_per_group; ++b, src += block_bytes(w.bits)) {
-            for (int64_t j = 0; j < 16; ++j)
+          for (int64_t b = 0; b < blocks_per_group; ++b, src += kBlockBytes) {
+            for (int64_t j = 0; j < features / 2; ++j)
               for (int64_t e = 0; e < 2; ++e) {
                 const int64_t t = 2 * lane + e;
                 float q;
-                if (w.bits == 8)
-                  q = static_cast<int8_t>(src[32 * j + t]);  // stored q - 128
+                if (w.bits == 8)  // stored q - 128
+                  q = static_cast<float>(static_cast<int8_t>(src[32 * j + t])) +
+                      (w.asymmetric ? 128.f : 0.f);
                 else if (j < 8)
                   q = src[32 * j + t] & 0x0F;
                 else
@@ -479,8 +495,8 @@ void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
                 // as QuantizedTensor.dequantize: d * (q - z), or d * q + m
                 row[2 * j + e] = w.asymmetric ? d * q + m : d * q;
               }
-            scalar_t* dst = op + i * k + (g * blocks_per_group + b) * kBlock;
-            for (int64_t c = 0; c < kBlock; ++c) dst[c] = from_float<scalar_t>(row[c]);
+            scalar_t* dst = op + i * k + (g * blocks_per_group + b) * features;
+            for (int64_t c = 0; c < features; ++c) dst[c] = from_float<scalar_t>(row[c]);
           }
           src += kLanes * scale_size * (w.asymmetric ? 2 : 1);
         }

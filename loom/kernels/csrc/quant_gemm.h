@@ -14,10 +14,10 @@ bool quant_gemm_available();
 // A linear layer's quantized weight (N, K) in the kernel's layout, with what the kernel
 // needs to read it. Every format loom keeps quantized is one of these: `bits`-wide
 // unsigned values q (4 or 8) in groups of `group_size` input features (a multiple of
-// 32), each group of each output row with a scale d and either an offset m
-// (asymmetric: w = d * q + m) or the fixed zero point 2^(bits-1) (symmetric:
-// w = d * (q - 2^(bits-1))). Scales (and offsets) are float16, or float32 when
-// `float_scales` (one group per row: wint8's per-channel scales).
+// 32 at 4 bits, of 16 at 8), each group of each output row with a scale d and either
+// an offset m (asymmetric: w = d * q + m) or the fixed zero point 2^(bits-1)
+// (symmetric: w = d * (q - 2^(bits-1))). Scales (and offsets) are float16, or float32
+// when `float_scales` (wint8's per-row scales; the K-quants' multiplied-out ones).
 struct QuantizedWeight {
   at::Tensor data;  // uint8, from pack_quantized_weight
   int64_t out_features = 0;

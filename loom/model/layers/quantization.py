@@ -2,8 +2,9 @@
 
 ``--quantization`` (``ModelConfig.quantization``) names it:
 
-- ``auto``: a checkpoint runs as stored; a GGUF file keeps its Q8_0, Q4_0 and Q4_1
-  linear weights quantized (other GGUF formats are dequantized, with a log line).
+- ``auto``: a checkpoint runs as stored; a GGUF file keeps its Q8_0, Q4_0, Q4_1, Q4_K,
+  Q5_K and Q6_K linear weights quantized (other GGUF formats are dequantized, with a
+  log line).
 - ``none``: every weight dequantized to the model's dtype (a GGUF file too).
 - ``wint8``: per-output-channel symmetric int8 made at load from the loaded weights.
 - ``wint4``: group-wise asymmetric 4-bit (``group_size`` input features per scale and
@@ -14,9 +15,18 @@ groups of input features, each group of each output row with a scale d and eithe
 offset m (asymmetric) or the fixed zero point z = 2^(bits-1) (symmetric)::
 
     w = d * (q - z)      symmetric:  Q8_0 (8-bit, float16 d per 32), Q4_0 (4-bit, per 32),
-                                     wint8 (8-bit, one float32 d per row)
-    w = d * q + m        asymmetric: Q4_1 (4-bit, float16 d and m per 32), wint4
+                                     wint8 (8-bit, one float32 d per row),
+                                     Q6_K (6-bit values held in 8, float32 d per 16)
+    w = d * q + m        asymmetric: Q4_1 (4-bit, float16 d and m per 32), wint4,
+                                     Q4_K (4-bit, float32 d and m per 32),
+                                     Q5_K (5-bit values held in 8, float32 d and m per 32)
 
+The K-quants' two-level scales (a float16 per 256 values times a 6- or 8-bit integer per
+32 or 16) are multiplied out into one float32 scale (and offset) per group: exact, since
+both factors fit in float32's 24-bit significand, and what ``gguf.quants`` computes
+before it scales the values. Held that way, Q4_K takes 6 bits a weight (the file 4.5),
+Q5_K 10 (5.5) and Q6_K 10 (6.56): more than the file, 0.4-0.6 of bf16's 16, and one
+kernel still reads them all.
 which is also what the CPU kernel reads (``loom/kernels/csrc/quant_gemm.cpp``), so a
 GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
 (``gguf.quants``) bit for bit. Quantizing at load (wint8, wint4) happens in the weight
@@ -42,11 +52,14 @@ from loom.config import check_quantization_name
 
 INT8_MAX = 127
 WINT4_GROUP_SIZE = 128
-KERNEL_BLOCK = 32  # input features per block of the kernel; groups are multiples of it
+KERNEL_BLOCK = 32  # the 4-bit kernel's block of input features (8-bit groups may be 16: Q6_K)
 
-# ggml types (gguf_file.py) kept quantized: (name, bits, asymmetric, values per block)
+# ggml types (gguf_file.py) kept quantized
 _GGML_Q4_0, _GGML_Q4_1, _GGML_Q8_0 = 2, 3, 8
-GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q8_0: "Q8_0"}
+_GGML_Q4_K, _GGML_Q5_K, _GGML_Q6_K = 12, 13, 14
+GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q8_0: "Q8_0",
+             _GGML_Q4_K: "Q4_K", _GGML_Q5_K: "Q5_K", _GGML_Q6_K: "Q6_K"}
+_SUPER_BLOCK = 256  # values per K-quant block
 
 
 def linear_weight_quantization(name: str, group_size: int = WINT4_GROUP_SIZE) -> str:
@@ -223,12 +236,14 @@ def quantize_wint4(weight: torch.Tensor, group_size: int = WINT4_GROUP_SIZE) -> 
 
 def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
                    ) -> QuantizedTensor | None:
-    """A GGUF tensor's bytes as a ``QuantizedTensor`` if loom keeps its format (Q4_0,
-    Q4_1, Q8_0 and 2-d), else None (dequantize it)."""
+    """A GGUF tensor's bytes as a ``QuantizedTensor`` if loom keeps its format
+    (``GGUF_KEPT``) and it is 2-d, else None (dequantize it)."""
     if ggml_type not in GGUF_KEPT or len(shape) != 2 or shape[1] % KERNEL_BLOCK:
         return None
     n, k = shape
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if ggml_type in (_GGML_Q4_K, _GGML_Q5_K, _GGML_Q6_K):
+        return _k_quantized(raw, ggml_type, n, k)
     if ggml_type == _GGML_Q8_0:
         blocks = raw.reshape(n, k // 32, 34)
         d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
@@ -246,6 +261,37 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
     m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
     return QuantizedTensor(torch.from_numpy(values.reshape(n, k)), torch.from_numpy(d),
                            torch.from_numpy(m), 4, "Q4_1")
+
+
+def _k_quantized(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedTensor:
+    """Q4_K, Q5_K or Q6_K blocks (layouts in ``gguf_dequant``) as per-group values,
+    float32 scales and (Q4_K, Q5_K) offsets, dequantizing as ``gguf.quants`` does."""
+    from loom.model.loader import gguf_dequant as gd
+
+    blocks = raw.reshape(-1, {_GGML_Q4_K: 144, _GGML_Q5_K: 176, _GGML_Q6_K: 210}[ggml_type])
+    count = blocks.shape[0]
+    if ggml_type == _GGML_Q6_K:  # w = (d * sc) * (q - 32), q 6-bit, groups of 16
+        scale = gd._f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        ql = gd._nibbles(blocks[:, :128], 64).reshape(count, 8, 32)
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        qh = ((blocks[:, 128:192].reshape(count, 2, 1, 32) >> shifts) & np.uint8(3))
+        q = ql | (qh.reshape(count, 8, 32) << np.uint8(4))
+        values = q + np.uint8(128 - 32)  # zero point 128, as the 8-bit formats hold it
+        return QuantizedTensor(torch.from_numpy(values.reshape(n, k)),
+                               torch.from_numpy(scale.reshape(n, k // 16)), None, 8, "Q6_K")
+    scale, offset = gd._k_scale_offset(blocks)  # d * sc, dmin * m: w = q * scale - offset
+    if ggml_type == _GGML_Q4_K:
+        values, bits = gd._nibbles(blocks[:, 16:], 32), 4
+    else:
+        shifts = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        qh = (blocks[:, 16:48].reshape(count, 1, 1, 32) >> shifts) & np.uint8(1)
+        values = gd._nibbles(blocks[:, 48:], 32).reshape(count, 8, 32) | (
+            qh.reshape(count, 8, 32) << np.uint8(4))
+        bits = 8
+    return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(values).reshape(n, k)),
+                           torch.from_numpy(scale.reshape(n, k // 32)),
+                           torch.from_numpy(-offset.reshape(n, k // 32)), bits,
+                           GGUF_KEPT[ggml_type])
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedTensor,
