@@ -26,6 +26,14 @@ Parallelism, as vLLM's FusedMoE:
   (they leave attention all-reduced), so each rank takes the tokens routed to its own
   experts, runs them, and the all-reduce over the group combines every token's
   experts' results: the dispatch is local selection, the combine one collective.
+
+Quantized experts (``--quantization wint8|wint4``): each local expert is then a pair of
+linear layers (``QuantizedExpert``: ``w13`` (2I, H), ``w2`` (H, I), both ``LinearBase``,
+layers/linear.py), so an expert's weight is quantized in its loader from the whole
+checkpoint tensor before the rank takes its shard, laid out once for loom's
+``quantized_linear`` kernel (bf16 on AVX512-BF16) or held for the PyTorch reference
+(float32, other CPUs), exactly as the dense linears are; the grouped path runs each
+expert hit once on its segment, as above.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
-from loom.model.layers.linear import PackedWeight, linear, pack_weight
+from loom.model.layers.linear import LinearBase, PackedWeight, linear, pack_weight
+from loom.model.layers.quantization import parse_weight_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +115,14 @@ def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return linear(F.silu(gate) * up, w2, packed=packed[1])
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   expert_start: int = 0,
-                  packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
-                  ) -> torch.Tensor:
+                  packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None,
+                  experts: nn.ModuleList | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) over the experts this
-    rank holds (``w13`` (E_local, 2I, H), ``w2`` (E_local, H, I), global ids
+    rank holds (``w13`` (E_local, 2I, H), ``w2`` (E_local, H, I), or ``experts``, one
+    module (T, H) -> (T, H) per local expert, e.g. ``QuantizedExpert``; global ids
     ``expert_start ..``); assignments to other ranks' experts add nothing.
 
     Grouped by expert: sort the T*K assignments by expert id once, gather their tokens
@@ -124,9 +134,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         experts 0 | 1 | 2 2  -> counts [1, 1, 2]
     """
     num_tokens, top_k = topk_ids.shape
-    num_local = w13.shape[0]
+    num_local = len(experts) if experts is not None else w13.shape[0]
     if num_tokens == 1:  # a batch-1 decode: its experts in turn, in the same order
-        return _one_token(x, w13, w2, topk_weights, topk_ids, expert_start, packed)
+        return _one_token(x, w13, w2, topk_weights, topk_ids, expert_start, packed, experts)
     flat_ids = topk_ids.flatten() - expert_start  # (T*K,) local ids
     mine = (flat_ids >= 0) & (flat_ids < num_local)
     flat_ids = torch.where(mine, flat_ids, num_local)  # other ranks' sort last, never run
@@ -144,28 +154,35 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            use_packed = packed is not None and count <= PACKED_MAX_ROWS
-            results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert],
-                                             packed[expert] if use_packed else (None, None))
+            if experts is not None:
+                results[start:end] = experts[expert](routed[start:end])
+            else:
+                use_packed = packed is not None and count <= PACKED_MAX_ROWS
+                results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert],
+                                                 packed[expert] if use_packed else (None, None))
             start = end
     weights = topk_weights.flatten()[order[:num_routed]].to(results.dtype)
     results.mul_(weights[:, None])
     return out.index_add_(0, token_of, results)
 
 
-def _one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def _one_token(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
-               packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None
-               ) -> torch.Tensor:
+               packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None,
+               experts: nn.ModuleList | None = None) -> torch.Tensor:
     """``fused_experts`` for one token, without the sort, gather and scatter (a dozen
     small ops that cost as much as an expert at batch 1); same roundings and order."""
     out = torch.zeros_like(x)
     weights = topk_weights[0].to(x.dtype)
+    num_local = len(experts) if experts is not None else w13.shape[0]
     for k, expert in sorted(enumerate(topk_ids[0].tolist()), key=lambda item: item[1]):
         local = expert - expert_start
-        if 0 <= local < w13.shape[0]:
-            result = _expert_mlp(x, w13[local], w2[local],
-                                 packed[local] if packed else (None, None))
+        if 0 <= local < num_local:
+            if experts is not None:
+                result = experts[local](x)
+            else:
+                result = _expert_mlp(x, w13[local], w2[local],
+                                     packed[local] if packed else (None, None))
             out += result.mul_(weights[k])
     return out
 
@@ -185,6 +202,46 @@ def loop_over_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+class ExpertLinear(LinearBase):
+    """One expert's ``w13`` (gate rows then up rows, (2 I_shard, H)) or ``w2``
+    ((H, I_shard)), loaded from the checkpoint's whole (out, in) gate/up/down tensors:
+    this rank's part of the intermediate size is rows ``first .. first + I_shard`` of
+    gate and up, columns of down (all of it under expert parallel)."""
+
+    def __init__(self, input_size: int, output_size: int, first: int, inter: int,
+                 quantization: str) -> None:
+        super().__init__(input_size, output_size, False, SINGLE, quantization)
+        self.first, self.inter = first, inter
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        first, inter = self.first, self.inter
+        if shard_id in ("gate", "up"):
+            rows = loaded_weight.narrow(0, first, inter)
+            target = param.data.narrow(0, 0 if shard_id == "gate" else inter, inter)
+        elif shard_id == "down":
+            rows, target = loaded_weight.narrow(1, first, inter), param.data
+        else:
+            raise ValueError(f"expert weight {shard_id!r} is none of gate, up, down")
+        if tuple(target.shape) != tuple(rows.shape):
+            raise ValueError(f"expert {shard_id} weight has shape "
+                             f"{tuple(loaded_weight.shape)}, which does not fit the "
+                             f"parameter slice {tuple(target.shape)}; does the config match?")
+        target.copy_(rows)
+
+
+class QuantizedExpert(nn.Module):
+    """One routed expert as two quantized linear layers: (T, H) -> (T, H)."""
+
+    def __init__(self, hidden_size: int, inter: int, first: int, quantization: str) -> None:
+        super().__init__()
+        self.w13 = ExpertLinear(hidden_size, 2 * inter, first, inter, quantization)
+        self.w2 = ExpertLinear(inter, hidden_size, first, inter, quantization)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13.matmul(x, None).chunk(2, dim=-1)
+        return self.w2.matmul(F.silu(gate) * up, None)
+
+
 class FusedMoE(nn.Module):
     """The routed experts of one layer, with the router and the shared experts.
 
@@ -193,11 +250,15 @@ class FusedMoE(nn.Module):
     (E_local, 2 * I_shard, H) with gate rows then up rows, ``w2_weight``
     (E_local, H, I_shard), filled per expert through ``weight_loader(param, tensor,
     (expert_id, "gate" | "up" | "down"))``; ``shared_experts`` an MLP module given by
-    the family (column/row parallel, it all-reduces its own output)."""
+    the family (column/row parallel, it all-reduces its own output). With
+    ``quantization`` wint8 or wint4[:G] (``LinearBase``'s), ``experts`` holds a
+    ``QuantizedExpert`` per local expert instead of ``w13_weight``/``w2_weight``.
+    ``load_expert`` fills either."""
 
     def __init__(self, spec: MoESpec, hidden_size: int, tp_group: TPGroup = SINGLE,
                  expert_parallel: EPGroup = NO_EP,
-                 shared_experts: nn.Module | None = None, layer_idx: int = 0) -> None:
+                 shared_experts: nn.Module | None = None, layer_idx: int = 0,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
@@ -221,12 +282,20 @@ class FusedMoE(nn.Module):
                                         if spec.correction_bias else None)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.weight_loader = _bias_loader
-        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, inter),
-                                      requires_grad=False)
-        for param in (self.w13_weight, self.w2_weight):
-            param.weight_loader = self.expert_weight_loader
+        self.experts: nn.ModuleList | None = None
+        if parse_weight_quantization(quantization)[0] == "none":
+            self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size),
+                                           requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, inter),
+                                          requires_grad=False)
+            for param in (self.w13_weight, self.w2_weight):
+                param.weight_loader = self.expert_weight_loader
+        else:
+            self.register_parameter("w13_weight", None)
+            self.register_parameter("w2_weight", None)
+            self.experts = nn.ModuleList(
+                QuantizedExpert(hidden_size, inter, self.intermediate_start, quantization)
+                for _ in range(num_local))
         self.shared_experts = shared_experts
         # tokens routed to each expert (all ranks' experts, counted on every rank) since
         # start: the load balance, logged by rank 0 every LOG_LOAD_EVERY forwards
@@ -243,7 +312,10 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack each local expert's matrices for the CPU bf16 matmul (linear.py's
-        ``pack_weight``; None elsewhere), once the weights are in place."""
+        ``pack_weight``; None elsewhere), once the weights are in place. Quantized
+        experts lay themselves out (their ``ExpertLinear``s' own hooks)."""
+        if self.experts is not None:
+            return
         packed = [(pack_weight(self.w13_weight[e]), pack_weight(self.w2_weight[e]))
                   for e in range(self.w13_weight.shape[0])]
         self.packed = packed if any(p is not None for pair in packed for p in pair) else None
@@ -255,6 +327,22 @@ class FusedMoE(nn.Module):
         mean = sum(counts) / len(counts)
         ratio = max(counts) / mean if mean else 0.0
         return f"tokens per expert {counts}, max/mean {ratio:.2f}"
+
+    def load_expert(self, loaded_weight: torch.Tensor, expert_id: int, which: str) -> list[str]:
+        """Load expert ``expert_id``'s gate, up or down weight (the checkpoint's whole
+        (out, in) tensor; another rank's expert is skipped); returns the names of the
+        parameters (relative to this layer) that such tensors fill."""
+        if which not in ("gate", "up", "down"):
+            raise ValueError(f"expert weight {which!r} is none of gate, up, down")
+        if self.experts is None:
+            param = self.w2_weight if which == "down" else self.w13_weight
+            param.weight_loader(param, loaded_weight, (expert_id, which))
+            return ["w2_weight" if which == "down" else "w13_weight"]
+        name = "w2" if which == "down" else "w13"
+        if self.expert_start <= expert_id < self.expert_end:
+            linear_layer = getattr(self.experts[expert_id - self.expert_start], name)
+            linear_layer.weight.weight_loader(linear_layer.weight, loaded_weight, which)
+        return [f"experts.{local}.{name}.weight" for local in range(len(self.experts))]
 
     def expert_weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                              shard_id: tuple[int, str]) -> None:
@@ -293,7 +381,10 @@ class FusedMoE(nn.Module):
         self._forwards += 1
         if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
             logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
-        if self.use_grouped:
+        if self.experts is not None:
+            out = fused_experts(x, None, None, topk_weights, topk_ids, self.expert_start,
+                                experts=self.experts)
+        elif self.use_grouped:
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                 self.expert_start, self.packed)
         else:
@@ -314,23 +405,24 @@ def _bias_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
 _EXPERT_WEIGHT = re.compile(r"^(?P<layer>.*\.)experts\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
 
 
-def load_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
-                        params: dict[str, nn.Parameter], loaded: set[str],
+def load_expert_weights(weights: Iterable[tuple[str, torch.Tensor]], model: nn.Module,
+                        loaded: set[str],
                         roles: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Load each checkpoint tensor ``<layer>.experts.<i>.<name>.weight`` whose ``name``
     is in ``roles`` (checkpoint name -> gate | up | down, e.g. Mixtral's w1 -> gate)
-    into ``<layer>.w13_weight`` / ``<layer>.w2_weight`` of that layer's FusedMoE, adding
-    the parameter names to ``loaded``; pass every other tensor on."""
+    into the FusedMoE ``<layer>`` of ``model`` (``FusedMoE.load_expert``), adding the
+    parameter names it fills to ``loaded``; pass every other tensor on."""
+    layers = {name: module for name, module in model.named_modules()
+              if isinstance(module, FusedMoE)}
     for name, tensor in weights:
         match = _EXPERT_WEIGHT.match(name)
         if match is None or match["name"] not in roles:
             yield name, tensor
             continue
-        role = roles[match["name"]]
-        param_name = match["layer"] + ("w2_weight" if role == "down" else "w13_weight")
-        if param_name not in params:
+        layer_name = match["layer"].rstrip(".")
+        if layer_name not in layers:
             raise ValueError(f"checkpoint tensor {name!r} has no matching MoE layer "
-                             f"({param_name}); is the architecture right?")
-        param = params[param_name]
-        param.weight_loader(param, tensor, (int(match["expert"]), role))
-        loaded.add(param_name)
+                             f"({layer_name}); is the architecture right?")
+        filled = layers[layer_name].load_expert(tensor, int(match["expert"]),
+                                                roles[match["name"]])
+        loaded.update(f"{layer_name}.{param}" for param in filled)

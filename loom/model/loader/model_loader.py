@@ -89,11 +89,6 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
             hook()
     if tp_group.rank == 0:
         logger.info("weights: %s", describe_weight_bytes(weight_bytes_by_dtype(model)))
-        experts = sum(type(module).__name__ == "FusedMoE" for module in model.modules())
-        if experts and quantization in ("wint8", "wint4"):
-            logger.warning("--quantization %s quantizes the attention and dense MLP linears; "
-                           "the experts of %d MoE layers stay in %s (not built yet)",
-                           quantization, experts, str(dtype).removeprefix("torch."))
     return model.eval()
 
 

@@ -41,6 +41,6 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        rest = load_expert_weights(_renamed(weights), dict(self.named_parameters()), loaded,
+        rest = load_expert_weights(_renamed(weights), self, loaded,
                                    EXPERT_ROLES)
         return super().load_weights(rest) | loaded

@@ -173,7 +173,7 @@ class LlamaDecoderLayer(nn.Module):
             shared = (LlamaMLP(spec, tp_group, spec.moe.shared_intermediate_size)
                       if spec.moe.shared_intermediate_size else None)
             self.mlp = FusedMoE(spec.moe, spec.hidden_size, tp_group, expert_parallel,
-                                shared, layer_idx)
+                                shared, layer_idx, quantization=spec.weight_quantization)
         self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 

@@ -31,6 +31,6 @@ class MixtralForCausalLM(MistralForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        rest = load_expert_weights(_renamed(weights), dict(self.named_parameters()), loaded,
+        rest = load_expert_weights(_renamed(weights), self, loaded,
                                    EXPERT_ROLES)
         return super().load_weights(rest) | loaded

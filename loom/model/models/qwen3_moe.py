@@ -30,6 +30,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        rest = load_expert_weights(weights, dict(self.named_parameters()), loaded,
+        rest = load_expert_weights(weights, self, loaded,
                                    EXPERT_ROLES)
         return super().load_weights(rest) | loaded
