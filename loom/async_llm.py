@@ -110,18 +110,24 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, max_num_waiting: int | None = None,
-                 log_requests: bool = True) -> None:
+                 log_requests: bool = True, tokenizer: Tokenizer | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
+        """``tokenizer`` and ``metrics`` are given by a data-parallel server
+        (``DPAsyncLLM``), whose replicas share one tokenizer and one registry."""
         self.config = config
-        self.tokenizer: Tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
-                                                   config.model.chat_template)
+        self.tokenizer: Tokenizer = tokenizer or load_tokenizer(
+            config.model.model, config.model.tokenizer, config.model.chat_template)
         self.input_processor = InputProcessor(config.model, self.tokenizer,
                                               config.structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = ServerMetrics(config.model.name)
+        self.metrics = metrics or ServerMetrics(config.model.name)
         self.max_num_waiting = max_num_waiting
         self.log_requests = log_requests
         self.dead_error: EngineDeadError | None = None
         self.on_dead: list[Callable[[], None]] = []
+        # Called with a request's id once it is no longer in flight (finished, aborted,
+        # failed): a data-parallel server's load count (DPAsyncLLM).
+        self.on_request_done: list[Callable[[str], None]] = []
         self._eos_token_ids = list(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _TrackedRequest] = {}
         self.metrics.server_requests_in_flight.set_function(lambda: len(self._requests))
@@ -169,6 +175,11 @@ class AsyncLLM:
     @property
     def num_requests_in_flight(self) -> int:
         return len(self._requests)
+
+    @property
+    def replica_metrics(self) -> list[ServerMetrics]:
+        """Each engine core's metrics (one here; one per replica in ``DPAsyncLLM``)."""
+        return [self.metrics]
 
     # ----------------------------------------------------------------- requests
 
@@ -262,6 +273,8 @@ class AsyncLLM:
             self._num_sequences -= tracked.num_sequences
             if not self._requests:
                 self._idle.set()
+            for callback in self.on_request_done:
+                callback(request_id)
         return tracked
 
     # ----------------------------------------------------------------- outputs
@@ -361,12 +374,18 @@ class AsyncLLM:
     def _fail(self, message: str) -> None:
         if self.dead_error is not None:
             return
+        parallel = self.config.parallel
+        if parallel.data_parallel_size > 1:
+            message = f"data-parallel replica {parallel.data_parallel_rank}: {message}"
         logger.error("engine is dead: %s", message)
         self.dead_error = EngineDeadError(message)
         self.output_processor.fail_all(message)
         for tracked in self._requests.values():
             tracked.queue.put_nowait(self.dead_error)
-        self._requests.clear()
+        failed, self._requests = list(self._requests), {}
+        for request_id in failed:
+            for callback in self.on_request_done:
+                callback(request_id)
         for future in self._controls.values():
             if not future.done():
                 future.set_exception(self.dead_error)

@@ -99,6 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lm-head-fp32", action="store_true",
                        help="compute logits in float32 from a float32 copy of the LM head "
                             "(dequantized if the checkpoint stores it quantized)")
+    group.add_argument("--cpu-threads-per-rank", type=_positive_int, default=None,
+                       help="torch threads of each worker rank on the CPU (default: the cores "
+                            "shared evenly by the ranks of every replica on this host)")
     group.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     group.add_argument("--structured-outputs-backend", "--guided-decoding-backend",
                        default="auto", choices=["auto", "guidance", "llguidance"],
@@ -145,7 +148,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "early_stop_config", "enable_warm_up", "enable_chunked_prefill",
              "generation_config", "override_generation_config", "trust_remote_code",
              "enforce_eager", "attention_backend", "quantization",
-             "quantization_group_size", "lm_head_fp32")
+             "quantization_group_size", "lm_head_fp32", "cpu_threads_per_rank")
     return {name: getattr(args, name) for name in names}
 
 

@@ -164,7 +164,26 @@ class ParallelConfig:
     # tensor_parallel_size. --enable-expert-parallel means tensor_parallel_size.
     expert_parallel_size: int = 1
 
+    # Data parallel (``loom serve --data-parallel-size``, docs/architecture.md): replicas
+    # of the whole engine, each with its own engine core, workers and KV cache, behind
+    # one API server that routes each request (loom/dp_async_llm.py). Every replica's
+    # config is this one with its own ``data_parallel_rank``.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # Torch threads of each worker rank on the CPU; None: the host's cores shared evenly
+    # by every rank of every replica (cores // (tensor-parallel ranks on this host x
+    # data-parallel replicas)).
+    cpu_threads_per_rank: int | None = None
+
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}")
+        if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
+            raise ValueError(f"cpu_threads_per_rank must be positive, got "
+                             f"{self.cpu_threads_per_rank}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):
@@ -202,6 +221,12 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
+
+    def threads_per_rank(self, cores: int) -> int:
+        """Torch threads for one worker rank on a host with ``cores`` cores."""
+        if self.cpu_threads_per_rank is not None:
+            return self.cpu_threads_per_rank
+        return max(1, cores // (self.ranks_per_node * self.data_parallel_size))
 
     @property
     def use_worker_processes(self) -> bool:
@@ -381,6 +406,8 @@ class EngineConfig:
         quantization: str = "auto",
         quantization_group_size: int = 128,
         lm_head_fp32: bool = False,
+        data_parallel_size: int = 1,
+        cpu_threads_per_rank: int | None = None,
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
     ) -> EngineConfig:
@@ -464,7 +491,9 @@ class EngineConfig:
                                     expert_parallel_size=expert_parallel_size,
                                     master_port=master_port,
                                     worker_health_timeout_s=worker_health_timeout_s,
-                                    watchdog_timeout_s=watchdog_timeout_s),
+                                    watchdog_timeout_s=watchdog_timeout_s,
+                                    data_parallel_size=data_parallel_size,
+                                    cpu_threads_per_rank=cpu_threads_per_rank),
             structured_outputs=StructuredOutputsConfig(
                 backend=structured_outputs_backend,
                 disable_any_whitespace=structured_outputs_disable_any_whitespace,

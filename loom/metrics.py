@@ -1,7 +1,8 @@
 """Prometheus metrics of the API server, under vLLM's names so its dashboards work.
 
-Every metric is named ``vllm:<name>`` and labelled ``model_name``, with the meaning
-vLLM (v1) gives it:
+Every metric is named ``vllm:<name>`` and labelled ``model_name`` and ``replica`` (the
+data-parallel replica whose engine core it describes, "0" without data parallel; vLLM
+calls it ``engine``), with the meaning vLLM (v1) gives it:
 
     vllm:num_requests_running          gauge      sequences in the running batch
     vllm:num_requests_waiting          gauge      sequences waiting to be scheduled
@@ -44,6 +45,7 @@ in the API process, where requests arrive and tokens leave.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -70,36 +72,47 @@ class _SequenceTimes:
 
 
 class ServerMetrics:
-    """One registry per server, so two servers in one process never share counters."""
+    """One registry per server, so two servers in one process never share counters; the
+    replicas of one data-parallel server share theirs (``ServerMetrics.for_replicas``),
+    each writing its own ``replica`` label."""
 
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+    def __init__(self, model_name: str, replica: int = 0,
+                 registry: CollectorRegistry | None = None,
+                 families: dict[str, Any] | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        families = {} if families is None else families
+        r, labels = self.registry, ["model_name", "replica"]
+        self.labels = {"model_name": model_name, "replica": str(replica)}
+        values = (model_name, str(replica))
+
+        def family(kind, name: str, doc: str, label_names=labels, **kwargs):
+            if name not in families:  # made once per registry, shared by its replicas
+                families[name] = kind(name, doc, label_names, registry=r, **kwargs)
+            return families[name]
 
         def gauge(name: str, doc: str):
-            return Gauge(f"vllm:{name}", doc, labels, registry=r).labels(model_name)
+            return family(Gauge, f"vllm:{name}", doc).labels(*values)
 
         def counter(name: str, doc: str):
-            return Counter(f"vllm:{name}", doc, labels, registry=r).labels(model_name)
+            return family(Counter, f"vllm:{name}", doc).labels(*values)
 
         def histogram(name: str, doc: str, buckets):
-            return Histogram(f"vllm:{name}", doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
+            return family(Histogram, f"vllm:{name}", doc, buckets=buckets).labels(*values)
 
         self.num_requests_running = gauge("num_requests_running", "Sequences running.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
         # The empty-state check as gauges: all three are 0 whenever nothing is in flight;
         # anything else is a leak (a request or KV block that nothing will ever free).
-        self.engine_requests = Gauge("loom:engine_requests",
-                                     "Requests the engine core's scheduler holds.", labels,
-                                     registry=r).labels(model_name)
-        self.kv_blocks_in_use = Gauge("loom:kv_blocks_in_use",
-                                      "KV blocks with a reference (cached free ones excluded).",
-                                      labels, registry=r).labels(model_name)
-        self.server_requests_in_flight = Gauge("loom:server_requests_in_flight",
-                                               "Requests the API server waits on.", labels,
-                                               registry=r).labels(model_name)
+        self.engine_requests = family(Gauge, "loom:engine_requests",
+                                      "Requests the engine core's scheduler holds."
+                                      ).labels(*values)
+        self.kv_blocks_in_use = family(Gauge, "loom:kv_blocks_in_use",
+                                       "KV blocks with a reference (cached free ones excluded)."
+                                       ).labels(*values)
+        self.server_requests_in_flight = family(Gauge, "loom:server_requests_in_flight",
+                                                "Requests the API server waits on."
+                                                ).labels(*values)
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
@@ -113,9 +126,9 @@ class ServerMetrics:
                                                        "Draft tokens accepted.")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._request_success = Counter("vllm:request_success", "Finished sequences.",
-                                        ["model_name", "finished_reason"], registry=r)
-        self._model_name = model_name
+        self._request_success = family(Counter, "vllm:request_success", "Finished sequences.",
+                                       ["model_name", "replica", "finished_reason"])
+        self._label_values = values
         self.time_to_first_token = histogram("time_to_first_token_seconds",
                                              "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds",
@@ -134,6 +147,12 @@ class ServerMetrics:
             registry=r).labels(model_name)
         self._sequences: dict[str, _SequenceTimes] = {}
         self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    @classmethod
+    def for_replicas(cls, model_name: str, num_replicas: int) -> list[ServerMetrics]:
+        """The metrics of each replica of a data-parallel server, in one registry."""
+        registry, families = CollectorRegistry(), {}
+        return [cls(model_name, replica, registry, families) for replica in range(num_replicas)]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -198,7 +217,7 @@ class ServerMetrics:
         times = self._sequences.pop(engine_request_id, None)
         if times is None or finish_reason in ("abort", "error"):
             return
-        self._request_success.labels(self._model_name, finish_reason).inc()
+        self._request_success.labels(*self._label_values, finish_reason).inc()
         self.e2e_request_latency.observe(now - times.arrival_time)
         if times.first_token_time is not None and times.num_generation_tokens > 1:
             self.time_per_output_token.observe((times.last_token_time - times.first_token_time)

@@ -29,8 +29,9 @@ LOG_INTERVAL_S = 10.0
 
 class LoggingStatLogger:
     def __init__(self, metrics: ServerMetrics, model_name: str,
-                 interval_s: float = LOG_INTERVAL_S) -> None:
+                 interval_s: float = LOG_INTERVAL_S, prefix: str = "") -> None:
         self.metrics = metrics
+        self.prefix = prefix  # e.g. "replica 1: " with data parallel
         self.model_name = model_name
         self.interval_s = interval_s
         self._last_time = time.monotonic()
@@ -61,7 +62,7 @@ class LoggingStatLogger:
         if not (active or self._was_active):
             return None
         self._was_active = active
-        line = (f"Avg prompt throughput: {new_prompt / elapsed:.1f} tokens/s, "
+        line = (f"{self.prefix}Avg prompt throughput: {new_prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {new_generation / elapsed:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {100 * self._sample('kv_cache_usage_perc'):.1f}%, "
@@ -80,6 +81,5 @@ class LoggingStatLogger:
             self.log()
 
     def _sample(self, name: str) -> float:
-        value = self.metrics.registry.get_sample_value(
-            f"vllm:{name}", {"model_name": self.model_name})
+        value = self.metrics.registry.get_sample_value(f"vllm:{name}", self.metrics.labels)
         return value or 0.0

@@ -315,7 +315,10 @@ def _configure_process(spec: WorkerSpec) -> None:
 
         keep_freed_memory()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) // spec.config.parallel.ranks_per_node))
+        torch.set_num_threads(spec.config.parallel.threads_per_rank(cores or 1))
+        logger.info("rank %d of data-parallel replica %d: %d torch threads on %d cores",
+                    spec.rank, spec.config.parallel.data_parallel_rank, torch.get_num_threads(),
+                    cores or 1)
 
 
 def _clean_up_after_dead_parent(spec: WorkerSpec) -> None:

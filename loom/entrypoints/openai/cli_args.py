@@ -36,6 +36,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="how to find tool calls in the model's text for tool_choice auto")
     group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> into reasoning_content in chat responses")
+    group.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="replicas of the whole engine (each its own engine core, workers "
+                            "and KV cache; each --tensor-parallel-size ranks) behind this "
+                            "one server, which routes each request by load and prefix "
+                            "affinity. On the CPU each rank takes cores / (ranks x replicas) "
+                            "threads unless --cpu-threads-per-rank says otherwise")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
@@ -85,6 +91,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 

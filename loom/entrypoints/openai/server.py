@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 import loom
 from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
 from loom.config import EngineConfig
+from loom.dp_async_llm import DPAsyncLLM
 from loom.entrypoints.openai.cli_args import ssl_config
 from loom.entrypoints.openai.control_routes import add_control_routes
 from loom.entrypoints.openai.errors import OpenAIError, error_body
@@ -409,6 +410,7 @@ def serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     # The server runs its workers in their own processes unless told otherwise.
     kwargs["distributed_executor_backend"] = kwargs.get("distributed_executor_backend") or "mp"
+    kwargs["data_parallel_size"] = args.data_parallel_size
     config = EngineConfig.from_args(model, **kwargs, served_model_name=args.served_model_name)
     listener = _bind(args.host, args.port)
     try:
@@ -455,11 +457,16 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
         await serving
         return 1
     engine = state.engine
+    replicas = config.parallel.data_parallel_size
     print(f"loom serve: loaded in {time.perf_counter() - started:.1f} s; KV cache of "
-          f"{num_blocks} blocks of {config.cache.block_size} tokens", flush=True)
+          f"{num_blocks} blocks of {config.cache.block_size} tokens"
+          + (f" in each of {replicas} data-parallel replicas" if replicas > 1 else ""),
+          flush=True)
     engine.on_dead.append(state.engine_died)
-    stats = None if args.disable_log_stats else asyncio.create_task(
-        LoggingStatLogger(engine.metrics, config.model.name).run())
+    stats = None if args.disable_log_stats else asyncio.gather(*(
+        LoggingStatLogger(metrics, config.model.name,
+                          prefix=f"replica {rank}: " if replicas > 1 else "").run()
+        for rank, metrics in enumerate(engine.replica_metrics)))
     switch.app = build_app(state)
     if not serving.done():
         print(f"loom serve: ready on {url}", flush=True)
@@ -480,7 +487,8 @@ async def _start_engine(args: argparse.Namespace, config: EngineConfig,
     """Build the engine (the tokenizer loads in a thread, so the port answers meanwhile)
     and start its core; returns its KV blocks. Cancelled: stops what was started."""
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, lambda: AsyncLLM(
+    engine_class = DPAsyncLLM if config.parallel.data_parallel_size > 1 else AsyncLLM
+    engine = await loop.run_in_executor(None, lambda: engine_class(
         config, max_num_waiting=args.max_num_waiting, log_requests=args.enable_log_requests))
     try:
         num_blocks = await engine.start()
