@@ -138,13 +138,12 @@ class ServerMetrics:
                                                _LATENCY_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "End-to-end request latency.", _REQUEST_BUCKETS)
-        self._expert_tokens = Counter("loom:moe_expert_tokens",
-                                      "Tokens routed to each expert, summed over MoE layers.",
-                                      ["model_name", "expert"], registry=r)
-        self.expert_load_max_over_mean = Gauge(
-            "loom:moe_expert_load_max_over_mean",
-            "Busiest expert's routed tokens over the mean (1.0: even).", labels,
-            registry=r).labels(model_name)
+        self._expert_tokens = family(Counter, "loom:moe_expert_tokens",
+                                     "Tokens routed to each expert, summed over MoE layers.",
+                                     ["model_name", "replica", "expert"])
+        self.expert_load_max_over_mean = family(
+            Gauge, "loom:moe_expert_load_max_over_mean",
+            "Busiest expert's routed tokens over the mean (1.0: even).").labels(*values)
         self._sequences: dict[str, _SequenceTimes] = {}
         self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
@@ -189,7 +188,8 @@ class ServerMetrics:
         last = last or [0] * len(totals)
         for expert, (total, before) in enumerate(zip(totals, last)):
             # every expert gets its series, an idle one at 0: that is the imbalance
-            self._expert_tokens.labels(self._model_name, str(expert)).inc(max(0, total - before))
+            self._expert_tokens.labels(*self._label_values, str(expert)).inc(
+                max(0, total - before))
         mean = sum(totals) / len(totals)
         self.expert_load_max_over_mean.set(max(totals) / mean if mean else 0.0)
 

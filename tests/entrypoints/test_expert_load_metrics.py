@@ -48,11 +48,11 @@ def test_engine_stats_count_every_routed_token(tmp_path):
     metrics.record_scheduler_stats(stats)
     text = metrics.render().decode()
     for expert, count in enumerate(stats.expert_tokens):
-        assert (f'loom:moe_expert_tokens_total{{expert="{expert}",model_name="m"}} '
+        assert (f'loom:moe_expert_tokens_total{{expert="{expert}",model_name="m",replica="0"}} '
                 f'{float(count)}') in text
     mean = sum(stats.expert_tokens) / NUM_EXPERTS
     gauge = metrics.registry.get_sample_value("loom:moe_expert_load_max_over_mean",
-                                              {"model_name": "m"})
+                                              {"model_name": "m", "replica": "0"})
     assert gauge == max(stats.expert_tokens) / mean > 1.5
 
 
@@ -61,9 +61,10 @@ def test_metrics_counters_grow_by_each_report():
     metrics.record_scheduler_stats(SchedulerStats(0, 0, 0.0, 0, 0, 0, expert_tokens=[4, 0]))
     metrics.record_scheduler_stats(SchedulerStats(0, 0, 0.0, 0, 0, 0, expert_tokens=[6, 2]))
     sample = metrics.registry.get_sample_value
-    assert sample("loom:moe_expert_tokens_total", {"model_name": "m", "expert": "0"}) == 6
-    assert sample("loom:moe_expert_tokens_total", {"model_name": "m", "expert": "1"}) == 2
-    assert sample("loom:moe_expert_load_max_over_mean", {"model_name": "m"}) == 1.5
+    labels = {"model_name": "m", "replica": "0"}
+    assert sample("loom:moe_expert_tokens_total", {**labels, "expert": "0"}) == 6
+    assert sample("loom:moe_expert_tokens_total", {**labels, "expert": "1"}) == 2
+    assert sample("loom:moe_expert_load_max_over_mean", {"model_name": "m", "replica": "0"}) == 1.5
     dense = ServerMetrics("d")
     dense.record_scheduler_stats(SchedulerStats(0, 0, 0.0, 0, 0, 0))
     assert "loom:moe_expert_tokens_total{" not in dense.render().decode()
@@ -82,7 +83,8 @@ def test_server_metrics_show_tokens_per_expert(tmp_path):
         forwarded = usage.prompt_tokens + usage.completion_tokens - 1
         text = server.http().get("/metrics").text
         counts = {int(e): float(v) for e, v in re.findall(
-            r'loom:moe_expert_tokens_total\{expert="(\d+)",model_name="[^"]*"\} (\S+)', text)}
+            r'loom:moe_expert_tokens_total\{expert="(\d+)",model_name="[^"]*",replica="0"\} (\S+)',
+            text)}
         assert sorted(counts) == list(range(NUM_EXPERTS))
         assert sum(counts.values()) == forwarded * NUM_MOE_LAYERS * TOP_K
         assert server.metric("loom:moe_expert_load_max_over_mean") > 1.5
