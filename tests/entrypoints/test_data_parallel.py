@@ -67,7 +67,7 @@ def test_two_replicas_answer_as_one_share_the_work_keep_prefixes_and_fail_fast(s
     # replica's are aborted, /health turns 503 and the server exits non-zero.
     cores_procs = _spawned_children(psutil.Process(dp.proc.pid))
     assert len(cores_procs) == 2, cores_procs
-    long_stream = {"max_tokens": 400, "ignore_eos": True, "stream": True}
+    long_stream = {"max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=dp.url, timeout=60) as http:
         streams = [http.stream("POST", "/v1/completions",
                                json={**long_stream, "prompt": f"keep going {i}"})
@@ -76,14 +76,18 @@ def test_two_replicas_answer_as_one_share_the_work_keep_prefixes_and_fail_fast(s
         for line_iter in lines:
             assert next(line for line in line_iter if line).startswith("data: {")
         cores_procs[1].kill()
-        errors = []
+        endings = []
         for line_iter, stream in zip(lines, streams):
             events = [line for line in line_iter if line]
             assert events[-1] == "data: [DONE]"
-            errors.append(json.loads(events[-2].removeprefix("data: "))["error"])
+            endings.append(json.loads(events[-2].removeprefix("data: ")))
             stream.__exit__(None, None, None)
         assert httpx.get(f"{dp.url}/health", timeout=10).status_code == 503
-    codes = sorted(error["code"] for error in errors)
-    assert "engine_dead" in codes, errors
+    errors = [ending["error"] for ending in endings if "error" in ending]
+    # the dead replica's requests fail with its error; the other's are aborted, or had
+    # finished already
+    assert "engine_dead" in [error["code"] for error in errors], endings
     assert all("replica" in error["message"] for error in errors), errors
+    assert all(ending["choices"][0]["finish_reason"] == "length"
+               for ending in endings if "error" not in ending), endings
     assert dp.proc.wait(30) != 0
