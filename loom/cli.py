@@ -63,9 +63,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--expert-parallel-size", "-ep", type=_positive_int, default=None,
                        help="ranks the experts are split over: 1, or the tensor parallel "
                             "size (as --enable-expert-parallel)")
-    group.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
-                       help="mp: worker processes; uni: in-process (one rank); "
+    group.add_argument("--distributed-executor-backend", default=None,
+                       choices=["mp", "uni", "ray"],
+                       help="mp: worker processes; uni: in-process (one rank); ray: one Ray "
+                            "actor per rank on a Ray cluster (pip install 'loom[ray]'); "
                             "default: uni for one rank, mp for more")
+    group.add_argument("--ray-address", default=None,
+                       help="with --distributed-executor-backend ray: the cluster to join "
+                            "(`ray start --head` prints it); default: RAY_ADDRESS, else the "
+                            "cluster last started on this host, else a new local one")
     group.add_argument("--nnodes", type=_positive_int, default=1,
                        help="hosts the tensor-parallel ranks are spread over")
     group.add_argument("--node-rank", type=int, default=0, help="this host's index (0: engine)")
@@ -140,7 +146,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "block_size", "enable_prefix_caching", "num_gpu_blocks_override",
              "kv_cache_memory_bytes", "memory_utilization", "tensor_parallel_size",
              "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port",
-             "enable_expert_parallel", "expert_parallel_size",
+             "ray_address", "enable_expert_parallel", "expert_parallel_size",
              "worker_health_timeout_s", "watchdog_timeout_s", "seed",
              "device", "chat_template", "structured_outputs_backend",
              "structured_outputs_disable_any_whitespace",
@@ -307,7 +313,7 @@ def _configure_in_process_worker(args: argparse.Namespace) -> None:
     ``serve`` (its engine core process does it) nor with worker processes."""
     command = (args.command, getattr(args, "bench_command", None))
     if (command not in _IN_PROCESS_ENGINE_COMMANDS or args.tensor_parallel_size > 1
-            or args.distributed_executor_backend == "mp"):
+            or args.distributed_executor_backend in ("mp", "ray")):
         return
     from loom.config import resolve_device
 

@@ -144,8 +144,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     # "mp": worker processes, "uni": the worker in the engine's process (TP=1 only),
+    # "ray": one Ray actor per rank (loom.executor.ray_executor),
     # None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
+    # "ray": the cluster to join (`ray start --head`'s address); None: RAY_ADDRESS, else
+    # the cluster last started on this host, else a new local one (as ray.init() does).
+    ray_address: str | None = None
     nnodes: int = 1  # hosts the ranks are spread over, tensor_parallel_size / nnodes each
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # where node 0's engine binds the store and task queue
@@ -190,9 +194,14 @@ class ParallelConfig:
             raise ValueError(f"--expert-parallel-size {self.expert_parallel_size} must be 1 or "
                              f"the tensor parallel size {self.tensor_parallel_size}: experts "
                              "are split over the tensor-parallel ranks")
-        if self.distributed_executor_backend not in (None, "mp", "uni"):
-            raise ValueError("distributed_executor_backend must be 'mp' or 'uni', got "
+        if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp', 'uni' or 'ray', got "
                              f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("--distributed-executor-backend ray places every rank itself; "
+                             "--nnodes/--node-rank are for ranks started by `loom worker`")
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            raise ValueError("--ray-address needs --distributed-executor-backend ray")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must be positive and divide "
                              f"tensor_parallel_size={self.tensor_parallel_size}")
@@ -230,9 +239,10 @@ class ParallelConfig:
 
     @property
     def use_worker_processes(self) -> bool:
+        """The ranks run outside the engine's process (worker processes or Ray actors)."""
         if self.distributed_executor_backend is None:
             return self.world_size > 1
-        return self.distributed_executor_backend == "mp"
+        return self.distributed_executor_backend in ("mp", "ray")
 
 
 _STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "llguidance")
@@ -380,6 +390,7 @@ class EngineConfig:
         memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        ray_address: str | None = None,
         nnodes: int = 1,
         enable_expert_parallel: bool = False,
         expert_parallel_size: int | None = None,
@@ -420,8 +431,8 @@ class EngineConfig:
         never runs a checkpoint's code, and captures no CUDA graphs yet.
         """
         from loom.config_checks import (check_architecture_before_loading, check_kv_budget,
-                                        check_quantization, check_tensor_parallel,
-                                        check_tokenizer_files)
+                                        check_quantization, check_ray_installed,
+                                        check_tensor_parallel, check_tokenizer_files)
         from loom.model.loader import load_hf_config
         from loom.model.models.registry import get_model_architecture
 
@@ -442,6 +453,8 @@ class EngineConfig:
         if not skip_tokenizer_init:
             check_tokenizer_files(model, tokenizer)
         check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
+        if distributed_executor_backend == "ray":
+            check_ray_installed()
         if expert_parallel_size is None:
             expert_parallel_size = tensor_parallel_size if enable_expert_parallel else 1
         _check_expert_parallel(hf_config, expert_parallel_size)
@@ -487,6 +500,7 @@ class EngineConfig:
                                       enable_chunked_prefill=enable_chunked_prefill),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
+                                    ray_address=ray_address,
                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                                     expert_parallel_size=expert_parallel_size,
                                     master_port=master_port,

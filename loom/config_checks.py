@@ -96,6 +96,20 @@ def check_tensor_parallel(hf_config, tensor_parallel_size: int, nnodes: int,
                            ranks_here, cores)
 
 
+# The extra that installs Ray (pyproject.toml's `ray`), named by the error below.
+RAY_EXTRA_HINT = "pip install 'loom[ray]' (ray==2.60.0)"
+
+
+def check_ray_installed() -> None:
+    """--distributed-executor-backend ray without Ray: one line naming the extra. Finds
+    the package without importing it (Ray is imported only by the executor)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--distributed-executor-backend ray needs Ray, which is not "
+                         f"installed; {RAY_EXTRA_HINT}, or use --distributed-executor-backend mp")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

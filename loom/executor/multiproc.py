@@ -88,10 +88,17 @@ class _Resources:
 
 
 class MultiProcExecutor(Executor):
+    # What _resources holds; each rank's handle there has Process's pid, exitcode,
+    # is_alive(), join() and kill() (a Ray actor's too: ray_executor.RayRank).
+    resources_type: type[_Resources] = _Resources
+    # The likely cause, when ranks are not ready in time.
+    not_ready_hint = ("is every node's `loom worker` running with the same "
+                      "--master-addr/--master-port?")
+
     def __init__(self, config) -> None:
         super().__init__(config)
         self.instance_id = new_instance_id()
-        self._resources = _Resources()
+        self._resources = self.resources_type()
         self._finalizer = weakref.finalize(self, self._resources.release)
         self._dead: EngineDeadError | None = None
         self._step = 0
@@ -125,9 +132,15 @@ class MultiProcExecutor(Executor):
         return num_blocks
 
     def _start_workers(self) -> int:
+        started = time.monotonic()
+        remove_debris()
+        self._launch_ranks()
+        return self._wait_until_ready(started)
+
+    def _launch_ranks(self) -> None:
+        """Create the signals and the task queue, start every rank of node 0."""
         parallel = self.config.parallel
         resources = self._resources
-        remove_debris()
         resources.signals = WorkerSignals.create(self.instance_id, parallel.world_size)
         if parallel.nnodes == 1:
             addresses, ipc_dir = TaskQueueAddresses.local(self.instance_id)
@@ -139,7 +152,6 @@ class MultiProcExecutor(Executor):
         resources.queue = self.queue = TaskQueue(addresses, ipc_dir)
         self.signals = resources.signals
 
-        started = time.monotonic()
         context = multiprocessing.get_context("spawn")
         for rank in range(parallel.ranks_per_node):  # node 0 holds the first ranks
             spec = WorkerSpec(config=self.config, rank=rank, instance_id=self.instance_id,
@@ -152,6 +164,9 @@ class MultiProcExecutor(Executor):
             process.start()
             resources.processes.append(process)
 
+    def _wait_until_ready(self, started: float) -> int:
+        """Wait for every rank's ready signal and subscription; returns the KV blocks."""
+        parallel = self.config.parallel
         deadline = started + parallel.worker_start_timeout_s
         while not (self.signals.ready.all()
                    and self.queue.poll_subscriptions() >= parallel.world_size):
@@ -161,8 +176,7 @@ class MultiProcExecutor(Executor):
                 waiting = [r for r in range(parallel.world_size) if not self.signals.ready[r]]
                 raise WorkerDiedError(
                     f"ranks {waiting} were not ready after worker_start_timeout_s="
-                    f"{parallel.worker_start_timeout_s:.0f}s; is every node's `loom worker` "
-                    "running with the same --master-addr/--master-port?")
+                    f"{parallel.worker_start_timeout_s:.0f}s; {self.not_ready_hint}")
         self.profiled_num_blocks = int(self.signals.profiled_blocks.min())
         num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
         self.startup_time_s = time.monotonic() - started
@@ -171,8 +185,10 @@ class MultiProcExecutor(Executor):
         # imports torch or reads the checkpoint's config (~250 MiB resident).
         self.kv_cache_bytes_per_block = int(self.signals.kv_cache_bytes_per_block[0])
         self.kv_cache_window = int(self.signals.kv_cache_window[0])
-        logger.info("%d worker(s) ready in %.1fs; %d KV blocks", parallel.world_size,
-                    self.startup_time_s, num_blocks)
+        resident = [usage["rss"] / 2**20 for usage in self.collective_rpc("memory_usage")]
+        logger.info("%d worker(s) ready in %.1fs; %d KV blocks; resident MiB per rank: %s",
+                    parallel.world_size, self.startup_time_s, num_blocks,
+                    ", ".join(f"{rss:.0f}" for rss in resident))
         progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))
         return num_blocks
 
@@ -293,8 +309,7 @@ class MultiProcExecutor(Executor):
                      "; ".join(states))
         for rank, process in enumerate(self._resources.processes):
             if rank in ranks and process.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGUSR1)  # faulthandler: every thread's stack
+                self._dump_stacks(rank, process)
         time.sleep(STACK_DUMP_WAIT_S)
         error = WorkerHungError(f"worker rank {ranks[0]} is hung: {message}", rank=ranks[0])
         self._dead = error
@@ -340,9 +355,8 @@ class MultiProcExecutor(Executor):
                 if rank != failure.rank and process.exitcode not in (None, 0):
                     logger.debug("rank %d then failed:\n%s", failure.rank, failure.traceback)
                     self._fail(WorkerDiedError(
-                        f"worker rank {rank} (pid {process.pid}) died during {during} with "
-                        f"{_describe_exit(process.exitcode)}", rank=rank,
-                        exitcode=process.exitcode))
+                        f"worker rank {rank} {self._describe_death(process, during)}",
+                        rank=rank, exitcode=process.exitcode))
             time.sleep(0.02)
         logger.error("worker rank %d failed:\n%s", failure.rank, failure.traceback)
         self._fail(WorkerDiedError(f"worker rank {failure.rank} failed during {during}: "
@@ -357,8 +371,18 @@ class MultiProcExecutor(Executor):
             while time.monotonic() < deadline:
                 self._receive(timeout_ms=50, during=during)
             self._fail(WorkerDiedError(
-                f"worker rank {rank} (pid {process.pid}) died during {during} with "
-                f"{_describe_exit(process.exitcode)}", rank=rank, exitcode=process.exitcode))
+                f"worker rank {rank} {self._describe_death(process, during)}", rank=rank,
+                exitcode=process.exitcode))
+
+    def _describe_death(self, process, during: str) -> str:
+        """What follows "worker rank N" in the error of a rank that died."""
+        return (f"(pid {process.pid}) died during {during} with "
+                f"{_describe_exit(process.exitcode)}")
+
+    def _dump_stacks(self, rank: int, process) -> None:
+        """Have a hung rank write every thread's stack to its stderr (faulthandler)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGUSR1)
 
     def _fail(self, error: Exception, raise_it: bool = True,
               cause: BaseException | None = None) -> None:

@@ -53,6 +53,13 @@ class TaskQueueAddresses:
         next two ports."""
         return cls(f"tcp://{host}:{master_port + 1}", f"tcp://{host}:{master_port + 2}")
 
+    @classmethod
+    def tcp_any_port(cls, host: str) -> TaskQueueAddresses:
+        """Across hosts, on two ports the system chooses (``TaskQueue.addresses`` then
+        holds the bound ones): for ranks that learn the addresses from the engine itself,
+        as Ray actors do."""
+        return cls(f"tcp://{host}:*", f"tcp://{host}:*")
+
 
 def new_instance_id() -> str:
     return uuid.uuid4().hex[:12]
@@ -82,6 +89,10 @@ class TaskQueue:
             self.close()
             raise RuntimeError(f"cannot bind the task queue at {addresses}: {exc}; "
                                "choose another --master-port") from exc
+        # What the ranks connect to: the addresses as bound (a port "*" is chosen now).
+        self.addresses = TaskQueueAddresses(
+            self._broadcast.getsockopt_string(zmq.LAST_ENDPOINT),
+            self._results.getsockopt_string(zmq.LAST_ENDPOINT))
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerToEngine)
         self.num_subscribers = 0

@@ -15,7 +15,8 @@ host it sends the same facts as ``RemoteStatus`` messages over the task queue. O
 the event loop writes them, never a helper thread: a beat means the loop runs, and
 the engine judges from the step a rank is in, and since when, whether it progresses.
 SIGUSR1 makes the process write every thread's stack to stderr (the engine sends it
-to a rank it judges hung).
+to a rank it judges hung). A Ray actor runs the same life cycle (``run_worker``, in
+loom.executor.ray_executor), which then returns its exit status to the actor.
 
 Test hook, read once here at the process's entry: ``LOOM_TEST_STALL_WORKER_AT_STEP=N``
 makes every rank's event loop block forever on step N, as a deadlocked collective or
@@ -63,9 +64,14 @@ class WorkerSpec:
     addresses: TaskQueueAddresses
     master_addr: str
     master_port: int
-    parent_pid: int
+    parent_pid: int  # the engine's (owner of the signals), or `loom worker`'s
     local: bool  # on the engine's host: write the shared-memory signals
     log_level: str = "WARNING"  # the engine's, so workers log as it does
+    # A Ray actor (loom.executor.ray_executor): its parent is a raylet, not parent_pid,
+    # and Ray ends it with its owner, the engine; so no parent watch, and run_worker
+    # returns to the actor instead of ending the process.
+    in_ray_actor: bool = False
+    ranks_on_host: int | None = None  # Ray: ranks placed on this host; None: threads_per_rank
 
 
 class StatusReporter:
@@ -127,7 +133,13 @@ class StatusReporter:
 
 def run_worker_proc(spec: WorkerSpec) -> None:
     """The spawned process's target."""
-    _configure_process(spec)
+    configure_process(spec)
+    _exit(run_worker(spec))
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """The life cycle, in a process ``configure_process`` has set up; returns the exit
+    status: 0 after a shutdown, 1 after a failure (reported to the engine first)."""
     stall_at_step = settings().test_stall_worker_at_step
     queue = TaskQueueClient(spec.addresses)
     status = None
@@ -161,7 +173,7 @@ def run_worker_proc(spec: WorkerSpec) -> None:
             pass
     finally:
         tear_down(status, queue, clean=exit_code == 0)
-    _exit(exit_code)
+    return exit_code
 
 
 def init_distributed(spec: WorkerSpec):
@@ -230,7 +242,7 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
         status.beat()
         message = queue.poll(timeout_ms)
         if message is None:
-            if os.getppid() != spec.parent_pid:
+            if not spec.in_ray_actor and os.getppid() != spec.parent_pid:
                 logger.warning("worker rank %d: parent %d is gone; exiting", spec.rank,
                                spec.parent_pid)
                 _clean_up_after_dead_parent(spec)
@@ -300,11 +312,11 @@ def _exit(exit_code: int) -> None:
 # ----------------------------------------------------------------- helpers
 
 
-def _configure_process(spec: WorkerSpec) -> None:
+def configure_process(spec: WorkerSpec) -> None:
     # Ctrl-C reaches the whole process group; the engine decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the engine asks for stacks
-    if spec.local:
+    if spec.local and not spec.in_ray_actor:
         die_with_parent()  # a hung rank is killed with the engine (remote: run_node kills)
     logging.basicConfig(level=logging.getLevelName(spec.log_level),
                         format=f"%(asctime)s loom-worker-{spec.rank} %(levelname)s %(message)s")
@@ -315,9 +327,14 @@ def _configure_process(spec: WorkerSpec) -> None:
 
         keep_freed_memory()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(spec.config.parallel.threads_per_rank(cores or 1))
+        parallel = spec.config.parallel
+        if spec.ranks_on_host is not None and parallel.cpu_threads_per_rank is None:
+            threads = max(1, (cores or 1) // spec.ranks_on_host)  # Ray: ranks placed here
+        else:
+            threads = parallel.threads_per_rank(cores or 1)
+        torch.set_num_threads(threads)
         logger.info("rank %d of data-parallel replica %d: %d torch threads on %d cores",
-                    spec.rank, spec.config.parallel.data_parallel_rank, torch.get_num_threads(),
+                    spec.rank, parallel.data_parallel_rank, torch.get_num_threads(),
                     cores or 1)
 
 

@@ -1,0 +1,154 @@
+"""--distributed-executor-backend ray on a real two-node Ray cluster, on this machine.
+
+The module's cluster is two raylets (ray.cluster_utils.Cluster: a head node with the
+custom resource node_a and a second node with node_b), one CPU each, so a placement
+group of two {"CPU": 1} bundles puts one rank on each node. This process connects to it
+as a driver; the offline engine uses that connection, a server's engine core makes its
+own. Actors and placement groups are read from the GCS (``ray._private.state``, what
+``ray list actors`` shows): ``ray.util.state`` needs the dashboard, which a minimal
+``pip install ray`` does not run.
+
+Without Ray installed the cluster's tests skip, saying so; the CLI's error for that case
+is tested here with Ray hidden from the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loom import LLM, SamplingParams
+
+from .helpers import executor_of, make_model_dir
+
+try:
+    import ray
+except ImportError:  # the `ray` extra is not installed
+    ray = None
+
+requires_ray = pytest.mark.skipif(
+    ray is None, reason="Ray is not installed; pip install 'loom[ray]' runs these tests")
+
+ENGINE_ARGS = dict(max_model_len=128, num_gpu_blocks_override=64, dtype="float32")
+NODE_ARGS = dict(num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12, 13]},
+           {"prompt_token_ids": list(range(20, 47))}, {"prompt_token_ids": [3] * 11}]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    started = time.monotonic()
+    cluster = Cluster(initialize_head=True,
+                      head_node_args=dict(NODE_ARGS, resources={"node_a": 1}))
+    cluster.add_node(**NODE_ARGS, resources={"node_b": 1})
+    ray.init(address=cluster.address, logging_level="WARNING")
+    print(f"\nRay cluster of two nodes up in {time.monotonic() - started:.1f}s")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+def loom_actors(state: str | None = None) -> list[dict]:
+    """loom's actors on the cluster (any job), optionally only those in ``state``."""
+    from ray._private import state as gcs
+
+    return [actor for actor in gcs.actors().values()
+            if (actor.get("Name") or "").startswith("loom-")
+            and (state is None or actor["State"] == state)]
+
+
+def leftovers(timeout_s: float = 15.0) -> tuple[list, list]:
+    """loom actors still alive and placement groups not removed, once both are gone or
+    at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [a for a in loom_actors() if a["State"] != "DEAD"]
+        groups = [g for g in ray.util.placement_group_table().values()
+                  if g["name"].startswith("loom-") and g["state"] != "REMOVED"]
+        if not (actors or groups) or time.monotonic() > deadline:
+            return actors, groups
+        time.sleep(0.1)
+
+
+@requires_ray
+def test_tp2_one_rank_per_node_equals_tp1_and_leaves_nothing(ray_cluster, model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model_dir, **ENGINE_ARGS) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
+                                                                   use_tqdm=False)]
+
+    started = time.monotonic()
+    with LLM(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
+             **ENGINE_ARGS) as llm:
+        print(f"TP=2 on Ray ready in {time.monotonic() - started:.1f}s")
+        executor = executor_of(llm)
+        placements = executor.rank_placements
+        nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+        # One rank per node, node_a's and node_b's; the rank on this driver's node writes
+        # the shared-memory signals, the other reports over the task queue.
+        assert [("node_a" in nodes[p.node_id], "node_b" in nodes[p.node_id])
+                for p in placements] in ([(True, False), (False, True)],
+                                         [(False, True), (True, False)])
+        assert executor.rank_is_local == [True, False]
+        assert executor.queue.addresses.broadcast.startswith("tcp://")
+        assert len(loom_actors("ALIVE")) == 2
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert leftovers() == ([], [])
+
+
+@requires_ray
+def test_killed_rank_actor_fails_requests_and_server_exits_nonzero(ray_cluster, model_dir):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "entrypoints"))
+    from loom_server import LoomServer
+
+    server = LoomServer(model_dir, "--max-model-len", "128", "--num-gpu-blocks-override", "64",
+                        "--dtype", "float32", "--tensor-parallel-size", "2",
+                        "--distributed-executor-backend", "ray",
+                        "--ray-address", ray_cluster.address)
+    try:
+        request = {"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with server.http() as http, http.stream("POST", "/v1/completions",
+                                                json=request) as stream:
+            lines = (line for line in stream.iter_lines() if line)
+            assert "choices" in json.loads(next(lines).removeprefix("data: "))
+            # The rank on the other node than the engine core's: its process dies.
+            [victim] = [actor for actor in loom_actors("ALIVE")
+                        if actor["Address"]["NodeID"] != actor["OwnerAddress"]["NodeID"]]
+            os.kill(victim["Pid"], signal.SIGKILL)
+            events = [line.removeprefix("data: ") for line in lines]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_dead", error
+        assert server.proc.wait(30) != 0
+        assert leftovers() == ([], [])
+    finally:
+        server.kill()
+
+
+def test_cli_error_when_ray_is_not_installed(model_dir):
+    """One line, exit 2, before anything loads: Ray hidden from the interpreter."""
+    code = ("import sys; sys.modules['ray'] = None; from loom.cli import main; "
+            f"sys.exit(main(['serve', {model_dir!r}, '--distributed-executor-backend', 'ray']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == ("loom serve: error: --distributed-executor-backend ray needs Ray, "
+                         "which is not installed; pip install 'loom[ray]' (ray==2.60.0), or "
+                         "use --distributed-executor-backend mp"), lines
