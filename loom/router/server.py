@@ -253,6 +253,7 @@ def build_app(router: Router) -> Starlette:
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request relayed
     policy_config = PolicyConfig(chunk_size=args.prefix_chunk_chars,
                                  min_match_ratio=args.min_match_ratio,
                                  balance_abs_threshold=args.balance_abs_threshold,
