@@ -32,6 +32,8 @@ try:
 except ImportError:  # the `ray` extra is not installed
     ray = None
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "entrypoints"))
+
 requires_ray = pytest.mark.skipif(
     ray is None, reason="Ray is not installed; pip install 'loom[ray]' runs these tests")
 
@@ -114,7 +116,6 @@ def test_tp2_one_rank_per_node_equals_tp1_and_leaves_nothing(ray_cluster, model_
 
 @requires_ray
 def test_killed_rank_actor_fails_requests_and_server_exits_nonzero(ray_cluster, model_dir):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "entrypoints"))
     from loom_server import LoomServer
 
     server = LoomServer(model_dir, "--max-model-len", "128", "--num-gpu-blocks-override", "64",
@@ -136,6 +137,40 @@ def test_killed_rank_actor_fails_requests_and_server_exits_nonzero(ray_cluster, 
         error = json.loads(events[-2])["error"]
         assert error["code"] == "engine_dead", error
         assert server.proc.wait(30) != 0
+        assert leftovers() == ([], [])
+    finally:
+        server.kill()
+
+
+@requires_ray
+def test_data_parallel_replicas_on_ray_then_sigterm_leaves_nothing(ray_cluster, model_dir):
+    """Two replicas, each an engine core with its own placement group and actor (one per
+    node, as each node has one CPU): the same greedy text as one offline engine; SIGTERM
+    then stops the server with status 0 and takes every actor and group with it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom_server import LoomServer
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model_dir, **ENGINE_ARGS) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    server = LoomServer(model_dir, "--max-model-len", "128", "--num-gpu-blocks-override", "64",
+                        "--dtype", "float32", "--data-parallel-size", "2",
+                        "--distributed-executor-backend", "ray",
+                        "--ray-address", ray_cluster.address)
+    try:
+        actors = loom_actors("ALIVE")
+        assert len(actors) == 2 and len({a["Address"]["NodeID"] for a in actors}) == 2, actors
+
+        def complete(prompt):
+            body = {"prompt": prompt["prompt_token_ids"], "max_tokens": 8, "temperature": 0.0,
+                    "ignore_eos": True}
+            with server.http() as http:
+                return http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+        assert server.terminate(60) == 0
         assert leftovers() == ([], [])
     finally:
         server.kill()
