@@ -94,6 +94,11 @@ def test_tp2_one_rank_per_node_equals_tp1_and_leaves_nothing(ray_cluster, model_
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
                                                                    use_tqdm=False)]
 
+    # A cluster that could never hold the ranks: an error at once, naming the shortfall.
+    with pytest.raises(ValueError, match=r"has 2 CPU in all but 4 rank\(s\) need 1 each"):
+        LLM(model_dir, tensor_parallel_size=4, distributed_executor_backend="ray",
+            **ENGINE_ARGS)
+
     started = time.monotonic()
     with LLM(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
              **ENGINE_ARGS) as llm:
