@@ -7,7 +7,8 @@ Ray's cluster (two nodes on this machine, one CPU each, as tests/worker/test_ray
 starts it) is started once, before the timings: what is measured is an engine's start on
 a running cluster (connect, place, start the actors, load, ready), not the cluster's.
 Prints the median of each and their ratio, and each backend's resident MiB per rank (the
-start-up log line's figure).
+start-up log line's figure). Then, after that cluster is stopped, one start with no
+cluster at all, where ray.init() starts a local one (--ray-address and RAY_ADDRESS unset).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def main() -> None:
                       f"of {', '.join(f'{t:.2f}' for t in times[backend])}; resident MiB per "
                       f"rank {', '.join(f'{r:.0f}' for r in resident[backend])}")
             print(f"ray / mp: {statistics.median(times['ray']) / statistics.median(times['mp']):.2f}x")
+            ray.shutdown()
+            cluster.shutdown()
+            os.environ.pop("RAY_ADDRESS", None)
+            seconds, _ = start_once(model_dir, "ray")
+            print(f"ray, no cluster running (the engine starts a local one): {seconds:.2f}s")
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -120,6 +120,27 @@ def test_tp2_one_rank_per_node_equals_tp1_and_leaves_nothing(ray_cluster, model_
 
 
 @requires_ray
+def test_rank_actors_stuck_in_a_step_are_a_hang_and_leave_nothing(ray_cluster, model_dir,
+                                                                   monkeypatch):
+    """LOOM_* switches reach the actors (this one stalls every rank's loop in step 3); the
+    step's bound finds the hang, as with worker processes, and the actors are stopped."""
+    from loom.executor.base import WorkerHungError
+
+    monkeypatch.setenv("LOOM_TEST_STALL_WORKER_AT_STEP", "3")
+    llm = LLM(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
+              watchdog_timeout_s=2.0, enable_warm_up=False, **ENGINE_ARGS)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerHungError, match=r"is hung: step 3 .* past its bound"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
+        assert time.monotonic() - started < 2.0 + 5.0
+        assert leftovers() == ([], [])
+    finally:
+        llm.shutdown()
+
+
+@requires_ray
 def test_killed_rank_actor_fails_requests_and_server_exits_nonzero(ray_cluster, model_dir):
     from loom_server import LoomServer
 
