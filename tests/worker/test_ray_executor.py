@@ -47,17 +47,19 @@ PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12, 
 def ray_cluster():
     from ray.cluster_utils import Cluster
 
-    started = time.monotonic()
-    cluster = Cluster(initialize_head=True,
-                      head_node_args=dict(NODE_ARGS, resources={"node_a": 1}))
-    cluster.add_node(**NODE_ARGS, resources={"node_b": 1})
-    ray.init(address=cluster.address, logging_level="WARNING")
-    print(f"\nRay cluster of two nodes up in {time.monotonic() - started:.1f}s")
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no network: Ray reports nothing home
+        started = time.monotonic()
+        cluster = Cluster(initialize_head=True,
+                          head_node_args=dict(NODE_ARGS, resources={"node_a": 1}))
+        cluster.add_node(**NODE_ARGS, resources={"node_b": 1})
+        ray.init(address=cluster.address, logging_level="WARNING")
+        print(f"\nRay cluster of two nodes up in {time.monotonic() - started:.1f}s")
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
