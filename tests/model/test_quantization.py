@@ -300,6 +300,46 @@ def test_tensor_parallel_shards_are_slices_of_the_whole(method):
                 torch.equal(got.offsets, expected.offsets)
 
 
+def test_bf16_linears_keep_only_their_panels():
+    """An unquantized bf16 linear on loom's kernel keeps one copy of its weight, the
+    kernel's panels (no (N, K) tensor beside them); a reload of one shard of a fused
+    layer (a weight update) unpacks, takes the shard, and packs again, the other rows
+    unchanged."""
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("no bf16 matmul kernel here (needs AVX512-BF16)")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = QKVParallelLinear(64, 16, total_num_heads=2, total_num_kv_heads=1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    shards = {name: random_weight((32 if name == "q" else 16, 64), seed, torch.bfloat16)
+              for seed, name in enumerate("qkv")}
+    for name, tensor in shards.items():
+        layer.weight.weight_loader(layer.weight, tensor, name)
+    layer.process_weights_after_loading()
+    whole = torch.cat([shards["q"], shards["k"], shards["v"]])
+    assert layer.weight.data_ptr() == layer.packed_weight.data.data_ptr()
+    assert not [name for name, p in layer.named_parameters() if p.shape == whole.shape]
+    assert torch.equal(layer.plain_weight(), whole)
+    totals = weight_bytes_by_dtype(layer)
+    assert "packed" not in totals and totals["bfloat16"] == 64 * 64 * 2  # one panel of 64
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, whole),
+                               atol=1e-2, rtol=2 ** -7)
+    layer.process_weights_after_loading()  # again, nothing reloaded: unchanged
+    assert torch.equal(layer.plain_weight(), whole)
+    new_k = random_weight((16, 64), seed=99, dtype=torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, new_k, "k")
+    layer.process_weights_after_loading()
+    assert torch.equal(layer.plain_weight(), torch.cat([shards["q"], new_k, shards["v"]]))
+    layer.release_weight()  # a sleep frees the panels; the next load fills it whole
+    for name, tensor in shards.items():
+        layer.weight.weight_loader(layer.weight, tensor, name)
+    layer.process_weights_after_loading()
+    assert torch.equal(layer.plain_weight(), whole)
+
+
 def test_a_reload_requantizes_the_shards_it_is_given():
     """``load_weights`` again on a quantized layer: each shard is quantized as a fresh
     load would, and the other rows keep their values."""

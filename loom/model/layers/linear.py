@@ -70,9 +70,10 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     every batch size (30 layers of SmolLM2, benchmarks/cpu_kernels.py: 1 row 5.2 ms
     against ATen's GEMV 5.4, 32 rows 9.1 against packed oneDNN 13.1, 128 rows 28.8
     against 34.2). Elsewhere oneDNN's blocked layout, which it would otherwise redo
-    on every call (batch 8 40% faster packed). The cost is a second copy of each
-    packed weight: the plain one stays for the embedding it may be tied to, the
-    fallbacks and checkpoint reloads."""
+    on every call (batch 8 40% faster packed). loom's panels replace a linear layer's
+    plain weight (``LinearBase``: one copy resident); oneDNN's layout is a second copy,
+    the plain one staying for its one-row path, as does an LM head's for the embedding
+    it may be tied to."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
             or not settings().cpu_packed_weights:
         return None
@@ -177,6 +178,7 @@ class LinearBase(nn.Module):
         self.weight_format: str | None = None  # Q4_1, wint8, ... once quantized
         self._staging: QuantizedTensor | None = None  # quantized shards while loading
         self._bits = 0
+        self._weight_is_panels = False  # self.weight is packed_weight's data (bf16)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -194,6 +196,8 @@ class LinearBase(nn.Module):
         if not isinstance(loaded_weight, QuantizedTensor):
             if self.weight_format is not None or self._staging is not None:
                 self._to_full_precision()
+            if self._weight_is_panels:
+                self._unpack_panels()
             self.weight_loader(self.weight, loaded_weight, shard_id)
             return
         if self._staging is None:
@@ -224,6 +228,25 @@ class LinearBase(nn.Module):
         self.quant_weight = self.weight_format = self._staging = None
         self.quantization = "none"
 
+    def _unpack_panels(self) -> None:
+        """Back to a plain (N, K) weight to load into (a reload: one shard of a fused
+        layer keeps the other rows), from the panels, or empty if they were released."""
+        weight = (self.plain_weight().clone() if self.packed_weight is not None
+                  else torch.empty(self.output_size, self.input_size, dtype=self._params_dtype))
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        self.packed_weight = None
+        self._weight_is_panels = False
+
+    def plain_weight(self) -> torch.Tensor:
+        """This rank's (N, K) weight in full precision (a view of the panels' inverse
+        if the weight is held as loom's bf16 panels)."""
+        if not self._weight_is_panels:
+            return self.weight
+        panels, pairs = self.packed_weight.data.shape[:2]
+        return self.packed_weight.data.permute(0, 2, 1, 3).reshape(
+            panels * self.packed_weight.data.shape[2], 2 * pairs)[:self.output_size]
+
     def _holds_weight(self) -> bool:
         """Whether the quantized weight is still here (``release_weight`` drops it)."""
         return self.quant_weight is not None or self.weight_scale is not None
@@ -249,8 +272,13 @@ class LinearBase(nn.Module):
         lay a quantized weight out for its matmul, or pack a full-precision one."""
         staged, self._staging = self._staging, None
         if staged is None:
-            if self.weight_format is None:
+            if self.weight_format is None and not self._weight_is_panels:
                 self.packed_weight = pack_weight(self.weight)
+                if self.packed_weight is not None and self.packed_weight.is_loom_kernel:
+                    # the panels are the weight: no second (N, K) copy stays resident
+                    self.weight = nn.Parameter(self.packed_weight.data, requires_grad=False)
+                    self.weight.weight_loader = self._load_weight
+                    self._weight_is_panels = True
             return
         self.weight_format, self._bits = staged.format, staged.bits
         self.packed_weight = None
@@ -287,6 +315,8 @@ class LinearBase(nn.Module):
             return out.view(*x.shape[:-1], self.output_size)
         if self.weight_format is not None:
             return reference_linear(x, self.quantized(), bias)
+        if self._weight_is_panels and x.dtype != torch.bfloat16:  # a rare caller
+            return F.linear(x, self.plain_weight().to(x.dtype), bias)
         return linear(x, self.weight, bias, self.packed_weight)
 
 

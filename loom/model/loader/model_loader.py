@@ -104,7 +104,9 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
         if copy is not None:
             totals["float32"] = totals.get("float32", 0) + copy.numel() * 4
         packed = getattr(module, "packed_weight", None)
-        if packed is not None:
+        weight = getattr(module, "weight", None)
+        if packed is not None and not (packed.is_loom_kernel and isinstance(weight, torch.Tensor)
+                                       and weight.data_ptr() == packed.data.data_ptr()):
             data = packed.data
             totals["packed"] = totals.get("packed", 0) + data.numel() * data.element_size()
     return totals
