@@ -166,7 +166,7 @@ class LLM:
         engine = self.engine
         if engine.engine_core.sleep_level:
             raise RuntimeError(f"the engine is asleep (level {engine.engine_core.sleep_level}); "
-                               "call wake_up() before generate")
+                               "call wake_up() (or update_weights) before generate")
         request_ids = []
         try:
             for prompt, sp in zip(prompts, params):

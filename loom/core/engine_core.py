@@ -15,6 +15,7 @@ import msgspec
 from loom.config import EngineConfig
 from loom.core.scheduler import Scheduler
 from loom.core.wire import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from loom.executor.base import WeightsLostError
 from loom.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class EngineCore:
         FileNotFoundError, weights unchanged, if they do not fit. Then the prefix cache
         is emptied. A sleeping engine (level 2) gets its weights from here and wakes."""
         self._check_drained("update weights")
-        result = self.executor.collective_rpc("update_weights", {"path": path})[0]
+        result = self._weights_rpc("update_weights", {"path": path})
         self.reset_prefix_cache()
         if self.sleep_level:
             self.wake_up()
@@ -243,10 +244,23 @@ class EngineCore:
         this process (UniProcExecutor); worker processes get them through shared memory
         (``LLM.update_weights_from_tensors``)."""
         self._check_drained("update weights")
-        result = self.executor.collective_rpc("update_weights_from_tensors",
-                                              {"named_tensors": named_tensors})[0]
+        result = self._weights_rpc("update_weights_from_tensors",
+                                   {"named_tensors": named_tensors})
         self.reset_prefix_cache()
+        if self.sleep_level:
+            self.wake_up()
         return result
+
+    def _weights_rpc(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """A weight update on every rank; one that failed mid-copy left the ranks without
+        weights (``WeightsLostError``): the engine sleeps at level 2 from then on, holding
+        requests, until an update succeeds or ``wake_up``."""
+        try:
+            return self.executor.collective_rpc(method, kwargs)[0]
+        except WeightsLostError:
+            self.sleep_level = 2
+            self.reset_prefix_cache()
+            raise
 
     def _check_drained(self, what: str) -> None:
         if not self.is_drained:

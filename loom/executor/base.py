@@ -69,12 +69,20 @@ class RPCError(RuntimeError):
     FileNotFoundError); the ranks serve on."""
 
 
+class WeightsLostError(RuntimeError):
+    """A weight update that failed while copying (after its checks passed): the
+    half-written weights were freed on every rank, which now hold none, as after
+    ``sleep(2)``; an update that succeeds (or ``wake_up``) brings weights back."""
+
+
 def rpc_error(method: str, rank: int, exc_type: str | None, error: str) -> Exception:
     """The exception to raise for a rank's failed collective_rpc ``method``."""
     if exc_type == "ValueError":
         return ValueError(error)
     if exc_type == "FileNotFoundError":
         return FileNotFoundError(error)
+    if exc_type == "WeightsLostError":
+        return WeightsLostError(error)
     return RPCError(f"{method} failed on rank {rank}: {exc_type}: {error}")
 
 

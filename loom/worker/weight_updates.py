@@ -17,6 +17,13 @@ its shard; a wint8 layer re-quantizes what it is given) and every module's
 ``process_weights_after_loading`` runs again, as after the first load: CPU linears pack
 their new weight, the native decoder stack is planned again.
 
+A copy that fails after the checks passed (a source that breaks mid-read: a truncated
+file, a trainer's segment gone) would leave old and new weights mixed; no copy of the old
+ones is kept to roll back to (it would double the weights' memory), so every rank frees
+its weights instead (CLEARED, as ``sleep(2)``) and raises ``WeightsLostError``: the
+engine holds requests until an update succeeds or ``wake_up`` reloads the last
+checkpoint loaded from disk. Never a mix of weights in one forward pass.
+
 Sources: a checkpoint directory of safetensors, a ``.gguf`` file, an ipc manifest
 (``loom.weight_sync``: tensors mapped from the trainer's shared memory), or tensors
 handed in by a caller in the same process.
@@ -35,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.executor.base import WeightsLostError
 from loom.ipc.signal import WeightsStatus
 from loom.worker import memory
 
@@ -120,8 +128,20 @@ class WeightUpdater:
         self._set(WeightsStatus.UPDATING)
         if refill:
             self._reallocate_params()
-        with torch.no_grad():
-            loaded = self.model.load_weights(named())
+        copy_error: Exception | None = None
+        try:
+            with torch.no_grad():
+                loaded = self.model.load_weights(named())
+        except Exception as exc:  # noqa: BLE001 - any failure mid-copy leaves a mix
+            copy_error = exc
+        if not tp_group.all_reduce_min(int(copy_error is None)):
+            self.clear()
+            reason = (f"{type(copy_error).__name__}: {copy_error}" if copy_error is not None
+                      else "another rank failed (its error is in its log)")
+            raise WeightsLostError(
+                f"the weight update from {description} failed while copying ({reason}); "
+                f"the half-written weights were freed on every rank: requests are held until "
+                f"an update succeeds, or wake_up reloads {self.source}")
         self._derive_state()
         tp_group.barrier()
         self._set(WeightsStatus.NORMAL)

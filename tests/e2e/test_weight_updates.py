@@ -184,6 +184,32 @@ def test_refused_updates_leave_the_old_weights_serving(checkpoints, tmp_path):
         assert status["history"] == [NORMAL], "a refused update changed the weights' state"
 
 
+def test_a_copy_that_fails_midway_frees_the_weights_never_mixes(checkpoints):
+    """An update whose checks pass but whose copy breaks part way (here a tensor with no
+    data behind it, after one that copied): no old/new mix is ever served. Every rank
+    frees its weights and the engine sleeps (level 2): generate refuses, and a good
+    update brings weights back, equal to a fresh engine's."""
+    from loom.executor.base import WeightsLostError
+
+    a, b = checkpoints
+    b_tensors = variant_tensors(a, SEED_B)
+    with LLM(a, dtype="float32", **ENGINE) as llm:
+        broken = [("model.norm.weight", b_tensors["model.norm.weight"]),
+                  ("model.layers.0.mlp.down_proj.weight",
+                   torch.empty(b_tensors["model.layers.0.mlp.down_proj.weight"].shape,
+                               device="meta"))]
+        with pytest.raises(WeightsLostError, match="failed while copying.*freed on every rank"):
+            llm.update_weights_from_tensors(broken)
+        assert llm.is_sleeping()
+        [status] = llm.collective_rpc("weights_status")
+        assert status["history"][-2:] == [CLEARING, CLEARED]
+        with pytest.raises(RuntimeError, match="asleep"):
+            generate(llm)
+        llm.update_weights(b)
+        assert not llm.is_sleeping()
+        assert generate(llm) == fresh_outputs(b, dtype="float32")
+
+
 def test_sleep_and_wake_up(checkpoints):
     """Level 1 frees the KV cache (RSS drops by its size), level 2 the weights too;
     after wake_up the tokens are the same."""
