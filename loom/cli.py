@@ -124,6 +124,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--early-stop-config", type=_json_object, default=None,
                        help='early stop as JSON, e.g. \'{"enable_early_stop": true, '
                             '"window_size": 3000, "threshold": 0.99}\'')
+    group.add_argument("--splitwise-role", default=None, choices=["mixed", "prefill", "decode"],
+                       help="prefill/decode disaggregation (docs/disaggregation.md): prefill "
+                            "runs prompts and holds their KV blocks for a decode instance, "
+                            "which pulls them and generates the rest; mixed (default) does all")
+    group.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                       help='the same as vLLM\'s JSON, e.g. \'{"kv_connector": "LoomConnector", '
+                            '"kv_role": "kv_producer", "kv_transport": "tcp", "kv_port": 0}\' '
+                            "(kv_producer: prefill, kv_consumer: decode, kv_both: mixed)")
     group.add_argument("--enable-warm-up", action=argparse.BooleanOptionalAction, default=True,
                        help="dummy decode steps at start-up so that the first step at each "
                             "batch size is not slower (benchmarks/warm_up.md)")
@@ -154,7 +162,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
              "early_stop_config", "enable_warm_up", "enable_chunked_prefill",
              "generation_config", "override_generation_config", "trust_remote_code",
              "enforce_eager", "attention_backend", "quantization",
-             "quantization_group_size", "lm_head_fp32", "cpu_threads_per_rank")
+             "quantization_group_size", "lm_head_fp32", "cpu_threads_per_rank",
+             "splitwise_role", "kv_transfer_config")
     return {name: getattr(args, name) for name in names}
 
 

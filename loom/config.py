@@ -6,6 +6,7 @@ Runtime results (the profiled KV block count) live in runtime objects, never her
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -337,6 +338,87 @@ class EarlyStopConfig:
         return _config_from_value(cls, value, "early_stop_config")
 
 
+# Prefill/decode disaggregation (docs/disaggregation.md): vLLM's kv_role names and the
+# seed's --splitwise-role names for the same three roles.
+_KV_ROLES = {"kv_both": "mixed", "kv_producer": "prefill", "kv_consumer": "decode"}
+SPLITWISE_ROLES = ("mixed", "prefill", "decode")
+_KV_TRANSPORTS = ("tcp", "shm")
+# vLLM's connector names are accepted for its command lines; loom moves the blocks itself.
+_KV_CONNECTORS = ("LoomConnector", "NixlConnector", "P2pNcclConnector", "MooncakeConnector")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV blocks shipped between instances (``--kv-transfer-config``, vLLM's form; or
+    ``--splitwise-role``). A ``prefill`` instance (kv_producer) runs a request's prompt
+    and first token and holds its blocks until the decode side has pulled them (or
+    ``kv_hold_timeout_s`` passed); a ``decode`` instance (kv_consumer) pulls the blocks
+    rank to rank and continues from the first token; ``mixed`` (kv_both) does both, as
+    each request's ``kv_transfer_params`` asks. Rank i of a prefill instance listens on
+    ``kv_ip:kv_port + i`` (port 0: any free port). ``kv_transport``: ``tcp`` (the blocks
+    go over the socket, sent from and received into the caches' memory) or ``shm`` (one
+    host: the prefill instance's cache lives in shared memory and the decode side copies
+    the blocks from it; the socket carries only the handshake)."""
+
+    kv_role: str = "kv_both"
+    kv_connector: str = "LoomConnector"
+    kv_transport: str = "tcp"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_hold_timeout_s: float = 60.0  # prefill side: held blocks are freed after this
+    kv_transfer_timeout_s: float = 30.0  # a socket silent this long fails its transfer
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)  # vLLM's; unused
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in _KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(_KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_connector not in _KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {', '.join(_KV_CONNECTORS)}, got "
+                             f"{self.kv_connector!r}")
+        if self.kv_transport not in _KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be tcp or shm, got {self.kv_transport!r}")
+        if not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")
+        for name in ("kv_hold_timeout_s", "kv_transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def splitwise_role(self) -> str:
+        """The seed's name of this role: mixed, prefill or decode."""
+        return _KV_ROLES[self.kv_role]
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_args(cls, splitwise_role: str | None,
+                  kv_transfer_config: KVTransferConfig | dict | str | None
+                  ) -> KVTransferConfig | None:
+        """``--splitwise-role`` and ``--kv-transfer-config`` together: None (a plain
+        instance) when neither asks for a connector; a role given both ways must agree."""
+        config = _config_from_value(cls, kv_transfer_config, "kv_transfer_config")
+        if splitwise_role is None or (config is None and splitwise_role == "mixed"):
+            return config
+        if splitwise_role not in SPLITWISE_ROLES:
+            raise ValueError(f"splitwise_role must be one of {', '.join(SPLITWISE_ROLES)}, got "
+                             f"{splitwise_role!r}")
+        kv_role = {role: name for name, role in _KV_ROLES.items()}[splitwise_role]
+        if config is None:
+            return cls(kv_role=kv_role)
+        if isinstance(kv_transfer_config, (dict, str)) and "kv_role" in (
+                kv_transfer_config if isinstance(kv_transfer_config, dict)
+                else json.loads(kv_transfer_config)) and config.kv_role != kv_role:
+            raise ValueError(f"--splitwise-role {splitwise_role} contradicts kv_role "
+                             f"{config.kv_role!r} in --kv-transfer-config; give one of them")
+        return dataclasses.replace(config, kv_role=kv_role)
+
+
 def _config_from_value(cls, value, name: str):
     """A sub-config from itself, a dict, or its JSON text (as ``--speculative-config``)."""
     if value is None or isinstance(value, cls):
@@ -366,6 +448,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
     early_stop: EarlyStopConfig | None = None
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -421,6 +504,8 @@ class EngineConfig:
         cpu_threads_per_rank: int | None = None,
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
+        splitwise_role: str | None = None,
+        kv_transfer_config: KVTransferConfig | dict | str | None = None,
     ) -> EngineConfig:
         """Build a config from user arguments, reading the checkpoint's config for defaults.
 
@@ -479,6 +564,10 @@ class EngineConfig:
                             kv_cache_memory_bytes=kv_cache_memory_bytes,
                             memory_utilization=memory_utilization)
         check_kv_budget(hf_config, cache, dtype, tensor_parallel_size, max_model_len)
+        kv_transfer = KVTransferConfig.from_args(splitwise_role, kv_transfer_config)
+        if kv_transfer is not None and kv_transfer.kv_transport == "shm" and device != "cpu":
+            raise ValueError("kv_transport shm shares the KV cache in host memory, so it needs "
+                             "--device cpu; use kv_transport tcp on CUDA")
         sampling_defaults = load_sampling_defaults(model, generation_config,
                                                    override_generation_config)
         return cls(
@@ -514,6 +603,7 @@ class EngineConfig:
                 disable_additional_properties=structured_outputs_disable_additional_properties),
             speculative=speculative,
             early_stop=EarlyStopConfig.from_value(early_stop_config),
+            kv_transfer=kv_transfer,
             device=device,
         )
 

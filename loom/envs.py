@@ -66,6 +66,10 @@ class Settings:
         default=None, metadata={"env": "LOOM_TEST_STALL_ENGINE_AT_STEP"})
     """Tests only: the engine core's loop blocks forever before this step."""
 
+    test_stall_kv_send: bool = field(default=False, metadata={"env": "LOOM_TEST_STALL_KV_SEND"})
+    """Tests only: a prefill rank sends half of each KV transfer's bytes over tcp, then
+    blocks that transfer forever (the tests kill the instance mid-transfer)."""
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read every switch from ``environ`` (default ``os.environ``); unset ones keep

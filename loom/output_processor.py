@@ -62,6 +62,8 @@ class RequestState:
     # chunk by chunk from sequence 0; handed out once when streaming.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_reported: bool = False
+    # A prefill instance's answer: where the decode instance pulls the KV blocks from.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -138,6 +140,8 @@ class OutputProcessor:
             state, seq = entry
             if seq.finished:
                 continue
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs += self._convert_logprobs(out.prompt_logprobs)
             if not out.new_token_ids and not out.finished:
@@ -223,4 +227,5 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs, metrics=metrics)
+            prompt_logprobs=prompt_logprobs, metrics=metrics,
+            kv_transfer_params=state.kv_transfer_params)

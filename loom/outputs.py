@@ -41,3 +41,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Prefill/decode disaggregation: a prefill instance's answer (loom/core/kv_transfer.py).
+    kv_transfer_params: dict | None = None

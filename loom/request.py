@@ -12,6 +12,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # decode side: its prompt's K/V is on the way
     # Everything after this line is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
@@ -99,6 +100,11 @@ class Request:
         # Its grammar and matcher when sampling_params.structured_outputs is set
         # (a loom.structured_output.StructuredOutputRequest, set by the engine core).
         self.structured_output_request = None
+        # Prefill/decode disaggregation (loom/core/kv_transfer.py): on a prefill instance
+        # the id its held blocks are served under; on a decode instance where to pull
+        # the prompt's K/V from (a KVTransferParams), until it has arrived.
+        self.kv_transfer_id: str | None = None
+        self.kv_load = None
 
     @property
     def use_structured_output(self) -> bool:

@@ -88,6 +88,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
+    # instance; on a decode instance what the prefill instance answered (loom/core/kv_transfer.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -52,7 +52,12 @@ class EngineCore:
         self.num_blocks = executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    config.speculative, config.early_stop,
-                                   getattr(executor, "kv_cache_window", 0) or None)
+                                   getattr(executor, "kv_cache_window", 0) or None,
+                                   config.kv_transfer, config.parallel.tensor_parallel_size)
+        # Prefill/decode disaggregation: the ranks' transfer threads report here.
+        self.kv_events = None
+        if config.kv_transfer is not None:
+            self._start_kv_connector()
         # Weights that change (docs/weight_updates.md). While generation is paused, the
         # engine asleep, or in-flight requests drain before a change, new requests are
         # held here, not scheduled: every request runs on one set of weights.
@@ -107,22 +112,59 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self.poll_kv_transfers() if self.kv_events is not None else []
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return outputs
         if self.structured_output is None:
             scheduler_output = self.scheduler.schedule()
+            if self._nothing_to_run(scheduler_output):
+                return outputs  # only K/V transfers in flight
             runner_output = self.executor.execute_model(scheduler_output)
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
-        failed = self._finish_failed_grammars()
+            return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
+        failed = outputs + self._finish_failed_grammars()
         scheduler_output = self.scheduler.schedule()
         self._attach_grammar_bitmask(scheduler_output)
-        if (scheduler_output.is_empty and not scheduler_output.finished_req_ids
-                and self.scheduler.has_unfinished_requests()):
-            # Only requests whose grammar is compiling are left: wait for one, briefly.
-            self.structured_output.wait_for_compiles(0.05)
+        if self._nothing_to_run(scheduler_output):
+            if self.scheduler.waiting:
+                # Only requests whose grammar is compiling are left: wait for one, briefly.
+                self.structured_output.wait_for_compiles(0.05)
             return failed
         runner_output = self.executor.execute_model(scheduler_output)
         return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    @staticmethod
+    def _nothing_to_run(scheduler_output: SchedulerOutput) -> bool:
+        return (scheduler_output.is_empty and not scheduler_output.finished_req_ids
+                and scheduler_output.kv_connector_metadata is None)
+
+    # ----------------------------------------------------------------- KV transfer
+    # Prefill/decode disaggregation (core/kv_transfer.py): the ranks move the blocks in
+    # background threads and report here; nothing in a step waits on the wire.
+
+    def _start_kv_connector(self) -> None:
+        """Every rank starts its connector half (a listener on a prefill instance, a
+        puller on a decode one) and says where it listens."""
+        from loom.ipc.kv_events import KVEventReceiver
+
+        host = (self.config.parallel.master_addr if self.config.parallel.nnodes > 1
+                else "127.0.0.1")
+        self.kv_events = KVEventReceiver(host)
+        addresses = self.executor.collective_rpc(
+            "init_kv_connector", {"notify_address": self.kv_events.address})
+        self.scheduler.kv_transfer.rank_addresses = list(addresses)
+
+    def poll_kv_transfers(self, timeout_s: float = 0.0) -> list[EngineCoreOutput]:
+        """Take the ranks' transfer reports (waiting up to ``timeout_s`` for one) and free
+        holds past their deadline; outputs of the loads that ended."""
+        events = self.kv_events.poll(int(timeout_s * 1000))
+        return self.scheduler.process_kv_events(events)
+
+    @property
+    def kv_transfer_stats(self) -> dict[str, int]:
+        """Blocks held for decode instances and requests waiting for their K/V."""
+        kv = self.scheduler.kv_transfer
+        return ({"num_held_blocks": kv.num_held_blocks, "num_loading": kv.num_loading}
+                if kv is not None else {})
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar did not compile end with an error (the API side validates
@@ -280,3 +322,6 @@ class EngineCore:
         if self.structured_output is not None:
             self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None

@@ -49,6 +49,7 @@ from loom.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _HEALTH_CHECK_INTERVAL_S = 1.0
+_TRANSFER_WAIT_S = 0.1  # the longest an engine waiting only for K/V goes without a beat
 # What the API process adds to a step's bound for the core's own work and for the
 # core to notice a hung worker, kill it and report (MultiProcExecutor._hang).
 CORE_WATCHDOG_MARGIN_S = 5.0
@@ -98,19 +99,37 @@ class EngineCoreProc:
                 threading.Event().wait()
             outputs = self.engine_core.step()
             self._send(EngineCoreOutputs(outputs, self.engine_core.get_stats(), time.time()))
+            if not outputs and self.engine_core.scheduler.only_loading and not self.controls:
+                self._wait_for_transfers()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
         self.context.destroy(linger=1000)
 
     def _wait_for_input(self) -> None:
-        """Block until a message arrives; meanwhile check the workers and the parent."""
-        while not self.input_socket.poll(_HEALTH_CHECK_INTERVAL_S * 1000):
+        """Block until a message arrives; meanwhile check the workers and the parent.
+        With a KV connector, a rank's transfer report (or a held transfer's deadline)
+        ends the wait too: the step that follows frees what it releases."""
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        kv_events = self.engine_core.kv_events
+        if kv_events is not None:
+            poller.register(kv_events.socket, zmq.POLLIN)
+        while not poller.poll(_HEALTH_CHECK_INTERVAL_S * 1000):
             if os.getppid() != self.parent_pid:
                 logger.error("the API server process is gone; engine core exiting")
                 self.should_shutdown = True
                 return
             self.engine_core.executor.check_health()
+            if kv_events is not None and self.engine_core.scheduler.kv_transfer.expire_holds():
+                return
+
+    def _wait_for_transfers(self) -> None:
+        """Every request waits for its K/V: sleep until a report or an input arrives."""
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        poller.register(self.engine_core.kv_events.socket, zmq.POLLIN)
+        poller.poll(_TRANSFER_WAIT_S * 1000)
 
     def _process_inputs(self) -> None:
         core = self.engine_core

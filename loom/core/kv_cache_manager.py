@@ -85,12 +85,15 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
+                       num_lookahead_tokens: int = 0,
+                       cache_blocks: bool = True) -> list[KVBlock] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens this step.
 
         ``new_computed_blocks`` are prefix-cache hits of a request being scheduled
         from waiting. ``num_lookahead_tokens`` more slots are booked but not computed
-        (a draft model writes its drafts' K/V there). Returns the newly allocated
+        (a draft model writes its drafts' K/V there). ``cache_blocks=False``: the new
+        blocks' K/V comes from elsewhere later (a KV transfer), so they enter the prefix
+        cache only when it has arrived (``cache_blocks``). Returns the newly allocated
         blocks, or None (and changes nothing) when the pool cannot hold them.
 
             | computed (incl. hits) | new this step | lookahead | ... rest of the last block |
@@ -113,12 +116,25 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_to_allocate, 0))
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache_blocks:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         if self.sliding_window is not None and new_computed_blocks:
             # hits wholly behind the window were taken only to be let go
             self._free_blocks_outside_window(request.request_id, blocks, num_computed)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks full of its first ``num_tokens`` tokens."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
+
+    def take_blocks(self, request: Request) -> list[KVBlock | None]:
+        """The request's blocks, which it gives up without freeing them: the caller now
+        holds their references (a prefill instance keeps them for a KV transfer). None
+        where a block already left the sliding window."""
+        self._num_cached_blocks.pop(request.request_id, None)
+        self._num_skipped_blocks.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its prefix stays cached longest."""

@@ -25,10 +25,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from loom.config import CacheConfig, EarlyStopConfig, SchedulerConfig, SpeculativeConfig
+from loom.config import (CacheConfig, EarlyStopConfig, KVTransferConfig, SchedulerConfig,
+                         SpeculativeConfig)
 from loom.core.kv_cache_manager import KVCacheManager
-from loom.core.wire import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                            NewRequestData, SampleLogprobs, SchedulerOutput, SchedulerStats)
+from loom.core.kv_transfer import KVTransferScheduler
+from loom.core.wire import (CachedRequestData, EngineCoreOutput, KVTransferEvent,
+                            ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput,
+                            SchedulerStats)
 from loom.request import Request, RequestStatus
 
 
@@ -36,10 +39,12 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, speculative_config: SpeculativeConfig | None = None,
                  early_stop_config: EarlyStopConfig | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 kv_transfer_config: KVTransferConfig | None = None, tp_size: int = 1) -> None:
         """``sliding_window``: every attention layer reads only the last this many
         positions (the workers' ``kv_cache_window``), so blocks behind it are freed early;
-        None when some layer reads them all."""
+        None when some layer reads them all. ``kv_transfer_config``: this instance's
+        side of prefill/decode disaggregation (core/kv_transfer.py)."""
         self.config = scheduler_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
@@ -51,6 +56,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Prefill/decode disaggregation: the connector's scheduler half, and the requests
+        # whose prompt K/V the ranks are pulling (neither waiting nor running).
+        self.kv_transfer = (KVTransferScheduler(kv_transfer_config, self.kv_cache.pool,
+                                                cache_config.block_size, tp_size)
+                            if kv_transfer_config is not None else None)
+        self.loading: dict[str, Request] = {}
         # Requests the workers must forget, sent with the next SchedulerOutput.
         self._forgotten_req_ids: set[str] = set()
         # How many of each running request's tokens and blocks the workers already have.
@@ -72,6 +83,14 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens but max_model_len is "
                              f"{self.max_model_len}; shorten it or raise --max-model-len")
+        if self.kv_transfer is not None:
+            self.kv_transfer.prepare_request(request)
+        elif request.sampling_params.kv_transfer_params and (
+                request.sampling_params.kv_transfer_params.get("do_remote_decode")
+                or request.sampling_params.kv_transfer_params.get("do_remote_prefill")):
+            raise ValueError("this instance moves no KV blocks; start it with --splitwise-role "
+                             "prefill|decode (or --kv-transfer-config) to serve "
+                             "kv_transfer_params")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -86,13 +105,15 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif not loading:
                 self.waiting.remove(request)
             request.status = status
             request.stop_reason = stop_reason
-            self._free(request)
+            if not loading:  # else freed once every rank has stopped writing its blocks
+                self._free(request)
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -145,7 +166,15 @@ class Scheduler:
             if request.use_structured_output and not request.structured_output_request.is_ready:
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            if request.kv_load is not None:
+                if not self._start_kv_load(request):
+                    break
+                continue
+            if request.request_id in self.kv_cache.req_to_blocks:
+                # Its prompt's K/V arrived from a prefill instance: only the first token runs.
+                computed_blocks, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             if (not self.config.enable_chunked_prefill
                     and num_new_tokens < request.num_tokens - num_hit_tokens):
@@ -166,6 +195,8 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
         self.waiting.extendleft(reversed(skipped))
 
+        if self.kv_transfer is not None:
+            self._schedule_kv_holds(num_scheduled_tokens)
         forgotten, self._forgotten_req_ids = self._forgotten_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -174,6 +205,8 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
             finished_req_ids=sorted(forgotten),
             scheduled_spec_decode_tokens=scheduled_spec_tokens,
+            kv_connector_metadata=(self.kv_transfer.take_metadata()
+                                   if self.kv_transfer is not None else None),
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -187,6 +220,7 @@ class Scheduler:
                                   in zip(self.expert_tokens, runner_output.expert_tokens)]
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
+        row_of_output: dict[str, int] = {}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -235,24 +269,35 @@ class Scheduler:
                 prompt_logprobs=prompt_logprobs))
             if request.is_finished:
                 finished.append(request)
+                row_of_output[req_id] = len(outputs) - 1
         if finished:
             finished_set = set(finished)
             self.running = [r for r in self.running if r not in finished_set]
             for request in finished:
-                self._free(request)
+                if (request.kv_transfer_id is not None and request.status in (
+                        RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)):
+                    outputs[row_of_output[request.request_id]].kv_transfer_params = \
+                        self._hold_for_decode(request)
+                else:
+                    self._free(request)
         return outputs
 
     # ----------------------------------------------------------------- queries
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
+
+    @property
+    def only_loading(self) -> bool:
+        """Nothing to compute: every unfinished request waits for its K/V to arrive."""
+        return bool(self.loading) and not (self.waiting or self.running)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.loading),
             kv_cache_usage=self.kv_cache.usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
@@ -366,6 +411,93 @@ class Scheduler:
         self.kv_cache.free(request)
         self._forget_on_workers(request)
         del self.requests[request.request_id]
+        if request.kv_transfer_id is not None:
+            self.kv_transfer.cancel_hold(request)
+
+    # ----------------------------------------------------------------- KV transfer
+    # (loom/core/kv_transfer.py holds the account; these move requests between queues.)
+
+    def _schedule_kv_holds(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """Prefill side: requests whose last prompt chunk runs this step have their
+        blocks served by the ranks from the end of the step."""
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if (request.kv_transfer_id is not None
+                    and request.num_computed_tokens + num_tokens >= request.num_tokens):
+                self.kv_transfer.schedule_hold(request, self.kv_cache.get_block_ids(req_id))
+
+    def _hold_for_decode(self, request: Request) -> dict:
+        """Prefill side: a finished request leaves, its blocks stay for the decode
+        instance; returns the kv_transfer_params of its last output."""
+        blocks = self.kv_cache.take_blocks(request)
+        self._forget_on_workers(request)
+        del self.requests[request.request_id]
+        return self.kv_transfer.hold(request, blocks)
+
+    def _start_kv_load(self, request: Request) -> bool:
+        """Decode side: blocks for the prompt and the first token, local prefix-cache
+        hits included, and the ranks told to pull the rest; False if they do not fit."""
+        load = request.kv_load
+        hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+        num_new_tokens = load.remote_num_tokens + 1 - num_hit_tokens
+        if self.kv_cache.allocate_slots(request, num_new_tokens, hits,
+                                        cache_blocks=False) is None:
+            return False
+        self.waiting.popleft()
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = request
+        first = num_hit_tokens // self.kv_cache.block_size
+        last = len(load.remote_block_ids)
+        block_ids = self.kv_cache.get_block_ids(request.request_id)
+        self.kv_transfer.start_load(request, block_ids[first:last],
+                                    load.remote_block_ids[first:last])
+        return True
+
+    def process_kv_events(self, events: list[KVTransferEvent]) -> list[EngineCoreOutput]:
+        """The ranks' reports; outputs for loads that ended (the first token, or an
+        error). Also frees prefill-side holds past their deadline."""
+        outputs = []
+        for event in events:
+            done = self.kv_transfer.on_event(event)
+            if done is not None:
+                output = self._finish_kv_load(*done)
+                if output is not None:
+                    outputs.append(output)
+        self.kv_transfer.expire_holds()
+        return outputs
+
+    def _finish_kv_load(self, request: Request, error: str | None) -> EngineCoreOutput | None:
+        del self.loading[request.request_id]
+        if request.is_finished:  # aborted while its blocks were on the way
+            self._free(request)
+            return None
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"KV transfer from the prefill instance failed: {error}"
+            self._free(request)
+            return EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                    finish_reason=RequestStatus.FINISHED_ERROR.finish_reason.value,
+                                    stop_reason=request.stop_reason)
+        first_token_id = request.kv_load.first_token_id
+        request.num_computed_tokens = request.kv_load.remote_num_tokens
+        request.kv_load = None
+        self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        request.append_output_token(first_token_id)
+        self._check_stop(request) or self._advance_grammar(request, first_token_id)
+        reason = request.status.finish_reason
+        output = EngineCoreOutput(req_id=request.request_id, new_token_ids=[first_token_id],
+                                  finish_reason=reason.value if reason else None,
+                                  stop_reason=request.stop_reason,
+                                  num_cached_tokens=max(request.num_cached_tokens, 0))
+        if request.is_finished:
+            self._free(request)
+        else:
+            self.waiting.appendleft(request)  # it holds its blocks: first in line
+        return output
 
     def _forget_on_workers(self, request: Request) -> None:
         if self._num_tokens_sent.pop(request.request_id, None) is not None:

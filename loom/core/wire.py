@@ -44,6 +44,38 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     num_computed_tokens: int
 
 
+class KVHold(msgspec.Struct, array_like=True):
+    """Prefill side: after this step, serve ``block_ids`` as ``transfer_id`` to the decode
+    instance's pulls (the request finishes in this step; its blocks stay allocated)."""
+
+    transfer_id: str
+    block_ids: list[int]
+
+
+class KVLoad(msgspec.Struct, array_like=True):
+    """Decode side: pull ``remote_block_ids`` of ``transfer_id`` from the prefill
+    instance (this rank's peer: ``remote_addresses[rank]``) into ``local_block_ids``."""
+
+    transfer_id: str
+    remote_addresses: list[str]
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+class KVConnectorMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the scheduler's half of the KV connector tells every rank's half in a step:
+    transfers to stop serving (before the step: their blocks may be reused in it), to
+    serve (after the step), and to pull (in the background)."""
+
+    releases: list[str] = []
+    holds: list[KVHold] = []
+    loads: list[KVLoad] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.releases or self.holds or self.loads)
+
+
 class SchedulerOutput(msgspec.Struct, kw_only=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -59,6 +91,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # Speculative decoding: draft tokens to verify this step, req_id -> drafts. They
     # follow the request's known tokens and are counted in num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Prefill/decode disaggregation (core/kv_transfer.py): KV blocks to serve or pull.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -164,6 +198,40 @@ class RPCResult(msgspec.Struct, tag="rpc_result"):
     exc_type: str | None = None
 
 
+class KVTransferEvent(msgspec.Struct, tag="kv_event"):
+    """A rank's KV connector to its engine core (its own socket, from the transfer
+    threads): ``recv_done`` / ``recv_failed`` (decode side, one per rank and load),
+    ``send_done`` (prefill side: the peer rank has its blocks)."""
+
+    rank: int
+    transfer_id: str
+    kind: str
+    error: str | None = None
+
+
+# ================================================================= decode rank <-> prefill rank
+# loom.worker.kv_connector: one TCP connection per transfer, rank i to rank i. Frames are
+# a 4-byte big-endian length and msgpack; the blocks follow the reply raw (tcp) or are
+# copied from the prefill rank's shared-memory cache (shm); then one ack byte.
+
+
+class KVPull(msgspec.Struct, kw_only=True):
+    transfer_id: str
+    block_ids: list[int]  # the prefill rank's blocks, in the order they are wanted
+    rank: int
+    tp_size: int
+    layout: list[int]  # KVLayout.key(): layers, kv heads, block size, head dim, element bytes
+    transport: str
+
+
+class KVPullReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    ok: bool
+    error: str | None = None
+    nbytes: int = 0  # tcp: the bytes that follow
+    shm_name: str | None = None  # shm: the segment holding the prefill rank's cache
+    num_blocks: int = 0  # shm: the blocks in that cache
+
+
 EngineToWorker = ExecuteModel | WorkerShutdown | WorkerRPC
 WorkerToEngine = StepResult | WorkerFailure | RemoteStatus | RPCResult
 
@@ -224,6 +292,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Logprobs of the next prompt tokens, in order; entries of one request arrive in
     # outputs that may carry no new tokens (prefill chunks).
     prompt_logprobs: SampleLogprobs | None = None
+    # Prefill side of disaggregation: where the decode instance pulls this request's KV
+    # blocks from, and the first token (core/kv_transfer.py: KVTransferParams).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -38,4 +38,6 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
+        if getattr(self, "worker", None) is not None:
+            self.worker.shutdown_kv_connector()
         self.worker = None

@@ -73,6 +73,9 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Where the KV cache's one allocation comes from: (shape, dtype) -> tensor;
+        # None: torch.empty on the device (a KV connector may put it in shared memory).
+        self.kv_cache_allocator = None
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
         # Proposers run on rank 0 only, after sampling.
         spec = config.speculative
@@ -146,8 +149,10 @@ class ModelRunner:
         # request's last key). One allocation for all layers: on the CPU a large one is
         # fresh mmap'd memory, resident only once written or populated (the Worker
         # populates it in the background), and a view per layer.
-        self.kv_cache_storage = torch.empty((self.model.num_attention_layers, *shape),
-                                            dtype=self.dtype, device=self.device)
+        full_shape = (self.model.num_attention_layers, *shape)
+        self.kv_cache_storage = (
+            self.kv_cache_allocator(full_shape, self.dtype) if self.kv_cache_allocator
+            else torch.empty(full_shape, dtype=self.dtype, device=self.device))
         self.kv_caches = list(self.kv_cache_storage.unbind(0))
         self.model.bind_kv_cache(self.kv_caches)
         if self.draft_proposer is not None:

@@ -35,6 +35,8 @@ class Worker:
         self.rank = rank
         self.tp_group = tp_group
         self.model_runner: ModelRunner | None = None
+        self.kv_connector = None  # prefill/decode disaggregation (init_kv_connector)
+        self.kv_segment = None  # the KV cache's shared-memory segment (kv_transport shm)
         self.weights = WeightUpdater(self)  # update, clear, sleep, wake (weight_updates.py)
 
     def init_device(self) -> None:
@@ -156,7 +158,15 @@ class Worker:
         """Allocate ``num_blocks``; on the CPU its pages are populated by a background
         thread (``memory.populate_in_background``) while start-up goes on."""
         self.num_blocks = num_blocks
+        kv_transfer = self.config.kv_transfer
+        if (kv_transfer is not None and kv_transfer.is_producer
+                and kv_transfer.kv_transport == "shm"):
+            # A decode instance on this host copies held blocks straight out of it.
+            self.model_runner.kv_cache_allocator = self._allocate_shared_kv_cache
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.kv_connector is not None:  # again after a wake-up
+            self.kv_connector.set_storage(self.model_runner.kv_cache_storage,
+                                          getattr(self.kv_segment, "name", None))
         self.populate_thread = None
         if self.device.type == "cpu":
             storage = self.model_runner.kv_cache_storage
@@ -211,8 +221,44 @@ class Worker:
         num_tokens = DUMMY_PROMPT_LEN + (spec.num_lookahead_tokens if spec else 0)
         return list(range(-(-num_tokens // self.config.cache.block_size)))
 
+    def _allocate_shared_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype):
+        from loom.worker.kv_transport import SharedKVSegment
+
+        if self.kv_segment is not None:
+            self.kv_segment.close()
+        self.kv_segment = SharedKVSegment.create(shape, dtype, self.rank)
+        return self.kv_segment.tensor
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        metadata = scheduler_output.kv_connector_metadata
+        if metadata is None or self.kv_connector is None:
+            return self.model_runner.execute_model(scheduler_output)
+        self.kv_connector.before_step(metadata)
+        output = self.model_runner.execute_model(scheduler_output)
+        self.kv_connector.after_step(metadata)
+        return output
+
+    # ------------------------------------------------- KV transfer (collective_rpc)
+
+    def init_kv_connector(self, notify_address: str) -> str:
+        """Start this rank's half of the KV connector (loom/worker/kv_connector.py),
+        reporting to the engine core at ``notify_address``; returns where it listens
+        (prefill side) or ""."""
+        from loom.worker.kv_connector import KVConnectorWorker
+
+        self.kv_connector = KVConnectorWorker(
+            self.config.kv_transfer, self.tp_group.rank, self.tp_group.world_size,
+            self.model_runner.kv_cache_storage, notify_address,
+            getattr(self.kv_segment, "name", None))
+        return self.kv_connector.address
+
+    def shutdown_kv_connector(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+        if self.kv_segment is not None:
+            self.kv_segment.close()
+            self.kv_segment = None
 
     # ------------------------------------------------- weights that change (collective_rpc)
     # Called between steps on every rank, by the engine's collective_rpc; see

@@ -142,7 +142,7 @@ def run_worker(spec: WorkerSpec) -> int:
     status: 0 after a shutdown, 1 after a failure (reported to the engine first)."""
     stall_at_step = settings().test_stall_worker_at_step
     queue = TaskQueueClient(spec.addresses)
-    status = None
+    status = worker = None
     exit_code = 0
     try:
         status = StatusReporter(spec, queue)
@@ -172,6 +172,8 @@ def run_worker(spec: WorkerSpec) -> int:
         except Exception:
             pass
     finally:
+        if worker is not None:
+            worker.shutdown_kv_connector()  # its listener, and its shared-memory cache
         tear_down(status, queue, clean=exit_code == 0)
     return exit_code
 

@@ -110,6 +110,10 @@ class FakeRunner:
 def assert_empty(scheduler: Scheduler) -> None:
     """No request left, every block free, every ref count 0."""
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
+    assert not scheduler.loading  # no request waits for its K/V
+    if scheduler.kv_transfer is not None:  # no blocks held for a decode instance
+        assert scheduler.kv_transfer.num_held_blocks == 0
+        assert scheduler.kv_transfer.num_loading == 0
     pool = scheduler.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)

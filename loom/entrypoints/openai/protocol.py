@@ -141,6 +141,8 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Prefill/decode disaggregation, vLLM's field (docs/disaggregation.md): set by the router.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -230,7 +232,8 @@ class SamplingFields(OpenAIModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs, logit_bias=logit_bias,
                 skip_special_tokens=self.skip_special_tokens,
-                structured_outputs=structured_outputs, **fields)
+                structured_outputs=structured_outputs,
+                kv_transfer_params=self.kv_transfer_params, **fields)
         except SamplingParamsError as error:  # the field, in the request's name for it
             field = self.REQUEST_FIELDS.get(error.field, error.field)
             raise RequestError(f"{field} {error.problem}", param=field) from None

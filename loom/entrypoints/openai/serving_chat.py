@@ -116,10 +116,12 @@ class OpenAIServingChat(OpenAIServing):
                 "index": seq.index, "message": message,
                 "logprobs": _logprobs(seq, request.top_logprobs or 0),
                 "finish_reason": finish_reason, "stop_reason": seq.stop_reason})
-        return JSONResponse({
-            "id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
-            "usage": usage(num_prompt_tokens, num_completion_tokens)})
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
+        if final.kv_transfer_params is not None:  # a prefill instance's answer
+            body["kv_transfer_params"] = final.kv_transfer_params
+        return JSONResponse(body)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       num_prompt_tokens: int, stream: RequestStream,

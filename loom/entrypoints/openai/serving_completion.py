@@ -111,10 +111,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
         choices.sort(key=lambda choice: choice["index"])
         num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
-        return JSONResponse({
-            "id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
-            "usage": usage(num_prompt_tokens, num_completion_tokens)})
+        body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
+        if finals[0].kv_transfer_params is not None:  # a prefill instance's answer
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
+        return JSONResponse(body)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
                       streams: list[RequestStream]) -> AsyncIterator[str]:

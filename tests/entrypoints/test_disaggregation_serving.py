@@ -1,0 +1,119 @@
+"""Prefill/decode disaggregation through real ``loom serve`` processes (docs/disaggregation.md):
+the client's request goes to the prefill server with ``kv_transfer_params:
+{"do_remote_decode": true}``, then, with the prefill server's answer, to the decode
+server, which streams the completion; what the client sees equals the decode server
+serving the request alone. Failures: a prefill server killed mid-transfer fails only
+the request being transferred (an error to its client) while the decode server serves
+on and returns to zero blocks in use; blocks nobody pulls are freed on the prefill side
+after kv_hold_timeout_s."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+BODY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+def through_prefill(prefill, body: dict) -> dict:
+    """What the router does first: the prefill server's kv_transfer_params."""
+    answer = httpx.post(f"{prefill.base_url}/completions", timeout=60, json={
+        **body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["kv_transfer_params"]
+
+
+def stream_text(server, body: dict, errors: list[str] | None = None) -> tuple[str, list[str]]:
+    """Stream a completion; its text and finish reasons (an error event becomes
+    finish reason "error", its message appended to ``errors``)."""
+    text, reasons = "", []
+    with httpx.stream("POST", f"{server.base_url}/completions", timeout=60,
+                      json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                reasons.append("error")
+                if errors is not None:
+                    errors.append(event["error"]["message"])
+                continue
+            for choice in event["choices"]:
+                text += choice["text"]
+                if choice["finish_reason"]:
+                    reasons.append(choice["finish_reason"])
+    return text, reasons
+
+
+def test_completions_through_prefill_and_decode_equal_one_server(start_server):
+    prefill = start_server("--splitwise-role", "prefill")
+    decode = start_server("--kv-transfer-config", '{"kv_role": "kv_consumer"}')
+    alone = httpx.post(f"{decode.base_url}/completions", json=BODY, timeout=60).json()
+    params = through_prefill(prefill, BODY)
+    assert params["remote_num_tokens"] == alone["usage"]["prompt_tokens"]
+    answer = httpx.post(f"{decode.base_url}/completions", timeout=60,
+                        json={**BODY, "kv_transfer_params": params}).json()
+    assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert answer["usage"] == alone["usage"]
+    # Streamed: the same text, chunk by chunk, the first token first.
+    text, reasons = stream_text(decode, {**BODY, "kv_transfer_params": through_prefill(
+        prefill, BODY)})
+    assert text == alone["choices"][0]["text"] and reasons == ["length"]
+    # Chat, with the openai client.
+    messages = [{"role": "user", "content": "hello there, how are you?"}]
+    chat = {"model": None, "messages": messages, "max_tokens": 8, "temperature": 0.0}
+    alone_chat = decode.openai().chat.completions.create(
+        **{**chat, "model": decode.openai().models.list().data[0].id})
+    handoff = httpx.post(f"{prefill.base_url}/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 8, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    disagg_chat = decode.openai().chat.completions.create(
+        **{**chat, "model": alone_chat.model}, extra_body={"kv_transfer_params": handoff})
+    assert disagg_chat.choices[0].message.content == alone_chat.choices[0].message.content
+    for server in (prefill, decode):
+        assert server.wait_for_metric("loom:kv_blocks_in_use", 0) == 0
+
+
+def test_prefill_killed_mid_transfer_fails_only_that_request(start_server):
+    stalled = start_server("--splitwise-role", "prefill", env={"LOOM_TEST_STALL_KV_SEND": "1"})
+    healthy = start_server("--splitwise-role", "prefill")
+    decode = start_server("--splitwise-role", "decode")
+    doomed_params = through_prefill(stalled, BODY)
+    result, errors = {}, []
+
+    def doomed():
+        result["doomed"] = stream_text(decode, {**BODY, "kv_transfer_params": doomed_params},
+                                       errors)
+
+    thread = threading.Thread(target=doomed)
+    thread.start()
+    # The decode server is pulling: half the blocks are there, the rest never come.
+    assert decode.wait_for_metric("vllm:num_requests_waiting", 1) == 1
+    time.sleep(0.3)
+    stalled.kill()
+    thread.join(30)
+    assert result["doomed"] == ("", ["error"])
+    assert "KV transfer from the prefill instance failed" in errors[0]
+    # The decode server serves on, disaggregated and alone.
+    text, reasons = stream_text(decode, {**BODY, "kv_transfer_params": through_prefill(
+        healthy, BODY)})
+    alone = httpx.post(f"{decode.base_url}/completions", json=BODY, timeout=60).json()
+    assert text == alone["choices"][0]["text"] and reasons == ["length"]
+    assert decode.wait_for_metric("loom:kv_blocks_in_use", 0) == 0
+    assert decode.wait_for_metric("loom:engine_requests", 0) == 0
+    assert healthy.wait_for_metric("loom:kv_blocks_in_use", 0) == 0
+
+
+def test_blocks_nobody_pulls_are_freed_after_the_hold_timeout(start_server):
+    """A decode instance that died before pulling: the prefill side frees the blocks."""
+    prefill = start_server("--splitwise-role", "prefill", "--kv-transfer-config",
+                           '{"kv_hold_timeout_s": 1.0}')
+    params = through_prefill(prefill, BODY)
+    assert prefill.metric("loom:kv_blocks_in_use") == len(params["remote_block_ids"])
+    assert prefill.wait_for_metric("loom:kv_blocks_in_use", 0, timeout=5) == 0
+    assert "no decode instance took its" in prefill.output()
