@@ -3,6 +3,11 @@
 llama.cpp's converter permutes the rows of Q and K for the ``llama`` architecture
 (interleaved rope pairs instead of halves); ``reverse_permute`` undoes it exactly as
 ``transformers.modeling_gguf_pytorch_utils.LlamaTensorProcessor`` does.
+
+Mixtures of experts (qwen3moe, ernie4_5-moe): the converter stacks each layer's
+experts into one 3-d tensor per projection (``blk.N.ffn_gate_exps`` (E, I, H), ...);
+they come out here as the per-expert tensors of a Hugging Face checkpoint
+(``model.layers.N.mlp.experts.<e>.gate_proj.weight``), dequantized.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 from loom.model.layers.quantization import GGUF_KEPT, QuantizedTensor, gguf_quantized
+from loom.model.loader.gguf_configs import config_from_metadata
 from loom.model.loader.gguf_dequant import dequantize
 from loom.model.loader.gguf_file import GGUFFile
 
@@ -37,6 +43,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -51,6 +58,18 @@ _ARCH_LAYER_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
+_ARCH_LAYER_NAMES["ernie4_5-moe"] = _LAYER_NAMES | {
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# Whole tensor names (kind included) where Hugging Face's do not end in .weight/.bias
+_ARCH_FULL_NAMES = {
+    "ernie4_5-moe": {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
+}
+# Stacked experts (E, out, in) -> each expert's projection
+_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 # Architectures whose converter stores RMSNorm weights as 1 + w (Hugging Face keeps w)
 _NORMS_PLUS_ONE = ("gemma3",)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -64,8 +83,13 @@ def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
     if m := _LAYER_RE.match(name):
         layer, part, kind = m.groups()
         names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
+        full = _ARCH_FULL_NAMES.get(architecture, {}).get(f"{part}.{kind}")
+        if full is not None:
+            return f"model.layers.{layer}.{full}"
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
+        if part in _EXPERT_PARTS and kind == "weight":  # stacked: split by the iterator
+            return f"model.layers.{layer}.mlp.experts.{_EXPERT_PARTS[part]}.weight"
         return None
     if (m := _GLOBAL_RE.match(name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
@@ -100,9 +124,10 @@ def _type_name(ggml_type: int) -> str:
 def load_gguf_config(path: str) -> Any:
     """The ``transformers`` config of a GGUF model, memoized per file version.
 
-    Llama-architecture files are read from their metadata alone (milliseconds); any
-    other architecture, or a llama file with keys loom does not map (rope scaling,
-    experts), goes through ``transformers``, which also parses the tokenizer (seconds).
+    Llama-architecture files are read from their metadata alone (milliseconds), and so
+    are qwen3moe, ernie4_5 and ernie4_5-moe ones (gguf_configs.py); any other
+    architecture, or a llama file with keys loom does not map (rope scaling, experts),
+    goes through ``transformers``, which also parses the tokenizer (seconds).
     """
     stat = os.stat(path)
     return copy.deepcopy(_load_gguf_config(os.path.abspath(path), stat.st_size,
@@ -111,7 +136,8 @@ def load_gguf_config(path: str) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _load_gguf_config(path: str, size: int, mtime_ns: int) -> Any:
-    config = llama_config_from_metadata(open_gguf(path))
+    gguf_file = open_gguf(path)
+    config = llama_config_from_metadata(gguf_file) or config_from_metadata(gguf_file)
     if config is None:
         from transformers import AutoConfig
 
@@ -228,6 +254,11 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
             weights = _permute_rows(weights, num_kv_heads)
         elif architecture in _NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
             weights = weights - 1.0  # back to Hugging Face's w, as transformers does
+        if m is not None and m.group(2) in _EXPERT_PARTS:
+            prefix, projection = hf_name.rsplit(".experts.", 1)
+            for expert in range(weights.shape[0]):  # (E, out, in)
+                yield f"{prefix}.experts.{expert}.{projection}", weights[expert]
+            continue
         yield hf_name, weights
     if dequantized:
         logger.info("GGUF linear weights dequantized (loom keeps %s quantized): %s",

@@ -1,0 +1,92 @@
+"""Hugging Face configs of GGUF files whose architecture ``transformers`` does not read
+from GGUF (``ernie4_5``, ``ernie4_5-moe``) or reads without the keys loom needs
+(``qwen3moe``: transformers drops ``expert_feed_forward_length``), built from the
+metadata llama.cpp's converter writes (convert_hf_to_gguf.py: ``TextModel``'s keys,
+plus each model class's own) and from which tensors the file holds:
+
+    <arch>.block_count, embedding_length, feed_forward_length, context_length,
+    attention.head_count(_kv), attention.key_length, attention.layer_norm_rms_epsilon,
+    rope.freq_base, expert_count, expert_used_count, expert_feed_forward_length,
+    expert_shared_count, leading_dense_block_count, interleave_moe_layer_step
+
+A layer is a mixture of experts where the file has its router (``blk.N.ffn_gate_inp``).
+What the metadata does not say is the converter's fixed choice: Qwen3-MoE renormalizes
+its top-k weights (llama.cpp's qwen3moe graph does), ERNIE's MoE layers run to the
+last layer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from loom.model.loader.gguf_file import GGUFFile
+
+# general.architecture -> (transformers config class, loom architecture)
+GGUF_ARCHITECTURES = {
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
+    "ernie4_5-moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+}
+_ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
+
+
+def config_from_metadata(gguf_file: GGUFFile) -> Any | None:
+    """The config of a file in :data:`GGUF_ARCHITECTURES`, else None."""
+    import transformers
+
+    metadata = gguf_file.metadata
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        return None
+    config_name, architecture = GGUF_ARCHITECTURES[arch]
+
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    num_layers = int(key("block_count"))
+    fields: dict[str, Any] = dict(
+        hidden_size=hidden, num_hidden_layers=num_layers,
+        intermediate_size=int(key("feed_forward_length", 4 * hidden)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": float(key("rope.freq_base", 10000.0))},
+        vocab_size=int(key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))),
+        tie_word_embeddings="output.weight" not in gguf_file.tensors)
+    for gguf_key, field in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
+                            ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+                            ("tokenizer.ggml.padding_token_id", "pad_token_id")):
+        if gguf_key in metadata:
+            fields[field] = int(metadata[gguf_key])
+    moe_layers = sorted(int(m.group(1)) for name in gguf_file.tensors
+                        if (m := _ROUTER.match(name)))
+    if arch == "qwen3moe":
+        fields.update(num_experts=int(key("expert_count")),
+                      num_experts_per_tok=int(key("expert_used_count")),
+                      moe_intermediate_size=int(key("expert_feed_forward_length")),
+                      norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(num_layers) if i not in moe_layers])
+    elif arch.startswith("ernie4_5"):
+        fields["use_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
+    if arch == "ernie4_5-moe":
+        fields.update(moe_num_experts=int(key("expert_count")), moe_k=int(key("expert_used_count")),
+                      moe_intermediate_size=int(key("expert_feed_forward_length")),
+                      moe_num_shared_experts=int(key("expert_shared_count", 0)),
+                      moe_layer_start_index=int(key("leading_dense_block_count", 0)),
+                      moe_layer_end_index=num_layers - 1,
+                      moe_layer_interval=int(key("interleave_moe_layer_step", 1)))
+        expected = [i for i in range(fields["moe_layer_start_index"], num_layers)
+                    if (i + 1) % fields["moe_layer_interval"] == 0]
+        if moe_layers != expected:
+            raise ValueError(f"{gguf_file.path}: MoE layers {moe_layers} are not those its "
+                             f"metadata implies ({expected})")
+    config = getattr(transformers, config_name)(architectures=[architecture], **fields)
+    config._name_or_path = os.path.dirname(gguf_file.path)
+    return config

@@ -1,0 +1,137 @@
+"""GGUF files of the MoE and ERNIE families, as llama.cpp's converter writes them
+(architectures qwen3moe, ernie4_5, ernie4_5-moe): loom reads their config from the
+metadata and their tensors (experts stacked per projection, the router, shared experts,
+the correction bias) under Hugging Face names, and gives transformers' greedy tokens on
+the checkpoint the file was written from.
+
+The files are written here with the ``gguf`` package (a loom dependency), with the
+tensor names of its own ``TensorNameMap`` (the converter's) and the metadata keys the
+converter writes (convert_hf_to_gguf.py: TextModel.set_gguf_parameters, plus
+Ernie4_5MoeModel's): the converter itself needs a llama.cpp checkout and a real
+tokenizer, which CI does not have. benchmarks/moe_speed.py runs the real converter on a
+Qwen3-MoE checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from e2e.test_llm_correctness import hf_greedy, make_prompts
+
+from loom import LLM, SamplingParams
+from loom.model.loader import load_hf_config
+
+from .checkpoints import make_tiny_checkpoint
+
+GGUF_ARCH = {"qwen3_moe": "QWEN3MOE", "ernie4_5": "ERNIE4_5", "ernie4_5_moe": "ERNIE4_5_MOE"}
+_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def write_gguf(checkpoint: str, path: str, family: str) -> str:
+    """``checkpoint`` as llama.cpp's converter would write it, tensors in float32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = load_hf_config(checkpoint).to_dict()
+    config |= {"num_experts": getattr(load_hf_config(checkpoint), "num_experts", None)}
+    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCH[family])
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    num_layers = config["num_hidden_layers"]
+    writer.add_block_count(num_layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    if family == "qwen3_moe":
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if family == "ernie4_5_moe":
+        writer.add_expert_count(config["moe_num_experts"])
+        writer.add_expert_used_count(config["moe_k"])
+        writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
+        writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_count(config["moe_num_shared_experts"])
+    names = gguf.get_tensor_name_map(arch, num_layers)
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if m := _EXPERT.match(name):  # the converter stacks each projection's experts
+            stacked.setdefault(f"{m['layer']}.{m['proj']}", {})[int(m["e"])] = tensor
+            continue
+        # as the converter's filter_tensors: the correction bias maps by ".bias"
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    for name, experts in stacked.items():
+        whole = torch.stack([experts[e] for e in range(len(experts))]).float().numpy()
+        writer.add_tensor(names.get_name(name + ".weight", try_suffixes=(".weight",)), whole)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("family", list(GGUF_ARCH))
+def test_gguf_file_gives_transformers_tokens(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = make_tiny_checkpoint(family, tmp_path / family)
+    path = write_gguf(checkpoint, str(tmp_path / f"{family}.gguf"), family)
+    hf_config, gguf_config = load_hf_config(checkpoint), load_hf_config(path)
+    assert gguf_config.architectures == hf_config.architectures
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    assert (getattr(gguf_config, "head_dim", None) or head_dim) == \
+        (getattr(hf_config, "head_dim", None) or head_dim)
+    for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "tie_word_embeddings", "num_experts", "moe_intermediate_size",
+                  "num_experts_per_tok", "norm_topk_prob", "moe_num_experts", "moe_k",
+                  "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
+                  "use_bias"):
+        assert getattr(gguf_config, field, None) == getattr(hf_config, field, None), field
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = make_prompts(hf.config.vocab_size)[2:10:2]
+    with torch.no_grad():
+        expected = [hf_greedy(hf, prompt, 6) for prompt in prompts]
+    llm = LLM(path, dtype="float32", max_model_len=256, skip_tokenizer_init=True,
+              enable_warm_up=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_stacked_experts_split_per_expert(tmp_path):
+    """The loader's view of a stacked expert tensor: one HF tensor per expert."""
+    from loom.model.loader.gguf_loader import gguf_to_hf_name, gguf_weights_iterator
+
+    assert gguf_to_hf_name("blk.1.ffn_gate_inp.weight", "qwen3moe") == \
+        "model.layers.1.mlp.gate.weight"
+    assert gguf_to_hf_name("blk.1.exp_probs_b.bias", "ernie4_5-moe") == \
+        "model.layers.1.mlp.moe_statics.e_score_correction_bias"
+    assert gguf_to_hf_name("blk.1.ffn_up_shexp.weight", "ernie4_5-moe") == \
+        "model.layers.1.mlp.shared_experts.up_proj.weight"
+    checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path / "q")
+    path = write_gguf(checkpoint, str(tmp_path / "q.gguf"), "qwen3_moe")
+    weights = dict(gguf_weights_iterator(path, load_hf_config(path)))
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert set(weights) == set(original)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(weights[name].numpy(), tensor.float().numpy())
