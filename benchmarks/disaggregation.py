@@ -206,15 +206,16 @@ def serve(args: argparse.Namespace) -> list[dict]:
         servers = []
         try:
             if mode == "mixed":
-                servers.append(LoomServer(*(model_args or [None]), *common))
+                servers.append(LoomServer(*(model_args or [None]), *common,
+                                          *args.mixed_server_args, startup_timeout=900))
                 urls = {"mixed": servers[0].url}
             else:
-                servers.append(LoomServer(*(model_args or [None]), *common,
-                                          "--splitwise-role", "prefill", "--kv-transfer-config",
-                                          json.dumps({"kv_transport": args.transport})))
-                servers.append(LoomServer(*(model_args or [None]), *common,
-                                          "--splitwise-role", "decode", "--kv-transfer-config",
-                                          json.dumps({"kv_transport": args.transport})))
+                for role in ("prefill", "decode"):
+                    servers.append(LoomServer(*(model_args or [None]), *common,
+                                              *args.disaggregated_server_args,
+                                              "--splitwise-role", role, "--kv-transfer-config",
+                                              json.dumps({"kv_transport": args.transport}),
+                                              startup_timeout=900))
                 urls = {"prefill": servers[0].url, "decode": servers[1].url}
                 if args.router:
                     urls["router"] = args.router
@@ -258,7 +259,11 @@ def main() -> None:
     s.add_argument("--kv-cache-memory", default="1GiB")
     s.add_argument("--router", default=None, help="a running loom router for the "
                    "disaggregated mode (its --prefill/--decode must be these servers)")
-    s.add_argument("--server-args", nargs="*", default=[])
+    s.add_argument("--server-args", nargs="*", default=[], help="flags for every server")
+    s.add_argument("--mixed-server-args", nargs="*", default=[])
+    s.add_argument("--disaggregated-server-args", nargs="*", default=[],
+                   help="e.g. --cpu-threads-per-rank 1: the two instances split the cores "
+                        "the mixed one has alone")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     rows = transfer(args) if args.command == "transfer" else serve(args)

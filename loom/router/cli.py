@@ -12,8 +12,14 @@ def add_router_command(commands) -> None:
     parser = commands.add_parser(
         "router", help="one OpenAI-compatible front for several loom serve instances, "
                        "balancing by load and prefix affinity")
-    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+    parser.add_argument("--backend", action="append", default=[], metavar="URL",
                         help="a loom serve instance, http://HOST:PORT; repeat for each")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="prefill/decode disaggregation (docs/disaggregation.md): a loom "
+                             "serve --splitwise-role prefill instance; repeat for each, and "
+                             "give --decode too")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a loom serve --splitwise-role decode instance; repeat for each")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: loopback only; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")

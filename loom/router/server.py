@@ -252,6 +252,9 @@ def build_app(router: Router) -> Starlette:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    if bool(args.prefill) != bool(args.decode) or bool(args.backend) == bool(args.prefill):
+        raise ValueError("give --backend URL (each instance serves whole requests), or "
+                         "--prefill URL with --decode URL (disaggregated pairs), not both")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request relayed
     policy_config = PolicyConfig(chunk_size=args.prefix_chunk_chars,
@@ -270,25 +273,37 @@ async def _run(args: argparse.Namespace, policy_config: PolicyConfig,
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(connect=5.0, read=None, write=None, pool=None)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        pool = BackendPool(args.backend, client, policy_config, args.health_check_interval,
-                           args.health_check_timeout)
-        await pool.start()
-        checks = asyncio.create_task(pool.run_health_checks(), name="loom-router-health")
-        server = uvicorn.Server(uvicorn.Config(build_app(Router(pool)),
+        pools = [BackendPool(urls, client, policy_config, args.health_check_interval,
+                             args.health_check_timeout)
+                 for urls in ([args.prefill, args.decode] if args.prefill else [args.backend])]
+        await asyncio.gather(*(pool.start() for pool in pools))
+        checks = [asyncio.create_task(pool.run_health_checks(), name="loom-router-health")
+                  for pool in pools]
+        if args.prefill:
+            from loom.router.disaggregated import DisaggregatedRouter
+
+            router = DisaggregatedRouter(*pools)
+        else:
+            router = Router(pools[0])
+        server = uvicorn.Server(uvicorn.Config(build_app(router),
                                                log_level=args.uvicorn_log_level,
                                                access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=5))
         host, port = listener.getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
-        up = ", ".join(b.url for b in pool.healthy) or "none yet"
-        print(f"loom router: ready on http://{host}:{port} for {len(pool.backends)} "
-              f"backends (up: {up})", flush=True)
+        backends = [b for p in pools for b in p.backends]
+        up = ", ".join(b.url for p in pools for b in p.healthy) or "none yet"
+        print(f"loom router: ready on http://{host}:{port} for {len(backends)} "
+              f"backends{' (prefill/decode pairs)' if args.prefill else ''} (up: {up})",
+              flush=True)
         try:
             await server.serve(sockets=[listener])
         finally:
-            checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checks
+            for task in checks:
+                task.cancel()
+            for task in checks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
     return 0
 
 

@@ -14,6 +14,8 @@ import threading
 import time
 
 import httpx
+import openai
+from test_router import RouterProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 BODY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -31,7 +33,7 @@ def stream_text(server, body: dict, errors: list[str] | None = None) -> tuple[st
     """Stream a completion; its text and finish reasons (an error event becomes
     finish reason "error", its message appended to ``errors``)."""
     text, reasons = "", []
-    with httpx.stream("POST", f"{server.base_url}/completions", timeout=60,
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                       json={**body, "stream": True}) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -54,29 +56,40 @@ def test_completions_through_prefill_and_decode_equal_one_server(start_server):
     prefill = start_server("--splitwise-role", "prefill")
     decode = start_server("--kv-transfer-config", '{"kv_role": "kv_consumer"}')
     alone = httpx.post(f"{decode.base_url}/completions", json=BODY, timeout=60).json()
+    # By hand, what the router does:
     params = through_prefill(prefill, BODY)
     assert params["remote_num_tokens"] == alone["usage"]["prompt_tokens"]
     answer = httpx.post(f"{decode.base_url}/completions", timeout=60,
                         json={**BODY, "kv_transfer_params": params}).json()
     assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
     assert answer["usage"] == alone["usage"]
-    # Streamed: the same text, chunk by chunk, the first token first.
-    text, reasons = stream_text(decode, {**BODY, "kv_transfer_params": through_prefill(
-        prefill, BODY)})
-    assert text == alone["choices"][0]["text"] and reasons == ["length"]
-    # Chat, with the openai client.
-    messages = [{"role": "user", "content": "hello there, how are you?"}]
-    chat = {"model": None, "messages": messages, "max_tokens": 8, "temperature": 0.0}
-    alone_chat = decode.openai().chat.completions.create(
-        **{**chat, "model": decode.openai().models.list().data[0].id})
-    handoff = httpx.post(f"{prefill.base_url}/chat/completions", timeout=60, json={
-        "messages": messages, "max_tokens": 8, "temperature": 0.0,
-        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
-    disagg_chat = decode.openai().chat.completions.create(
-        **{**chat, "model": alone_chat.model}, extra_body={"kv_transfer_params": handoff})
-    assert disagg_chat.choices[0].message.content == alone_chat.choices[0].message.content
+    # Through `loom router --prefill --decode`: the OpenAI API as it is.
+    router = RouterProcess(args=("--prefill", prefill.url, "--decode", decode.url))
+    try:
+        health = router.wait_for_health(lambda body: body["status"] == "ok")
+        assert [b["url"] for b in health["prefill"]] == [prefill.url]
+        answer = httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=60).json()
+        assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert "kv_transfer_params" not in answer
+        text, reasons = stream_text(router, BODY)  # chunk by chunk, the first token first
+        assert text == alone["choices"][0]["text"] and reasons == ["length"]
+        # Chat with the openai client, streamed and not.
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        chat = {"model": model, "max_tokens": 8, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "hello there, how are you?"}]}
+        alone_chat = decode.openai().chat.completions.create(**chat)
+        assert (client.chat.completions.create(**chat).choices[0].message.content
+                == alone_chat.choices[0].message.content)
+        streamed = "".join(chunk.choices[0].delta.content or ""
+                           for chunk in client.chat.completions.create(**chat, stream=True)
+                           if chunk.choices)
+        assert streamed == alone_chat.choices[0].message.content
+    finally:
+        router.close()
     for server in (prefill, decode):
         assert server.wait_for_metric("loom:kv_blocks_in_use", 0) == 0
+        assert server.wait_for_metric("loom:engine_requests", 0) == 0
 
 
 def test_prefill_killed_mid_transfer_fails_only_that_request(start_server):
