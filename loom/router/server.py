@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import loom
+from loom.entrypoints.listen import bind_listener
 from loom.entrypoints.openai.responses import cancel_on_disconnect
 from loom.router.backends import Backend, BackendPool
 from loom.router.policy import PolicyConfig
@@ -261,7 +262,7 @@ def run_router(args: argparse.Namespace) -> int:
                                  min_match_ratio=args.min_match_ratio,
                                  balance_abs_threshold=args.balance_abs_threshold,
                                  balance_rel_threshold=args.balance_rel_threshold)
-    listener = _listen(args.host, args.port)
+    listener = bind_listener(args.host, args.port)
     try:
         return asyncio.run(_run(args, policy_config, listener))
     finally:
@@ -306,17 +307,3 @@ async def _run(args: argparse.Namespace, policy_config: PolicyConfig,
                     await task
     return 0
 
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP so that asyncio sets TCP_NODELAY (see server._bind)
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError as error:
-        listener.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}; pick another "
-                         "--port or --host") from None
-    listener.listen(2048)
-    return listener

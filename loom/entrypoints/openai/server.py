@@ -43,6 +43,7 @@ import loom
 from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
 from loom.config import EngineConfig
 from loom.dp_async_llm import DPAsyncLLM
+from loom.entrypoints.listen import bind_listener
 from loom.entrypoints.openai.cli_args import ssl_config
 from loom.entrypoints.openai.control_routes import add_control_routes
 from loom.entrypoints.openai.errors import OpenAIError, error_body
@@ -412,7 +413,7 @@ def serve(args: argparse.Namespace) -> int:
     kwargs["distributed_executor_backend"] = kwargs.get("distributed_executor_backend") or "mp"
     kwargs["data_parallel_size"] = args.data_parallel_size
     config = EngineConfig.from_args(model, **kwargs, served_model_name=args.served_model_name)
-    listener = _bind(args.host, args.port)
+    listener = bind_listener(args.host, args.port)
     try:
         return asyncio.run(_serve(args, config, listener))
     finally:
@@ -497,23 +498,6 @@ async def _start_engine(args: argparse.Namespace, config: EngineConfig,
         raise
     state.engine = engine
     return num_blocks
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY only on sockets that do, and without
-    # it every response waits ~40 ms for a delayed ACK (Nagle).
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError as error:
-        listener.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}; pick another "
-                         "--port or --host") from None
-    listener.listen(2048)
-    listener.set_inheritable(False)
-    return listener
 
 
 def _url_host(host: str) -> str:
