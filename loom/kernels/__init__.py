@@ -127,6 +127,19 @@ def _exclusive_build(build_dir: Path):
         yield
 
 
+def _import_built(path: Path) -> ModuleType:
+    """A build already in the cache, imported as is. Its directory is keyed by the
+    sources' contents, so whichever checkout built it, it is this source's build;
+    torch's ``load`` would compile it again whenever its recorded source paths differ
+    (another checkout of the same sources, a fresh CI clone)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loom_cpu_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load() -> ModuleType | None:
     if not settings().native_kernels:
         return None
@@ -145,9 +158,13 @@ def _load() -> ModuleType | None:
                      f"cached in {build_dir.parent}) ...")
             started = time.monotonic()
         with _exclusive_build(build_dir):
-            module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
-                          build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
-                          extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            built = build_dir / "loom_cpu_ops.so"
+            if built.exists():
+                module = _import_built(built)
+            else:
+                module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
+                              build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
+                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         if first_use:
             progress(f"native CPU kernels compiled in {time.monotonic() - started:.0f} s")
         return module
