@@ -42,13 +42,10 @@ class DisaggregatedRouter(Router):
         self.prefill_pool = prefill_pool
 
     async def _generate(self, request: Request) -> Response:
-        body = await request.body()
-        try:
-            parsed = json.loads(body)
-        except ValueError as error:
-            return _error(400, f"the body is not JSON: {error}", "invalid_request_error")
-        if not isinstance(parsed, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error")
+        read = await self._json_body(request)
+        if isinstance(read, Response):
+            return read
+        _, parsed = read
         keys = prompt_keys(parsed)
         answer = await self._prefill(request, parsed, keys)
         if isinstance(answer, Response):

@@ -114,7 +114,9 @@ class Router:
     async def generate(self, request: Request) -> Response:
         return await cancel_on_disconnect(request, self._generate(request))
 
-    async def _generate(self, request: Request) -> Response:
+    @staticmethod
+    async def _json_body(request: Request) -> tuple[bytes, dict] | Response:
+        """The request's body and its JSON object, or the 400 answer saying why not."""
         body = await request.body()
         try:
             parsed = json.loads(body)
@@ -122,6 +124,13 @@ class Router:
             return _error(400, f"the body is not JSON: {error}", "invalid_request_error")
         if not isinstance(parsed, dict):
             return _error(400, "the body must be a JSON object", "invalid_request_error")
+        return body, parsed
+
+    async def _generate(self, request: Request) -> Response:
+        read = await self._json_body(request)
+        if isinstance(read, Response):
+            return read
+        body, parsed = read
         keys = prompt_keys(parsed)
         return await self.forward(request, body, lambda exclude: self.pool.choose(
             keys, exclude=exclude))
