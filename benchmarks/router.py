@@ -16,6 +16,13 @@
    32 clients (random prompts of ``--input-len`` tokens, ``--output-len`` tokens out,
    2 x clients requests), the two servers taking turns; output tokens/s, TTFT and
    TPOT medians, and the resident memory of every process of each server.
+4. Prefix affinity (``--skip router,dp`` to run it alone): ``--data-parallel-size 2``
+   with ``--routing-policy affinity`` against ``--routing-policy load``, the two servers
+   taking turns, on a shared-prefix workload: ``--prefixes`` system prompts of about
+   ``--prefix-tokens`` tokens, ``--questions`` questions each, sent interleaved by
+   ``--affinity-clients`` streaming clients. The replicas' prefix-cache hit rate (hits /
+   queried tokens, from /metrics), TTFT median and p90 (first streamed token) and
+   requests/s and output tokens/s.
 """
 
 from __future__ import annotations
@@ -218,6 +225,115 @@ def data_parallel(model: str, client_counts: list[int], input_len: int, output_l
     return result
 
 
+_WORDS = ("river stone light paper garden window music orange silver market winter "
+          "station bridge cloud forest engine letter mirror candle valley harbor signal "
+          "meadow lantern castle thunder pocket ribbon saddle marble feather compass").split()
+
+
+def shared_prefix_prompts(num_prefixes: int, prefix_words: int, questions: int) -> list[str]:
+    """``questions`` prompts for each of ``num_prefixes`` long system prompts, interleaved
+    (prefix 0 q0, prefix 1 q0, ..., prefix 0 q1, ...), so that both policies see the same
+    arrival order and a load-only router spreads each prefix over the replicas."""
+    import random
+
+    rng = random.Random(7)
+    prefixes = [f"System prompt {p}: you are assistant number {p}. "
+                + " ".join(rng.choice(_WORDS) for _ in range(prefix_words)) + "\n"
+                for p in range(num_prefixes)]
+    return [prefixes[p] + f"Question {q}: what is {rng.choice(_WORDS)} {q} for {p}?"
+            for q in range(questions) for p in range(num_prefixes)]
+
+
+def _prefix_cache_totals(url: str) -> tuple[float, float]:
+    """(queried tokens, hit tokens), summed over every replica."""
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
+async def _stream_all(url: str, prompts: list[str], clients: int, output_len: int) -> dict:
+    ttfts: list[float] = []
+    failed = 0
+    queue: asyncio.Queue = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def one_client() -> None:
+            nonlocal failed
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                        "ignore_eos": True, "stream": True}
+                started = time.perf_counter()
+                first = None
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        failed += 1
+                        await response.aread()
+                        continue
+                    async for line in response.aiter_lines():
+                        if first is None and line.startswith("data: {"):
+                            first = time.perf_counter() - started
+                if first is not None:
+                    ttfts.append(first)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    done = len(ttfts)
+    return {"completed": done, "failed": failed, "seconds": round(elapsed, 2),
+            "requests_per_s": round(done / elapsed, 3),
+            "output_tokens_per_s": round(done * output_len / elapsed, 2),
+            "median_ttft_ms": round(1e3 * statistics.median(ttfts), 1) if ttfts else None,
+            "p90_ttft_ms": round(1e3 * _percentile(ttfts, 90), 1) if ttfts else None}
+
+
+def prefix_affinity(model: str, num_prefixes: int, prefix_words: int, questions: int,
+                    clients: int, output_len: int, rounds: int,
+                    kv_cache_memory: str | None) -> dict:
+    prompts = shared_prefix_prompts(num_prefixes, prefix_words, questions)
+    policies = ("affinity", "load")
+    runs: dict[str, list[dict]] = {policy: [] for policy in policies}
+    prefix_tokens = None
+    for round_index in range(rounds):
+        order = policies if round_index % 2 == 0 else policies[::-1]
+        for policy in order:
+            server = _serve(model, "--data-parallel-size", "2", "--cpu-threads-per-rank", "1",
+                            "--routing-policy", policy, "--max-num-seqs", "64",
+                            *(("--kv-cache-memory", kv_cache_memory) if kv_cache_memory else ()))
+            try:
+                if prefix_tokens is None:
+                    prefix = prompts[0].split("\nQuestion", 1)[0]
+                    prefix_tokens = httpx.post(f"{server.url}/tokenize", json={
+                        "prompt": prefix}, timeout=30).json()["count"]
+                queried, hits = _prefix_cache_totals(server.url)
+                record = asyncio.run(_stream_all(server.url, prompts, clients, output_len))
+                queried_after, hits_after = _prefix_cache_totals(server.url)
+                record["prefix_hit_rate"] = round(
+                    (hits_after - hits) / max(queried_after - queried, 1.0), 4)
+                runs[policy].append(record)
+                print(json.dumps({"policy": policy, "round": round_index, **record}),
+                      flush=True)
+            finally:
+                server.stop()
+    result: dict = {"rounds": rounds, "prefixes": num_prefixes, "prefix_tokens": prefix_tokens,
+                    "questions_per_prefix": questions, "clients": clients,
+                    "output_len": output_len, "kv_cache_memory": kv_cache_memory, "runs": runs}
+    for policy in policies:
+        result[policy] = {key: round(statistics.median(r[key] for r in runs[policy]), 4)
+                          for key in ("prefix_hit_rate", "requests_per_s",
+                                      "output_tokens_per_s", "median_ttft_ms", "p90_ttft_ms")}
+    result["affinity_over_load_requests_per_s"] = round(
+        result["affinity"]["requests_per_s"] / result["load"]["requests_per_s"], 3)
+    result["affinity_over_load_median_ttft"] = round(
+        result["affinity"]["median_ttft_ms"] / result["load"]["median_ttft_ms"], 3)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -229,7 +345,18 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="turns of each DP setup")
-    parser.add_argument("--skip", default="", help="comma list of router,dp to skip")
+    parser.add_argument("--prefixes", type=int, default=8, help="affinity: system prompts")
+    parser.add_argument("--prefix-tokens", type=int, default=400,
+                        help="affinity: about this many tokens per system prompt")
+    parser.add_argument("--questions", type=int, default=16,
+                        help="affinity: questions per system prompt")
+    parser.add_argument("--affinity-clients", type=int, default=16)
+    parser.add_argument("--affinity-output-len", type=int, default=16)
+    parser.add_argument("--affinity-kv-cache-memory", default=None,
+                        help="affinity: each replica's KV cache, e.g. 64MiB: smaller than "
+                             "every prefix at once, so load-only routing evicts them")
+    parser.add_argument("--skip", default="",
+                        help="comma list of router,dp,affinity to skip")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     if args.model is None:
@@ -260,6 +387,13 @@ def main() -> int:
             args.model, [int(c) for c in args.clients.split(",")], args.input_len,
             args.output_len, args.rounds)
         print(json.dumps(result["data_parallel"]), flush=True)
+    if "affinity" not in skip:
+        # a word of _WORDS with its space is one or two tokens (the result gives the count)
+        result["prefix_affinity"] = prefix_affinity(
+            args.model, args.prefixes, args.prefix_tokens * 2 // 3, args.questions,
+            args.affinity_clients, args.affinity_output_len, args.rounds,
+            args.affinity_kv_cache_memory)
+        print(json.dumps(result["prefix_affinity"]), flush=True)
     result["load_average_at_end"] = os.getloadavg()
     text = json.dumps(result, indent=2)
     print(text)

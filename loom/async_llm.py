@@ -36,6 +36,7 @@ from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, Engi
 from loom.executor.base import EngineDeadError
 from loom.input_processor import InputProcessor
 from loom.ipc.engine_core_client import EngineCoreClient
+from loom.ipc.remote_engine_core import RemoteEngineCoreClient
 from loom.metrics import ServerMetrics
 from loom.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
@@ -111,9 +112,11 @@ class RequestStream:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, max_num_waiting: int | None = None,
                  log_requests: bool = True, tokenizer: Tokenizer | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None,
+                 core: EngineCoreClient | RemoteEngineCoreClient | None = None) -> None:
         """``tokenizer`` and ``metrics`` are given by a data-parallel server
-        (``DPAsyncLLM``), whose replicas share one tokenizer and one registry."""
+        (``DPAsyncLLM``), whose replicas share one tokenizer and one registry; ``core``
+        for a replica whose engine core runs on another host."""
         self.config = config
         self.tokenizer: Tokenizer = tokenizer or load_tokenizer(
             config.model.model, config.model.tokenizer, config.model.chat_template)
@@ -132,7 +135,8 @@ class AsyncLLM:
         self._requests: dict[str, _TrackedRequest] = {}
         self.metrics.server_requests_in_flight.set_function(lambda: len(self._requests))
         self._num_sequences = 0  # engine requests in flight, n per user request
-        self._core = EngineCoreClient(config)
+        # A replica on another host (loom serve --headless): DPAsyncLLM gives its client.
+        self._core = core or EngineCoreClient(config)
         self._output_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
         # Progress: when the core last sent anything, and since when requests wait.
@@ -152,7 +156,7 @@ class AsyncLLM:
     async def start(self) -> int:
         """Start the engine core process and wait until it can serve; returns its KV blocks."""
         num_blocks = await self._core.start()
-        asyncio.get_running_loop().add_reader(self._core.sentinel, self._on_core_exit)
+        self._core.watch_exit(self._on_core_exit)
         self._output_task = asyncio.create_task(self._handle_outputs(), name="loom-outputs")
         self._watchdog_task = asyncio.create_task(self._watch_core(), name="loom-watchdog")
         return num_blocks
@@ -162,7 +166,7 @@ class AsyncLLM:
         if self._shutting_down:
             return
         self._shutting_down = True
-        asyncio.get_running_loop().remove_reader(self._core.sentinel)
+        self._core.unwatch_exit()
         for task in (self._output_task, self._watchdog_task):
             if task is not None:
                 task.cancel()
@@ -349,13 +353,13 @@ class AsyncLLM:
                 return
 
     async def _core_hung(self, message: str) -> None:
-        logger.error("%s; dumping the engine core's stacks (pid %s)", message, self._core.pid)
-        asyncio.get_running_loop().remove_reader(self._core.sentinel)
+        logger.error("%s; dumping the engine core's stacks (%s)", message, self._core.describe())
+        self._core.unwatch_exit()
         await self._core.kill()
         self._fail(message)
 
     def _on_core_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._core.sentinel)
+        self._core.unwatch_exit()
         if not self._shutting_down and self.dead_error is None:
             asyncio.create_task(self._core_died())
 
@@ -369,7 +373,7 @@ class AsyncLLM:
                 message = received.message
             elif isinstance(received, EngineCoreOutputs):
                 self._process_outputs(received)
-        self._fail(message or f"the engine core process died (exit code {self._core.exitcode})")
+        self._fail(message or self._core.exit_description())
 
     def _fail(self, message: str) -> None:
         if self.dead_error is not None:

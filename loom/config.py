@@ -175,6 +175,14 @@ class ParallelConfig:
     # config is this one with its own ``data_parallel_rank``.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Replicas on several hosts (vLLM's flags): this host runs ranks start_rank ..
+    # start_rank + size_local - 1 (None: every rank). The head (start rank 0) serves the
+    # API and listens for the other hosts' ``loom serve --headless`` on
+    # address:rpc_port (loom/ipc/dp_handshake.py).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
     # Torch threads of each worker rank on the CPU; None: the host's cores shared evenly
     # by every rank of every replica (cores // (tensor-parallel ranks on this host x
     # data-parallel replicas)).
@@ -186,6 +194,26 @@ class ParallelConfig:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank}")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise ValueError(f"--data-parallel-size-local {local} must be in [0, "
+                             f"--data-parallel-size {self.data_parallel_size}]")
+        if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
+            raise ValueError(f"--data-parallel-start-rank {self.data_parallel_start_rank} must "
+                             f"be in [0, --data-parallel-size {self.data_parallel_size})")
+        if self.data_parallel_start_rank + self.num_local_replicas > self.data_parallel_size:
+            raise ValueError(
+                f"--data-parallel-start-rank {self.data_parallel_start_rank} + "
+                f"--data-parallel-size-local {self.num_local_replicas} runs ranks past the "
+                f"last, {self.data_parallel_size - 1}")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ValueError(f"--data-parallel-rpc-port must be a port 1..65535, got "
+                             f"{self.data_parallel_rpc_port}")
+        if (self.num_local_replicas < self.data_parallel_size
+                and self.distributed_executor_backend == "ray"):
+            raise ValueError("--data-parallel-size-local is for replicas started on each host "
+                             "by loom serve --headless; with --distributed-executor-backend "
+                             "ray leave it out (Ray places every replica's ranks)")
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
             raise ValueError(f"cpu_threads_per_rank must be positive, got "
                              f"{self.cpu_threads_per_rank}")
@@ -236,7 +264,19 @@ class ParallelConfig:
         """Torch threads for one worker rank on a host with ``cores`` cores."""
         if self.cpu_threads_per_rank is not None:
             return self.cpu_threads_per_rank
-        return max(1, cores // (self.ranks_per_node * self.data_parallel_size))
+        return max(1, cores // (self.ranks_per_node * max(1, self.num_local_replicas)))
+
+    @property
+    def num_local_replicas(self) -> int:
+        """Data-parallel replicas whose engine cores run on this host."""
+        if self.data_parallel_size_local is None:
+            return self.data_parallel_size
+        return self.data_parallel_size_local
+
+    @property
+    def local_replica_ranks(self) -> range:
+        return range(self.data_parallel_start_rank,
+                     self.data_parallel_start_rank + self.num_local_replicas)
 
     @property
     def use_worker_processes(self) -> bool:
@@ -501,6 +541,10 @@ class EngineConfig:
         quantization_group_size: int = 128,
         lm_head_fp32: bool = False,
         data_parallel_size: int = 1,
+        data_parallel_size_local: int | None = None,
+        data_parallel_start_rank: int = 0,
+        data_parallel_address: str = "127.0.0.1",
+        data_parallel_rpc_port: int = 29550,
         cpu_threads_per_rank: int | None = None,
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
@@ -596,6 +640,10 @@ class EngineConfig:
                                     worker_health_timeout_s=worker_health_timeout_s,
                                     watchdog_timeout_s=watchdog_timeout_s,
                                     data_parallel_size=data_parallel_size,
+                                    data_parallel_size_local=data_parallel_size_local,
+                                    data_parallel_start_rank=data_parallel_start_rank,
+                                    data_parallel_address=data_parallel_address,
+                                    data_parallel_rpc_port=data_parallel_rpc_port,
                                     cpu_threads_per_rank=cpu_threads_per_rank),
             structured_outputs=StructuredOutputsConfig(
                 backend=structured_outputs_backend,

@@ -13,14 +13,24 @@ prompt goes where its prefix was sent, so it hits that replica's prefix cache) a
 the replicas' requests and tokens in flight (load; a load imbalance overrides
 affinity). ``abort`` follows the request to its replica.
 
+Replicas on other hosts (``--data-parallel-size-local`` < size): this head runs ranks
+0 .. local-1; each other rank's engine core is started by a ``loom serve --headless``
+on its host and reached over TCP (``RemoteEngineCoreClient``), after a handshake on
+``--data-parallel-rpc-port`` (``HeadRendezvous``; loom/ipc/remote_engine_core.py).
+The server starts serving once every replica, local or remote, is ready.
+
 Failure, under the rules of one engine: a replica whose engine core dies (or hangs)
 fails its own requests with its error; the server is then dead as a whole (``/health``
 503, exit 1, as ``ServerState.engine_died``), so the other replicas' requests in
 flight are aborted at once with a message naming the dead replica, rather than cut
 off when the server exits.
 
-Control calls (pause, weights, sleep, reset_prefix_cache, ...) go to every replica;
-the answer is replica 0's once all have answered.
+Control calls (pause, weights, sleep, reset_prefix_cache, ...) go to every replica at
+once, and the answer is true of the whole server: a call succeeds only if it did on
+every replica (``merge_control_results``: asleep or paused only if every replica is,
+per-replica answers under ``replicas``); if any replica refused, the error names each
+one that failed and says which others did it, since they now differ (a ``ControlError``
+of the failures' type when every replica failed alike, else ``"PartialFailure"``).
 """
 
 from __future__ import annotations
@@ -31,9 +41,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from loom.async_llm import AsyncLLM, RequestStream
+from loom.async_llm import AsyncLLM, ControlError, RequestStream
 from loom.config import EngineConfig
 from loom.executor.base import EngineDeadError
+from loom.ipc.remote_engine_core import HeadRendezvous, RemoteEngineCoreClient
 from loom.metrics import ServerMetrics
 from loom.router.policy import PolicyConfig, RoutingPolicy, Ticket
 from loom.sampling_params import SamplingParams
@@ -49,15 +60,23 @@ def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 class DPAsyncLLM:
     def __init__(self, config: EngineConfig, *, max_num_waiting: int | None = None,
-                 log_requests: bool = True) -> None:
+                 log_requests: bool = True, affinity: bool = True) -> None:
+        """``affinity`` False: route by load only (``--routing-policy load``)."""
         self.config = config
         size = config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
                                         config.model.chat_template)
         metrics = ServerMetrics.for_replicas(config.model.name, size)
+        local = config.parallel.local_replica_ranks
+        # Replicas on other hosts: their engine cores' sockets, bound at start.
+        self.remote_cores = {rank: RemoteEngineCoreClient(replica_config(config, rank))
+                             for rank in range(size) if rank not in local}
         self.replicas = [AsyncLLM(replica_config(config, rank), max_num_waiting=max_num_waiting,
                                   log_requests=log_requests, tokenizer=self.tokenizer,
-                                  metrics=metrics[rank]) for rank in range(size)]
+                                  metrics=metrics[rank], core=self.remote_cores.get(rank))
+                         for rank in range(size)]
+        self.affinity = affinity
+        self._rendezvous: HeadRendezvous | None = None
         self.input_processor = self.replicas[0].input_processor
         self.metrics = metrics[0]  # render() gives every replica's series (one registry)
         self.log_requests = log_requests
@@ -76,6 +95,14 @@ class DPAsyncLLM:
         """Start every replica's engine core, side by side; returns one replica's KV
         blocks (each has its own cache of that size). If one fails to start, those
         started are stopped and its error raised."""
+        if self.remote_cores:
+            self._rendezvous = HeadRendezvous(self.config, {
+                rank: core.bind() for rank, core in self.remote_cores.items()})
+            try:
+                self._rendezvous.start()
+            except RuntimeError:
+                await self.shutdown(timeout=2.0)
+                raise
         results = await asyncio.gather(*(replica.start() for replica in self.replicas),
                                        return_exceptions=True)
         errors = [(rank, r) for rank, r in enumerate(results) if isinstance(r, BaseException)]
@@ -87,11 +114,15 @@ class DPAsyncLLM:
             raise error
         num_blocks = min(results)
         self.policy = RoutingPolicy(len(self.replicas), PolicyConfig(
-            chunk_size=self.config.cache.block_size, capacity_chunks=max(1, num_blocks)))
+            chunk_size=self.config.cache.block_size, capacity_chunks=max(1, num_blocks),
+            affinity=self.affinity))
         return num_blocks
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(replica.shutdown(timeout) for replica in self.replicas))
+        if self._rendezvous is not None:  # after the remote cores were told to stop
+            await self._rendezvous.close()
+            self._rendezvous = None
 
     @property
     def is_dead(self) -> bool:
@@ -149,12 +180,17 @@ class DPAsyncLLM:
         await asyncio.gather(*(replica.wait_until_idle() for replica in self.replicas))
 
     async def control(self, method: str, **kwargs: Any) -> Any:
-        """``AsyncLLM.control`` on every replica at once; replica 0's answer."""
+        """``AsyncLLM.control`` on every replica at once; the merged answer once all
+        have answered, or a ControlError naming each replica that failed."""
         if self.dead_error is not None:
             raise self.dead_error
         results = await asyncio.gather(*(replica.control(method, **kwargs)
-                                         for replica in self.replicas))
-        return results[0]
+                                         for replica in self.replicas),
+                                       return_exceptions=True)
+        for result in results:  # a dead engine, a cancelled call: not a control's answer
+            if isinstance(result, BaseException) and not isinstance(result, ControlError):
+                raise result
+        return merge_control_results(method, results)
 
     # ----------------------------------------------------------------- internals
 
@@ -178,3 +214,52 @@ class DPAsyncLLM:
                 replica.abort_all(f"the server is exiting: {error}")
         for callback in self.on_dead:
             callback()
+
+
+def merge_control_results(method: str, results: list[Any]) -> Any:
+    """One answer for the whole server from each replica's answer (or ControlError).
+
+    status: paused / asleep only if every replica is; replicas' answers in "replicas".
+    reset_prefix_cache: True only if every replica's cache was reset. sleep, wake_up,
+    update_weights: replica 0's dict, bytes freed summed, every answer in "replicas".
+    collective_rpc: each replica's list of its ranks' results.
+    """
+    failed = [(rank, r) for rank, r in enumerate(results) if isinstance(r, ControlError)]
+    if failed:
+        done = [rank for rank, r in enumerate(results) if not isinstance(r, ControlError)]
+        reasons = "; ".join(f"replica {rank}: {error}" for rank, error in failed)
+        message = (f"{method} failed on {len(failed)} of {len(results)} data-parallel "
+                   f"replicas ({reasons})")
+        types = {error.exc_type for _, error in failed}
+        if done:
+            message += (f"; it succeeded on replica{'s' if len(done) > 1 else ''} "
+                        f"{', '.join(map(str, done))}, so the replicas now differ "
+                        f"({_DIVERGED.get(method, 'retry the call')})")
+            raise ControlError(message, "PartialFailure")
+        raise ControlError(message, types.pop() if len(types) == 1 else None)
+    if method == "status":
+        return {"paused": all(r["paused"] for r in results),
+                "is_sleeping": all(r["is_sleeping"] for r in results),
+                "sleep_level": min(r["sleep_level"] for r in results),
+                "num_held": sum(r["num_held"] for r in results), "replicas": results}
+    if method == "reset_prefix_cache":
+        return all(results)
+    if method == "collective_rpc":
+        return results
+    if all(isinstance(r, dict) for r in results):
+        merged = {**results[0], "replicas": results}
+        if "kv_cache_bytes_freed" in merged:
+            merged["kv_cache_bytes_freed"] = sum(r.get("kv_cache_bytes_freed", 0) for r in results)
+        return merged
+    return results[0]  # None from pause_generation and resume_generation
+
+
+# What a caller should know when a control call succeeded on some replicas only.
+_DIVERGED = {
+    "update_weights": "those serve the new weights, the others the old; an update that "
+                      "succeeds on every replica makes them one again",
+    "pause_generation": "those are paused, the others generate; resume, or pause again",
+    "resume_generation": "those generate, the others are still paused",
+    "sleep": "those sleep and hold their requests, the others serve; wake up, or sleep again",
+    "wake_up": "those are awake, the others still sleep",
+}

@@ -199,3 +199,34 @@ def test_script_without_main_guard_names_the_fix(tiny_model, tmp_path):
         "RuntimeError: a worker process re-imported the main script and it created an LLM "
         "again; create the LLM under `if __name__ == \"__main__\":` in your script (worker "
         "processes start with multiprocessing's spawn, which re-imports it)")
+
+
+def test_data_parallel_flags_that_do_not_fit_together(tiny_model):
+    """Replicas on several hosts: each mistake is one line, before anything starts."""
+    assert_one_line_error(run_loom("serve", tiny_model, "--headless", "-dp", "2", "-dpr", "1"),
+                          "--headless needs --data-parallel-address")
+    import argparse
+
+    from loom.entrypoints.openai.server import data_parallel_kwargs
+
+    def check(**flags):
+        args = dict(data_parallel_size=2, data_parallel_size_local=None,
+                    data_parallel_start_rank=0, data_parallel_address="10.0.0.1",
+                    data_parallel_rpc_port=29550, headless=False)
+        return data_parallel_kwargs(argparse.Namespace(**{**args, **flags}))
+
+    with pytest.raises(ValueError, match="--data-parallel-size-local 3 is more than "
+                                         "--data-parallel-size 2"):
+        check(data_parallel_size_local=3)
+    with pytest.raises(ValueError, match=r"--data-parallel-start-rank 2 is out of range for "
+                                         r"--headless: the head runs rank 0, so give 1\.\.1"):
+        check(headless=True, data_parallel_start_rank=2)
+    with pytest.raises(ValueError, match="--data-parallel-start-rank is for --headless hosts"):
+        check(data_parallel_start_rank=1)
+    with pytest.raises(ValueError, match="runs ranks past the last, 2"):
+        check(headless=True, data_parallel_size=3, data_parallel_start_rank=2,
+              data_parallel_size_local=2)
+    with pytest.raises(ValueError, match="--data-parallel-size >= 2"):
+        check(headless=True, data_parallel_size=1, data_parallel_start_rank=1)
+    assert check(headless=True, data_parallel_start_rank=1)["data_parallel_size_local"] == 1
+    assert check(data_parallel_size_local=1)["data_parallel_address"] == "10.0.0.1"

@@ -341,3 +341,31 @@ class ControlResponse(msgspec.Struct, tag="control_response"):
 
 
 EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed | ControlResponse
+
+
+# ================================================================= head <-> headless hosts
+# loom.ipc.remote_engine_core: a `loom serve --headless` host announces the data-parallel
+# replicas it runs to the head (`loom serve --data-parallel-size-local`); the head
+# answers with the addresses their engine cores connect to, or refuses by name.
+
+
+class DPHello(msgspec.Struct, tag="dp_hello"):
+    host: str
+    start_rank: int
+    num_ranks: int
+    settings: dict[str, Any]  # flag -> value (remote_engine_core.handshake_settings)
+
+
+class DPWelcome(msgspec.Struct, tag="dp_welcome"):
+    addresses: list[tuple[int, str, str]]  # (replica rank, input address, output address)
+
+
+class DPRefusal(msgspec.Struct, tag="dp_refusal"):
+    message: str
+
+
+class DPBye(msgspec.Struct, tag="dp_bye"):
+    """The head is shutting down cleanly: its replicas were told to stop."""
+
+
+DPHandshake = DPHello | DPWelcome | DPRefusal | DPBye

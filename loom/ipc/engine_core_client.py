@@ -12,7 +12,10 @@ encoded as msgpack. A send never blocks (no high-water mark); receives are await
 the caller's asyncio loop.
 
 It judges nothing: ``AsyncLLM`` decides from what arrives (or does not) whether the
-core is dead or hung, and calls ``kill``.
+core is dead or hung, and calls ``kill``. ``watch_exit`` tells it when the core is gone
+(here: the process's sentinel). A replica whose core runs on another host
+(``loom serve --headless``) has a ``RemoteEngineCoreClient`` instead
+(``loom/ipc/remote_engine_core.py``), with the same methods.
 """
 
 from __future__ import annotations
@@ -141,10 +144,19 @@ class EngineCoreClient:
 
     # ----------------------------------------------------------------- the process
 
-    @property
-    def sentinel(self) -> int:
-        """Readable once the process has exited (``loop.add_reader``)."""
-        return self.process.sentinel
+    def watch_exit(self, callback) -> None:
+        """Call ``callback`` (in this event loop) once the core process has exited."""
+        asyncio.get_running_loop().add_reader(self.process.sentinel, callback)
+
+    def unwatch_exit(self) -> None:
+        if self.process is not None:
+            asyncio.get_running_loop().remove_reader(self.process.sentinel)
+
+    def exit_description(self) -> str:
+        return f"the engine core process died (exit code {self.exitcode})"
+
+    def describe(self) -> str:
+        return f"pid {self.pid}"
 
     @property
     def pid(self) -> int | None:

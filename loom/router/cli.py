@@ -28,6 +28,9 @@ def add_router_command(commands) -> None:
     parser.add_argument("--health-check-timeout", type=float, default=2.0, metavar="SECONDS")
     parser.add_argument("--prefix-chunk-chars", type=int, default=64,
                         help="prefix affinity hashes prompts in chunks of this many characters")
+    parser.add_argument("--routing-policy", default="affinity", choices=["affinity", "load"],
+                        help="affinity: prefix affinity, then load (default); load: the least "
+                             "loaded backend only")
     parser.add_argument("--min-match-ratio", type=float, default=PolicyConfig.min_match_ratio,
                         help="share of a prompt's chunks a backend must hold for affinity "
                              "to choose it over the least loaded one")

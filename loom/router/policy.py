@@ -1,7 +1,7 @@
 """RoutingPolicy: which replica (or backend) serves a request, by load and prefix affinity.
 
 Used twice with the same rules: inside ``loom serve --data-parallel-size N``
-(``loom/dp_engine.py``, keys are prompt token ids) and by the standalone
+(``loom/dp_async_llm.py``, keys are prompt token ids) and by the standalone
 ``loom router`` (``loom/router/server.py``, keys are prompt characters, since the
 router does not tokenize). Pure Python, no I/O, no clock, no torch.
 
@@ -21,7 +21,7 @@ Choice, in order (SGLang's cache-aware rule):
   1. Balance first: if the loads are out of balance (the busiest has more than
      ``balance_abs_threshold`` in-flight requests over the idlest AND more than
      ``balance_rel_threshold`` times its load), the least loaded target wins.
-  2. Affinity: else, if some target matches at least ``min_match_chunks`` chunks and
+  2. Affinity (unless ``affinity`` is off: load only): else, if some target matches at least ``min_match_chunks`` chunks and
      that is at least ``min_match_ratio`` of the prompt's chunks, the longest match wins
      (ties: the least loaded).
   3. Load: else the least loaded target (in-flight requests, then in-flight tokens;
@@ -49,6 +49,8 @@ class PolicyConfig:
     min_match_ratio: float = 0.3
     balance_abs_threshold: int = 8  # in-flight requests
     balance_rel_threshold: float = 1.5
+    # False: load only (--routing-policy load), for comparison (benchmarks/router.py)
+    affinity: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.capacity_chunks < 1 or self.min_match_chunks < 1:
@@ -188,7 +190,7 @@ class RoutingPolicy:
         if (busiest - least > cfg.balance_abs_threshold
                 and busiest > cfg.balance_rel_threshold * least):
             return idlest, "balance", self._memories[idlest].matched(hashes)
-        if hashes:
+        if hashes and cfg.affinity:
             matches = {t: self._memories[t].matched(hashes) for t in candidates}
             best = min(candidates, key=lambda t: (-matches[t], *load_key(t)))
             matched = matches[best]

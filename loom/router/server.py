@@ -270,7 +270,8 @@ def run_router(args: argparse.Namespace) -> int:
     policy_config = PolicyConfig(chunk_size=args.prefix_chunk_chars,
                                  min_match_ratio=args.min_match_ratio,
                                  balance_abs_threshold=args.balance_abs_threshold,
-                                 balance_rel_threshold=args.balance_rel_threshold)
+                                 balance_rel_threshold=args.balance_rel_threshold,
+                                 affinity=args.routing_policy == "affinity")
     listener = bind_listener(args.host, args.port)
     try:
         return asyncio.run(_run(args, policy_config, listener))

@@ -1,17 +1,39 @@
-"""``loom serve --data-parallel-size 2``: two engine cores behind one API server."""
+"""``loom serve --data-parallel-size 2``: two engine cores behind one API server, each
+tensor parallel, with the control routes; and replicas on two hosts (``--headless``),
+here two processes on one host over 127.0.0.1."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
-from loom_server import LoomServer, _spawned_children
+import pytest
+from loom_server import REPO_ROOT, TINY_SERVER_ARGS, LoomServer, _spawned_children
 
 GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
+PROMPTS = [f"request {i} of the batch" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir):
+    """One replica, TP=1: the tokens every data-parallel layout must answer with."""
+    server = LoomServer(tiny_model_dir, *TINY_SERVER_ARGS)
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def expected(single) -> list[list[str]]:
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: _complete(single, p), PROMPTS))
 
 
 def _complete(server: LoomServer, prompt: str) -> list[str]:
@@ -31,25 +53,28 @@ def _by_replica(server: LoomServer, name: str) -> dict[str, float]:
     return values
 
 
-def test_two_replicas_answer_as_one_share_the_work_keep_prefixes_and_fail_fast(start_server):
-    with ThreadPoolExecutor(2) as pool:  # the two servers start side by side
-        dp, single = pool.map(lambda args: start_server(*args),
-                              [("--data-parallel-size", "2"), ()])
+def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes_and_fail_fast(
+        start_server, expected):
+    # DP 2 x TP 2: four worker ranks, two engine cores, one API server.
+    dp = start_server("--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                      "--enable-control-endpoints")
     assert "in each of 2 data-parallel replicas" in dp.output()
-    # each replica's rank takes half the cores by default
+    # each rank takes a quarter of the cores by default (at least one thread)
     cores = len(os.sched_getaffinity(0))
-    threads = re.findall(r"data-parallel replica (\d): (\d+) torch threads", dp.output())
-    assert sorted(threads) == [("0", str(max(1, cores // 2))), ("1", str(max(1, cores // 2)))]
+    threads = re.findall(r"rank (\d) of data-parallel replica (\d): (\d+) torch threads",
+                         dp.output())
+    assert sorted(threads) == [(rank, replica, str(max(1, cores // 4)))
+                               for rank in "01" for replica in "01"], threads
 
-    # A batch at once: the same greedy tokens as one replica, spread over both.
-    prompts = [f"request {i} of the batch" for i in range(8)]
+    # A batch at once: the same greedy tokens as one TP=1 replica, spread over both.
     with ThreadPoolExecutor(8) as pool:
-        routed = list(pool.map(lambda p: _complete(dp, p), prompts))
-        expected = list(pool.map(lambda p: _complete(single, p), prompts))
+        routed = list(pool.map(lambda p: _complete(dp, p), PROMPTS))
     assert routed == expected
     finished = _by_replica(dp, "vllm:request_success_total")
     assert set(finished) == {"0", "1"} and all(v >= 2 for v in finished.values()), finished
-    assert sum(finished.values()) == len(prompts)
+    assert sum(finished.values()) == len(PROMPTS)
+
+    _control_routes_answer_for_every_replica(dp, expected)
 
     # Requests sharing a long prefix go to the replica holding it: only its prefix-cache
     # hit counter grows, however idle the other one is.
@@ -91,3 +116,115 @@ def test_two_replicas_answer_as_one_share_the_work_keep_prefixes_and_fail_fast(s
     assert all(ending["choices"][0]["finish_reason"] == "length"
                for ending in endings if "error" not in ending), endings
     assert dp.proc.wait(30) != 0
+
+
+def _control_routes_answer_for_every_replica(dp: LoomServer, expected: list[list[str]]) -> None:
+    """Each control route goes to both replicas and answers for both."""
+    with dp.http() as http:
+        response = http.post("/sleep", json={"level": 1})
+        assert response.status_code == 200, response.text
+        slept = response.json()
+        assert len(slept["replicas"]) == 2
+        assert slept["kv_cache_bytes_freed"] == sum(
+            replica["kv_cache_bytes_freed"] for replica in slept["replicas"]) > 0
+        assert http.get("/is_sleeping").json() == {
+            "is_sleeping": True, "paused": False,
+            "replicas": [{"is_sleeping": True, "paused": False}] * 2}
+        assert http.post("/wake_up").status_code == 200
+        assert http.get("/is_sleeping").json()["is_sleeping"] is False
+        # refused by every replica: the caller's fault, each replica named
+        response = http.post("/update_weights", json={"path": "/nowhere/at/all"})
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "failed on 2 of 2 data-parallel replicas" in message, message
+        assert "replica 0: " in message and "replica 1: " in message
+        assert message.count("no weights at") == 2, message
+        assert http.post("/pause_generation", json={"mode": "abort"}).json()["paused"] is True
+        assert http.get("/is_sleeping").json()["paused"] is True
+        assert http.post("/resume_generation").status_code == 200
+        assert http.post("/reset_prefix_cache").json() == {"success": True, "reset": True}
+    assert _complete(dp, PROMPTS[0]) == expected[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _headless(model: str, port: int, *args: str) -> subprocess.Popen:
+    """``loom serve --headless`` for replica 1 of 2, its output in a temporary file."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", model, *TINY_SERVER_ARGS, "--headless",
+         "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+         "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
+         "--data-parallel-rpc-port", str(port), "--cpu-threads-per-rank", "1", *args],
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def _log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def test_replicas_on_two_hosts_answer_as_one_and_a_dead_host_fails_the_server(
+        tiny_model_dir, expected):
+    """Head (API server + replica 0) and a headless host (replica 1) as two processes."""
+    port = _free_port()
+    head_args = (*TINY_SERVER_ARGS, "--data-parallel-size", "2", "--data-parallel-size-local",
+                 "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+                 str(port), "--cpu-threads-per-rank", "1")
+    processes = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            head_future = pool.submit(LoomServer, tiny_model_dir, *head_args)
+            # A host configured differently is refused by name, and starts nothing.
+            wrong = _headless(tiny_model_dir, port, "--max-num-seqs", "8")
+            processes.append(wrong)
+            assert wrong.wait(120) == 2, _log(wrong)
+            assert "--max-num-seqs is 8 there, 64 on the head" in _log(wrong), _log(wrong)
+            headless = _headless(tiny_model_dir, port)
+            processes.append(headless)
+            head = head_future.result()
+        processes.append(head)
+        assert "joined from host" in head.output()
+
+        with ThreadPoolExecutor(8) as pool:
+            routed = list(pool.map(lambda p: _complete(head, p), PROMPTS))
+        assert routed == expected
+        finished = _by_replica(head, "vllm:request_success_total")
+        assert set(finished) == {"0", "1"} and all(v >= 2 for v in finished.values()), finished
+
+        # The headless host dies mid-run: its replica's requests fail, the head's /health
+        # turns 503 and it exits non-zero.
+        long_stream = {"max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=head.url, timeout=60) as http:
+            streams = [http.stream("POST", "/v1/completions",
+                                   json={**long_stream, "prompt": f"keep going {i}"})
+                       for i in range(4)]
+            lines = [s.__enter__().iter_lines() for s in streams]
+            for line_iter in lines:
+                assert next(line for line in line_iter if line).startswith("data: {")
+            headless.kill()
+            endings = []
+            for line_iter, stream in zip(lines, streams):
+                events = [line for line in line_iter if line]
+                endings.append(json.loads(events[-2].removeprefix("data: ")))
+                stream.__exit__(None, None, None)
+            assert httpx.get(f"{head.url}/health", timeout=10).status_code == 503
+        errors = [ending["error"] for ending in endings if "error" in ending]
+        assert any("data-parallel replica 1" in error["message"] and "headless" in
+                   error["message"] for error in errors), endings
+        assert head.proc.wait(30) != 0
+    finally:
+        for proc in processes:
+            if isinstance(proc, LoomServer):
+                proc.kill()
+            elif proc.poll() is None:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                proc.kill()
+                proc.wait(10)

@@ -120,3 +120,19 @@ def test_idle_targets_take_turns_even_one_request_at_a_time():
         targets.append(ticket.target)
         policy.release(ticket)
     assert targets == [0, 1, 0, 1]
+
+
+def test_load_only_policy_ignores_prefixes():
+    """--routing-policy load: a shared prefix does not pull requests to one target."""
+    shared = list(range(64))
+    affinity, load = RoutingPolicy(2, PolicyConfig(chunk_size=16)), RoutingPolicy(
+        2, PolicyConfig(chunk_size=16, affinity=False))
+    for policy in (affinity, load):
+        first = policy.route(shared + [1000])
+        policy.release(first)
+    # the same prefix again, with its first target now as idle as the other
+    again = [affinity.route(shared + [1000 + i]) for i in range(1, 3)]
+    assert [t.target for t in again] == [0, 0] and again[0].reason == "affinity"
+    spread = [load.route(shared + [1000 + i]) for i in range(1, 3)]
+    assert sorted(t.target for t in spread) == [0, 1]
+    assert {t.reason for t in spread} == {"load"}

@@ -42,6 +42,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "one server, which routes each request by load and prefix "
                             "affinity. On the CPU each rank takes cores / (ranks x replicas) "
                             "threads unless --cpu-threads-per-rank says otherwise")
+    group.add_argument("--data-parallel-size-local", "-dpl", type=_non_negative_int,
+                       default=None,
+                       help="replicas on this host (default: all); the others run on other "
+                            "hosts, each started with --headless")
+    group.add_argument("--data-parallel-start-rank", "-dpr", type=_non_negative_int, default=0,
+                       help="--headless: the first replica rank this host runs (the head runs "
+                            "ranks 0 .. --data-parallel-size-local - 1)")
+    group.add_argument("--data-parallel-address", "-dpa", default=None,
+                       help="the head host's address: where it listens for --headless hosts "
+                            "and binds their replicas' sockets (default 127.0.0.1)")
+    group.add_argument("--data-parallel-rpc-port", "-dpp", type=_port_not_zero, default=29550,
+                       help="the head's port for --headless hosts to announce themselves")
+    group.add_argument("--headless", action="store_true",
+                       help="run only this host's data-parallel replicas (engine cores and "
+                            "workers) for the head at --data-parallel-address; no API server")
+    group.add_argument("--routing-policy", default="affinity", choices=["affinity", "load"],
+                       help="how data-parallel replicas are chosen: affinity (prefix "
+                            "affinity, then load) or load (least loaded only)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--allowed-origins", type=_json_string_list, default=["*"],
@@ -91,6 +109,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {text}")
+    return value
+
+
+def _port_not_zero(text: str) -> int:
+    value = _port(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be a port number 1..65535 (other hosts dial it)")
     return value
 
 

@@ -18,7 +18,10 @@ engine core, which runs it between steps:
 
 A failed call answers OpenAI's error envelope: 400 for the caller's fault (a path with no
 weights, a tensor that does not fit: the old weights keep serving), 409 for a call
-the engine's state refuses, 500 otherwise.
+the engine's state refuses, 500 otherwise. With data parallel (``DPAsyncLLM``) a call
+succeeds only if it did on every replica; one that failed on some replicas only is a
+500 with code ``replicas_differ`` naming each replica's outcome; /is_sleeping is true
+only if every replica sleeps, each replica's state under ``replicas``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
                 raise RequestError(str(error)) from None
             if error.exc_type == "RuntimeError":
                 raise OpenAIError(409, str(error), code="conflict") from None
+            if error.exc_type == "PartialFailure":  # data parallel: the replicas now differ
+                raise OpenAIError(500, str(error), "server_error",
+                                  code="replicas_differ") from None
             raise OpenAIError(500, f"{method} failed: {error}", "server_error") from None
 
     @app.post("/update_weights")
@@ -97,7 +103,12 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
     @app.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
         status = await call("status")
-        return JSONResponse({"is_sleeping": status["is_sleeping"], "paused": status["paused"]})
+        answer = {"is_sleeping": status["is_sleeping"], "paused": status["paused"]}
+        if "replicas" in status:  # data parallel: true above only if true of every replica
+            answer["replicas"] = [{"is_sleeping": replica["is_sleeping"],
+                                   "paused": replica["paused"]}
+                                  for replica in status["replicas"]]
+        return JSONResponse(answer)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:

@@ -411,13 +411,49 @@ def serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     # The server runs its workers in their own processes unless told otherwise.
     kwargs["distributed_executor_backend"] = kwargs.get("distributed_executor_backend") or "mp"
-    kwargs["data_parallel_size"] = args.data_parallel_size
+    kwargs.update(data_parallel_kwargs(args))
     config = EngineConfig.from_args(model, **kwargs, served_model_name=args.served_model_name)
+    if args.headless:
+        from loom.entrypoints.headless import run_headless
+
+        return run_headless(config)
     listener = bind_listener(args.host, args.port)
     try:
         return asyncio.run(_serve(args, config, listener))
     finally:
         listener.close()
+
+
+def data_parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The data-parallel flags, checked together (a ValueError naming the flag)."""
+    size, local, start = (args.data_parallel_size, args.data_parallel_size_local,
+                          args.data_parallel_start_rank)
+    if local is not None and local > size:
+        raise ValueError(f"--data-parallel-size-local {local} is more than "
+                         f"--data-parallel-size {size}")
+    if args.headless:
+        if args.data_parallel_address is None:
+            raise ValueError("--headless needs --data-parallel-address: the head host's "
+                             "address, where its loom serve listens for this host")
+        if size < 2:
+            raise ValueError("--headless runs some of several data-parallel replicas; give "
+                             "--data-parallel-size >= 2 (the head's)")
+        if not 1 <= start < size:
+            raise ValueError(f"--data-parallel-start-rank {start} is out of range for "
+                             f"--headless: the head runs rank 0, so give 1..{size - 1}")
+        if local == 0:
+            raise ValueError("--headless with --data-parallel-size-local 0 would run nothing")
+        local = size - start if local is None else local
+        if start + local > size:
+            raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local "
+                             f"{local} runs ranks past the last, {size - 1}")
+    elif start != 0:
+        raise ValueError("--data-parallel-start-rank is for --headless hosts; the head (the "
+                         "host serving the API) runs ranks 0 .. --data-parallel-size-local - 1")
+    return {"data_parallel_size": size, "data_parallel_size_local": local,
+            "data_parallel_start_rank": start,
+            "data_parallel_address": args.data_parallel_address or "127.0.0.1",
+            "data_parallel_rpc_port": args.data_parallel_rpc_port}
 
 
 async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socket.socket) -> int:
@@ -489,8 +525,11 @@ async def _start_engine(args: argparse.Namespace, config: EngineConfig,
     and start its core; returns its KV blocks. Cancelled: stops what was started."""
     loop = asyncio.get_running_loop()
     engine_class = DPAsyncLLM if config.parallel.data_parallel_size > 1 else AsyncLLM
+    options = ({"affinity": args.routing_policy == "affinity"}
+               if engine_class is DPAsyncLLM else {})
     engine = await loop.run_in_executor(None, lambda: engine_class(
-        config, max_num_waiting=args.max_num_waiting, log_requests=args.enable_log_requests))
+        config, max_num_waiting=args.max_num_waiting, log_requests=args.enable_log_requests,
+        **options))
     try:
         num_blocks = await engine.start()
     except BaseException:
