@@ -146,6 +146,12 @@ class HeadRendezvous:
         where = f"host {hello.host} (data-parallel ranks {rank_list(ranks)})"
         if not ranks:
             return DPRefusal(f"{where} runs no replica: give --data-parallel-size-local >= 1")
+        differences = [f"{name} is {hello.settings.get(name)!r} there, {value!r} on the head"
+                       for name, value in self.settings.items()
+                       if hello.settings.get(name) != value]
+        if differences:
+            return DPRefusal(f"{where} is configured differently from the head: "
+                             + "; ".join(differences) + "; start it with the head's flags")
         foreign = [rank for rank in ranks if rank not in self.remote]
         if foreign:
             local = self.config.parallel.local_replica_ranks
@@ -158,12 +164,6 @@ class HeadRendezvous:
         if taken:
             return DPRefusal(f"{where}: rank(s) {', '.join(map(str, taken))} already run on "
                              f"host {self.claimed[taken[0]]}")
-        differences = [f"{name} is {hello.settings.get(name)!r} there, {value!r} on the head"
-                       for name, value in self.settings.items()
-                       if hello.settings.get(name) != value]
-        if differences:
-            return DPRefusal(f"{where} is configured differently from the head: "
-                             + "; ".join(differences) + "; start it with the head's flags")
         for rank in ranks:
             self.claimed[rank] = hello.host
         logger.info("data-parallel replica(s) %s joined from host %s", rank_list(ranks),

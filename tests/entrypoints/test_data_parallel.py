@@ -24,16 +24,27 @@ PROMPTS = [f"request {i} of the batch" for i in range(8)]
 
 @pytest.fixture(scope="module")
 def single(tiny_model_dir):
-    """One replica, TP=1: the tokens every data-parallel layout must answer with."""
-    server = LoomServer(tiny_model_dir, *TINY_SERVER_ARGS)
-    yield server
-    server.kill()
+    """One replica, TP=1: the tokens every data-parallel layout must answer with. Started
+    in the background (a future), beside the servers the tests start."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(LoomServer, tiny_model_dir, *TINY_SERVER_ARGS)
+        yield future
+    if future.exception() is None:
+        future.result().kill()
 
 
 @pytest.fixture(scope="module")
-def expected(single) -> list[list[str]]:
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda p: _complete(single, p), PROMPTS))
+def expected(single):
+    """expected(): the single replica's greedy tokens for PROMPTS (waits for it once)."""
+    tokens: list[list[str]] = []
+
+    def get() -> list[list[str]]:
+        if not tokens:
+            with ThreadPoolExecutor(8) as pool:
+                tokens.extend(pool.map(lambda p: _complete(single.result(), p), PROMPTS))
+        return tokens
+
+    return get
 
 
 def _complete(server: LoomServer, prompt: str) -> list[str]:
@@ -69,12 +80,12 @@ def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes
     # A batch at once: the same greedy tokens as one TP=1 replica, spread over both.
     with ThreadPoolExecutor(8) as pool:
         routed = list(pool.map(lambda p: _complete(dp, p), PROMPTS))
-    assert routed == expected
+    assert routed == expected()
     finished = _by_replica(dp, "vllm:request_success_total")
     assert set(finished) == {"0", "1"} and all(v >= 2 for v in finished.values()), finished
     assert sum(finished.values()) == len(PROMPTS)
 
-    _control_routes_answer_for_every_replica(dp, expected)
+    _control_routes_answer_for_every_replica(dp, expected())
 
     # Requests sharing a long prefix go to the replica holding it: only its prefix-cache
     # hit counter grows, however idle the other one is.
@@ -181,20 +192,20 @@ def test_replicas_on_two_hosts_answer_as_one_and_a_dead_host_fails_the_server(
     try:
         with ThreadPoolExecutor(1) as pool:
             head_future = pool.submit(LoomServer, tiny_model_dir, *head_args)
-            # A host configured differently is refused by name, and starts nothing.
+            # A host configured differently is refused by name (whether or not the right
+            # one came first), and starts nothing.
+            headless = _headless(tiny_model_dir, port)
             wrong = _headless(tiny_model_dir, port, "--max-num-seqs", "8")
-            processes.append(wrong)
+            processes += [headless, wrong]
             assert wrong.wait(120) == 2, _log(wrong)
             assert "--max-num-seqs is 8 there, 64 on the head" in _log(wrong), _log(wrong)
-            headless = _headless(tiny_model_dir, port)
-            processes.append(headless)
             head = head_future.result()
         processes.append(head)
         assert "joined from host" in head.output()
 
         with ThreadPoolExecutor(8) as pool:
             routed = list(pool.map(lambda p: _complete(head, p), PROMPTS))
-        assert routed == expected
+        assert routed == expected()
         finished = _by_replica(head, "vllm:request_success_total")
         assert set(finished) == {"0", "1"} and all(v >= 2 for v in finished.values()), finished
 

@@ -512,6 +512,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
     finally:
         if stats is not None:
             stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
         await engine.shutdown()
     if state.exit_code:
         print(f"loom serve: exiting after engine failure: {engine.dead_error}", file=sys.stderr,
