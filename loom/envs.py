@@ -57,6 +57,11 @@ class Settings:
     (``tokenizers/``), the downloaded default model (``models/``). Default
     ``~/.cache/loom``."""
 
+    log_stats_interval_s: float = field(default=10.0,
+                                        metadata={"env": "LOOM_LOG_STATS_INTERVAL"})
+    """Seconds between ``loom serve``'s stats lines while busy (vLLM's
+    ``VLLM_LOG_STATS_INTERVAL``; ``loom/stats_logger.py``)."""
+
     test_stall_worker_at_step: int | None = field(
         default=None, metadata={"env": "LOOM_TEST_STALL_WORKER_AT_STEP"})
     """Tests only: every rank's event loop blocks forever on this step, as a deadlocked
@@ -84,7 +89,7 @@ class Settings:
         return cls(**values)
 
 
-def _parse(name: str, raw: str, type_name: str) -> bool | int | None | Path:
+def _parse(name: str, raw: str, type_name: str) -> bool | int | float | None | Path:
     if type_name == "bool":
         if raw.lower() in _TRUE:
             return True
@@ -97,6 +102,14 @@ def _parse(name: str, raw: str, type_name: str) -> bool | int | None | Path:
         except ValueError:
             raise ValueError(f"{name}={raw!r}: expected a whole number") from None
         return value or None  # 0: off
+    if type_name == "float":
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name}={raw!r}: expected a positive number of seconds")
+        return value
     if type_name == "Path":
         return Path(raw).expanduser()
     raise TypeError(f"Settings has no parser for {type_name} ({name})")

@@ -1,6 +1,6 @@
 """LoggingStatLogger: the periodic stats line of ``loom serve``, as vLLM's.
 
-Every ``interval_s`` (10 s) while the engine has work, one line::
+Every ``interval_s`` (10 s; ``LOOM_LOG_STATS_INTERVAL``) while the engine has work, one line::
 
     Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 73.2 tokens/s,
     Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 3.1%, Prefix cache hit rate: 40.0%

@@ -194,7 +194,8 @@ def test_server_applies_the_generation_config_and_logs_stats(tiny_model):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "entrypoints"))
     from loom_server import TINY_SERVER_ARGS, LoomServer
 
-    server = LoomServer(tiny_model, *TINY_SERVER_ARGS, "--enable-log-requests")
+    server = LoomServer(tiny_model, *TINY_SERVER_ARGS, "--enable-log-requests",
+                        env={"LOOM_LOG_STATS_INTERVAL": "1"})  # not the 10 s default
     try:
         client = server.openai()
         model = os.path.basename(tiny_model)

@@ -27,16 +27,19 @@ def test_values_are_parsed_into_their_types(tmp_path):
     read = Settings.from_environ({
         "LOOM_NATIVE_LAYERS": "0", "LOOM_NATIVE_KERNELS": "false", "LOOM_CPU_PACKED_WEIGHTS": "1",
         "LOOM_CACHE_DIR": str(tmp_path), "LOOM_TEST_STALL_WORKER_AT_STEP": "3",
-        "LOOM_TEST_STALL_ENGINE_AT_STEP": "0"})
+        "LOOM_TEST_STALL_ENGINE_AT_STEP": "0", "LOOM_LOG_STATS_INTERVAL": "0.5"})
     assert (read.native_layers, read.native_kernels, read.cpu_packed_weights) == (False, False, True)
     assert read.cache_dir == tmp_path
     assert read.test_stall_worker_at_step == 3
     assert read.test_stall_engine_at_step is None  # 0: off
+    assert read.log_stats_interval_s == 0.5 and Settings().log_stats_interval_s == 10.0
     assert Settings.from_environ({"LOOM_NATIVE_LAYERS": ""}).native_layers  # empty: unset
 
 
 @pytest.mark.parametrize("name, value", [("LOOM_NATIVE_LAYERS", "maybe"),
-                                         ("LOOM_TEST_STALL_ENGINE_AT_STEP", "three")])
+                                         ("LOOM_TEST_STALL_ENGINE_AT_STEP", "three"),
+                                         ("LOOM_LOG_STATS_INTERVAL", "0"),
+                                         ("LOOM_LOG_STATS_INTERVAL", "soon")])
 def test_a_bad_value_names_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
         Settings.from_environ({name: value})

@@ -57,6 +57,7 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
                                                       TokenizeCompletionRequest,
                                                       TokenizeResponse)
 from loom.entrypoints.openai.web_ui import add_web_ui, chat_page
+from loom.envs import settings
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loom.sampling_params import SamplingParams
 from loom.stats_logger import LoggingStatLogger
@@ -501,7 +502,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, listener: socke
           flush=True)
     engine.on_dead.append(state.engine_died)
     stats = None if args.disable_log_stats else asyncio.gather(*(
-        LoggingStatLogger(metrics, config.model.name,
+        LoggingStatLogger(metrics, config.model.name, settings().log_stats_interval_s,
                           prefix=f"replica {rank}: " if replicas > 1 else "").run()
         for rank, metrics in enumerate(engine.replica_metrics)))
     switch.app = build_app(state)
