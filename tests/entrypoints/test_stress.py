@@ -36,18 +36,21 @@ def test_rounds_of_mixed_load_under_a_cpu_hog_leave_the_server_empty(tiny_model_
         server.close()
 
 
-def test_a_two_minute_soak_has_no_stuck_request_no_leak_and_flat_memory(tiny_model_dir):
-    """The CI version of the 30-minute soak (benchmarks/soak.md)."""
+def test_a_one_minute_soak_has_no_stuck_request_no_leak_and_flat_memory(tiny_model_dir):
+    """The CI version of the 30-minute soak (benchmarks/soak.md), the same checks over one
+    minute, memory sampled every 15 s: every request answered within 60 s, the empty
+    state at the end, no process's RSS up 10% over the second half (the 30-minute run's
+    stayed within 0.2% from its first minute on). The long drift is benchmarks/soak.py's."""
     server = LoomServer(tiny_model_dir, "--max-model-len", "512", "--max-num-seqs", "16",
                         "--kv-cache-memory", "64MiB")
     try:
         samples, report, stuck = asyncio.run(soak(
-            server.url, server.proc.pid, minutes=2.0, concurrency=6, max_tokens=16,
-            sample_s=30.0, request_timeout_s=60.0))  # ends with the empty-state check
+            server.url, server.proc.pid, minutes=1.0, concurrency=6, max_tokens=16,
+            sample_s=15.0, request_timeout_s=60.0))  # ends with the empty-state check
         assert stuck == 0 and not report.errors, report.errors
         assert report.completed > 50
         assert set(samples[0].rss_mib) >= {"api", "engine-core", "worker-0"}
-        warmed, last = samples[1], samples[-1]  # from minute 0.5 on
+        warmed, last = samples[1], samples[-1]  # from second 30 on
         for role, rss in last.rss_mib.items():
             assert rss < warmed.rss_mib[role] * 1.10, (role, warmed.rss_mib, last.rss_mib)
     finally:
