@@ -33,6 +33,7 @@ from loom.kernels import native_ops_for
 from loom.model.attention.cpu_backend import CpuAttentionBackend
 from loom.model.attention.metadata import AttentionMetadata
 from loom.model.layers.attention import Attention
+from loom.model.layers.fused_moe import FusedMoE
 from loom.model.layers.layernorm import RMSNorm
 from loom.model.layers.linear import LinearBase
 
@@ -53,9 +54,11 @@ class NativeDecoderStack:
     step. Built by ``plan_native_stack``; rebuilt when weights are re-packed or caches
     re-bound (the model invalidates its plan)."""
 
-    def __init__(self, stack: Any, num_layers: int) -> None:
+    def __init__(self, stack: Any, num_layers: int,
+                 moe_layers: Sequence[FusedMoE] = ()) -> None:
         self._stack = stack
         self.num_layers = num_layers
+        self._moe_layers = tuple(moe_layers)  # counted a forward each step (their log)
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor,
@@ -64,6 +67,8 @@ class NativeDecoderStack:
         hidden_states, residual = self._stack.forward(
             hidden_states, positions.long(), cos_sin_cache, metadata.slot_mapping,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+        for moe in self._moe_layers:
+            moe.count_forward()
         return hidden_states, residual
 
 
@@ -90,15 +95,19 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
     if any(layer.attention.kv_cache is None for layer in layers):
         return None
     fields = set(ops.DecoderLayerWeights.fields)
-    stack_layers, kv_caches = [], []
+    stack_layers, kv_caches, moe_layers = [], [], []
     for index, layer in enumerate(layers):
         if not isinstance(layer.attention.impl, CpuAttentionBackend):
             return (f"layer {index} has the {layer.attention.impl.name!r} attention backend; "
                     "the stack runs the 'cpu' kernels")
         weights = ops.DecoderLayerWeights()
         for role, module in layer.weights_by_role().items():
-            refusal = _fill_role(ops, weights, fields, role, module, options["rms_norm_eps"],
-                                 dtype)
+            if isinstance(module, FusedMoE):
+                refusal = _fill_experts(ops, weights, fields, role, module)
+                moe_layers.append(module)
+            else:
+                refusal = _fill_role(ops, weights, fields, role, module,
+                                     options["rms_norm_eps"], dtype)
             if refusal:
                 return f"layer {index}: {refusal}"
         missing = [name for name in ops.DecoderLayerWeights.required
@@ -114,7 +123,45 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
     for name, value in options.items():
         setattr(stack_options, name, value)
     return NativeDecoderStack(ops.DecoderStack(stack_layers, kv_caches, stack_options),
-                              len(stack_layers))
+                              len(stack_layers), moe_layers)
+
+
+def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,
+                  moe: FusedMoE) -> str | None:
+    """Set the MoE fields of ``weights`` from ``moe`` (the ``experts`` role): its router,
+    correction bias, each expert's w13 and w2, its load counters; or why it cannot be.
+    The shared experts are the ``shared_gate_up``/``shared_down`` roles."""
+    if role != "experts" or "expert_w13" not in fields:
+        return f"the kernels have no MoE role {role!r} (a stale kernel build?)"
+    if not moe.use_grouped:
+        return "its experts run loop_over_experts (the measured reference)"
+    if (moe.expert_start, moe.expert_end) != (0, moe.spec.num_experts):
+        return "it holds part of the experts (expert parallel)"
+    w13, w2 = [], []
+    if moe.experts is not None:  # quantized: each expert a pair of LinearBase
+        for expert in moe.experts:
+            if expert.w13.quant_weight is None or expert.w2.quant_weight is None:
+                return (f"its experts are {expert.w13.weight_format} on the PyTorch path "
+                        "(no AVX512-BF16 kernel for it here)")
+            w13.append(ops.LinearWeight.quantized(expert.w13.quant_weight))
+            w2.append(ops.LinearWeight.quantized(expert.w2.quant_weight))
+    else:
+        if moe.packed is None or not all(p is not None and p.is_loom_kernel
+                                         for pair in moe.packed for p in pair):
+            return "its experts are not packed for loom's bf16 matmul"
+        w13 = [ops.LinearWeight.bf16(gate_up.data) for gate_up, _ in moe.packed]
+        w2 = [ops.LinearWeight.bf16(down.data) for _, down in moe.packed]
+        # fused_experts runs segments over PACKED_MAX_ROWS with F.linear on these
+        weights.expert_w13_stacked = moe.w13_weight
+        weights.expert_w2_stacked = moe.w2_weight
+    weights.expert_w13, weights.expert_w2 = w13, w2
+    # float32 once here (FusedMoE converts at each forward: the same values)
+    weights.router = moe.gate.weight.detach().float()
+    if moe.e_score_correction_bias is not None:
+        weights.correction_bias = moe.e_score_correction_bias.detach().float()
+    weights.tokens_per_expert = moe.tokens_per_expert
+    weights.step_tokens = moe.step_tokens
+    return None
 
 
 def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.Module | None,

@@ -21,8 +21,8 @@ NEW_DENSE_FAMILIES = ("mistral_sliding", "gemma3", "ernie4_5")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "ernie4_5_moe")
 FAMILIES = DENSE_FAMILIES + NEW_DENSE_FAMILIES + MOE_FAMILIES
 # the families whose every layer the native decoder stack runs (the others have a
-# sliding window, Gemma's norms and GELU, or experts: the modules run them)
-NATIVE_STACK_FAMILIES = DENSE_FAMILIES + ("ernie4_5",)
+# sliding window, or Gemma's norms and GELU: the modules run them)
+NATIVE_STACK_FAMILIES = DENSE_FAMILIES + ("ernie4_5",) + MOE_FAMILIES
 SLIDING_WINDOW = 12
 FAVOURED = (1, 2)  # the experts bias_router sends most tokens to
 

@@ -12,7 +12,7 @@ from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
                                load_hf_config, load_model)
 from loom.model.native_stack import NativeDecoderStack
 
-from .checkpoints import FAMILIES, NATIVE_STACK_FAMILIES, make_tiny_checkpoint
+from .checkpoints import FAMILIES, MOE_FAMILIES, NATIVE_STACK_FAMILIES, make_tiny_checkpoint
 from .paged import PagedDriver
 
 ATOL = 1e-4
@@ -38,9 +38,11 @@ def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
 hf_logits.cache = {}
 
 
-def run_scenario(model, vocab_size: int, seed: int = 0) -> list[tuple[list[int], torch.Tensor, int]]:
+def run_scenario(model, vocab_size: int, seed: int = 0,
+                 solo_decodes: int = 0) -> list[tuple[list[int], torch.Tensor, int]]:
     """Three prompts (5, 11, 7 tokens), request 1 prefilled in two chunks, a mixed
-    step (chunk + decode), then three batched decode steps with greedy tokens.
+    step (chunk + decode), then three batched decode steps with greedy tokens, then
+    ``solo_decodes`` steps of request 0 alone (batch 1).
     Returns ``(context, logits of the new tokens, num_new)`` per request per step."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 7)]
@@ -69,6 +71,8 @@ def run_scenario(model, vocab_size: int, seed: int = 0) -> list[tuple[list[int],
         logits = run([(i, seqs[i], 1) for i in range(3)])
         for i in range(3):
             seqs[i].append(int(logits[i].argmax()))
+    for _ in range(solo_decodes):
+        seqs[0].append(int(run([(0, seqs[0], 1)])[0].argmax()))
     return records
 
 
@@ -116,8 +120,13 @@ def test_bfloat16_runs_close(checkpoints, kernels):
 @pytest.mark.parametrize("family", NATIVE_STACK_FAMILIES)
 def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch):
     """bf16 on the CPU: the decoder layers in one native call (native_stack.py) give the
-    modules' forward bit for bit, through prefill chunks, mixed steps and decodes, for
-    every family (Qwen2's qkv bias, Qwen3's q/k norm, tied embeddings, llama3 rope)."""
+    modules' forward bit for bit, through prefill chunks, mixed steps and decodes (batch
+    3 and 1), for every family (Qwen2's qkv bias, Qwen3's q/k norm, tied embeddings,
+    llama3 rope, and the mixtures of experts: Qwen3-MoE, Mixtral, ERNIE-MoE's shared
+    experts, correction bias and dense first layer), and counts the same tokens per
+    expert."""
+    from loom.model.layers.fused_moe import FusedMoE
+
     from loom.kernels import native_ops
 
     ops = native_ops()
@@ -125,7 +134,7 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
         pytest.skip("no native bf16 kernels on this CPU")
     path = checkpoints[family]
     config = load_hf_config(path)
-    results = {}
+    results, expert_tokens = {}, {}
     for setting in ("0", "1"):
         monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
         settings.cache_clear()  # loom.envs reads the environment once
@@ -136,11 +145,15 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
             original(self, model, *args, **{**kwargs, "dtype": torch.bfloat16})
 
         monkeypatch.setattr(PagedDriver, "__init__", bf16_driver)
-        results[setting] = run_scenario(model, config.vocab_size)
+        results[setting] = run_scenario(model, config.vocab_size, solo_decodes=2)
         monkeypatch.setattr(PagedDriver, "__init__", original)
         assert isinstance(model.model.native_stack, NativeDecoderStack) == (setting == "1")
+        moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        expert_tokens[setting] = [(m.tokens_per_expert.tolist(), m._forwards) for m in moe]
     for (_, python, _), (_, native, _) in zip(results["0"], results["1"]):
         assert torch.equal(python, native)
+    assert expert_tokens["0"] == expert_tokens["1"]
+    assert (len(expert_tokens["1"]) > 0) == (family in MOE_FAMILIES)
 
 
 def test_native_stack_adds_row_parallel_biases_as_the_modules_do(tmp_path, monkeypatch):
@@ -193,9 +206,7 @@ def test_native_stack_says_why_it_does_not_apply(checkpoints, caplog):
 
 @pytest.mark.parametrize("family,reason", [
     ("mistral_sliding", "layer 0: it attends over a sliding window of 12 tokens"),
-    ("gemma3", "layer 0: it attends over a sliding window of 12 tokens"),
-    ("qwen3_moe", "layer 0: it is a mixture of experts"),
-    ("ernie4_5_moe", "layer 1: it is a mixture of experts")])
+    ("gemma3", "layer 0: it attends over a sliding window of 12 tokens")])
 def test_native_stack_refuses_what_it_does_not_run(checkpoints, family, reason, caplog):
     """bf16 on the CPU, where the stack would run: a layer it cannot run makes the model
     say why, once, and run the modules."""
@@ -227,13 +238,18 @@ def test_native_stack_schema_matches_the_declaration(checkpoints):
     for family in NATIVE_STACK_FAMILIES:
         path = checkpoints[family]
         model = load_model(path, load_hf_config(path), dtype=torch.float32)
-        roles = model.model.layers[0].weights_by_role()
-        assert set(roles) <= fields and required <= set(roles), family
-        linear_roles = [role for role, module in roles.items()
-                        if module is not None and hasattr(module, "packed_weight")]
-        assert all(f"{role}_bias" in fields for role in linear_roles)
+        for layer in model.model.layers:  # a MoE model's dense layers too
+            roles = layer.weights_by_role()
+            # "experts": the FusedMoE that fills the expert_* fields (native_stack.py)
+            assert set(roles) - {"experts"} <= fields and required <= set(roles), family
+            assert "experts" not in roles or "expert_w13" in fields
+            linear_roles = [role for role, module in roles.items()
+                            if module is not None and hasattr(module, "packed_weight")]
+            assert all(f"{role}_bias" in fields for role in linear_roles)
     assert {"num_heads", "num_kv_heads", "head_dim", "intermediate_size", "attention_scale",
-            "rms_norm_eps", "activation"} == set(ops.DecoderStackOptions.fields)
+            "rms_norm_eps", "activation", "num_experts", "top_k", "moe_intermediate_size",
+            "shared_intermediate_size", "scoring", "renormalize", "renormalize_min",
+            "packed_max_rows"} == set(ops.DecoderStackOptions.fields)
 
 
 def test_registry_and_sizes(checkpoints):

@@ -26,9 +26,16 @@
 // or quantized).
 #define LOOM_DECODER_LAYER_LINEARS(X)                                                  \
   X(qkv, "q|k|v projection")                                                         \
-  X(o, "attention output projection")                                                \
-  X(gate_up, "gate|up projection")                                                   \
-  X(down, "MLP down projection")
+  X(o, "attention output projection")
+
+// X(name, doc): a linear layer's weight some layers have: the dense MLP's (every layer
+// without experts), a mixture of experts' shared experts (one MLP, where the family has
+// them).
+#define LOOM_DECODER_LAYER_OPTIONAL_LINEARS(X)                                         \
+  X(gate_up, "gate|up projection of the dense MLP")                                  \
+  X(down, "down projection of the dense MLP")                                        \
+  X(shared_gate_up, "gate|up projection of the shared experts (MoE layers)")         \
+  X(shared_down, "down projection of the shared experts (MoE layers)")
 
 // X(name, doc): a tensor some families have (None where absent).
 #define LOOM_DECODER_LAYER_OPTIONAL(X)                                                 \
@@ -37,7 +44,25 @@
   X(k_norm, "per-head RMSNorm weight on k before rope, (head_dim,) (Qwen3)")         \
   X(o_bias, "bias of o, added to the rounded product (as a row-parallel layer does)") \
   X(gate_up_bias, "bias of gate_up, added in the matmul's float32 sum")              \
-  X(down_bias, "bias of down, added to the rounded product")
+  X(down_bias, "bias of down, added to the rounded product")                         \
+  X(shared_gate_up_bias, "bias of shared_gate_up, added in the matmul's float32 sum") \
+  X(shared_down_bias, "bias of shared_down, added to the rounded product")
+
+// X(type, name, doc): a mixture of experts in place of the dense MLP (layers/fused_moe.py,
+// FusedMoE): set on the layers that have one (expert_w13 not empty), all of them.
+#define LOOM_DECODER_LAYER_MOE(X)                                                      \
+  X(c10::optional<at::Tensor>, router, "router weight (E, H), float32")              \
+  X(c10::optional<at::Tensor>, correction_bias,                                       \
+    "e_score_correction_bias (E,), float32: added to the scores to choose (Ernie)")   \
+  X(std::vector<LinearWeight>, expert_w13, "each expert's gate|up weight (2I, H)")    \
+  X(std::vector<LinearWeight>, expert_w2, "each expert's down weight (H, I)")         \
+  X(c10::optional<at::Tensor>, expert_w13_stacked,                                    \
+    "bf16 experts: w13 (E, 2I, H) for F.linear on segments over packed_max_rows")     \
+  X(c10::optional<at::Tensor>, expert_w2_stacked, "bf16 experts: w2 (E, H, I), as above") \
+  X(c10::optional<at::Tensor>, tokens_per_expert,                                     \
+    "(E,) int64 count since start, added to in place (the layer's buffer)")           \
+  X(c10::optional<at::Tensor>, step_tokens,                                           \
+    "(E,) int64 count of this step, shared by the layers (the model runner's), or None")
 
 // X(type, name, doc): options of the whole stack.
 #define LOOM_DECODER_STACK_OPTIONS(X)                                                  \
@@ -47,7 +72,16 @@
   X(int64_t, intermediate_size, "MLP width (gate_up has twice as many outputs)")     \
   X(double, attention_scale, "softmax scale of attention, usually head_dim ** -0.5") \
   X(double, rms_norm_eps, "epsilon of every RMSNorm in the stack")                   \
-  X(std::string, activation, "MLP activation between gate and up: silu")
+  X(std::string, activation, "MLP activation between gate and up: silu")             \
+  X(int64_t, num_experts, "MoE layers: routed experts (0: no MoE layer)")             \
+  X(int64_t, top_k, "MoE layers: experts per token")                                 \
+  X(int64_t, moe_intermediate_size, "MoE layers: one routed expert's width")         \
+  X(int64_t, shared_intermediate_size, "MoE layers: the shared experts' width (0: none)") \
+  X(std::string, scoring, "MoE layers: softmax | sigmoid over the router logits")    \
+  X(bool, renormalize, "MoE layers: chosen weights divided by their sum")            \
+  X(double, renormalize_min, "MoE layers: that sum clamped below (0: not clamped)")  \
+  X(int64_t, packed_max_rows,                                                         \
+    "MoE layers: bf16 expert segments of more rows run F.linear on the stacked weights")
 
 namespace loom {
 
@@ -69,9 +103,13 @@ struct DecoderLayerWeights {
 #define LOOM_REQUIRED_FIELD(name, doc) at::Tensor name;
 #define LOOM_LINEAR_FIELD(name, doc) c10::optional<LinearWeight> name;
 #define LOOM_OPTIONAL_FIELD(name, doc) c10::optional<at::Tensor> name;
+#define LOOM_MOE_FIELD(type, name, doc) type name;
   LOOM_DECODER_LAYER_REQUIRED(LOOM_REQUIRED_FIELD)
   LOOM_DECODER_LAYER_LINEARS(LOOM_LINEAR_FIELD)
+  LOOM_DECODER_LAYER_OPTIONAL_LINEARS(LOOM_LINEAR_FIELD)
   LOOM_DECODER_LAYER_OPTIONAL(LOOM_OPTIONAL_FIELD)
+  LOOM_DECODER_LAYER_MOE(LOOM_MOE_FIELD)
+#undef LOOM_MOE_FIELD
 #undef LOOM_REQUIRED_FIELD
 #undef LOOM_LINEAR_FIELD
 #undef LOOM_OPTIONAL_FIELD
@@ -101,6 +139,9 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // A MoE layer's MLP on x (T, H): FusedMoE.forward, op for op.
+  at::Tensor mixture_of_experts(const DecoderLayerWeights& w, const at::Tensor& x) const;
+
   std::vector<DecoderLayerWeights> layers_;
   std::vector<at::Tensor> kv_caches_;
   DecoderStackOptions options_;

@@ -87,8 +87,14 @@ void bind_decoder_stack(py::module& m) {
   weight_fields.push_back(#name);
   LOOM_DECODER_LAYER_REQUIRED(LOOM_BIND_FIELD)
   LOOM_DECODER_LAYER_LINEARS(LOOM_BIND_FIELD)
+  LOOM_DECODER_LAYER_OPTIONAL_LINEARS(LOOM_BIND_FIELD)
   LOOM_DECODER_LAYER_OPTIONAL(LOOM_BIND_FIELD)
 #undef LOOM_BIND_FIELD
+#define LOOM_BIND_MOE_FIELD(type, name, doc)                      \
+  weights.def_readwrite(#name, &DecoderLayerWeights::name, doc); \
+  weight_fields.push_back(#name);
+  LOOM_DECODER_LAYER_MOE(LOOM_BIND_MOE_FIELD)
+#undef LOOM_BIND_MOE_FIELD
   weights.attr("fields") = py::tuple(py::cast(weight_fields));
   std::vector<std::string> required;
 #define LOOM_LIST_REQUIRED(name, doc) required.push_back(#name);

@@ -320,6 +320,13 @@ class FusedMoE(nn.Module):
                   for e in range(self.w13_weight.shape[0])]
         self.packed = packed if any(p is not None for pair in packed for p in pair) else None
 
+    def count_forward(self) -> None:
+        """One more forward of this layer (the native stack calls it for the forwards it
+        runs): rank 0 logs the load every LOG_LOAD_EVERY."""
+        self._forwards += 1
+        if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
+            logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
+
     def load_summary(self) -> str:
         """Tokens routed to each expert since start, and the busiest expert's share over
         the mean (1.0: even load): "tokens per expert [12, 3, ...], max/mean 1.8"."""
@@ -378,9 +385,7 @@ class FusedMoE(nn.Module):
         self.tokens_per_expert += counts
         if self.step_tokens is not None:
             self.step_tokens += counts
-        self._forwards += 1
-        if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
-            logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
+        self.count_forward()
         if self.experts is not None:
             out = fused_experts(x, None, None, topk_weights, topk_ids, self.expert_start,
                                 experts=self.experts)

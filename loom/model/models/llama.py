@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.attention.metadata import get_forward_context
+from loom.model.layers import fused_moe
 from loom.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from loom.model.layers.attention import Attention
 from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -74,8 +75,6 @@ class DecoderLayerSpec:
         """Why the native stack cannot run this layer (it has none of these), or None."""
         if self.sliding_window is not None:
             return f"it attends over a sliding window of {self.sliding_window} tokens"
-        if self.moe is not None:
-            return "it is a mixture of experts"
         if self.activation != "silu":
             return f"its activation is {self.activation}"
         return None
@@ -185,13 +184,16 @@ class LlamaDecoderLayer(nn.Module):
         """The native stack's roles (``DecoderLayerWeights`` in decoder_stack.h), each
         filled by the module that holds it here (native_stack.py)."""
         attn, mlp = self.self_attn, self.mlp
-        dense = isinstance(mlp, LlamaMLP)
-        return {"input_norm": self.input_layernorm, "qkv": attn.qkv_proj,
-                "q_norm": attn.q_norm if attn.qk_norm else None,
-                "k_norm": attn.k_norm if attn.qk_norm else None, "o": attn.o_proj,
-                "post_attention_norm": self.post_attention_layernorm,
-                "gate_up": mlp.gate_up_proj if dense else None,
-                "down": mlp.down_proj if dense else None}
+        roles = {"input_norm": self.input_layernorm, "qkv": attn.qkv_proj,
+                 "q_norm": attn.q_norm if attn.qk_norm else None,
+                 "k_norm": attn.k_norm if attn.qk_norm else None, "o": attn.o_proj,
+                 "post_attention_norm": self.post_attention_layernorm}
+        if isinstance(mlp, LlamaMLP):
+            return roles | {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        shared = mlp.shared_experts
+        return roles | {"experts": mlp,
+                        "shared_gate_up": shared.gate_up_proj if shared else None,
+                        "shared_down": shared.down_proj if shared else None}
 
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,13 +275,23 @@ class LlamaModel(nn.Module):
         attn = self.layers[0].attention
         refusal = next((f"layer {i}: {reason}" for i, layer in enumerate(self.layers)
                         if (reason := layer.spec.native_stack_refusal())), None)
+        # one rank: the whole model's sizes; a MoE model's layers share one MoESpec
+        moe = next((layer.spec.moe for layer in self.layers if layer.spec.moe), None)
+        moe_options = {} if moe is None else dict(
+            num_experts=moe.num_experts, top_k=moe.top_k,
+            moe_intermediate_size=moe.intermediate_size,
+            shared_intermediate_size=moe.shared_intermediate_size, scoring=moe.scoring,
+            renormalize=moe.renormalize, renormalize_min=moe.renormalize_min,
+            packed_max_rows=fused_moe.PACKED_MAX_ROWS)
+        if moe is not None and any(layer.spec.moe not in (None, moe) for layer in self.layers):
+            refusal = refusal or "its MoE layers differ (the stack has one MoE spec)"
         plan = refusal or plan_native_stack(
             self.layers, dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                               head_dim=attn.head_dim,
-                              intermediate_size=self.layers[0].mlp.down_proj.input_size,
+                              intermediate_size=self.spec.intermediate_size,
                               attention_scale=attn.impl.scale,
                               rms_norm_eps=self.spec.rms_norm_eps,
-                              activation=self.spec.activation),
+                              activation=self.spec.activation) | moe_options,
             hidden_states.device, hidden_states.dtype, self.tp_group.world_size)
         if plan is None:
             return None
