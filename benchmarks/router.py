@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -231,17 +232,19 @@ _WORDS = ("river stone light paper garden window music orange silver market wint
 
 
 def shared_prefix_prompts(num_prefixes: int, prefix_words: int, questions: int) -> list[str]:
-    """``questions`` prompts for each of ``num_prefixes`` long system prompts, interleaved
-    (prefix 0 q0, prefix 1 q0, ..., prefix 0 q1, ...), so that both policies see the same
-    arrival order and a load-only router spreads each prefix over the replicas."""
+    """``questions`` prompts for each of ``num_prefixes`` long system prompts, in one
+    shuffled order (the same for both policies; in prefix order, a load-only router taking
+    turns would send each prefix to the same replica by accident)."""
     import random
 
     rng = random.Random(7)
     prefixes = [f"System prompt {p}: you are assistant number {p}. "
                 + " ".join(rng.choice(_WORDS) for _ in range(prefix_words)) + "\n"
                 for p in range(num_prefixes)]
-    return [prefixes[p] + f"Question {q}: what is {rng.choice(_WORDS)} {q} for {p}?"
-            for q in range(questions) for p in range(num_prefixes)]
+    prompts = [prefixes[p] + f"Question {q}: what is {rng.choice(_WORDS)} {q} for {p}?"
+               for q in range(questions) for p in range(num_prefixes)]
+    rng.shuffle(prompts)
+    return prompts
 
 
 def _prefix_cache_totals(url: str) -> tuple[float, float]:
@@ -294,7 +297,7 @@ async def _stream_all(url: str, prompts: list[str], clients: int, output_len: in
 
 def prefix_affinity(model: str, num_prefixes: int, prefix_words: int, questions: int,
                     clients: int, output_len: int, rounds: int,
-                    kv_cache_memory: str | None) -> dict:
+                    server_args: list[str]) -> dict:
     prompts = shared_prefix_prompts(num_prefixes, prefix_words, questions)
     policies = ("affinity", "load")
     runs: dict[str, list[dict]] = {policy: [] for policy in policies}
@@ -303,8 +306,7 @@ def prefix_affinity(model: str, num_prefixes: int, prefix_words: int, questions:
         order = policies if round_index % 2 == 0 else policies[::-1]
         for policy in order:
             server = _serve(model, "--data-parallel-size", "2", "--cpu-threads-per-rank", "1",
-                            "--routing-policy", policy, "--max-num-seqs", "64",
-                            *(("--kv-cache-memory", kv_cache_memory) if kv_cache_memory else ()))
+                            "--routing-policy", policy, "--max-num-seqs", "64", *server_args)
             try:
                 if prefix_tokens is None:
                     prefix = prompts[0].split("\nQuestion", 1)[0]
@@ -322,7 +324,7 @@ def prefix_affinity(model: str, num_prefixes: int, prefix_words: int, questions:
                 server.stop()
     result: dict = {"rounds": rounds, "prefixes": num_prefixes, "prefix_tokens": prefix_tokens,
                     "questions_per_prefix": questions, "clients": clients,
-                    "output_len": output_len, "kv_cache_memory": kv_cache_memory, "runs": runs}
+                    "output_len": output_len, "server_args": server_args, "runs": runs}
     for policy in policies:
         result[policy] = {key: round(statistics.median(r[key] for r in runs[policy]), 4)
                           for key in ("prefix_hit_rate", "requests_per_s",
@@ -352,9 +354,10 @@ def main() -> int:
                         help="affinity: questions per system prompt")
     parser.add_argument("--affinity-clients", type=int, default=16)
     parser.add_argument("--affinity-output-len", type=int, default=16)
-    parser.add_argument("--affinity-kv-cache-memory", default=None,
-                        help="affinity: each replica's KV cache, e.g. 64MiB: smaller than "
-                             "every prefix at once, so load-only routing evicts them")
+    parser.add_argument("--affinity-server-args", default="",
+                        help="affinity: more loom serve flags, e.g. '--max-model-len 1024 "
+                             "--kv-cache-memory 48MiB': a KV cache too small for every prefix "
+                             "at once, so that load-only routing evicts them")
     parser.add_argument("--skip", default="",
                         help="comma list of router,dp,affinity to skip")
     parser.add_argument("--result-file", default=None)
@@ -388,11 +391,12 @@ def main() -> int:
             args.output_len, args.rounds)
         print(json.dumps(result["data_parallel"]), flush=True)
     if "affinity" not in skip:
-        # a word of _WORDS with its space is one or two tokens (the result gives the count)
+        # a word of _WORDS with its space is 1.3 tokens of SmolLM2's tokenizer (the result
+        # gives the count)
         result["prefix_affinity"] = prefix_affinity(
-            args.model, args.prefixes, args.prefix_tokens * 2 // 3, args.questions,
+            args.model, args.prefixes, args.prefix_tokens * 3 // 4, args.questions,
             args.affinity_clients, args.affinity_output_len, args.rounds,
-            args.affinity_kv_cache_memory)
+            shlex.split(args.affinity_server_args))
         print(json.dumps(result["prefix_affinity"]), flush=True)
     result["load_average_at_end"] = os.getloadavg()
     text = json.dumps(result, indent=2)
