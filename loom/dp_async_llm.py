@@ -96,9 +96,9 @@ class DPAsyncLLM:
         blocks (each has its own cache of that size). If one fails to start, those
         started are stopped and its error raised."""
         if self.remote_cores:
-            self._rendezvous = HeadRendezvous(self.config, {
-                rank: core.bind() for rank, core in self.remote_cores.items()})
             try:
+                self._rendezvous = HeadRendezvous(self.config, {
+                    rank: core.bind() for rank, core in self.remote_cores.items()})
                 self._rendezvous.start()
             except RuntimeError:
                 await self.shutdown(timeout=2.0)

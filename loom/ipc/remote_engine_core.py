@@ -222,7 +222,13 @@ class RemoteEngineCoreClient:
         self._input_socket = self._sync_context.socket(zmq.PUSH)
         self._input_socket.setsockopt(zmq.SNDHWM, 0)
         set_heartbeat(self._input_socket, timeout_s)
-        self._input_socket.bind(address)
+        try:
+            self._input_socket.bind(address)
+        except zmq.ZMQError as error:
+            self._close()
+            raise RuntimeError(f"cannot bind data-parallel replica {self.rank}'s sockets on "
+                               f"{address}: {error}; --data-parallel-address must be an IP "
+                               "address of this (the head) host") from None
         self.input_address = self._input_socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._async_context = zmq.asyncio.Context()
         self._output_socket = self._async_context.socket(zmq.PULL)
