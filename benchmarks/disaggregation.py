@@ -10,14 +10,28 @@ transports, prompt lengths in tokens; prints ms per request and GB/s.
 
     python benchmarks/disaggregation.py transfer --tokens 128 512 2048 8192 --repeat 5
 
-``serve``: real ``loom serve`` processes on the default model (or ``--model``): one mixed
-server, or a prefill and a decode server (the client does what ``loom router`` does:
-the request to the prefill server with do_remote_decode, then to the decode server,
-streamed). Closed-loop clients, each sending a mix of long prompts (``--long-tokens``,
-``--long-output`` tokens out) and short chats; TTFT and TPOT per class at each
-concurrency; ``--router URL`` sends the disaggregated load through a running router.
+``recompute``: what the decode instance pays for computing the last prompt position
+itself (docs/disaggregation.md: why): a prefill and a decode engine core in this process
+(the default model unless ``--model``), one request at a time; per prompt length, the
+decode instance's step that computes that position and samples the first token,
+against its next decode steps (before, the first token came with the blocks, and the
+request's first step was such a decode step).
 
-    python benchmarks/disaggregation.py serve --clients 8 32 --requests-per-client 4
+    python benchmarks/disaggregation.py recompute --tokens 128 512 2048 --repeat 5
+
+``serve``: real ``loom serve`` processes on the default model (or ``--model``), all
+started at once: one mixed server, and a prefill and a decode server behind a
+``loom router --prefill --decode`` (``--hops client``: the client makes the router's two
+hops itself). Closed-loop clients, each sending a mix of long prompts
+(``--long-tokens``, ``--long-output`` tokens out) and short chats; TTFT and TPOT per
+class. The modes are interleaved: for each repeat and concurrency, one mode then the
+other (the order alternating), so a change in the host's load hits both alike; a pair
+of runs that would end past ``--budget-s`` (from the start, start-up included) is not
+started. Prints each run, then the median over
+repeats of each (mode, clients).
+
+    python benchmarks/disaggregation.py serve --clients 8 32 --requests-per-client 2 \
+        --repeats 2 --budget-s 420
 """
 
 from __future__ import annotations
@@ -117,6 +131,62 @@ def transfer(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------- recompute
+
+
+def recompute(args: argparse.Namespace) -> list[dict]:
+    from loom.config import EngineConfig
+    from loom.core.engine_core import EngineCore
+    from loom.default_model import default_model_path
+    from loom.request import Request
+    from loom.sampling_params import SamplingParams
+
+    model = args.model or default_model_path()
+    cores = {role: EngineCore.from_config(EngineConfig.from_args(
+        model, max_model_len=max(args.tokens) + 64, splitwise_role=role,
+        kv_transfer_config={"kv_transport": "shm"})) for role in ("prefill", "decode")}
+    prefill, decode = cores["prefill"], cores["decode"]
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, ignore_eos=True)
+    rows = []
+    try:
+        for num_tokens in args.tokens:
+            first_ms, next_ms = [], []
+            for r in range(args.repeat + 1):  # the first one warms up
+                prompt = [(r * 7919 + i * 31) % 20000 + 100 for i in range(num_tokens)]
+                request_id = f"{num_tokens}-{r}"
+                prefill.add_request(Request(request_id, prompt, params.clone(
+                    kv_transfer_params={"do_remote_decode": True})))
+                handoff = None
+                while handoff is None:
+                    handoff = next((o.kv_transfer_params for o in prefill.step()
+                                    if o.kv_transfer_params), None)
+                decode.add_request(Request(request_id, prompt, params.clone(
+                    kv_transfer_params=handoff)))
+                step_ms = []  # each step that produced a token
+                while decode.has_unfinished_requests():
+                    if decode.scheduler.only_loading:
+                        decode.poll_kv_transfers(0.001)  # pulling: nothing to compute
+                    started = time.perf_counter()
+                    outputs = decode.step()
+                    if any(o.new_token_ids for o in outputs):
+                        step_ms.append((time.perf_counter() - started) * 1e3)
+                while prefill.scheduler.kv_transfer.num_held_blocks:
+                    prefill.poll_kv_transfers(0.01)
+                if r:
+                    first_ms.append(step_ms[0])
+                    next_ms += step_ms[1:]
+            row = {"tokens": num_tokens, "first_token_step_ms": statistics.median(first_ms),
+                   "decode_step_ms": statistics.median(next_ms)}
+            rows.append(row)
+            print(f"{num_tokens:6} prompt tokens: the step computing the last prompt position "
+                  f"{row['first_token_step_ms']:7.2f} ms, a decode step after it "
+                  f"{row['decode_step_ms']:7.2f} ms (medians of {args.repeat})", flush=True)
+    finally:
+        for core in cores.values():
+            core.shutdown()
+    return rows
+
+
 # ----------------------------------------------------------------- serve
 
 
@@ -194,43 +264,92 @@ def _prompts(args) -> dict[str, list[str]]:
     return {"long": long, "short": short}
 
 
-def serve(args: argparse.Namespace) -> list[dict]:
+def _start_servers(args) -> tuple[list, dict]:
+    """Every server the modes need, started side by side; (processes, urls)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from loom_server import LoomServer
 
-    model_args = [args.model] if args.model else []
-    common = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
-              *args.server_args]
+    model_args = [args.model] if args.model else [None]
+    common = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory",
+              args.kv_cache_memory, *args.server_args]
+    flags = {}
+    if "mixed" in args.modes:
+        flags["mixed"] = [*common, *args.mixed_server_args]
+    if "disaggregated" in args.modes:
+        for role in ("prefill", "decode"):
+            flags[role] = [*common, *args.disaggregated_server_args, "--splitwise-role", role,
+                           "--kv-transfer-config", json.dumps({"kv_transport": args.transport})]
+    with ThreadPoolExecutor(len(flags)) as pool:
+        futures = {name: pool.submit(LoomServer, *model_args, *f, startup_timeout=900)
+                   for name, f in flags.items()}
+        servers = {}
+        errors = []
+        for name, future in futures.items():
+            try:
+                servers[name] = future.result()
+            except Exception as error:  # noqa: BLE001 — close the others, then fail
+                errors.append(f"{name}: {error}")
+    processes = list(servers.values())
+    if errors:
+        for server in processes:
+            server.close()
+        raise RuntimeError("; ".join(errors))
+    urls = {name: server.url for name, server in servers.items()}
+    if "disaggregated" in args.modes and args.hops == "router":
+        from test_router import RouterProcess
+
+        router = RouterProcess(args=("--prefill", urls["prefill"], "--decode", urls["decode"]))
+        processes.append(router)
+        router.wait_for_health(lambda body: body["status"] == "ok")
+        urls["router"] = router.url
+    return processes, urls
+
+
+def serve(args: argparse.Namespace) -> list[dict]:
     prompts = _prompts(args)
+    started = time.monotonic()  # --budget-s counts the start-up too
+    processes, urls = _start_servers(args)
     rows = []
-    for mode in args.modes:
-        servers = []
-        try:
-            if mode == "mixed":
-                servers.append(LoomServer(*(model_args or [None]), *common,
-                                          *args.mixed_server_args, startup_timeout=900))
-                urls = {"mixed": servers[0].url}
-            else:
-                for role in ("prefill", "decode"):
-                    servers.append(LoomServer(*(model_args or [None]), *common,
-                                              *args.disaggregated_server_args,
-                                              "--splitwise-role", role, "--kv-transfer-config",
-                                              json.dumps({"kv_transport": args.transport}),
-                                              startup_timeout=900))
-                urls = {"prefill": servers[0].url, "decode": servers[1].url}
-                if args.router:
-                    urls["router"] = args.router
-            # One warm request of each kind first.
-            asyncio.run(_load(urls, mode != "mixed", 1, 2, prompts,
+    try:
+        targets = {"mixed": {"mixed": urls.get("mixed")},
+                   "disaggregated": {k: v for k, v in urls.items() if k != "mixed"}}
+        for mode in args.modes:  # one warm request of each kind first
+            asyncio.run(_load(targets[mode], mode != "mixed", 1, 2, prompts,
                               argparse.Namespace(**{**vars(args), "long_every": 2})))
-            for clients in args.clients:
-                summary = asyncio.run(_load(urls, mode != "mixed", clients,
-                                            args.requests_per_client, prompts, args))
-                summary["mode"] = mode if mode == "mixed" else f"disaggregated ({args.transport})"
-                rows.append(summary)
-                print(json.dumps(summary), flush=True)
-        finally:
-            for server in servers:
-                server.close()
+        pair_s: dict[int, float] = {}  # how long the last pair of runs at this many clients took
+        for repeat in range(args.repeats):
+            for i, clients in enumerate(args.clients):
+                elapsed = time.monotonic() - started
+                if elapsed + pair_s.get(clients, 0.0) > args.budget_s:
+                    print(f"# repeat {repeat}, {clients} clients not run: {elapsed:.0f} s "
+                          f"spent of --budget-s {args.budget_s:.0f}", flush=True)
+                    continue
+                pair_started = time.monotonic()
+                order = args.modes if (repeat + i) % 2 == 0 else args.modes[::-1]
+                for mode in order:
+                    summary = asyncio.run(_load(targets[mode], mode != "mixed", clients,
+                                                args.requests_per_client, prompts, args))
+                    summary["mode"] = (mode if mode == "mixed"
+                                       else f"disaggregated ({args.transport}, {args.hops})")
+                    summary["repeat"] = repeat
+                    rows.append(summary)
+                    print(json.dumps(summary), flush=True)
+                pair_s[clients] = time.monotonic() - pair_started
+    finally:
+        for process in processes:
+            process.close()
+    print(f"# {time.monotonic() - started:.0f} s in all; medians over repeats:")
+    for key in sorted({(row["mode"], row["clients"]) for row in rows}):
+        runs = [row for row in rows if (row["mode"], row["clients"]) == key]
+        cells = []
+        for kind in ("long", "short"):
+            for stat in ("ttft_ms_median", "ttft_ms_p90", "tpot_ms_median", "tpot_ms_p90"):
+                values = [run[kind][stat] for run in runs if run[kind][stat] is not None]
+                cells.append(f"{kind} {stat[:-3]} {statistics.median(values):,.0f}"
+                             if values else f"{kind} {stat[:-3]} -")
+        print(f"{key[0]:32} {key[1]:3} clients, {len(runs)} runs: " + ", ".join(cells),
+              flush=True)
     return rows
 
 
@@ -245,6 +364,11 @@ def main() -> None:
     t.add_argument("--layers", type=int, default=30)
     t.add_argument("--kv-heads", type=int, default=3)
     t.add_argument("--head-dim", type=int, default=64)
+    c = sub.add_parser("recompute")
+    c.add_argument("--model", default=None, help="default: loom's default model")
+    c.add_argument("--tokens", nargs="+", type=int, default=[128, 512, 2048])
+    c.add_argument("--repeat", type=int, default=5)
+    c.add_argument("--decode-steps", type=int, default=8)
     s = sub.add_parser("serve")
     s.add_argument("--model", default=None, help="default: loom's default model")
     s.add_argument("--modes", nargs="+", default=["mixed", "disaggregated"])
@@ -257,8 +381,13 @@ def main() -> None:
     s.add_argument("--short-output", type=int, default=32)
     s.add_argument("--max-model-len", type=int, default=2048)
     s.add_argument("--kv-cache-memory", default="1GiB")
-    s.add_argument("--router", default=None, help="a running loom router for the "
-                   "disaggregated mode (its --prefill/--decode must be these servers)")
+    s.add_argument("--hops", choices=["router", "client"], default="router",
+                   help="disaggregated requests through a loom router started here, or "
+                        "the client making its two hops itself")
+    s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no pair of runs that the last pair at its concurrency says "
+                        "would end past this many seconds from the start (start-up included)")
     s.add_argument("--server-args", nargs="*", default=[], help="flags for every server")
     s.add_argument("--mixed-server-args", nargs="*", default=[])
     s.add_argument("--disaggregated-server-args", nargs="*", default=[],
@@ -266,7 +395,7 @@ def main() -> None:
                         "the mixed one has alone")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
-    rows = transfer(args) if args.command == "transfer" else serve(args)
+    rows = {"transfer": transfer, "recompute": recompute, "serve": serve}[args.command](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -391,11 +391,12 @@ _KV_CONNECTORS = ("LoomConnector", "NixlConnector", "P2pNcclConnector", "Mooncak
 class KVTransferConfig:
     """KV blocks shipped between instances (``--kv-transfer-config``, vLLM's form; or
     ``--splitwise-role``). A ``prefill`` instance (kv_producer) runs a request's prompt
-    and first token and holds its blocks until the decode side has pulled them (or
+    and holds its blocks until the decode side has pulled them (or
     ``kv_hold_timeout_s`` passed); a ``decode`` instance (kv_consumer) pulls the blocks
-    rank to rank and continues from the first token; ``mixed`` (kv_both) does both, as
-    each request's ``kv_transfer_params`` asks. Rank i of a prefill instance listens on
-    ``kv_ip:kv_port + i`` (port 0: any free port). ``kv_transport``: ``tcp`` (the blocks
+    rank to rank and samples from the last prompt position on; ``mixed`` (kv_both) does
+    both, as each request's ``kv_transfer_params`` asks. Rank i of a prefill instance
+    listens on ``kv_ip:kv_port + i`` (port 0: any free port; data-parallel replica r:
+    ``kv_port + r * tensor_parallel_size + i``). ``kv_transport``: ``tcp`` (the blocks
     go over the socket, sent from and received into the caches' memory) or ``shm`` (one
     host: the prefill instance's cache lives in shared memory and the decode side copies
     the blocks from it; the socket carries only the handshake)."""

@@ -101,10 +101,14 @@ class Request:
         # (a loom.structured_output.StructuredOutputRequest, set by the engine core).
         self.structured_output_request = None
         # Prefill/decode disaggregation (loom/core/kv_transfer.py): on a prefill instance
-        # the id its held blocks are served under; on a decode instance where to pull
-        # the prompt's K/V from (a KVTransferParams), until it has arrived.
+        # the id its held blocks are served under, and its prompt logprobs so far (they
+        # travel with the blocks); on a decode instance where to pull the prompt's K/V
+        # from (a KVTransferParams), until it has arrived, or the transfer another
+        # request (sample 0 of n) is pulling for it.
         self.kv_transfer_id: str | None = None
+        self.kv_prompt_logprobs: list = []
         self.kv_load = None
+        self.kv_follows: str | None = None
 
     @property
     def use_structured_output(self) -> bool:

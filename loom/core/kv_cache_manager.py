@@ -143,6 +143,13 @@ class KVCacheManager:
         self._num_skipped_blocks.pop(request.request_id, None)
         self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
 
+    def free_leading_blocks(self, request: Request, num_blocks: int) -> None:
+        """Free the request's first ``num_blocks`` blocks now, as if a sliding window had
+        passed them (a KV transfer whose prefill side had already freed them: nothing
+        will fill them, so they must not enter the prefix cache either)."""
+        self._skip_blocks(request.request_id, self.req_to_blocks[request.request_id],
+                          num_blocks)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table. A freed block's entry is never sent (the workers
         got its id when it was allocated), but a table has no holes: it reads 0."""
@@ -158,7 +165,12 @@ class KVCacheManager:
         (position ``num_computed - W + 1``) to the pool, oldest first, so that with
         caching on they are evicted first."""
         first_needed = num_computed - self.sliding_window + 1
-        num_skipped = min(max(first_needed, 0) // self.block_size, len(blocks))
+        self._skip_blocks(request_id, blocks, max(first_needed, 0) // self.block_size)
+
+    def _skip_blocks(self, request_id: str, blocks: list[KVBlock | None],
+                     num_skipped: int) -> None:
+        """Free the request's first ``num_skipped`` blocks, keeping their places as None."""
+        num_skipped = min(num_skipped, len(blocks))
         start = self._num_skipped_blocks.get(request_id, 0)
         if num_skipped <= start:
             return

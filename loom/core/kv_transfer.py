@@ -6,10 +6,20 @@ The client's request carries vLLM's ``kv_transfer_params``, which the router fil
 
     router ──{"do_remote_decode": true}──▶ prefill instance: max_tokens 1 internally;
              when the request finishes, its blocks are *held*, not freed, and the
-             answer's kv_transfer_params say where they are (KVTransferParams)
-    router ──those params──▶ decode instance: allocates blocks for prompt + first
-             token, its ranks pull rank to rank, then the request is scheduled as if
-             its prompt had been computed here, continuing from the first token
+             answer's kv_transfer_params say where they are (KVTransferParams), with
+             the prompt's logprobs if it asked for them
+    router ──those params──▶ decode instance: allocates the prompt's blocks, its ranks
+             pull rank to rank, then the request is scheduled as if all but its last
+             prompt token had been computed here
+
+The decode instance recomputes the last prompt position and samples the first token
+itself, as vLLM's connectors do: the prefill instance's first token is not used. That
+costs the decode instance one token of compute per request (one decode step more
+before the first token) and buys a first token that is this instance's in every
+respect: its logprobs, n samples each drawn from the prompt with its own seed, grammar
+state, penalties, all as a mixed instance computes them. With n > 1 the first sample
+pulls the blocks and the others wait for them, then share them through the prefix
+cache (as the n samples on a mixed instance share their prompt's blocks).
 
 This half decides and keeps account; the workers' half (loom/worker/kv_connector.py)
 moves the bytes in background threads. They talk through ``KVConnectorMetadata`` in
@@ -23,11 +33,19 @@ The life of a transfer, and who frees what:
              finished ─▶ blocks held (deadline = now + kv_hold_timeout_s)
              every rank reported send_done / send_failed, or the deadline ─▶ freed,
              and the ranks told to stop serving it before the next step runs
-    decode   admitted ─▶ blocks allocated (not yet in the prefix cache), loads sent
-             every rank reported recv_done ─▶ prompt blocks cached, first token
-             appended (stop checks apply), back to the head of the waiting queue
-             any rank reported recv_failed ─▶ the request fails with the error;
-             blocks freed only once every rank has stopped writing them
+    decode   admitted ─▶ blocks allocated (not yet in the prefix cache), loads sent;
+             a request of the same transfer admitted while that load is on the way
+             (sample i > 0 of n) waits for it instead of pulling again
+             every rank reported recv_done ─▶ prompt blocks cached, back to the head
+             of the waiting queue with all but the last prompt token computed; the
+             requests waiting for it schedule as usual (prefix-cache hits)
+             any rank reported recv_failed ─▶ the request, and those waiting for it,
+             fail with the error; blocks freed only once every rank has stopped
+             writing them
+
+Sliding windows: blocks the prefill instance already freed behind the window are -1
+in ``remote_block_ids``; the decode instance frees its own blocks there at once (no
+query to come reads them) and never pulls them, so they never enter its prefix cache.
 
 Imports no torch.
 """
@@ -35,6 +53,7 @@ Imports no torch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -45,10 +64,13 @@ import msgspec
 
 from loom.config import KVTransferConfig
 from loom.core.block_pool import BlockPool, KVBlock
-from loom.core.wire import KVConnectorMetadata, KVHold, KVLoad, KVTransferEvent
+from loom.core.wire import (KVConnectorMetadata, KVHold, KVLoad, KVTransferEvent,
+                            SampleLogprobs)
 from loom.request import Request
 
 logger = logging.getLogger(__name__)
+
+_LOGPROB_FLOOR = -9999.0
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True):
@@ -63,7 +85,84 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_num_tokens: int  # prompt tokens whose K/V those blocks hold
     remote_tp_size: int
     remote_block_size: int
-    first_token_id: int
+    # The prompt's logprobs (prompt_logprobs, or echo with logprobs), computed there:
+    # the decode instance reports them as its own. None when not asked for.
+    prompt_logprobs: SampleLogprobs | None = None
+
+
+class KVTransferParamsError(ValueError):
+    """kv_transfer_params (or ``param``, a field that contradicts them) this instance
+    cannot serve; the API answers a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str = "kv_transfer_params") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_kv_transfer_params(raw: dict[str, Any] | None, config: KVTransferConfig | None,
+                             tp_size: int, block_size: int, num_prompt_tokens: int,
+                             n: int = 1, prompt_logprobs: int | None = None
+                             ) -> KVTransferParams | None:
+    """Read a request's kv_transfer_params on an instance with ``config`` (None: a
+    plain instance). Returns the transfer to pull (decode side), or None; raises
+    KVTransferParamsError saying what is wrong. The API process calls it first (a 400),
+    the scheduler again (a request that got past it fails alone)."""
+    if not raw or not (raw.get("do_remote_decode") or raw.get("do_remote_prefill")):
+        return None
+    if config is None:
+        raise KVTransferParamsError("this instance moves no KV blocks; start it with "
+                                    "--splitwise-role prefill|decode (or --kv-transfer-config) "
+                                    "to serve kv_transfer_params")
+    if raw.get("do_remote_decode"):
+        if not config.is_producer:
+            raise KVTransferParamsError(
+                "kv_transfer_params asks for do_remote_decode but this is a "
+                f"{config.splitwise_role} instance; send it to a prefill (or mixed) instance")
+        if n != 1:
+            raise KVTransferParamsError(
+                f"a prefill instance computes the prompt once: send n = 1 with "
+                f"do_remote_decode (got {n}); the decode instance samples the n sequences",
+                param="n")
+        return None
+    if not config.is_consumer:
+        raise KVTransferParamsError(
+            "kv_transfer_params asks for do_remote_prefill but this is a "
+            f"{config.splitwise_role} instance; send it to a decode (or mixed) instance")
+    try:
+        load = msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as error:
+        raise KVTransferParamsError(
+            f"kv_transfer_params is not what a prefill instance answers: {error}") from None
+    if load.remote_tp_size != tp_size:
+        raise KVTransferParamsError(
+            f"the prefill instance has tensor_parallel_size {load.remote_tp_size} but this "
+            f"decode instance has {tp_size}; KV blocks move rank to rank, so start both with "
+            "the same --tensor-parallel-size")
+    if load.remote_block_size != block_size:
+        raise KVTransferParamsError(
+            f"the prefill instance has block_size {load.remote_block_size} but this decode "
+            f"instance has {block_size}; start both with the same --block-size")
+    if load.remote_num_tokens != num_prompt_tokens:
+        raise KVTransferParamsError(
+            f"the prefill instance computed {load.remote_num_tokens} prompt tokens but this "
+            f"request's prompt has {num_prompt_tokens}; send the decode instance the same "
+            "prompt (and the same model and chat template on both)")
+    if len(load.remote_block_ids) != -(-load.remote_num_tokens // block_size):
+        raise KVTransferParamsError(f"kv_transfer_params has {len(load.remote_block_ids)} "
+                                    f"block ids for {load.remote_num_tokens} tokens")
+    if len(load.remote_addresses) != tp_size:
+        raise KVTransferParamsError(f"kv_transfer_params has {len(load.remote_addresses)} rank "
+                                    f"addresses for tensor_parallel_size {tp_size}")
+    if prompt_logprobs is not None and num_prompt_tokens > 1:
+        computed = (len(load.prompt_logprobs.token_ids[0]) - 1
+                    if load.prompt_logprobs is not None and load.prompt_logprobs.token_ids
+                    else None)
+        if computed is None or computed < prompt_logprobs:
+            raise KVTransferParamsError(
+                f"the request asks for the prompt's logprobs (top {prompt_logprobs}) but the "
+                f"prefill instance computed {'none' if computed is None else f'top {computed}'}"
+                "; send the prefill instance the same request")
+    return load
 
 
 @dataclass
@@ -99,68 +198,49 @@ class KVTransferScheduler:
         self._holds: dict[str, _Hold] = {}
         self._scheduled_holds: dict[str, str] = {}  # transfer id -> request id, not yet held
         self._loads: dict[str, _Load] = {}
+        # Decode side: transfer id -> the request pulling its blocks, from admission
+        # until they arrived (or failed); others of that transfer wait for them.
+        self._leaders: dict[str, Request] = {}
         self._metadata = KVConnectorMetadata()
 
     # ----------------------------------------------------------------- admission
 
     def prepare_request(self, request: Request) -> None:
         """Read a new request's kv_transfer_params; a ValueError says what is wrong."""
-        raw = request.sampling_params.kv_transfer_params
-        if not raw:
-            return
         params = request.sampling_params
-        if raw.get("do_remote_decode"):
-            if not self.config.is_producer:
-                raise ValueError("kv_transfer_params asks for do_remote_decode but this is a "
-                                 f"{self.config.splitwise_role} instance; send it to a "
-                                 "prefill (or mixed) instance")
-            if params.n != 1:
-                raise ValueError("kv_transfer_params works with n = 1 only")
-            # The prompt and the first token here; the decode instance does the rest.
+        load = check_kv_transfer_params(params.kv_transfer_params, self.config, self.tp_size,
+                                        self.block_size, request.num_prompt_tokens, params.n,
+                                        params.prompt_logprobs)
+        if load is not None:
+            if load.transfer_id in self._leaders:
+                request.kv_follows = load.transfer_id  # another sample pulls these blocks
+            else:
+                request.kv_load = load
+                self._leaders[load.transfer_id] = request
+        elif params.kv_transfer_params and params.kv_transfer_params.get("do_remote_decode"):
+            # The prompt and one token here; the decode instance does the rest.
             request.sampling_params = params.clone(max_tokens=1,
                                                    min_tokens=min(params.min_tokens, 1))
             request.kv_transfer_id = f"{self.engine_id}-{uuid.uuid4().hex[:16]}"
-            return
-        if not raw.get("do_remote_prefill"):
-            return
-        if not self.config.is_consumer:
-            raise ValueError("kv_transfer_params asks for do_remote_prefill but this is a "
-                             f"{self.config.splitwise_role} instance; send it to a decode "
-                             "(or mixed) instance")
-        try:
-            load = msgspec.convert(raw, KVTransferParams)
-        except msgspec.ValidationError as error:
-            raise ValueError(f"kv_transfer_params is not what a prefill instance answers: "
-                             f"{error}") from None
-        if load.remote_tp_size != self.tp_size:
-            raise ValueError(
-                f"the prefill instance has tensor_parallel_size {load.remote_tp_size} but this "
-                f"decode instance has {self.tp_size}; KV blocks move rank to rank, so start "
-                "both with the same --tensor-parallel-size")
-        if load.remote_block_size != self.block_size:
-            raise ValueError(f"the prefill instance has block_size {load.remote_block_size} but "
-                             f"this decode instance has {self.block_size}; start both with the "
-                             "same --block-size")
-        if load.remote_num_tokens != request.num_prompt_tokens:
-            raise ValueError(
-                f"the prefill instance computed {load.remote_num_tokens} prompt tokens but this "
-                f"request's prompt has {request.num_prompt_tokens}; send the decode instance "
-                "the same prompt (and the same model and chat template on both)")
-        if len(load.remote_block_ids) != -(-load.remote_num_tokens // self.block_size):
-            raise ValueError(f"kv_transfer_params has {len(load.remote_block_ids)} block ids "
-                             f"for {load.remote_num_tokens} tokens")
-        if len(load.remote_addresses) != self.tp_size:
-            raise ValueError(f"kv_transfer_params has {len(load.remote_addresses)} rank "
-                             f"addresses for tensor_parallel_size {self.tp_size}")
-        request.kv_load = load
+
+    def forget_request(self, request: Request) -> None:
+        """``request`` left before its load started (aborted while waiting)."""
+        if request.kv_load is not None and self._leaders.get(
+                request.kv_load.transfer_id) is request:
+            del self._leaders[request.kv_load.transfer_id]
+
+    def is_pending(self, transfer_id: str) -> bool:
+        """Some request of this instance is still to pull ``transfer_id``'s blocks."""
+        return transfer_id in self._leaders
 
     # ----------------------------------------------------------------- prefill side
 
-    def schedule_hold(self, request: Request, block_ids: list[int]) -> None:
-        """``request``'s last prompt chunk runs this step: its ranks serve its blocks
-        from the end of the step on."""
+    def schedule_hold(self, request: Request, blocks: list[KVBlock | None]) -> None:
+        """``request``'s last prompt chunk runs this step: its ranks serve its prompt's
+        blocks (not those a sliding window freed) from the end of the step on."""
         num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
-        self._metadata.holds.append(KVHold(request.kv_transfer_id, block_ids[:num_prompt_blocks]))
+        self._metadata.holds.append(KVHold(request.kv_transfer_id, [
+            block.block_id for block in blocks[:num_prompt_blocks] if block is not None]))
         self._scheduled_holds[request.kv_transfer_id] = request.request_id
 
     def hold(self, request: Request, blocks: list[KVBlock | None]) -> dict[str, Any]:
@@ -173,13 +253,22 @@ class KVTransferScheduler:
                                          [block for block in blocks if block is not None],
                                          self.clock() + self.config.kv_hold_timeout_s)
         num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
+        prompt_logprobs = None
+        if request.kv_prompt_logprobs:
+            chunks = request.kv_prompt_logprobs
+            prompt_logprobs = SampleLogprobs(
+                token_ids=[ids for chunk in chunks for ids in chunk.token_ids],
+                # JSON has no -inf: the floor the API reports for it (serving_engine.finite)
+                logprobs=[[value if math.isfinite(value) else _LOGPROB_FLOOR
+                           for value in values] for chunk in chunks for values in chunk.logprobs],
+                ranks=[rank for chunk in chunks for rank in chunk.ranks])
         return msgspec.to_builtins(KVTransferParams(
             transfer_id=transfer_id, remote_engine_id=self.engine_id,
             remote_addresses=list(self.rank_addresses),
             remote_block_ids=[-1 if block is None else block.block_id
                               for block in blocks[:num_prompt_blocks]],
             remote_num_tokens=request.num_prompt_tokens, remote_tp_size=self.tp_size,
-            remote_block_size=self.block_size, first_token_id=request.output_token_ids[0]))
+            remote_block_size=self.block_size, prompt_logprobs=prompt_logprobs))
 
     def cancel_hold(self, request: Request) -> None:
         """A request whose hold was registered ended otherwise (aborted, failed)."""
@@ -224,6 +313,11 @@ class KVTransferScheduler:
     def num_loading(self) -> int:
         return len(self._loads)
 
+    @property
+    def num_pending_transfers(self) -> int:
+        """Transfers some request of this instance is still to pull (or pulling)."""
+        return len(self._leaders)
+
     # ----------------------------------------------------------------- events
 
     def on_event(self, event: KVTransferEvent) -> tuple[Request, str | None] | None:
@@ -252,6 +346,8 @@ class KVTransferScheduler:
         if len(load.ranks_reported) < self.tp_size:
             return None
         del self._loads[event.transfer_id]
+        if self._leaders.get(event.transfer_id) is load.request:
+            del self._leaders[event.transfer_id]
         error = "; ".join(load.errors) if load.errors else None
         return load.request, error
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from loom.config import (CacheConfig, EarlyStopConfig, KVTransferConfig, SchedulerConfig,
                          SpeculativeConfig)
 from loom.core.kv_cache_manager import KVCacheManager
-from loom.core.kv_transfer import KVTransferScheduler
+from loom.core.kv_transfer import KVTransferScheduler, check_kv_transfer_params
 from loom.core.wire import (CachedRequestData, EngineCoreOutput, KVTransferEvent,
                             ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput,
                             SchedulerStats)
@@ -85,12 +85,9 @@ class Scheduler:
                              f"{self.max_model_len}; shorten it or raise --max-model-len")
         if self.kv_transfer is not None:
             self.kv_transfer.prepare_request(request)
-        elif request.sampling_params.kv_transfer_params and (
-                request.sampling_params.kv_transfer_params.get("do_remote_decode")
-                or request.sampling_params.kv_transfer_params.get("do_remote_prefill")):
-            raise ValueError("this instance moves no KV blocks; start it with --splitwise-role "
-                             "prefill|decode (or --kv-transfer-config) to serve "
-                             "kv_transfer_params")
+        else:  # refuses any transfer
+            check_kv_transfer_params(request.sampling_params.kv_transfer_params, None, 1,
+                                     self.kv_cache.block_size, request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -170,8 +167,15 @@ class Scheduler:
                 if not self._start_kv_load(request):
                     break
                 continue
-            if request.request_id in self.kv_cache.req_to_blocks:
-                # Its prompt's K/V arrived from a prefill instance: only the first token runs.
+            if request.kv_follows is not None:
+                if self.kv_transfer.is_pending(request.kv_follows):
+                    skipped.append(self.waiting.popleft())  # sample 0 pulls its prompt
+                    continue
+                request.kv_follows = None  # it arrived: a prefix-cache hit from here
+            # Its prompt's K/V arrived from a prefill instance: the last position runs
+            # (its prefix-cache lookup was counted when its pull began).
+            arrived = request.request_id in self.kv_cache.req_to_blocks
+            if arrived:
                 computed_blocks, num_hit_tokens = [], request.num_computed_tokens
             else:
                 computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
@@ -183,8 +187,9 @@ class Scheduler:
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
+            if not arrived:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
@@ -240,6 +245,8 @@ class Scheduler:
             prompt_logprobs = self._new_prompt_logprobs(
                 request, start, runner_output.prompt_logprobs[i]
                 if runner_output.prompt_logprobs and i is not None else None)
+            if prompt_logprobs is not None and request.kv_transfer_id is not None:
+                request.kv_prompt_logprobs.append(prompt_logprobs)  # for the decode side
             if not sampled:
                 # A prefill chunk that did not reach the last prompt token.
                 if prompt_logprobs is not None:
@@ -292,8 +299,11 @@ class Scheduler:
 
     @property
     def only_loading(self) -> bool:
-        """Nothing to compute: every unfinished request waits for its K/V to arrive."""
-        return bool(self.loading) and not (self.waiting or self.running)
+        """Nothing to compute: every unfinished request waits for its K/V to arrive
+        (pulled for it, or for the sample whose blocks it will share)."""
+        return bool(self.loading) and not self.running and all(
+            request.kv_follows is not None and self.kv_transfer.is_pending(request.kv_follows)
+            for request in self.waiting)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -413,6 +423,8 @@ class Scheduler:
         del self.requests[request.request_id]
         if request.kv_transfer_id is not None:
             self.kv_transfer.cancel_hold(request)
+        if request.kv_load is not None:
+            self.kv_transfer.forget_request(request)
 
     # ----------------------------------------------------------------- KV transfer
     # (loom/core/kv_transfer.py holds the account; these move requests between queues.)
@@ -424,7 +436,7 @@ class Scheduler:
             request = self.requests[req_id]
             if (request.kv_transfer_id is not None
                     and request.num_computed_tokens + num_tokens >= request.num_tokens):
-                self.kv_transfer.schedule_hold(request, self.kv_cache.get_block_ids(req_id))
+                self.kv_transfer.schedule_hold(request, self.kv_cache.req_to_blocks[req_id])
 
     def _hold_for_decode(self, request: Request) -> dict:
         """Prefill side: a finished request leaves, its blocks stay for the decode
@@ -435,69 +447,77 @@ class Scheduler:
         return self.kv_transfer.hold(request, blocks)
 
     def _start_kv_load(self, request: Request) -> bool:
-        """Decode side: blocks for the prompt and the first token, local prefix-cache
-        hits included, and the ranks told to pull the rest; False if they do not fit."""
+        """Decode side: blocks for the prompt, local prefix-cache hits included, and the
+        ranks told to pull the rest; False if they do not fit. Blocks the prefill
+        instance freed behind a sliding window (-1 there) are freed here at once: no
+        query to come reads them, and nothing fills them."""
         load = request.kv_load
         hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-        num_new_tokens = load.remote_num_tokens + 1 - num_hit_tokens
+        num_new_tokens = load.remote_num_tokens - num_hit_tokens
         if self.kv_cache.allocate_slots(request, num_new_tokens, hits,
                                         cache_blocks=False) is None:
             return False
+        num_outside_window = next((i for i, block_id in enumerate(load.remote_block_ids)
+                                   if block_id >= 0), len(load.remote_block_ids))
+        self.kv_cache.free_leading_blocks(request, num_outside_window)
         self.waiting.popleft()
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = request
-        first = num_hit_tokens // self.kv_cache.block_size
-        last = len(load.remote_block_ids)
+        first = max(num_hit_tokens // self.kv_cache.block_size, num_outside_window)
         block_ids = self.kv_cache.get_block_ids(request.request_id)
-        self.kv_transfer.start_load(request, block_ids[first:last],
-                                    load.remote_block_ids[first:last])
+        self.kv_transfer.start_load(request, block_ids[first:], load.remote_block_ids[first:])
         return True
 
     def process_kv_events(self, events: list[KVTransferEvent]) -> list[EngineCoreOutput]:
-        """The ranks' reports; outputs for loads that ended (the first token, or an
+        """The ranks' reports; outputs for loads that ended (prompt logprobs, or an
         error). Also frees prefill-side holds past their deadline."""
         outputs = []
         for event in events:
             done = self.kv_transfer.on_event(event)
             if done is not None:
-                output = self._finish_kv_load(*done)
-                if output is not None:
-                    outputs.append(output)
+                outputs += self._finish_kv_load(*done)
         self.kv_transfer.expire_holds()
         return outputs
 
-    def _finish_kv_load(self, request: Request, error: str | None) -> EngineCoreOutput | None:
+    def _finish_kv_load(self, request: Request, error: str | None) -> list[EngineCoreOutput]:
+        """The prompt's K/V arrived (or failed): all but the last prompt token count as
+        computed; that one runs with the next step, whose logits give the first token,
+        as on a mixed instance."""
         del self.loading[request.request_id]
+        load, request.kv_load = request.kv_load, None
         if request.is_finished:  # aborted while its blocks were on the way
             self._free(request)
-            return None
+            return []
         if error is not None:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = f"KV transfer from the prefill instance failed: {error}"
-            self._free(request)
-            return EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
-                                    finish_reason=RequestStatus.FINISHED_ERROR.finish_reason.value,
-                                    stop_reason=request.stop_reason)
-        first_token_id = request.kv_load.first_token_id
-        request.num_computed_tokens = request.kv_load.remote_num_tokens
-        request.kv_load = None
-        self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            error = f"KV transfer from the prefill instance failed: {error}"
+            followers = [r for r in self.waiting if r.kv_follows == load.transfer_id]
+            for failed in [request] + followers:
+                if failed is not request:
+                    self.waiting.remove(failed)
+                failed.status = RequestStatus.FINISHED_ERROR
+                failed.stop_reason = error
+                self._free(failed)
+            return [EngineCoreOutput(req_id=failed.request_id, new_token_ids=[],
+                                     finish_reason=RequestStatus.FINISHED_ERROR.finish_reason.value,
+                                     stop_reason=error) for failed in [request] + followers]
+        request.num_computed_tokens = load.remote_num_tokens - 1
+        self.kv_cache.cache_blocks(request, load.remote_num_tokens)
         request.status = RequestStatus.WAITING
-        request.append_output_token(first_token_id)
-        self._check_stop(request) or self._advance_grammar(request, first_token_id)
-        reason = request.status.finish_reason
-        output = EngineCoreOutput(req_id=request.request_id, new_token_ids=[first_token_id],
-                                  finish_reason=reason.value if reason else None,
-                                  stop_reason=request.stop_reason,
-                                  num_cached_tokens=max(request.num_cached_tokens, 0))
-        if request.is_finished:
-            self._free(request)
-        else:
-            self.waiting.appendleft(request)  # it holds its blocks: first in line
-        return output
+        self.waiting.appendleft(request)  # it holds its blocks: first in line
+        # The prompt's logprobs came with the blocks; the workers compute none of them.
+        request.num_prompt_logprobs_sent = request.num_prompt_tokens - 1
+        k = request.sampling_params.prompt_logprobs
+        if k is None or load.prompt_logprobs is None:
+            return []
+        logprobs = load.prompt_logprobs
+        return [EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                 prompt_logprobs=SampleLogprobs(
+                                     token_ids=[ids[:k + 1] for ids in logprobs.token_ids],
+                                     logprobs=[values[:k + 1] for values in logprobs.logprobs],
+                                     ranks=logprobs.ranks))]
 
     def _forget_on_workers(self, request: Request) -> None:
         if self._num_tokens_sent.pop(request.request_id, None) is not None:

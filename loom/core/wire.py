@@ -293,7 +293,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # outputs that may carry no new tokens (prefill chunks).
     prompt_logprobs: SampleLogprobs | None = None
     # Prefill side of disaggregation: where the decode instance pulls this request's KV
-    # blocks from, and the first token (core/kv_transfer.py: KVTransferParams).
+    # blocks from, and its prompt logprobs (core/kv_transfer.py: KVTransferParams).
     kv_transfer_params: dict[str, Any] | None = None
 
     @property

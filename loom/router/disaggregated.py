@@ -1,7 +1,7 @@
 """``loom router --prefill URL --decode URL``: prefill/decode pairs behind one front
 (docs/disaggregation.md).
 
-    client ──▶ router ── 1. the request, not streamed, with kv_transfer_params
+    client ──▶ router ── 1. the request, not streamed, n = 1, with kv_transfer_params
                   │        {"do_remote_decode": true} ──▶ a prefill backend
                   │      ◀── its answer's kv_transfer_params (where the KV blocks are)
                   └──── 2. the client's request as it came, plus those params
@@ -57,8 +57,11 @@ class DisaggregatedRouter(Router):
     async def _prefill(self, request: Request, parsed: dict, keys) -> dict | Response:
         """The prefill hop; the answer's kv_transfer_params, or the response to give the
         client instead."""
-        prefill_body = {key: value for key, value in parsed.items() if key != "stream_options"}
-        prefill_body.update(stream=False, kv_transfer_params={"do_remote_decode": True})
+        # The prompt once (n = 1): the decode backend samples the n sequences, each from
+        # the transferred prompt. Prompt logprobs (echo with logprobs) are computed there.
+        prefill_body = {key: value for key, value in parsed.items()
+                        if key not in ("stream_options", "best_of")}
+        prefill_body.update(stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         headers = forwarded_headers(request.headers)
         url_path = request.url.path
         tried: list[Backend] = []

@@ -57,7 +57,7 @@ class KVTransferError(RuntimeError):
 class KVConnectorWorker:
     def __init__(self, config: KVTransferConfig, rank: int, tp_size: int,
                  storage: torch.Tensor, notify_address: str,
-                 segment_name: str | None = None) -> None:
+                 segment_name: str | None = None, data_parallel_rank: int = 0) -> None:
         self.config = config
         self.rank = rank
         self.tp_size = tp_size
@@ -73,8 +73,19 @@ class KVConnectorWorker:
         self._listener: socket.socket | None = None
         self._pool: ThreadPoolExecutor | None = None
         if config.is_producer:
-            self._listener = socket.create_server(
-                (config.kv_ip, config.kv_port + rank if config.kv_port else 0), backlog=128)
+            # A fixed kv_port: rank i of data-parallel replica r listens on
+            # kv_port + r * tp_size + i, so the replicas of one server never collide.
+            port = config.kv_port + data_parallel_rank * tp_size + rank if config.kv_port else 0
+            try:
+                self._listener = socket.create_server((config.kv_ip, port), backlog=128)
+            except OSError as error:
+                self.events.close()
+                raise RuntimeError(
+                    f"rank {rank} (data-parallel replica {data_parallel_rank}) cannot listen "
+                    f"for KV transfers on {config.kv_ip}:{port}: {error}; give "
+                    "--kv-transfer-config another kv_port (rank i of replica r takes "
+                    "kv_port + r * tensor_parallel_size + i) or kv_port 0 (any free port)"
+                ) from None
             self.address = f"{config.kv_ip}:{self._listener.getsockname()[1]}"
             threading.Thread(target=self._accept_loop, daemon=True,
                              name=f"loom-kv-listener-{rank}").start()

@@ -249,7 +249,7 @@ class Worker:
         self.kv_connector = KVConnectorWorker(
             self.config.kv_transfer, self.tp_group.rank, self.tp_group.world_size,
             self.model_runner.kv_cache_storage, notify_address,
-            getattr(self.kv_segment, "name", None))
+            getattr(self.kv_segment, "name", None), self.config.parallel.data_parallel_rank)
         return self.kv_connector.address
 
     def shutdown_kv_connector(self) -> None:

@@ -114,6 +114,7 @@ def assert_empty(scheduler: Scheduler) -> None:
     if scheduler.kv_transfer is not None:  # no blocks held for a decode instance
         assert scheduler.kv_transfer.num_held_blocks == 0
         assert scheduler.kv_transfer.num_loading == 0
+        assert scheduler.kv_transfer.num_pending_transfers == 0
     pool = scheduler.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)

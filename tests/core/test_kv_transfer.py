@@ -25,12 +25,13 @@ class Clock:
 
 
 def make_scheduler(role: str, tp_size: int = 1, num_blocks: int = 32, budget: int = 64,
-                   **kv) -> Scheduler:
+                   sliding_window: int | None = None, **kv) -> Scheduler:
     config = KVTransferConfig.from_args(role, kv or None)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                           max_model_len=256),
                           CacheConfig(block_size=BLOCK), num_blocks=num_blocks,
-                          kv_transfer_config=config, tp_size=tp_size)
+                          sliding_window=sliding_window, kv_transfer_config=config,
+                          tp_size=tp_size)
     scheduler.kv_transfer.rank_addresses = [f"127.0.0.1:{9000 + r}" for r in range(tp_size)]
     return scheduler
 
@@ -44,10 +45,11 @@ def step(scheduler: Scheduler, runner: FakeRunner):
     return out, scheduler.update_from_output(out, runner.execute(out, scheduler))
 
 
-def prefill(scheduler: Scheduler, req_id: str, tokens: list[int], max_tokens: int = 6):
+def prefill(scheduler: Scheduler, req_id: str, tokens: list[int], max_tokens: int = 6,
+            **params):
     """Run one request on a prefill scheduler to its end; its last output."""
     scheduler.add_request(Request(req_id, tokens, SamplingParams(
-        max_tokens=max_tokens, kv_transfer_params={"do_remote_decode": True})))
+        max_tokens=max_tokens, kv_transfer_params={"do_remote_decode": True}, **params)))
     runner, metadata, last = FakeRunner(), [], None
     while scheduler.has_unfinished_requests():
         out, outputs = step(scheduler, runner)
@@ -66,7 +68,7 @@ def test_prefill_holds_blocks_until_every_rank_has_sent():
     last, metadata = prefill(scheduler, "a", prompt(18))  # three chunks of 8
     assert last.new_token_ids == [1018] and last.finish_reason == "length"  # max_tokens 1 here
     params = last.kv_transfer_params
-    assert params["remote_num_tokens"] == 18 and params["first_token_id"] == 1018
+    assert params["remote_num_tokens"] == 18 and params["prompt_logprobs"] is None
     assert len(params["remote_block_ids"]) == 5  # ceil(18 / 4)
     assert params["remote_addresses"] == ["127.0.0.1:9000", "127.0.0.1:9001"]
     # The hold reached the ranks with the step of the last chunk, not before.
@@ -113,23 +115,26 @@ def test_prefill_abort_after_the_last_chunk_releases_its_hold():
     assert_empty(scheduler)
 
 
-def remote_params(tokens: list[int], first_token: int, tp_size: int = 1, **changes) -> dict:
+def remote_params(tokens: list[int], tp_size: int = 1, **changes) -> dict:
     num_blocks = -(-len(tokens) // BLOCK)
     params = {"do_remote_prefill": True, "transfer_id": "t-" + str(len(tokens)),
               "remote_engine_id": "p", "remote_addresses": ["10.0.0.1:1"] * tp_size,
               "remote_block_ids": list(range(100, 100 + num_blocks)),
               "remote_num_tokens": len(tokens), "remote_tp_size": tp_size,
-              "remote_block_size": BLOCK, "first_token_id": first_token}
+              "remote_block_size": BLOCK}
     return {**params, **changes}
 
 
-def decode_request(req_id: str, tokens: list[int], max_tokens: int = 4, **changes) -> Request:
-    first = 1000 + len(tokens)  # what FakeRunner samples there
+def decode_request(req_id: str, tokens: list[int], max_tokens: int = 4, index: int = 0,
+                   params: dict | None = None, **changes) -> Request:
     return Request(req_id, tokens, SamplingParams(
-        max_tokens=max_tokens, kv_transfer_params=remote_params(tokens, first, **changes)))
+        max_tokens=max_tokens, **(params or {}),
+        kv_transfer_params=remote_params(tokens, **changes)), index=index)
 
 
-def test_decode_pulls_then_continues_from_the_first_token():
+def test_decode_pulls_then_computes_the_last_prompt_token():
+    """The prompt's K/V arrives; the last prompt position runs here and its logits give
+    the first token, as on a mixed instance (the prefill instance's is not used)."""
     scheduler = make_scheduler("decode", tp_size=2)
     runner = FakeRunner()
     scheduler.add_request(decode_request("a", prompt(10), max_tokens=4, tp_size=2))
@@ -137,20 +142,20 @@ def test_decode_pulls_then_continues_from_the_first_token():
     assert out.num_scheduled_tokens == {} and outputs == []
     (load,) = out.kv_connector_metadata.loads
     assert load.remote_block_ids == [100, 101, 102]
-    assert load.local_block_ids == scheduler.kv_cache.get_block_ids("a")[:3]
+    assert load.local_block_ids == scheduler.kv_cache.get_block_ids("a")
     assert scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert scheduler.only_loading
     assert report(scheduler, load.transfer_id, "recv_done", ranks=(0,)) == []
-    (first,) = report(scheduler, load.transfer_id, "recv_done", ranks=(1,))
-    assert first.new_token_ids == [1010] and not first.finished
+    assert report(scheduler, load.transfer_id, "recv_done", ranks=(1,)) == []
     out, outputs = step(scheduler, runner)
-    # Sent as new with its prompt computed: one token (the first) runs.
+    # Sent as new with all but its last prompt token computed: that one runs.
     (new,) = out.scheduled_new_reqs
-    assert new.num_computed_tokens == 10 and new.output_token_ids == [1010]
-    assert out.num_scheduled_tokens == {"a": 1}
-    assert outputs[0].new_token_ids == [1011]
-    outputs = [o for _ in range(2) for o in step(scheduler, runner)[1]]
-    assert [o.new_token_ids for o in outputs] == [[1012], [1013]] and outputs[-1].finished
+    assert new.num_computed_tokens == 9 and new.output_token_ids == []
+    assert out.num_scheduled_tokens == {"a": 1} and not out.kv_connector_metadata
+    assert outputs[0].new_token_ids == [1010]
+    outputs = [o for _ in range(3) for o in step(scheduler, runner)[1]]
+    assert [o.new_token_ids for o in outputs] == [[1011], [1012], [1013]]
+    assert outputs[-1].finished
     assert_empty(scheduler)
 
 
@@ -162,8 +167,8 @@ def test_decode_registers_pulled_blocks_and_pulls_only_what_it_lacks():
     shared = prompt(8)
     scheduler.add_request(decode_request("a", shared + prompt(3, 50), max_tokens=1))
     out, _ = step(scheduler, runner)
-    (first,) = report(scheduler, out.kv_connector_metadata.loads[0].transfer_id, "recv_done")
-    assert first.finished  # max_tokens 1: the prefill instance's token was all
+    report(scheduler, out.kv_connector_metadata.loads[0].transfer_id, "recv_done")
+    assert step(scheduler, runner)[1][0].finished  # max_tokens 1
     scheduler.add_request(decode_request("b", shared + prompt(5, 70), max_tokens=2))
     out, _ = step(scheduler, runner)
     (load,) = out.kv_connector_metadata.loads
@@ -208,12 +213,12 @@ def test_decode_abort_while_loading_frees_once_every_rank_reported():
 def test_decode_waits_for_blocks_like_any_request():
     """A load that does not fit waits at the head of the queue, as any request would."""
     scheduler = make_scheduler("decode", num_blocks=4)
-    scheduler.add_request(decode_request("a", prompt(12)))  # 13 tokens: 4 blocks
+    scheduler.add_request(decode_request("a", prompt(13)))  # 4 blocks
     scheduler.add_request(decode_request("b", prompt(3)))
     out = scheduler.schedule()
-    assert [load.transfer_id for load in out.kv_connector_metadata.loads] == ["t-12"]
+    assert [load.transfer_id for load in out.kv_connector_metadata.loads] == ["t-13"]
     assert scheduler.schedule().kv_connector_metadata is None  # b does not fit yet
-    report(scheduler, "t-12", "recv_done")
+    report(scheduler, "t-13", "recv_done")
     runner = FakeRunner()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
@@ -221,6 +226,104 @@ def test_decode_waits_for_blocks_like_any_request():
         if out.kv_connector_metadata and out.kv_connector_metadata.loads:
             report(scheduler, "t-3", "recv_done")
     assert_empty(scheduler)
+
+
+def test_decode_samples_of_one_request_share_one_pull():
+    """n = 2: sample 0 pulls the prompt; sample 1 waits for it, then takes its full
+    blocks from the prefix cache and computes the rest, as on a mixed instance."""
+    scheduler = make_scheduler("decode")
+    runner = FakeRunner()
+    tokens = prompt(10)
+    for index in range(2):
+        scheduler.add_request(decode_request(f"{index}_x", tokens, max_tokens=2, index=index))
+    out, _ = step(scheduler, runner)
+    assert [load.transfer_id for load in out.kv_connector_metadata.loads] == ["t-10"]
+    assert scheduler.only_loading and "1_x" not in scheduler.kv_cache.req_to_blocks
+    assert not scheduler.schedule().num_scheduled_tokens  # still waiting for it
+    report(scheduler, "t-10", "recv_done")
+    out, outputs = step(scheduler, runner)
+    assert out.num_scheduled_tokens == {"0_x": 1, "1_x": 2}  # 8 of 10 from the cache
+    assert scheduler.requests["1_x"].num_cached_tokens == 8
+    assert [o.new_token_ids for o in outputs] == [[1010], [1010]]
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner)
+    assert_empty(scheduler)
+
+
+def test_decode_failed_pull_fails_the_samples_waiting_for_it():
+    scheduler = make_scheduler("decode")
+    for index in range(3):
+        scheduler.add_request(decode_request(f"{index}_x", prompt(6), index=index))
+    scheduler.add_request(decode_request("other", prompt(5)))
+    step(scheduler, FakeRunner())
+    failed = report(scheduler, "t-6", "recv_failed", error="peer closed")
+    assert sorted(o.req_id for o in failed) == ["0_x", "1_x", "2_x"]
+    assert all(o.finish_reason == "error" and "peer closed" in o.stop_reason for o in failed)
+    report(scheduler, "t-5", "recv_done")
+    runner = FakeRunner()
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner)
+    assert_empty(scheduler)
+
+
+def test_prompt_logprobs_travel_with_the_blocks():
+    """Computed on the prefill side chunk by chunk, reported by the decode side once,
+    its workers computing none of them."""
+    source = make_scheduler("prefill", budget=4)
+    last, _ = prefill(source, "a", prompt(10), prompt_logprobs=0)
+    shipped = last.kv_transfer_params["prompt_logprobs"]
+    assert shipped == [[[t] for t in prompt(10)[1:]], [[-float(t)] for t in range(1, 10)],
+                       [1] * 9]  # SampleLogprobs, array-like
+    report(source, last.kv_transfer_params["transfer_id"], "send_done")
+    assert_empty(source)
+    scheduler = make_scheduler("decode")
+    runner = FakeRunner()
+    params = {**last.kv_transfer_params, "transfer_id": "t-10"}
+    scheduler.add_request(decode_request("a", prompt(10), max_tokens=2,
+                                         params={"prompt_logprobs": 0}, **params))
+    step(scheduler, runner)
+    (output,) = report(scheduler, "t-10", "recv_done")
+    assert output.new_token_ids == [] and output.prompt_logprobs.logprobs[-1] == [-9.0]
+    outputs = step(scheduler, runner)[1] + step(scheduler, runner)[1]
+    assert [o.prompt_logprobs for o in outputs] == [None, None]
+    assert_empty(scheduler)
+    with pytest.raises(ValueError, match="prefill instance computed none"):
+        scheduler.add_request(decode_request("b", prompt(10), params={"prompt_logprobs": 1}))
+    with pytest.raises(ValueError, match="send n = 1 with do_remote_decode"):
+        source.add_request(Request("c", prompt(5), SamplingParams(
+            n=2, kv_transfer_params={"do_remote_decode": True})))
+
+
+def test_sliding_window_blocks_freed_on_the_prefill_side_are_neither_pulled_nor_cached():
+    """Window 8, blocks of 4, chunks of 8: by the last chunk of a 20-token prompt the
+    prefill side freed the blocks no query reads any more (-1 in its answer). The
+    decode side frees its own there at once, pulls the rest, and never puts the blocks
+    it did not fill in its prefix cache."""
+    source = make_scheduler("prefill", budget=8, sliding_window=8)
+    last, metadata = prefill(source, "a", prompt(20))
+    params = last.kv_transfer_params
+    assert params["remote_block_ids"][:2] == [-1, -1] and min(params["remote_block_ids"][2:]) >= 0
+    assert metadata[-1].holds[0].block_ids == params["remote_block_ids"][2:]
+    assert source.kv_transfer.num_held_blocks == 3
+    report(source, params["transfer_id"], "send_done")
+    assert_empty(source)
+    scheduler = make_scheduler("decode", sliding_window=8)
+    runner = FakeRunner()
+    scheduler.add_request(decode_request("a", prompt(20), max_tokens=2,
+                                         **{**params, "transfer_id": "t-20"}))
+    out, _ = step(scheduler, runner)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.remote_block_ids == params["remote_block_ids"][2:]
+    assert scheduler.kv_cache.num_blocks_held("a") == 3
+    report(scheduler, "t-20", "recv_done")
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner)
+    # The pulled blocks are cached; the first two are not: a prompt sharing the first
+    # eight tokens only hits nothing, and computes them here.
+    scheduler.add_request(Request("b", prompt(8) + [7, 7, 7], SamplingParams(max_tokens=1)))
+    step(scheduler, runner)
+    assert_empty(scheduler)
+    assert scheduler.prefix_cache_hits == 0
 
 
 @pytest.mark.parametrize("change, message", [

@@ -19,6 +19,47 @@ from test_router import RouterProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 BODY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+# What else a client may ask of completions, each compared with the decode server alone:
+# logprobs (the first token's come from the decode side's own step), n = 2 seeded
+# samples, echo with logprobs (the prompt's, computed on the prefill side), a batch.
+EXTRA_BODIES = [
+    {**BODY, "max_tokens": 5, "logprobs": 3},
+    {**BODY, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 11, "logprobs": 1},
+    {**BODY, "max_tokens": 3, "echo": True, "logprobs": 2},
+    {**BODY, "prompt": [PROMPT, "Pack my box with five dozen liquor jugs."], "max_tokens": 4},
+]
+
+
+def assert_same_choices(got: dict, want: dict) -> None:
+    """Texts equal; logprobs' tokens and top tokens equal, values within float32 noise
+    (the decode side computes the last prompt position alone, the other in a batch)."""
+    assert len(got["choices"]) == len(want["choices"])
+    for a, b in zip(got["choices"], want["choices"]):
+        text = "text" if "text" in b else "message"  # completions or chat
+        assert (a["index"], a[text], a["finish_reason"]) == (b["index"], b[text],
+                                                            b["finish_reason"])
+        if b.get("logprobs") is None:
+            assert a.get("logprobs") is None
+            continue
+        if "tokens" in b["logprobs"]:  # completions
+            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+            assert a["logprobs"]["text_offset"] == b["logprobs"]["text_offset"]
+            assert _close(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"])
+            for x, y in zip(a["logprobs"]["top_logprobs"], b["logprobs"]["top_logprobs"]):
+                assert (x is None) == (y is None)
+                assert x is None or (list(x) == list(y) and _close(list(x.values()),
+                                                                   list(y.values())))
+        else:  # chat
+            for x, y in zip(a["logprobs"]["content"], b["logprobs"]["content"]):
+                assert x["token"] == y["token"] and _close([x["logprob"]], [y["logprob"]])
+                assert [t["token"] for t in x["top_logprobs"]] == [
+                    t["token"] for t in y["top_logprobs"]]
+    assert got["usage"] == want["usage"]
+
+
+def _close(xs: list, ys: list) -> bool:
+    return len(xs) == len(ys) and all(
+        (x is None and y is None) or abs(x - y) < 1e-4 for x, y in zip(xs, ys))
 
 
 def through_prefill(prefill, body: dict) -> dict:
@@ -85,8 +126,30 @@ def test_completions_through_prefill_and_decode_equal_one_server(start_server):
                            for chunk in client.chat.completions.create(**chat, stream=True)
                            if chunk.choices)
         assert streamed == alone_chat.choices[0].message.content
+        # Everything else a client may ask, equal to the decode server alone.
+        for body in EXTRA_BODIES:
+            want = httpx.post(f"{decode.base_url}/completions", json=body, timeout=60).json()
+            got = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert got.status_code == 200, got.text
+            assert_same_choices(got.json(), want)
+        chat_body = {**chat, "logprobs": True, "top_logprobs": 2, "n": 2, "seed": 5,
+                     "temperature": 0.9}
+        want = httpx.post(f"{decode.base_url}/chat/completions", json=chat_body,
+                          timeout=60).json()
+        got = httpx.post(f"{router.url}/v1/chat/completions", json=chat_body, timeout=60)
+        assert_same_choices(got.json(), want)
     finally:
         router.close()
+    # What cannot work is a 400 naming the field: a prefill server computes the prompt
+    # once (the router sends n = 1), a decode server takes only a prefill's answer.
+    answer = httpx.post(f"{prefill.base_url}/completions", timeout=60, json={
+        **BODY, "n": 2, "kv_transfer_params": {"do_remote_decode": True}})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n"
+    answer = httpx.post(f"{decode.base_url}/completions", timeout=60, json={
+        **BODY, "kv_transfer_params": {**params, "remote_num_tokens": 3}})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "kv_transfer_params"
+    assert "computed 3 prompt tokens" in answer.json()["error"]["message"]
     for server in (prefill, decode):
         assert server.wait_for_metric("loom:kv_blocks_in_use", 0) == 0
         assert server.wait_for_metric("loom:engine_requests", 0) == 0

@@ -53,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self._render(request)
         params = request.to_sampling_params(len(token_ids), self.max_model_len,
                                             self.default_sampling_params, structured_outputs)
-        self.check_params(params)
+        self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.submit(request_id, None, token_ids, params, request.stream)
         if request.stream:

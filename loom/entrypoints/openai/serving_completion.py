@@ -38,11 +38,13 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         prompts = self._prompts(request)
         structured_outputs = request_structured_outputs(request)
+        transfers = _kv_transfer_params_by_prompt(request.kv_transfer_params, len(prompts))
         params = [request.to_sampling_params(len(token_ids), self.max_model_len,
-                                             self.default_sampling_params, structured_outputs)
-                  for _, token_ids in prompts]
-        for prompt_params in params:
-            self.check_params(prompt_params)
+                                             self.default_sampling_params, structured_outputs
+                                             ).clone(kv_transfer_params=transfer)
+                  for (_, token_ids), transfer in zip(prompts, transfers)]
+        for prompt_params, (_, token_ids) in zip(params, prompts):
+            self.check_params(prompt_params, len(token_ids))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
 
@@ -115,7 +117,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 "model": self.model_name, "choices": choices,
                 "usage": usage(num_prompt_tokens, num_completion_tokens)}
         if finals[0].kv_transfer_params is not None:  # a prefill instance's answer
-            body["kv_transfer_params"] = finals[0].kv_transfer_params
+            body["kv_transfer_params"] = (finals[0].kv_transfer_params if len(finals) == 1 else
+                                          {"batch": [f.kv_transfer_params for f in finals]})
         return JSONResponse(body)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
@@ -179,6 +182,24 @@ class OpenAIServingCompletion(OpenAIServing):
                                  len(first))
         return _join({"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
                       "text_offset": [0]}, rest), offset
+
+
+def _kv_transfer_params_by_prompt(params: dict[str, Any] | None,
+                                  num_prompts: int) -> list[dict[str, Any] | None]:
+    """Each prompt's kv_transfer_params. A prefill instance answers a batch with
+    ``{"batch": [each prompt's params]}``, which the decode instance gets back; other
+    params (``{"do_remote_decode": true}``) hold for every prompt."""
+    if not params or "batch" not in params:
+        return [params] * num_prompts
+    batch = params["batch"]
+    if not (isinstance(batch, list) and all(isinstance(item, dict) for item in batch)):
+        raise RequestError("kv_transfer_params.batch must be a list of each prompt's params",
+                           param="kv_transfer_params")
+    if len(batch) != num_prompts:
+        raise RequestError(f"kv_transfer_params has a batch of {len(batch)} transfers for "
+                           f"{num_prompts} prompts; send the decode instance the prefill "
+                           "instance's answer to the same prompts", param="kv_transfer_params")
+    return batch
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

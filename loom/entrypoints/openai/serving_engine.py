@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from loom.async_llm import AsyncLLM, RequestStream
+from loom.core.kv_transfer import KVTransferParamsError, check_kv_transfer_params
 from loom.entrypoints.openai.errors import RequestError, engine_error, model_not_found
 from loom.input_processor import InvalidInputError
 from loom.outputs import Logprob
@@ -38,13 +39,21 @@ class OpenAIServing:
         if requested is not None and requested != self.model_name:
             raise model_not_found(requested)
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """What the request alone cannot tell: its token ids against this vocabulary,
-        its grammar compiled."""
+        its grammar compiled, its kv_transfer_params against this instance's role."""
         try:
             self.engine.input_processor.validate_params(params)
         except InvalidInputError as error:
             raise RequestError.from_invalid_input(error) from None
+        config = self.engine.config
+        try:
+            check_kv_transfer_params(params.kv_transfer_params, config.kv_transfer,
+                                     config.parallel.tensor_parallel_size,
+                                     config.cache.block_size, num_prompt_tokens, params.n,
+                                     params.prompt_logprobs)
+        except KVTransferParamsError as error:
+            raise RequestError(str(error), param=error.param) from None
 
     def submit(self, request_id: str, prompt: str | None, token_ids: list[int],
                params: SamplingParams, stream: bool) -> RequestStream:
