@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -93,9 +94,17 @@ def stream_text(server, body: dict, errors: list[str] | None = None) -> tuple[st
     return text, reasons
 
 
+def start_side_by_side(start_server, *servers: tuple[tuple[str, ...], dict | None]) -> list:
+    """``start_server(*flags, env=env)`` for each (flags, env), all at once: a start is
+    mostly one process importing at a time, and there are two cores."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        return list(pool.map(lambda server: start_server(*server[0], env=server[1]), servers))
+
+
 def test_completions_through_prefill_and_decode_equal_one_server(start_server):
-    prefill = start_server("--splitwise-role", "prefill")
-    decode = start_server("--kv-transfer-config", '{"kv_role": "kv_consumer"}')
+    prefill, decode = start_side_by_side(
+        start_server, (("--splitwise-role", "prefill"), None),
+        (("--kv-transfer-config", '{"kv_role": "kv_consumer"}'), None))
     alone = httpx.post(f"{decode.base_url}/completions", json=BODY, timeout=60).json()
     # By hand, what the router does:
     params = through_prefill(prefill, BODY)
@@ -156,9 +165,9 @@ def test_completions_through_prefill_and_decode_equal_one_server(start_server):
 
 
 def test_prefill_killed_mid_transfer_fails_only_that_request(start_server):
-    stalled = start_server("--splitwise-role", "prefill", env={"LOOM_TEST_STALL_KV_SEND": "1"})
-    healthy = start_server("--splitwise-role", "prefill")
-    decode = start_server("--splitwise-role", "decode")
+    stalled, healthy, decode = start_side_by_side(
+        start_server, (("--splitwise-role", "prefill"), {"LOOM_TEST_STALL_KV_SEND": "1"}),
+        (("--splitwise-role", "prefill"), None), (("--splitwise-role", "decode"), None))
     doomed_params = through_prefill(stalled, BODY)
     result, errors = {}, []
 
