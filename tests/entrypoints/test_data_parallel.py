@@ -1,6 +1,6 @@
 """``loom serve --data-parallel-size 2``: two engine cores behind one API server, each
-tensor parallel, with the control routes; and replicas on two hosts (``--headless``),
-here two processes on one host over 127.0.0.1."""
+tensor parallel, with the control routes; and replicas on several hosts (``--headless``),
+here three processes on one host over 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -163,13 +163,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _headless(model: str, port: int, *args: str) -> subprocess.Popen:
-    """``loom serve --headless`` for replica 1 of 2, its output in a temporary file."""
+def _headless(model: str, port: int, rank: int, *args: str) -> subprocess.Popen:
+    """``loom serve --headless`` for replica ``rank`` of 3, its output in a temporary file."""
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "loom.cli", "serve", model, *TINY_SERVER_ARGS, "--headless",
-         "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-         "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
+         "--data-parallel-size", "3", "--data-parallel-size-local", "1",
+         "--data-parallel-start-rank", str(rank), "--data-parallel-address", "127.0.0.1",
          "--data-parallel-rpc-port", str(port), "--cpu-threads-per-rank", "1", *args],
         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc.log = log
@@ -181,11 +181,12 @@ def _log(proc: subprocess.Popen) -> str:
     return proc.log.read()
 
 
-def test_replicas_on_two_hosts_answer_as_one_and_a_dead_host_fails_the_server(
+def test_replicas_on_three_hosts_answer_as_one_and_a_dead_host_fails_the_server(
         tiny_model_dir, expected):
-    """Head (API server + replica 0) and a headless host (replica 1) as two processes."""
+    """Head (API server + replica 0) and two headless hosts (replicas 1 and 2), as three
+    processes on this host."""
     port = _free_port()
-    head_args = (*TINY_SERVER_ARGS, "--data-parallel-size", "2", "--data-parallel-size-local",
+    head_args = (*TINY_SERVER_ARGS, "--data-parallel-size", "3", "--data-parallel-size-local",
                  "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
                  str(port), "--cpu-threads-per-rank", "1")
     processes = []
@@ -194,23 +195,26 @@ def test_replicas_on_two_hosts_answer_as_one_and_a_dead_host_fails_the_server(
             head_future = pool.submit(LoomServer, tiny_model_dir, *head_args)
             # A host configured differently is refused by name (whether or not the right
             # one came first), and starts nothing.
-            headless = _headless(tiny_model_dir, port)
-            wrong = _headless(tiny_model_dir, port, "--max-num-seqs", "8")
-            processes += [headless, wrong]
+            doomed, survivor = _headless(tiny_model_dir, port, 1), _headless(tiny_model_dir,
+                                                                             port, 2)
+            wrong = _headless(tiny_model_dir, port, 2, "--max-num-seqs", "8")
+            processes += [doomed, survivor, wrong]
             assert wrong.wait(120) == 2, _log(wrong)
             assert "--max-num-seqs is 8 there, 64 on the head" in _log(wrong), _log(wrong)
             head = head_future.result()
         processes.append(head)
-        assert "joined from host" in head.output()
+        assert head.output().count("joined from host") == 2
 
         with ThreadPoolExecutor(8) as pool:
             routed = list(pool.map(lambda p: _complete(head, p), PROMPTS))
         assert routed == expected()
         finished = _by_replica(head, "vllm:request_success_total")
-        assert set(finished) == {"0", "1"} and all(v >= 2 for v in finished.values()), finished
+        assert set(finished) == {"0", "1", "2"} and all(v >= 1 for v in finished.values()), \
+            finished
 
-        # The headless host dies mid-run: its replica's requests fail, the head's /health
-        # turns 503 and it exits non-zero.
+        # A headless host dies mid-run: its replica's requests fail, the head's /health
+        # turns 503 and it exits non-zero, stopping the other headless host on its way out
+        # (as on SIGTERM: its engine core told to stop, then goodbye), which exits 0.
         long_stream = {"max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=head.url, timeout=60) as http:
             streams = [http.stream("POST", "/v1/completions",
@@ -219,7 +223,7 @@ def test_replicas_on_two_hosts_answer_as_one_and_a_dead_host_fails_the_server(
             lines = [s.__enter__().iter_lines() for s in streams]
             for line_iter in lines:
                 assert next(line for line in line_iter if line).startswith("data: {")
-            headless.kill()
+            doomed.kill()
             endings = []
             for line_iter, stream in zip(lines, streams):
                 events = [line for line in line_iter if line]
@@ -230,6 +234,8 @@ def test_replicas_on_two_hosts_answer_as_one_and_a_dead_host_fails_the_server(
         assert any("data-parallel replica 1" in error["message"] and "headless" in
                    error["message"] for error in errors), endings
         assert head.proc.wait(30) != 0
+        assert survivor.wait(30) == 0, _log(survivor)
+        assert "the head shut down; engine core exit codes {2: 0}" in _log(survivor)
     finally:
         for proc in processes:
             if isinstance(proc, LoomServer):
