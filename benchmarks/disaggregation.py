@@ -206,6 +206,8 @@ async def _one_request(client, urls: dict, body: dict, disaggregated: bool) -> d
     num_tokens = 0
     async with client.stream("POST", f"{target}/v1/completions",
                              json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{target}: {response.status_code} {await response.aread()!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -247,10 +249,15 @@ async def _load(urls: dict, disaggregated: bool, clients: int, per_client: int,
         summary[kind] = {
             "n": len(rows),
             "ttft_ms_median": statistics.median(ttft) * 1e3 if ttft else None,
-            "ttft_ms_p90": ttft[int(0.9 * (len(ttft) - 1))] * 1e3 if ttft else None,
+            "ttft_ms_p90": _p90(ttft) * 1e3 if ttft else None,
             "tpot_ms_median": statistics.median(tpot) * 1e3 if tpot else None,
-            "tpot_ms_p90": tpot[int(0.9 * (len(tpot) - 1))] * 1e3 if tpot else None}
+            "tpot_ms_p90": _p90(tpot) * 1e3 if tpot else None}
     return summary
+
+
+def _p90(values: list[float]) -> float:
+    """The smallest value at least 90% of ``values`` (sorted) do not exceed."""
+    return values[min(len(values) - 1, -(-9 * len(values) // 10) - 1)]
 
 
 def _prompts(args) -> dict[str, list[str]]:
@@ -344,11 +351,12 @@ def serve(args: argparse.Namespace) -> list[dict]:
         runs = [row for row in rows if (row["mode"], row["clients"]) == key]
         cells = []
         for kind in ("long", "short"):
-            for stat in ("ttft_ms_median", "ttft_ms_p90", "tpot_ms_median", "tpot_ms_p90"):
+            for stat, label in (("ttft_ms_median", "TTFT med"), ("ttft_ms_p90", "p90"),
+                                ("tpot_ms_median", "TPOT med"), ("tpot_ms_p90", "p90")):
                 values = [run[kind][stat] for run in runs if run[kind][stat] is not None]
-                cells.append(f"{kind} {stat[:-3]} {statistics.median(values):,.0f}"
-                             if values else f"{kind} {stat[:-3]} -")
-        print(f"{key[0]:32} {key[1]:3} clients, {len(runs)} runs: " + ", ".join(cells),
+                cells.append(f"{kind} {label} {statistics.median(values):,.0f}" if values
+                             else f"{kind} {label} -")
+        print(f"{key[0]:28} {key[1]:3} clients, {len(runs)} runs (ms): " + ", ".join(cells),
               flush=True)
     return rows
 
