@@ -391,10 +391,10 @@ def main() -> int:
             args.output_len, args.rounds)
         print(json.dumps(result["data_parallel"]), flush=True)
     if "affinity" not in skip:
-        # a word of _WORDS with its space is 1.3 tokens of SmolLM2's tokenizer (the result
-        # gives the count)
+        # a word of _WORDS with its space is one token of SmolLM2's tokenizer (300 words:
+        # 312 tokens with the header; the result gives the count)
         result["prefix_affinity"] = prefix_affinity(
-            args.model, args.prefixes, args.prefix_tokens * 3 // 4, args.questions,
+            args.model, args.prefixes, args.prefix_tokens - 12, args.questions,
             args.affinity_clients, args.affinity_output_len, args.rounds,
             shlex.split(args.affinity_server_args))
         print(json.dumps(result["prefix_affinity"]), flush=True)
