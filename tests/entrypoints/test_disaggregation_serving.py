@@ -28,6 +28,7 @@ EXTRA_BODIES = [
     {**BODY, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 11, "logprobs": 1},
     {**BODY, "max_tokens": 3, "echo": True, "logprobs": 2},
     {**BODY, "prompt": [PROMPT, "Pack my box with five dozen liquor jugs."], "max_tokens": 4},
+    {**BODY, "max_tokens": 4, "n": 2, "best_of": 2, "temperature": 0.7, "seed": 3},
 ]
 
 
@@ -147,6 +148,14 @@ def test_completions_through_prefill_and_decode_equal_one_server(start_server):
                           timeout=60).json()
         got = httpx.post(f"{router.url}/v1/chat/completions", json=chat_body, timeout=60)
         assert_same_choices(got.json(), want)
+        # A grammar constrains the decode side's tokens from the first one on.
+        chat_body = {**chat, "max_tokens": 12, "response_format": {"type": "json_object"}}
+        want = httpx.post(f"{decode.base_url}/chat/completions", json=chat_body,
+                          timeout=60).json()
+        got = httpx.post(f"{router.url}/v1/chat/completions", json=chat_body, timeout=60)
+        assert got.status_code == 200, got.text
+        assert_same_choices(got.json(), want)
+        assert want["choices"][0]["message"]["content"].startswith("{")
     finally:
         router.close()
     # What cannot work is a 400 naming the field: a prefill server computes the prompt
