@@ -46,6 +46,8 @@ class OpenAIServing:
             self.engine.input_processor.validate_params(params)
         except InvalidInputError as error:
             raise RequestError.from_invalid_input(error) from None
+        if not params.kv_transfer_params:
+            return
         config = self.engine.config
         try:
             check_kv_transfer_params(params.kv_transfer_params, config.kv_transfer,
