@@ -7,10 +7,13 @@ without a traceback; Ctrl-C stops a command with one line and status 130.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -410,5 +413,26 @@ def _bytes(text: str) -> int:
     return int(float(number) * _UNITS[unit])
 
 
+def run() -> None:
+    """The ``loom`` process's entry (the script, ``python -m loom.cli``; not for callers of
+    ``main()`` in their own process): ``main()``, then exit without the interpreter's
+    teardown of every module, a second or more of CPU once torch and transformers are
+    in, after what a normal exit does first: no other thread is left to join, and
+    atexit's handlers run (weakref finalizers stop workers and unlink segments; logging
+    flushes)."""
+    code = main()
+    others = [thread for thread in threading.enumerate()
+              if thread is not threading.main_thread() and not thread.daemon]
+    if others:
+        sys.exit(code)  # a normal exit joins them
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say there
+            pass
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
