@@ -16,7 +16,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/silu.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -178,7 +177,7 @@ at::Tensor DecoderStack::mixture_of_experts(const DecoderLayerWeights& w,
   w.tokens_per_expert->add_(counts);
   if (w.step_tokens) w.step_tokens->add_(counts);
 
-  // one expert on rows (R, H): linear -> chunk -> silu(gate) * up -> linear, into `out`
+  // one expert on rows (R, H): linear -> silu_and_mul -> linear, into `out`
   // (R, H); F.linear on the stacked weights where fused_experts takes it
   auto expert_mlp = [&](at::Tensor out, const at::Tensor& rows, int64_t expert) {
     const int64_t r = rows.size(0);
@@ -190,7 +189,7 @@ at::Tensor DecoderStack::mixture_of_experts(const DecoderLayerWeights& w,
       gate_up = at::empty({r, 2 * inter}, rows.options());
       w.expert_w13[expert].matmul(gate_up, rows, {});
     }
-    auto act = at::silu(gate_up.narrow(1, 0, inter)).mul(gate_up.narrow(1, inter, inter));
+    auto act = silu_and_mul(gate_up);  // silu(gate) * up, each rounded (as two ATen ops)
     if (plain)
       out.copy_(at::linear(act, w.expert_w2_stacked->select(0, expert)));
     else

@@ -14,11 +14,16 @@ class SiluAndMul(nn.Module):
     kernel on the CPU, with the same roundings)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = native_ops_for(x.device, x.dtype)
-        if ops is not None:
-            return ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``SiluAndMul``'s function (the MoE experts call it without a module)."""
+    ops = native_ops_for(x.device, x.dtype)
+    if ops is not None:
+        return ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class GeluTanhAndMul(nn.Module):

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
+from loom.model.layers.activation import silu_and_mul
 from loom.model.layers.linear import LinearBase, PackedWeight, linear, pack_weight
 from loom.model.layers.quantization import parse_weight_quantization
 
@@ -111,8 +112,7 @@ def select_experts(router_logits: torch.Tensor, spec: MoESpec,
 def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 packed: tuple[PackedWeight | None, PackedWeight | None] = (None, None)
                 ) -> torch.Tensor:
-    gate, up = linear(x, w13, packed=packed[0]).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w2, packed=packed[1])
+    return linear(silu_and_mul(linear(x, w13, packed=packed[0])), w2, packed=packed[1])
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
@@ -238,8 +238,7 @@ class QuantizedExpert(nn.Module):
         self.w2 = ExpertLinear(inter, hidden_size, first, inter, quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13.matmul(x, None).chunk(2, dim=-1)
-        return self.w2.matmul(F.silu(gate) * up, None)
+        return self.w2.matmul(silu_and_mul(self.w13.matmul(x, None)), None)
 
 
 class FusedMoE(nn.Module):
