@@ -5,6 +5,11 @@ update latency.
 
     python examples/rl_weight_sync.py                       # the default model
     python examples/rl_weight_sync.py MODEL --rounds 5 --tensor-parallel-size 2
+    python examples/rl_weight_sync.py --device cuda         # trainer and engine on the GPU
+
+With ``--device cuda`` the trainer holds its weights on the GPU and publishes CUDA IPC
+handles (no copy through host memory); the engine's ranks copy device to device. That
+path has not run on a GPU here yet.
 
 MODEL is a checkpoint directory of safetensors or a .gguf file; the trainer reads it
 with loom's loaders (a GGUF dequantized) under Hugging Face names, which is what
@@ -18,7 +23,7 @@ import multiprocessing
 import time
 
 
-def trainer(model: str, connection, noise: float) -> None:
+def trainer(model: str, connection, noise: float, device: str) -> None:
     """The trainer's process: hold the weights, perturb them each round ("a training
     step"), publish them, send the manifest's path, wait for the rollouts."""
     import torch
@@ -31,12 +36,13 @@ def trainer(model: str, connection, noise: float) -> None:
 
     weights = (gguf_weights_iterator(model, load_hf_config(model)) if is_gguf(model)
                else safetensors_weights_iterator(model))
-    state = {name: tensor.float() for name, tensor in weights}
-    generator = torch.Generator().manual_seed(0)
+    state = {name: tensor.float().to(device) for name, tensor in weights}
+    generator = torch.Generator(device).manual_seed(0)
     with WeightPublisher() as publisher:
         while connection.recv() == "step":
             for tensor in state.values():  # a stand-in for an optimizer step
-                tensor.add_(torch.randn(tensor.shape, generator=generator), alpha=noise)
+                tensor.add_(torch.randn(tensor.shape, generator=generator, device=device),
+                            alpha=noise)
             started = time.perf_counter()
             manifest = publisher.publish(state.items())
             connection.send((manifest, time.perf_counter() - started))
@@ -49,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--noise", type=float, default=1e-3)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the trainer and the engine hold the weights")
     args = parser.parse_args()
 
     from loom import LLM, SamplingParams
@@ -57,11 +65,12 @@ def main() -> None:
     model = args.model or default_model_path()
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    process = context.Process(target=trainer, args=(model, theirs, args.noise), daemon=True)
+    process = context.Process(target=trainer, args=(model, theirs, args.noise, args.device),
+                                daemon=True)
     process.start()
     prompts = ["The capital of France is", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    with LLM(model, tensor_parallel_size=args.tensor_parallel_size) as llm:
+    with LLM(model, tensor_parallel_size=args.tensor_parallel_size, device=args.device) as llm:
         for round_index in range(args.rounds):
             ours.send("step")
             manifest, publish_s = ours.recv()
