@@ -44,12 +44,11 @@
 #define LOOM_HAVE_BF16_GEMM 0
 #endif
 
-#if LOOM_HAVE_BF16_GEMM && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "amx.h"
+
+#if LOOM_HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define LOOM_HAVE_AMX 1
-#else
-#define LOOM_HAVE_AMX 0
 #endif
 
 namespace loom {
@@ -145,14 +144,6 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
 constexpr int64_t kAmxRows = 32;
 constexpr int64_t kAmxCols = 32;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Whether this process may use the tile registers (Linux grants them on request; a
 // kernel or VM that does not leaves AMX off); LOOM_AMX=0 turns the path off.
 bool amx_permitted() {
@@ -165,22 +156,12 @@ bool amx_permitted() {
   return permitted;
 }
 
-// The tile shapes for a block of m rows (1..32), loaded when they change. `configured`
-// lives for one thread's share of one call: other code on the thread (oneDNN's AMX
-// kernels) loads its own shapes and releases the tiles between calls.
+// The tile shapes for a block of m rows (1..32): C 0-3, A 4-5, B 6-7.
 void configure_tiles(int64_t m, int64_t& configured) {
-  if (configured == m) return;
   const uint8_t m0 = static_cast<uint8_t>(std::min<int64_t>(m, 16));
   const uint8_t m1 = static_cast<uint8_t>(m - m0);
-  TileConfig config{};
-  config.palette_id = 1;
-  const uint8_t rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = rows[t];
-    config.colsb[t] = rows[t] ? 64 : 0;
-  }
-  _tile_loadconfig(&config);
-  configured = m;
+  amx::configure(m, configured, {m0, m0, m1, m1, m0, m1, 16, 16},
+                 {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 // Rows [0, m) (m <= 32) of x times outputs [c0, c0 + 32) of one panel, over all of K
@@ -350,7 +331,7 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
                          next >= 0 ? wp + next * pairs * kPanel * 2 : nullptr);
       }
 #if LOOM_HAVE_AMX
-      if (configured >= 0) _tile_release();  // as oneDNN does: no tile state left behind
+      amx::release(configured);
 #endif
     });
   };

@@ -36,6 +36,8 @@
 
 #include "quant_gemm.h"
 
+#include "amx.h"
+#include "bf16_gemm.h"
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -60,6 +62,7 @@ constexpr int64_t kLanes = 16;       // output rows per panel: one float32 vecto
 constexpr int64_t kBlockBytes = 256; // a block: 32 features of 16 rows at 4 bits, 16 at 8
 constexpr int64_t kRowBlock = 6;     // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;
+constexpr int64_t kAmxMinRows = 8;   // fewer rows than this never take the AMX tiles
 
 // Input features per block: 4-bit blocks pack pair vectors c and c + 8 in one chunk
 // (32 features); 8-bit ones are 8 vectors (16 features), so that an 8-bit group can be
@@ -222,10 +225,91 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
   }
 }
 
+#if LOOM_HAVE_AMX
+// Rows [0, rows) of x times one panel of 16 outputs on the AMX tiles, from the panel's
+// values unpacked to bf16 integers (`unpacked`, pair vector after pair vector: 16 of
+// them are one B tile, 64 bytes apart). Per group, the tiles give S for up to 32 rows
+// (C tiles 0-1, A tiles 2-3, B tile 4: the group's pairs, 16 at a time), then S leaves
+// the tiles and the group's scales and offsets apply in float32 exactly as the AVX-512
+// micro-kernel applies them: only S's float32 sums come in another order.
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
+                          int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
+                          const float* xsum, int64_t rows, const float* bias, OutT* y,
+                          int64_t ldy, int64_t cols, int64_t& configured) {
+  const int64_t group_pairs = blocks_per_group * (BITS == 4 ? 16 : 8);
+  const int64_t step = std::min<int64_t>(group_pairs, 16);  // pairs per tile product
+  const int64_t block_bytes = blocks_per_group * kBlockBytes;
+  const int64_t x_stride = ldx * 2;
+  alignas(64) float sums[32][kLanes];
+  alignas(64) float acc[32][kLanes];
+  for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+    const int64_t m = std::min<int64_t>(32, rows - r0);
+    const uint8_t m0 = static_cast<uint8_t>(std::min<int64_t>(m, 16));
+    const uint8_t m1 = static_cast<uint8_t>(m - m0);
+    const uint16_t a_bytes = static_cast<uint16_t>(step * 4);
+    amx::configure(m * 64 + step, configured, {m0, m1, m0, m1, static_cast<uint8_t>(step), 0, 0, 0},
+                   {64, 64, a_bytes, a_bytes, 64, 0, 0, 0});
+    for (int64_t r = 0; r < m; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    const c10::BFloat16* xb = x + r0 * ldx;
+    const float* xs = xsum + r0 * groups;
+    const uint8_t* p = panel;
+    for (int64_t g = 0; g < groups; ++g) {
+      _tile_zero(0);
+      if (m1) _tile_zero(1);
+      for (int64_t s = 0; s < group_pairs; s += step) {
+        const int64_t pair = g * group_pairs + s;
+        _tile_loadd(4, unpacked + pair, 64);
+        _tile_loadd(2, xb + 2 * pair, x_stride);
+        _tile_dpbf16ps(0, 2, 4);
+        if (m1) {
+          _tile_loadd(3, xb + 16 * ldx + 2 * pair, x_stride);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, sums[0], sizeof(sums[0]));
+      if (m1) _tile_stored(1, sums[16], sizeof(sums[0]));
+      p += block_bytes;
+      const __m512 d = load_scales<ScaleT>(p);
+      p += kLanes * sizeof(ScaleT);
+      __m512 offset = _mm512_setzero_ps();
+      if constexpr (ASYM) {
+        offset = load_scales<ScaleT>(p);
+        p += kLanes * sizeof(ScaleT);
+        if constexpr (BITS == 8) offset = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), offset);
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        const __m512 sum = _mm512_load_ps(sums[r]);
+        __m512 a = _mm512_load_ps(acc[r]);
+        if constexpr (ASYM)
+          a = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r * groups + g]),
+                              _mm512_fmadd_ps(d, sum, a));
+        else if constexpr (BITS == 4)
+          a = _mm512_fmadd_ps(d, _mm512_sub_ps(sum, _mm512_set1_ps(8.f * xs[r * groups + g])), a);
+        else
+          a = _mm512_fmadd_ps(d, sum, a);
+        _mm512_store_ps(acc[r], a);
+      }
+    }
+    const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 add = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < m; ++r) {
+      const __m512 v = _mm512_add_ps(_mm512_load_ps(acc[r]), add);
+      OutT* out = y + (r0 + r) * ldy;
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(out, mask, v);
+      else
+        _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+#endif
+
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
                       const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t rows,
-                      const float* bias, OutT* y, int64_t ldy, int64_t cols) {
+                      const float* bias, OutT* y, int64_t ldy, int64_t cols, bool amx,
+                      int64_t& configured) {
   // More than one block of rows: unpack the panel once (K / 2 vectors, 32 KB per 1,024
   // features, in L2) and let every block of rows read it, rather than unpack it again
   // per 6 rows (batch 32: 6 unpackings of each weight instead of 1).
@@ -238,6 +322,14 @@ void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_g
                        kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1), buffer.data());
     unpacked = buffer.data();
   }
+#if LOOM_HAVE_AMX
+  if (amx && unpacked) {
+    amx_rows_times_panel<BITS, ASYM, ScaleT, OutT>(panel, unpacked, groups, blocks_per_group,
+                                                   x, ldx, xsum, rows, bias, y, ldy, cols,
+                                                   configured);
+    return;
+  }
+#endif
   for (int64_t r = 0; r < rows; r += kRowBlock) {
 #define LOOM_MICRO(MR)                                                                    \
   do {                                                                                    \
@@ -271,12 +363,18 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
   const int64_t groups = w.in_features / w.group_size;
   const int64_t blocks_per_group = w.group_size / block_features(BITS);
   const auto* data = w.data.data_ptr<uint8_t>();
+  // The tiles take 8 rows or more when a group's pairs fill whole tile products (16 at
+  // a time, or Q6_K's 8).
+  const int64_t group_pairs = w.group_size / 2;
+  const bool amx = rows >= kAmxMinRows && (group_pairs % 16 == 0 || group_pairs == 8) &&
+                   bf16_amx_available();
+  const int64_t block = amx ? 32 : kRowBlock;
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
-  const int64_t chunk_rows =
-      ((rows + chunks - 1) / chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
   // Work item (chunk of rows, panel), panels inner: with few rows each thread takes a
   // contiguous run of panels and reads only its share of the weights.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    int64_t configured = -1;  // this thread's tile shapes
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, p = item % panels;
       const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
@@ -284,8 +382,11 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
       rows_times_panel<BITS, ASYM, ScaleT, OutT>(
           data + p * stride, groups, blocks_per_group, x + r0 * ldx, ldx, xsum + r0 * groups,
           nrows, bias ? bias + p * kLanes : nullptr, y + r0 * ldy + p * kLanes, ldy,
-          std::min(kLanes, n - p * kLanes));
+          std::min(kLanes, n - p * kLanes), amx, configured);
     }
+#if LOOM_HAVE_AMX
+    amx::release(configured);
+#endif
   });
 }
 
