@@ -125,9 +125,26 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
     llama3 rope, and the mixtures of experts: Qwen3-MoE, Mixtral, ERNIE-MoE's shared
     experts, correction bias and dense first layer), and counts the same tokens per
     expert."""
-    from loom.model.layers.fused_moe import FusedMoE
+    _native_stack_equals_the_modules(checkpoints, family, monkeypatch, "none")
 
+
+@pytest.mark.parametrize("family,quantization", [("qwen3_moe", "wint8"),
+                                                 ("ernie4_5_moe", "wint4")])
+def test_native_stack_runs_quantized_experts_as_the_modules(checkpoints, family,
+                                                            quantization, monkeypatch):
+    """Quantized experts (QuantizedExpert, loom's quantized_linear) and quantized shared
+    experts and dense layers: the stack equals the modules bit for bit too."""
     from loom.kernels import native_ops
+
+    ops = native_ops()
+    if ops is None or not ops.quant_gemm_available():
+        pytest.skip("loom's quantized kernel needs the native kernels on AVX512-BF16")
+    _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantization)
+
+
+def _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantization):
+    from loom.kernels import native_ops
+    from loom.model.layers.fused_moe import FusedMoE
 
     ops = native_ops()
     if ops is None or not ops.bf16_gemm_available():
@@ -138,7 +155,7 @@ def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch)
     for setting in ("0", "1"):
         monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
         settings.cache_clear()  # loom.envs reads the environment once
-        model = load_model(path, config, dtype=torch.bfloat16)
+        model = load_model(path, config, dtype=torch.bfloat16, quantization=quantization)
         original = PagedDriver.__init__
 
         def bf16_driver(self, model, *args, **kwargs):
