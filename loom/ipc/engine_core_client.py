@@ -44,17 +44,54 @@ logger = logging.getLogger(__name__)
 STACK_DUMP_WAIT_S = 0.5  # for a hung core's faulthandler to write its stacks
 
 
-class EngineCoreClient:
+class EngineCoreChannel:
+    """The two ZeroMQ sockets to one engine core and the messages on them: inputs PUSHed
+    from a sync context, outputs PULLed from an asyncio one. ``EngineCoreClient`` (a core
+    process of this host, ipc://) and ``RemoteEngineCoreClient`` (a headless host's core,
+    tcp://, ipc/remote_engine_core.py) bind them their own way."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._socket_dir = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-engine-")  # ipc.debris
-        self.input_address = f"ipc://{self._socket_dir}/input"
-        self.output_address = f"ipc://{self._socket_dir}/output"
-        self.process: multiprocessing.process.BaseProcess | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
         self._sync_context: zmq.Context | None = None
         self._async_context: zmq.asyncio.Context | None = None
+
+    def _close_sockets(self, input_linger_ms: int = 0) -> None:
+        """Close both (those bound so far); ``input_linger_ms``: how long a last input
+        may still go out."""
+        if self._sync_context is not None:
+            self._input_socket.close(linger=input_linger_ms)
+            self._sync_context.term()
+            self._sync_context = None
+        if self._async_context is not None:
+            self._output_socket.close(linger=0)
+            self._async_context.term()
+            self._async_context = None
+
+    def send(self, message: EngineCoreInput) -> None:
+        self._input_socket.send(self._encoder.encode(message), copy=False)
+
+    async def receive(self) -> EngineCoreMessage:
+        """The core's next message; waits as long as it takes."""
+        return self._decoder.decode(await self._output_socket.recv())
+
+    async def receive_remaining(self, timeout_ms: int = 100) -> list[EngineCoreMessage]:
+        """Every message still on its way (e.g. from a core that died), in order: each
+        awaited at most ``timeout_ms`` after the one before."""
+        messages = []
+        while await self._output_socket.poll(timeout_ms):
+            messages.append(await self.receive())
+        return messages
+
+
+class EngineCoreClient(EngineCoreChannel):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._socket_dir = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-engine-")  # ipc.debris
+        self.input_address = f"ipc://{self._socket_dir}/input"
+        self.output_address = f"ipc://{self._socket_dir}/output"
+        self.process: multiprocessing.process.BaseProcess | None = None
 
     # ----------------------------------------------------------------- life cycle
 
@@ -114,33 +151,6 @@ class EngineCoreClient:
                 self.process.kill()
                 self.process.join(5)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
-
-    def _close_sockets(self) -> None:
-        if self._sync_context is not None:
-            self._input_socket.close(linger=0)
-            self._sync_context.term()
-            self._sync_context = None
-        if self._async_context is not None:
-            self._output_socket.close(linger=0)
-            self._async_context.term()
-            self._async_context = None
-
-    # ----------------------------------------------------------------- messages
-
-    def send(self, message: EngineCoreInput) -> None:
-        self._input_socket.send(self._encoder.encode(message), copy=False)
-
-    async def receive(self) -> EngineCoreMessage:
-        """The core's next message; waits as long as it takes."""
-        return self._decoder.decode(await self._output_socket.recv())
-
-    async def receive_remaining(self, timeout_ms: int = 100) -> list[EngineCoreMessage]:
-        """Every message still on its way (e.g. from a core that died), in order: each
-        awaited at most ``timeout_ms`` after the one before."""
-        messages = []
-        while await self._output_socket.poll(timeout_ms):
-            messages.append(await self.receive())
-        return messages
 
     # ----------------------------------------------------------------- the process
 

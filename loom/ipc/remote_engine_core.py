@@ -44,8 +44,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loom.config import EngineConfig
 from loom.core.wire import (DPBye, DPHandshake, DPHello, DPRefusal, DPWelcome,
-                            EngineCoreFailed, EngineCoreInput, EngineCoreMessage,
-                            EngineCoreReady, EngineCoreShutdown)
+                            EngineCoreFailed, EngineCoreReady, EngineCoreShutdown)
+from loom.ipc.engine_core_client import EngineCoreChannel
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class HeadRendezvous:
             self._context = None
 
 
-class RemoteEngineCoreClient:
+class RemoteEngineCoreClient(EngineCoreChannel):
     """``EngineCoreClient``'s methods for a replica whose engine core runs on another host.
 
     ``bind`` (before the rendezvous welcomes anyone) binds the two sockets on the
@@ -201,17 +201,13 @@ class RemoteEngineCoreClient:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.rank = config.parallel.data_parallel_rank
         self.input_address = ""
         self.output_address = ""
         self.connected = False
         self.disconnected = asyncio.Event()
         self._on_exit = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
-        self._sync_context: zmq.Context | None = None
-        self._async_context: zmq.asyncio.Context | None = None
         self._monitor_task: asyncio.Task | None = None
 
     def bind(self) -> tuple[str, str]:
@@ -300,28 +296,7 @@ class RemoteEngineCoreClient:
         if self._monitor_task is not None:
             self._monitor_task.cancel()
             self._monitor_task = None
-        if self._sync_context is not None:
-            self._input_socket.close(linger=1000)  # the shutdown message still goes out
-            self._sync_context.term()
-            self._sync_context = None
-        if self._async_context is not None:
-            self._output_socket.close(linger=0)
-            self._async_context.term()
-            self._async_context = None
-
-    # ----------------------------------------------------------------- messages
-
-    def send(self, message: EngineCoreInput) -> None:
-        self._input_socket.send(self._encoder.encode(message), copy=False)
-
-    async def receive(self) -> EngineCoreMessage:
-        return self._decoder.decode(await self._output_socket.recv())
-
-    async def receive_remaining(self, timeout_ms: int = 100) -> list[EngineCoreMessage]:
-        messages = []
-        while await self._output_socket.poll(timeout_ms):
-            messages.append(await self.receive())
-        return messages
+        self._close_sockets(input_linger_ms=1000)  # the shutdown message still goes out
 
     # ----------------------------------------------------------------- liveness
 
