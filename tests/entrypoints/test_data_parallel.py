@@ -103,22 +103,7 @@ def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes
     # replica's are aborted, /health turns 503 and the server exits non-zero.
     cores_procs = _spawned_children(psutil.Process(dp.proc.pid))
     assert len(cores_procs) == 2, cores_procs
-    long_stream = {"max_tokens": 480, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=dp.url, timeout=60) as http:
-        streams = [http.stream("POST", "/v1/completions",
-                               json={**long_stream, "prompt": f"keep going {i}"})
-                   for i in range(4)]
-        lines = [s.__enter__().iter_lines() for s in streams]
-        for line_iter in lines:
-            assert next(line for line in line_iter if line).startswith("data: {")
-        cores_procs[1].kill()
-        endings = []
-        for line_iter, stream in zip(lines, streams):
-            events = [line for line in line_iter if line]
-            assert events[-1] == "data: [DONE]"
-            endings.append(json.loads(events[-2].removeprefix("data: ")))
-            stream.__exit__(None, None, None)
-        assert httpx.get(f"{dp.url}/health", timeout=10).status_code == 503
+    endings = _stream_endings_after(dp.url, cores_procs[1].kill)
     errors = [ending["error"] for ending in endings if "error" in ending]
     # the dead replica's requests fail with its error; the other's are aborted, or had
     # finished already
@@ -127,6 +112,29 @@ def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes
     assert all(ending["choices"][0]["finish_reason"] == "length"
                for ending in endings if "error" not in ending), endings
     assert dp.proc.wait(30) != 0
+
+
+def _stream_endings_after(url: str, kill) -> list[dict]:
+    """Open 4 long streams, see each start, ``kill()`` a process, read every stream to
+    its end; returns each one's last event (an error, or its last chunk) once /health
+    answers 503."""
+    long_stream = {"max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        streams = [http.stream("POST", "/v1/completions",
+                               json={**long_stream, "prompt": f"keep going {i}"})
+                   for i in range(4)]
+        lines = [s.__enter__().iter_lines() for s in streams]
+        for line_iter in lines:
+            assert next(line for line in line_iter if line).startswith("data: {")
+        kill()
+        endings = []
+        for line_iter, stream in zip(lines, streams):
+            events = [line for line in line_iter if line]
+            assert events[-1] == "data: [DONE]"
+            endings.append(json.loads(events[-2].removeprefix("data: ")))
+            stream.__exit__(None, None, None)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+    return endings
 
 
 def _control_routes_answer_for_every_replica(dp: LoomServer, expected: list[list[str]]) -> None:
@@ -215,21 +223,7 @@ def test_replicas_on_three_hosts_answer_as_one_and_a_dead_host_fails_the_server(
         # A headless host dies mid-run: its replica's requests fail, the head's /health
         # turns 503 and it exits non-zero, stopping the other headless host on its way out
         # (as on SIGTERM: its engine core told to stop, then goodbye), which exits 0.
-        long_stream = {"max_tokens": 480, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=head.url, timeout=60) as http:
-            streams = [http.stream("POST", "/v1/completions",
-                                   json={**long_stream, "prompt": f"keep going {i}"})
-                       for i in range(4)]
-            lines = [s.__enter__().iter_lines() for s in streams]
-            for line_iter in lines:
-                assert next(line for line in line_iter if line).startswith("data: {")
-            doomed.kill()
-            endings = []
-            for line_iter, stream in zip(lines, streams):
-                events = [line for line in line_iter if line]
-                endings.append(json.loads(events[-2].removeprefix("data: ")))
-                stream.__exit__(None, None, None)
-            assert httpx.get(f"{head.url}/health", timeout=10).status_code == 503
+        endings = _stream_endings_after(head.url, doomed.kill)
         errors = [ending["error"] for ending in endings if "error" in ending]
         assert any("data-parallel replica 1" in error["message"] and "headless" in
                    error["message"] for error in errors), endings
