@@ -84,6 +84,18 @@ class EngineCoreChannel:
             messages.append(await self.receive())
         return messages
 
+    async def _poll_ready(self, timeout_ms: int = 200) -> int | None:
+        """A loading core's KV blocks once it says ``EngineCoreReady``; None if nothing
+        came within ``timeout_ms``. RuntimeError if it failed or sent anything else."""
+        if not await self._output_socket.poll(timeout_ms):
+            return None
+        message = await self.receive()
+        if isinstance(message, EngineCoreReady):
+            return message.num_blocks
+        if isinstance(message, EngineCoreFailed):
+            raise RuntimeError(message.message)
+        raise RuntimeError(f"the engine core sent {type(message).__name__} before it was ready")
+
 
 class EngineCoreClient(EngineCoreChannel):
     def __init__(self, config: EngineConfig) -> None:
@@ -111,14 +123,9 @@ class EngineCoreClient(EngineCoreChannel):
             args=(msgspec.msgpack.encode(self.config), self.input_address, self.output_address))
         self.process.start()
         while True:
-            if await self._output_socket.poll(200):
-                message = await self.receive()
-                if isinstance(message, EngineCoreReady):
-                    return message.num_blocks
-                if isinstance(message, EngineCoreFailed):
-                    raise RuntimeError(message.message)
-                raise RuntimeError(f"the engine core sent {type(message).__name__} before it "
-                                   "was ready")
+            blocks = await self._poll_ready()
+            if blocks is not None:
+                return blocks
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine core process exited with code "
                                    f"{self.process.exitcode} while loading the model")

@@ -44,7 +44,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loom.config import EngineConfig
 from loom.core.wire import (DPBye, DPHandshake, DPHello, DPRefusal, DPWelcome,
-                            EngineCoreFailed, EngineCoreReady, EngineCoreShutdown)
+                            EngineCoreShutdown)
 from loom.ipc.engine_core_client import EngineCoreChannel
 
 logger = logging.getLogger(__name__)
@@ -260,14 +260,9 @@ class RemoteEngineCoreClient(EngineCoreChannel):
         bound_s = self.config.parallel.worker_start_timeout_s
         deadline = time.monotonic() + bound_s
         while True:
-            if await self._output_socket.poll(200):
-                message = await self.receive()
-                if isinstance(message, EngineCoreReady):
-                    return message.num_blocks
-                if isinstance(message, EngineCoreFailed):
-                    raise RuntimeError(message.message)
-                raise RuntimeError(f"the engine core sent {type(message).__name__} before it "
-                                   "was ready")
+            blocks = await self._poll_ready()
+            if blocks is not None:
+                return blocks
             if self.disconnected.is_set():
                 raise RuntimeError(f"the engine core of data-parallel replica {self.rank} (on "
                                    "a headless host) disconnected while loading the model")
