@@ -47,6 +47,10 @@ class Settings:
     """Run every decoder layer in one call of the native decoder stack where it applies
     (``loom/model/native_stack.py``). 0 keeps the modules."""
 
+    amx: bool = field(default=True, metadata={"env": "LOOM_AMX"})
+    """Run matmuls of 8 rows or more on the CPU's AMX tiles where it has them and Linux
+    grants them (``kernels/csrc/bf16_gemm.cpp``). 0 keeps them on the AVX-512 kernels."""
+
     native_kernels: bool = field(default=True, metadata={"env": "LOOM_NATIVE_KERNELS"})
     """Build and use the native CPU kernels (``loom/kernels``). 0: ``native_ops()`` is
     None and every caller takes its PyTorch path."""

@@ -167,6 +167,7 @@ def _load() -> ModuleType | None:
                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         if first_use:
             progress(f"native CPU kernels compiled in {time.monotonic() - started:.0f} s")
+        module.set_bf16_amx(settings().amx)
         return module
     except Exception as exc:  # no compiler, build error: fall back to PyTorch ops
         lines = [line for line in str(exc).splitlines() if line.strip()]

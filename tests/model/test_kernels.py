@@ -231,6 +231,26 @@ def test_bf16_linear_is_exact_on_exact_inputs(ops):
                         ops.pack_bf16_weight(torch.zeros(8, 4, dtype=torch.bfloat16)), None)
 
 
+def test_the_amx_switch_keeps_many_rows_on_the_avx512_kernel(ops):
+    """LOOM_AMX=0 (loom/envs.py, handed to the module as set_bf16_amx): many rows take
+    the AVX-512 micro-kernel, exact on exact inputs like the tiles."""
+    if not ops.bf16_amx_available():
+        pytest.skip("no AMX granted here")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(-4, 5, (33, 2048), generator=gen).bfloat16()
+    weight = torch.randint(-4, 5, (65, 2048), generator=gen).bfloat16()
+    exact = (x.double() @ weight.double().T).bfloat16()
+    ops.set_bf16_amx(False)
+    try:
+        assert not ops.bf16_amx_available()
+        out = torch.empty(33, 65, dtype=torch.bfloat16)
+        ops.bf16_linear(out, x, ops.pack_bf16_weight(weight), None)
+        assert torch.equal(out, exact)
+    finally:
+        ops.set_bf16_amx(True)
+    assert ops.bf16_amx_available()
+
+
 def test_cpu_backend_falls_back_where_the_kernels_do_not_apply(ops):
     """float16 (no native kernel) runs the torch backend's path and gives its result."""
     from loom.model.attention.cpu_backend import CpuAttentionBackend

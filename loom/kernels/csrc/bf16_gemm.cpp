@@ -13,7 +13,7 @@
 // once, about as fast as memory allows (ATen's GEMV and oneDNN take 2-3x longer).
 //
 // More rows run on the AMX tile units where the CPU has them and the OS grants them
-// (amx_permitted; LOOM_AMX=0 turns them off): the same panels are the tiles' B operand
+// (amx_permitted; LOOM_AMX=0, loom/envs.py, turns them off): the same panels are the tiles' B operand
 // as they are (16 pairs x 16 outputs, rows 256 bytes apart), so one copy of the weights
 // serves both paths. 32 x 32 blocks, 4 tile products per 4 tile loads. Measured on the
 // 2-core AVX512-BF16 + AMX VM (benchmarks/cpu_kernels.md): the default model's prefill
@@ -33,7 +33,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 
@@ -144,17 +144,21 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
 constexpr int64_t kAmxRows = 32;
 constexpr int64_t kAmxCols = 32;
 
-// Whether this process may use the tile registers (Linux grants them on request; a
-// kernel or VM that does not leaves AMX off); LOOM_AMX=0 turns the path off.
+// Whether this process may use the tile registers: Linux grants them on request; a
+// kernel or VM that does not leaves AMX off.
 bool amx_permitted() {
   static const bool permitted = [] {
-    const char* env = std::getenv("LOOM_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return permitted;
 }
+#endif
+
+// The LOOM_AMX switch (loom/envs.py), set by the Python side when it loads the module.
+std::atomic<bool> amx_wanted{true};
+
+#if LOOM_HAVE_AMX
 
 // The tile shapes for a block of m rows (1..32): C 0-3, A 4-5, B 6-7.
 void configure_tiles(int64_t m, int64_t& configured) {
@@ -253,11 +257,13 @@ bool bf16_gemm_available() { return LOOM_HAVE_BF16_GEMM; }
 
 bool bf16_amx_available() {
 #if LOOM_HAVE_AMX
-  return amx_permitted();
+  return amx_wanted.load(std::memory_order_relaxed) && amx_permitted();
 #else
   return false;
 #endif
 }
+
+void set_bf16_amx(bool wanted) { amx_wanted.store(wanted, std::memory_order_relaxed); }
 
 at::Tensor pack_bf16_weight(at::Tensor weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&

@@ -8,9 +8,13 @@ namespace loom {
 // Whether this build has the kernel (the compiler targeted AVX512-BF16).
 bool bf16_gemm_available();
 
-// Whether bf16_linear may run many rows on the AMX tile units (built with AMX, the CPU
-// has it, the OS grants it to this process, LOOM_AMX is not 0).
+// Whether bf16_linear (and quantized_linear) may run many rows on the AMX tile units:
+// built with AMX, the CPU has it, the OS grants it to this process, and set_bf16_amx
+// has not turned it off.
 bool bf16_amx_available();
+
+// The LOOM_AMX switch; the Python side sets it when it loads the module.
+void set_bf16_amx(bool wanted);
 
 // weight (N, K) bf16, K even -> the panel layout bf16_linear reads.
 at::Tensor pack_bf16_weight(at::Tensor weight);

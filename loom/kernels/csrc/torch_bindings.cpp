@@ -148,6 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bf16_linear runs here (AVX512-BF16)");
   m.def("bf16_amx_available", &loom::bf16_amx_available,
         "whether bf16_linear runs many rows on the AMX tiles here");
+  m.def("set_bf16_amx", &loom::set_bf16_amx,
+        "allow (the default) or forbid the AMX tiles (LOOM_AMX, loom/envs.py)");
   m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout",
         release());
   m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
