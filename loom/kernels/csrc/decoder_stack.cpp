@@ -173,7 +173,8 @@ at::Tensor DecoderStack::mixture_of_experts(const DecoderLayerWeights& w,
     if (o.renormalize_min > 0) total = at::clamp(total, c10::Scalar(o.renormalize_min));
     topk_weights = topk_weights.div(total);
   }
-  auto counts = at::bincount(topk_ids.flatten(), {}, o.num_experts);
+  auto flat_ids = topk_ids.flatten();
+  auto counts = at::bincount(flat_ids, {}, o.num_experts);  // also fused_experts' segments
   w.tokens_per_expert->add_(counts);
   if (w.step_tokens) w.step_tokens->add_(counts);
 
@@ -212,13 +213,11 @@ at::Tensor DecoderStack::mixture_of_experts(const DecoderLayerWeights& w,
     return out;
   }
   // fused_experts: the T*K assignments sorted by expert, each expert's rows one segment
-  auto flat_ids = topk_ids.flatten();
   auto order = at::argsort(flat_ids, /*stable=*/true);
-  auto segment_counts = at::bincount(flat_ids, {}, o.num_experts);
   auto token_of = order.div(top_k, "floor");
   auto routed = x.index_select(0, token_of);
   auto results = at::empty_like(routed);
-  const int64_t* count = segment_counts.data_ptr<int64_t>();
+  const int64_t* count = counts.data_ptr<int64_t>();
   for (int64_t expert = 0, start = 0; expert < o.num_experts; ++expert) {
     if (count[expert] == 0) continue;
     expert_mlp(results.narrow(0, start, count[expert]), routed.narrow(0, start, count[expert]),
