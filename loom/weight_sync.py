@@ -82,7 +82,7 @@ class WeightPublisher:
         if on_cuda and self.device_ipc is not False:
             return self._write_manifest({"transport": "cuda_ipc", "partial": partial,
                                          "tensors": self._cuda_handles(named_tensors)})
-        tensors = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in named_tensors]
+        tensors = [(name, tensor.to("cpu").contiguous()) for name, tensor in named_tensors]
         layout, offset = [], 0
         for name, tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()

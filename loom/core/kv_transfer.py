@@ -53,7 +53,6 @@ Imports no torch.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -69,9 +68,6 @@ from loom.core.wire import (KVConnectorMetadata, KVHold, KVLoad, KVTransferEvent
 from loom.request import Request
 
 logger = logging.getLogger(__name__)
-
-_LOGPROB_FLOOR = -9999.0
-
 
 class KVTransferParams(msgspec.Struct, kw_only=True):
     """What the prefill instance answers in ``kv_transfer_params``, and what the decode
@@ -258,9 +254,8 @@ class KVTransferScheduler:
             chunks = request.kv_prompt_logprobs
             prompt_logprobs = SampleLogprobs(
                 token_ids=[ids for chunk in chunks for ids in chunk.token_ids],
-                # JSON has no -inf: the floor the API reports for it (serving_engine.finite)
-                logprobs=[[value if math.isfinite(value) else _LOGPROB_FLOOR
-                           for value in values] for chunk in chunks for values in chunk.logprobs],
+                # finite already: the sampler reports -inf as LOGPROB_FLOOR
+                logprobs=[values for chunk in chunks for values in chunk.logprobs],
                 ranks=[rank for chunk in chunks for rank in chunk.ranks])
         return msgspec.to_builtins(KVTransferParams(
             transfer_id=transfer_id, remote_engine_id=self.engine_id,

@@ -39,10 +39,14 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._prompts(request)
         structured_outputs = request_structured_outputs(request)
         transfers = _kv_transfer_params_by_prompt(request.kv_transfer_params, len(prompts))
-        params = [request.to_sampling_params(len(token_ids), self.max_model_len,
-                                             self.default_sampling_params, structured_outputs
-                                             ).clone(kv_transfer_params=transfer)
-                  for (_, token_ids), transfer in zip(prompts, transfers)]
+        params = []
+        for (_, token_ids), transfer in zip(prompts, transfers):
+            prompt_params = request.to_sampling_params(len(token_ids), self.max_model_len,
+                                                       self.default_sampling_params,
+                                                       structured_outputs)
+            if transfer is not request.kv_transfer_params:  # one of a prefill batch's
+                prompt_params = prompt_params.clone(kv_transfer_params=transfer)
+            params.append(prompt_params)
         for prompt_params, (_, token_ids) in zip(params, prompts):
             self.check_params(prompt_params, len(token_ids))
         request_id = f"cmpl-{uuid.uuid4().hex}"
