@@ -14,6 +14,12 @@
 #define LOOM_HAVE_AMX 0
 #endif
 
+namespace loom::amx {
+// Fewer rows than this never take the tiles: they stream the weights once at memory
+// speed already, where a tile product would be mostly empty.
+constexpr int64_t kMinRows = 8;
+}  // namespace loom::amx
+
 #if LOOM_HAVE_AMX
 namespace loom::amx {
 

@@ -57,7 +57,6 @@ namespace {
 constexpr int64_t kPanel = 64;    // output features per panel: 4 vectors of 16
 constexpr int64_t kRowBlock = 6;  // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;  // rows that share one pass over a panel
-constexpr int64_t kAmxMinRows = 8;    // fewer rows than this never take the AMX tiles
 
 #if LOOM_HAVE_BF16_GEMM
 // Rows [0, MR) of x times one panel, over the whole K; writes `cols` (<= 64) outputs.
@@ -305,9 +304,8 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t ldx = x.stride(0), ldy = out.stride(0);
-  // The tiles from kAmxMinRows rows on (fewer rows stream the weights once at memory
-  // speed already, where a tile product would be mostly empty).
-  const bool amx = rows >= kAmxMinRows && pairs % 16 == 0 && bf16_amx_available();
+  // The tiles from amx::kMinRows rows on.
+  const bool amx = rows >= amx::kMinRows && pairs % 16 == 0 && bf16_amx_available();
   const int64_t block = amx ? 32 : kRowBlock;
   // Equal chunks of whole row blocks, at most kMaxRowChunk rows each.
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;

@@ -62,7 +62,6 @@ constexpr int64_t kLanes = 16;       // output rows per panel: one float32 vecto
 constexpr int64_t kBlockBytes = 256; // a block: 32 features of 16 rows at 4 bits, 16 at 8
 constexpr int64_t kRowBlock = 6;     // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;
-constexpr int64_t kAmxMinRows = 8;   // fewer rows than this never take the AMX tiles
 
 // Input features per block: 4-bit blocks pack pair vectors c and c + 8 in one chunk
 // (32 features); 8-bit ones are 8 vectors (16 features), so that an 8-bit group can be
@@ -366,7 +365,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
   // The tiles take 8 rows or more when a group's pairs fill whole tile products (16 at
   // a time, or Q6_K's 8).
   const int64_t group_pairs = w.group_size / 2;
-  const bool amx = rows >= kAmxMinRows && (group_pairs % 16 == 0 || group_pairs == 8) &&
+  const bool amx = rows >= amx::kMinRows && (group_pairs % 16 == 0 || group_pairs == 8) &&
                    bf16_amx_available();
   const int64_t block = amx ? 32 : kRowBlock;
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
