@@ -62,6 +62,11 @@ constexpr int64_t kLanes = 16;       // output rows per panel: one float32 vecto
 constexpr int64_t kBlockBytes = 256; // a block: 32 features of 16 rows at 4 bits, 16 at 8
 constexpr int64_t kRowBlock = 6;     // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;
+// Bytes ahead of the block being read that a streaming row (no unpacked panel) asks the
+// cache for. The hardware prefetcher alone left one thread at ~5 GB/s from memory (the
+// default model's Q8_0 LM head at batch 1: 2.95 ms for 30 MB on 2 threads); 4-8 KB ahead
+// gave 1.8 ms. (benchmarks/quantized.md, 2026-12-02.)
+constexpr int64_t kPrefetch = 8192;
 
 // Input features per block: 4-bit blocks pack pair vectors c and c + 8 in one chunk
 // (32 features); 8-bit ones are 8 vectors (16 features), so that an 8-bit group can be
@@ -92,6 +97,10 @@ void group_sums(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
 }
 
 #if LOOM_HAVE_QUANT_GEMM
+inline void prefetch(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
 template <typename ScaleT>
 inline __m512 load_scales(const uint8_t* p) {
   if constexpr (std::is_same_v<ScaleT, float>)
@@ -153,6 +162,7 @@ template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT, bool UNPA
 void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
                   int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
                   const float* xsum, const float* bias, OutT* y, int64_t ldy, int64_t cols) {
+  constexpr int P = MR >= 4 ? 1 : MR >= 2 ? 2 : 4;  // partial sums per row
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -163,17 +173,23 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
   constexpr int kPairs = BITS == 4 ? 16 : 8;  // pair vectors per block
   int64_t pair = 0;  // index of the next pair of features
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 sum[MR];
-    for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_ps();
+    // P partial sums per row, so that P * MR vdpbf16ps chains run side by side: with
+    // one chain per row, a row alone waits out the instruction's latency at every
+    // product (batch 1 streamed 6.6 GB/s per core, bound by that chain, not by memory).
+    __m512 part[MR][P];
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < P; ++q) part[r][q] = _mm512_setzero_ps();
     for (int64_t i = 0; i < blocks_per_group; ++i, pair += kPairs) {
       if constexpr (UNPACKED) {
         for (int j = 0; j < kPairs; ++j) {
           const __m512bh w = (__m512bh)_mm512_load_si512(unpacked + pair + j);
           for (int r = 0; r < MR; ++r)
-            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
+            part[r][j % P] = _mm512_dpbf16_ps(
+                part[r][j % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
         }
         p += kBlockBytes;
       } else if constexpr (BITS == 4) {
+        for (int l = 0; l < kBlockBytes; l += 64) prefetch(p + kPrefetch + l);
         for (int c = 0; c < 8; ++c) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
           const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(
@@ -181,19 +197,29 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
           const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(
               _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low)), table);
           for (int r = 0; r < MR; ++r) {
-            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + c]), w0);
-            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + c + 8]), w1);
+            part[r][(2 * c) % P] = _mm512_dpbf16_ps(
+                part[r][(2 * c) % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + c]), w0);
+            part[r][(2 * c + 1) % P] = _mm512_dpbf16_ps(
+                part[r][(2 * c + 1) % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + c + 8]), w1);
           }
         }
         p += 256;
       } else {
+        for (int l = 0; l < kBlockBytes; l += 64) prefetch(p + kPrefetch + l);
         for (int j = 0; j < 8; ++j) {
           const __m512bh w = int8x32_to_bf16(p + 32 * j);
           for (int r = 0; r < MR; ++r)
-            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
+            part[r][j % P] = _mm512_dpbf16_ps(
+                part[r][j % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
         }
         p += 256;
       }
+    }
+    __m512 sum[MR];
+    for (int r = 0; r < MR; ++r) {
+      for (int q = P / 2; q > 0; q /= 2)  // a fixed tree: the same order every call
+        for (int t = 0; t < q; ++t) part[r][t] = _mm512_add_ps(part[r][t], part[r][t + q]);
+      sum[r] = part[r][0];
     }
     const __m512 d = load_scales<ScaleT>(p);
     p += kLanes * sizeof(ScaleT);
