@@ -1,17 +1,22 @@
-"""KV blocks held by a long request when every layer attends over a sliding window
-(blocks behind the window freed early, KVCacheManager) against the same checkpoint
-with full attention, step by step, and how many such requests a fixed pool runs at
-once without preemption.
+"""KV held by a long request when layers attend over a sliding window (blocks behind
+the window freed early, KVCacheManager) against the same checkpoint with full
+attention, step by step, and how many such requests a fixed amount of KV memory runs
+at once without preemption.
 
-    python benchmarks/sliding_window_kv.py [--prompt 4096] [--window 512] [--requests 4]
+    python benchmarks/sliding_window_kv.py [--family mistral|gemma3|both]
+                                           [--prompt 4096] [--window 512] [--requests 4]
 
-A random Mistral-shaped checkpoint (hidden 256, 4 layers, 4 query / 2 KV heads of 64,
-window ``--window``) and its copy with ``sliding_window`` null. One request of
-``--prompt`` tokens (chunked prefill, budget 512) plus 32 decoded tokens; then
-``--requests`` such requests at once on a pool sized for one full-attention request.
-Writes benchmarks/results/sliding_window_kv.{json,svg}. Counts are exact (the
-scheduler's blocks in use after each step); times are wall clock on whatever host
-runs it.
+``mistral``: a random Mistral-shaped checkpoint (hidden 256, 4 layers, 4 query / 2 KV
+heads of 64, every layer windowed: one block table) and its copy with
+``sliding_window`` null. ``gemma3``: a random Gemma 3-shaped one (hidden 256, 6
+layers, 5 local with window ``--window`` to 1 global, heads as above: a hybrid KV
+cache, one full group and five sliding ones of one layer each) and its copy with
+every layer global, which holds what one block table per request holds. One request
+of ``--prompt`` tokens (chunked prefill, budget 512) plus 32 decoded tokens; then
+``--requests`` such requests at once in the KV memory of one full-attention request.
+Writes benchmarks/results/sliding_window_kv[_gemma3].{json,svg}. Counts are exact (the
+scheduler's blocks in use after each step; a hybrid cache's blocks hold fewer layers,
+so compare the MiB); times are wall clock on whatever host runs it.
 """
 
 from __future__ import annotations
@@ -30,18 +35,29 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BLOCK_SIZE, BUDGET, NEW_TOKENS = 16, 512, 32
 
 
-def make_checkpoints(root: str, window: int, max_len: int) -> tuple[str, str]:
-    from transformers import AutoModelForCausalLM, MistralConfig
+GEMMA3_LAYERS = 6  # five local, one global: layers_per_block 1 in the hybrid cache
 
-    config = MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           vocab_size=1024, max_position_embeddings=max_len,
-                           sliding_window=window, tie_word_embeddings=False)
+
+def make_checkpoints(root: str, family: str, window: int, max_len: int) -> tuple[str, str]:
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                 max_position_embeddings=max_len, sliding_window=window,
+                 tie_word_embeddings=False)
+    if family == "mistral":
+        config = MistralConfig(num_hidden_layers=4, **shape)
+    else:
+        config = Gemma3TextConfig(num_hidden_layers=GEMMA3_LAYERS, query_pre_attn_scalar=64,
+                                  **shape)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     windowed, full = os.path.join(root, "windowed"), os.path.join(root, "full")
     model.save_pretrained(windowed)
-    model.config.sliding_window = None
+    if family == "mistral":
+        model.config.sliding_window = None
+    else:
+        model.config.layer_types = ["full_attention"] * GEMMA3_LAYERS
     model.save_pretrained(full)
     return windowed, full
 
@@ -65,7 +81,8 @@ def blocks_per_step(path: str, prompts: list[list[int]], num_blocks: int | None)
                   seconds=round(elapsed, 2), preemptions=core.get_stats().num_preemptions,
                   freed_early=core.scheduler.kv_cache.num_blocks_freed_early,
                   bytes_per_block=core.executor.kv_cache_bytes_per_block,
-                  pool_blocks=core.num_blocks)
+                  pool_blocks=core.num_blocks,
+                  kv_cache_groups=list(core.scheduler.kv_cache.group_windows))
     llm.shutdown()
     return result
 
@@ -92,7 +109,7 @@ def write_svg(path: str, series: dict[str, list[int]], title: str) -> None:
              f'<text x="{pad - 6}" y="{pad}" text-anchor="end">{max_y}</text>',
              f'<text x="{pad - 6}" y="{height - pad}" text-anchor="end">0</text>',
              f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" '
-             'text-anchor="middle">KV blocks in use</text>']
+             'text-anchor="middle">KV in use</text>']
     for n, (name, values) in enumerate(series.items()):
         color = colors[n % len(colors)]
         points = " ".join(xy(i, v) for i, v in enumerate(values))
@@ -105,41 +122,58 @@ def write_svg(path: str, series: dict[str, list[int]], title: str) -> None:
         f.write("\n".join(parts) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", type=int, default=4096)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--requests", type=int, default=4)
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+def measure(family: str, args: argparse.Namespace) -> None:
     max_len = args.prompt + NEW_TOKENS + 16
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1024, (args.prompt,), generator=generator).tolist()
                for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as root:
-        windowed, full = make_checkpoints(root, args.window, max_len)
+        windowed, full = make_checkpoints(root, family, args.window, max_len)
         one = {name: blocks_per_step(path, prompts[:1], None)
                for name, path in (("windowed", windowed), ("full", full))}
-        # a pool that holds one full-attention request (and the start-up check's minimum)
+        # the KV memory of one full-attention request (the start-up check's minimum), in
+        # each run's blocks: a hybrid cache's block holds 1 of the 6 layers
         pool = -(-max_len // BLOCK_SIZE)
-        many = {name: blocks_per_step(path, prompts, pool)
+        pools = {"windowed": pool * (GEMMA3_LAYERS if family == "gemma3" else 1),
+                 "full": pool}
+        many = {name: blocks_per_step(path, prompts, pools[name])
                 for name, path in (("windowed", windowed), ("full", full))}
-    report = dict(prompt=args.prompt, window=args.window, block_size=BLOCK_SIZE,
-                  budget=BUDGET, new_tokens=NEW_TOKENS, one_request=one,
-                  requests=args.requests, pool_blocks=pool, many_requests=many)
+    report = dict(family=family, prompt=args.prompt, window=args.window,
+                  block_size=BLOCK_SIZE, budget=BUDGET, new_tokens=NEW_TOKENS,
+                  one_request=one, requests=args.requests, pool_blocks=pools,
+                  many_requests=many)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "sliding_window_kv.json"), "w") as f:
+    name = "sliding_window_kv" + ("_gemma3" if family == "gemma3" else "")
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1)
-    write_svg(os.path.join(RESULTS, "sliding_window_kv.svg"),
-              {f"window {args.window}, blocks behind it freed": one["windowed"]["blocks_in_use"],
-               "same checkpoint, full attention": one["full"]["blocks_in_use"]},
-              f"one {args.prompt}-token prompt + {NEW_TOKENS} tokens, blocks of {BLOCK_SIZE}")
-    for label, runs in (("one request", one), (f"{args.requests} requests, pool {pool}", many)):
+    # in MiB, since a hybrid cache's blocks are smaller
+    series = {f"window {args.window}, blocks behind it freed": one["windowed"],
+              "same checkpoint, full attention" if family == "mistral" else
+              "same weights, every layer global": one["full"]}
+    write_svg(os.path.join(RESULTS, f"{name}.svg"),
+              {label: [n * run["bytes_per_block"] // 2**10 for n in run["blocks_in_use"]]
+               for label, run in series.items()},
+              f"{family}: one {args.prompt}-token prompt + {NEW_TOKENS} tokens, KiB of KV")
+    mib = pool * one["full"]["bytes_per_block"] / 2 ** 20
+    for label, runs in (("one request", one),
+                        (f"{args.requests} requests, {mib:.1f} MiB", many)):
         for name, run in runs.items():
             mib = run["peak_blocks"] * run["bytes_per_block"] / 2 ** 20
-            print(f"{label:>22} {name:>8}: peak {run['peak_blocks']:4d} blocks "
+            print(f"{family:>7} {label:>24} {name:>8}: peak {run['peak_blocks']:4d} blocks "
                   f"({mib:6.1f} MiB), {run['steps']} steps, {run['seconds']:.1f} s, "
                   f"{run['preemptions']} preemptions, {run['freed_early']} freed early")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("mistral", "gemma3", "both"), default="both")
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    for family in ("mistral", "gemma3") if args.family == "both" else (args.family,):
+        measure(family, args)
 
 
 if __name__ == "__main__":

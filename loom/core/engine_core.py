@@ -52,8 +52,9 @@ class EngineCore:
         self.num_blocks = executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    config.speculative, config.early_stop,
-                                   getattr(executor, "kv_cache_window", 0) or None,
-                                   config.kv_transfer, config.parallel.tensor_parallel_size)
+                                   None, config.kv_transfer,
+                                   config.parallel.tensor_parallel_size,
+                                   getattr(executor, "kv_cache_groups", None))
         # Prefill/decode disaggregation: the ranks' transfer threads report here.
         self.kv_events = None
         if config.kv_transfer is not None:

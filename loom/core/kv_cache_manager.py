@@ -8,25 +8,40 @@ A new request looks up its hashes in order and stops at the first miss; those hi
 are its computed prefix. The last prompt token is always recomputed, because its
 logits are what the first sampled token comes from.
 
-Sliding windows. When every attention layer of the model reads only the last
-``sliding_window`` W positions (Mistral with a window; the workers report it), a query
-at position p never reads keys before p - W + 1, and every query still to come sits at
-``num_computed_tokens`` or later. So before each allocation the request's blocks that
-lie wholly before ``num_computed_tokens - W + 1`` go back to the pool (cached, if
-caching is on: they still hold a valid prefix). Their places in the request's block
-list stay, as None, so block indices keep meaning token positions; the workers keep
-the old ids in their block tables and never read them (the kernels mask keys outside
-the window, and a reused block holds another request's finite values):
+KV cache groups (vLLM's hybrid KV cache). The workers split the model's attention
+layers into groups of equally many layers, each group reading either every position
+(full attention) or only the last W (a sliding window), and report one window per
+group (None: full). A request holds one block list per group, all covering the same
+positions; a block of the one pool holds one position range of every layer of the
+group that owns it (the workers' layer i of each group shares one cache tensor, so
+the pool's blocks are interchangeable between groups). One group of full layers is
+the plain case; Mistral with a window is one sliding group; Gemma 3 is one or more
+full groups and five times as many sliding ones.
+
+Sliding groups. A query at position p never reads keys before p - W + 1, and every
+query still to come sits at ``num_computed_tokens`` or later. So before each
+allocation a sliding group's blocks that lie wholly before ``num_computed_tokens -
+W + 1`` go back to the pool (cached, if caching is on: they still hold a valid
+prefix). Their places in the list stay, as None, so block indices keep meaning token
+positions; the workers keep the old ids in their block tables and never read them
+(the kernels mask keys outside the window, and a reused block holds another
+request's finite values):
 
     positions   0 ....... 15 16 ...... 31 32 ...... 47 48 .. 53     W = 20, 54 computed
-    blocks      [  None   ] [   None   ]  [    b2     ] [  b3  ]    first needed: 35
+    full group  [   b0    ] [    b1    ]  [    b2     ] [  b3  ]
+    window grp  [  None   ] [   None   ]  [    b6     ] [  b7  ]    first needed: 35
 
-A model with any full-attention layer (Gemma 3 interleaves them) needs every block,
-so nothing is freed: that would take a block table per layer group (vLLM's hybrid
-KV cache manager), which loom does not have.
+A prefix-cache hit of n blocks needs, in each full group, its first n blocks cached,
+and in each sliding group only the blocks the first query to come reads (those
+covering n * block_size - W + 1 onwards): the hit is the longest n all groups agree
+on (vLLM's HybridKVCacheCoordinator over FullAttentionManager and
+SlidingWindowManager).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from functools import partial
 
 from loom.core.block_pool import BlockPool, KVBlock
 from loom.request import Request
@@ -39,20 +54,41 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+                 sliding_window: int | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
+        """``group_windows``: each KV cache group's window (None: full attention);
+        ``sliding_window`` is the one-group shorthand (every layer reads only the last
+        W positions; None: every layer reads all)."""
+        if group_windows is None:
+            group_windows = (sliding_window,)
+        elif sliding_window is not None:
+            raise ValueError("give sliding_window or group_windows, not both")
+        if not group_windows:
+            raise ValueError("a KV cache needs at least one group")
+        for window in group_windows:
+            if window is not None and window < 1:
+                raise ValueError(f"sliding_window must be positive or None, got {window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
+        self.group_windows: tuple[int | None, ...] = tuple(group_windows)
         self.pool = BlockPool(num_blocks, enable_caching)
-        # A request's blocks by position; None where a block left every window (freed).
-        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
+        # A request's blocks per group, by position; None where a block left every
+        # window of its group (freed).
+        self.req_to_blocks: dict[str, list[list[KVBlock | None]]] = {}
         # How many leading blocks of each request are already registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
-        # How many leading blocks of each request were freed as outside the window.
-        self._num_skipped_blocks: dict[str, int] = {}
+        # How many leading blocks of each request's groups were freed as outside the window.
+        self._num_skipped_blocks: dict[str, list[int]] = {}
         self.num_blocks_freed_early = 0  # total over the pool's life, for stats and tests
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of a one-group cache (None: full attention, or several groups)."""
+        return self.group_windows[0] if self.num_groups == 1 else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,62 +101,89 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of ``request``: its blocks and its token count.
+    def get_computed_blocks(self, request: Request
+                            ) -> tuple[list[list[KVBlock | None]], int]:
+        """The longest cached prefix of ``request``: each group's blocks for it (None
+        where a sliding group needs none) and its token count.
 
         None for a request that wants prompt logprobs: it computes its whole prompt,
         since a hit would skip the logits those need (as in vLLM)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return [[] for _ in self.group_windows], 0
         self._update_block_hashes(request)
         # Hits may cover at most num_tokens - 1 tokens: the last one is recomputed.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        cached = [[self.pool.get_cached_block(_cache_key(h, group)) for h in hashes]
+                  for group in range(self.num_groups)]
+        # Each group's longest hit no longer than the others' agreed one, until all
+        # agree (a full group's hits are prefix-closed; a sliding group's are not).
+        num_hit, changed = len(hashes), True
+        while changed:
+            changed = False
+            for group, window in enumerate(self.group_windows):
+                longest = (_longest_prefix(cached[group], num_hit) if window is None else
+                           _longest_window_hit(cached[group], num_hit, partial(
+                               self._first_needed_block, window)))
+                if longest < num_hit:
+                    num_hit, changed = longest, True
         hits = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        for group, window in enumerate(self.group_windows):
+            first = 0 if window is None else self._first_needed_block(window, num_hit)
+            hits.append([None] * first + cached[group][first:num_hit])
+        return hits, num_hit * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None,
-                       num_lookahead_tokens: int = 0,
-                       cache_blocks: bool = True) -> list[KVBlock] | None:
+                       new_computed_blocks: list[list[KVBlock | None]] | None = None,
+                       num_lookahead_tokens: int = 0, cache_blocks: bool = True,
+                       num_absent_blocks: int = 0) -> list[KVBlock] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens this step.
 
         ``new_computed_blocks`` are prefix-cache hits of a request being scheduled
-        from waiting. ``num_lookahead_tokens`` more slots are booked but not computed
-        (a draft model writes its drafts' K/V there). ``cache_blocks=False``: the new
-        blocks' K/V comes from elsewhere later (a KV transfer), so they enter the prefix
-        cache only when it has arrived (``cache_blocks``). Returns the newly allocated
-        blocks, or None (and changes nothing) when the pool cannot hold them.
+        from waiting, per group. ``num_lookahead_tokens`` more slots are booked but not
+        computed (a draft model writes its drafts' K/V there). ``cache_blocks=False``: the
+        new blocks' K/V comes from elsewhere later (a KV transfer), so they enter the
+        prefix cache only when it has arrived (``cache_blocks``); its first
+        ``num_absent_blocks`` blocks never will (a sliding window left them behind on
+        the sending side), so they are neither allocated nor counted, only placed as
+        None. Returns the newly allocated blocks, or None (and changes nothing) when
+        the pool cannot hold them.
 
             | computed (incl. hits) | new this step | lookahead | ... rest of the last block |
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if self.sliding_window is not None:
-            self._free_blocks_outside_window(request.request_id, blocks,
-                                             request.num_computed_tokens)
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        hits = new_computed_blocks or [[] for _ in self.group_windows]
+        num_hit_blocks = len(hits[0])
+        request_id = request.request_id
+        groups = self.req_to_blocks.get(request_id)
+        if groups is None:
+            groups = [[] for _ in self.group_windows]
+        for group, window in enumerate(self.group_windows):
+            if window is not None:
+                self._free_blocks_outside_window(request_id, group, groups[group],
+                                                 request.num_computed_tokens, window)
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
-        num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
+        num_absent = max(0, min(num_absent_blocks, num_required)
+                         - len(groups[0]) - num_hit_blocks)
+        num_to_allocate = max(num_required - len(groups[0]) - num_hit_blocks - num_absent, 0)
         # Hits sitting idle in the free queue are not free for this allocation.
-        num_idle_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_to_allocate + num_idle_hits > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        num_idle_hits = sum(1 for group_hits in hits for block in group_hits
+                            if block is not None and block.ref_cnt == 0)
+        if num_to_allocate * self.num_groups + num_idle_hits > self.pool.num_free_blocks:
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_to_allocate, 0))
-        blocks.extend(new_blocks)
+        self.req_to_blocks[request_id] = groups
+        new_blocks = []
+        for group, blocks in enumerate(groups):
+            self.pool.touch(block for block in hits[group] if block is not None)
+            blocks.extend(hits[group])
+            blocks.extend([None] * num_absent)
+            allocated = self.pool.get_new_blocks(num_to_allocate)
+            blocks.extend(allocated)
+            new_blocks += allocated
+        if num_absent:
+            for group, blocks in enumerate(groups):
+                self._skip_blocks(request_id, group, blocks, num_hit_blocks + num_absent)
         if self.enable_caching and cache_blocks:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        if self.sliding_window is not None and new_computed_blocks:
-            # hits wholly behind the window were taken only to be let go
-            self._free_blocks_outside_window(request.request_id, blocks, num_computed)
+            self._cache_full_blocks(request, groups, num_computed + num_new_tokens)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -129,58 +192,68 @@ class KVCacheManager:
             self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def take_blocks(self, request: Request) -> list[KVBlock | None]:
-        """The request's blocks, which it gives up without freeing them: the caller now
-        holds their references (a prefill instance keeps them for a KV transfer). None
-        where a block already left the sliding window."""
+        """The request's blocks (one group's: a KV transfer takes one-group caches only),
+        which it gives up without freeing them: the caller now holds their references
+        (a prefill instance keeps them for a KV transfer). None where a block already
+        left the sliding window."""
+        assert self.num_groups == 1, "a KV transfer moves one-group caches only"
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_skipped_blocks.pop(request.request_id, None)
-        return self.req_to_blocks.pop(request.request_id, [])
+        return self.req_to_blocks.pop(request.request_id, [[]])[0]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its prefix stays cached longest."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        groups = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_skipped_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
+        for blocks in groups:
+            self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
 
-    def free_leading_blocks(self, request: Request, num_blocks: int) -> None:
-        """Free the request's first ``num_blocks`` blocks now, as if a sliding window had
-        passed them (a KV transfer whose prefill side had already freed them: nothing
-        will fill them, so they must not enter the prefix cache either)."""
-        self._skip_blocks(request.request_id, self.req_to_blocks[request.request_id],
-                          num_blocks)
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table. A freed block's entry is never sent (the workers
-        got its id when it was allocated), but a table has no holes: it reads 0."""
-        return [0 if block is None else block.block_id
-                for block in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's block table in ``group``. A freed block's entry is never sent
+        (the workers got its id when it was allocated), but a table has no holes: it
+        reads 0."""
+        groups = self.req_to_blocks.get(request_id)
+        if groups is None:
+            return []
+        return [0 if block is None else block.block_id for block in groups[group]]
 
     def num_blocks_held(self, request_id: str) -> int:
-        return sum(block is not None for block in self.req_to_blocks.get(request_id, []))
+        return sum(block is not None for blocks in self.req_to_blocks.get(request_id, [])
+                   for block in blocks)
 
-    def _free_blocks_outside_window(self, request_id: str, blocks: list[KVBlock | None],
-                                    num_computed: int) -> None:
-        """Return the blocks wholly before the first key any query still to come reads
-        (position ``num_computed - W + 1``) to the pool, oldest first, so that with
-        caching on they are evicted first."""
-        first_needed = num_computed - self.sliding_window + 1
-        self._skip_blocks(request_id, blocks, max(first_needed, 0) // self.block_size)
+    def _first_needed_block(self, window: int, num_blocks: int) -> int:
+        """The first block a query at position ``num_blocks * block_size`` reads."""
+        return max(num_blocks * self.block_size - window + 1, 0) // self.block_size
 
-    def _skip_blocks(self, request_id: str, blocks: list[KVBlock | None],
+    def _free_blocks_outside_window(self, request_id: str, group: int,
+                                    blocks: list[KVBlock | None], num_computed: int,
+                                    window: int) -> None:
+        """Return ``group``'s blocks wholly before the first key any query still to
+        come reads (position ``num_computed - W + 1``) to the pool, oldest first, so
+        that with caching on they are evicted first."""
+        first_needed = max(num_computed - window + 1, 0) // self.block_size
+        self._skip_blocks(request_id, group, blocks, first_needed)
+
+    def _skip_blocks(self, request_id: str, group: int, blocks: list[KVBlock | None],
                      num_skipped: int) -> None:
-        """Free the request's first ``num_skipped`` blocks, keeping their places as None."""
+        """Free the first ``num_skipped`` of ``group``'s ``blocks``, keeping their
+        places as None."""
         num_skipped = min(num_skipped, len(blocks))
-        start = self._num_skipped_blocks.get(request_id, 0)
+        skipped = self._num_skipped_blocks.get(request_id)
+        start = skipped[group] if skipped is not None else 0
         if num_skipped <= start:
             return
+        if skipped is None:
+            skipped = self._num_skipped_blocks[request_id] = [0] * self.num_groups
         freed = [block for block in blocks[start:num_skipped] if block is not None]
         blocks[start:num_skipped] = [None] * (num_skipped - start)
-        self._num_skipped_blocks[request_id] = num_skipped
+        skipped[group] = num_skipped
         self.pool.free_blocks(freed)
         self.num_blocks_freed_early += len(freed)
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, groups: list[list[KVBlock | None]],
+                           num_tokens: int) -> None:
         """Register every block that will be full of known tokens after this step.
 
         Safe before the step runs: within one forward each layer writes all new K/V
@@ -191,9 +264,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            if blocks[i] is not None:
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        for group, blocks in enumerate(groups):
+            for i in range(start, num_full):
+                if blocks[i] is not None:
+                    self.pool.cache_block(blocks[i], _cache_key(request.block_hashes[i], group))
         self._num_cached_blocks[request.request_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> None:
@@ -204,3 +278,31 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(hash_block_tokens(parent, chunk))
+
+
+def _cache_key(block_hash: int, group: int) -> Hashable:
+    """A block's key in the pool's cache: group 0's is its hash, another group's the
+    pair (its blocks hold other layers' K/V for the same tokens)."""
+    return block_hash if group == 0 else (block_hash, group)
+
+
+def _longest_prefix(cached: list[KVBlock | None], limit: int) -> int:
+    """How many of the first ``limit`` blocks are cached, counting from the start."""
+    for i in range(limit):
+        if cached[i] is None:
+            return i
+    return limit
+
+
+def _longest_window_hit(cached: list[KVBlock | None], limit: int, first_needed) -> int:
+    """The largest n <= ``limit`` whose blocks ``first_needed(n) .. n - 1`` are all
+    cached (0 always qualifies: nothing is read)."""
+    # run[i]: how many cached blocks end at block i, counting back from it
+    run, count = [], 0
+    for block in cached[:limit]:
+        count = count + 1 if block is not None else 0
+        run.append(count)
+    for n in range(limit, 0, -1):
+        if run[n - 1] >= n - first_needed(n):
+            return n
+    return 0

@@ -44,8 +44,9 @@ The life of a transfer, and who frees what:
              writing them
 
 Sliding windows: blocks the prefill instance already freed behind the window are -1
-in ``remote_block_ids``; the decode instance frees its own blocks there at once (no
-query to come reads them) and never pulls them, so they never enter its prefix cache.
+in ``remote_block_ids``; the decode instance allocates none there (no query to come
+reads them; ``allocate_slots``' ``num_absent_blocks``) and never pulls them, so they never
+enter its prefix cache. A hybrid model's several KV cache groups are refused (Scheduler).
 
 Imports no torch.
 """

@@ -23,7 +23,7 @@ schedules ``1 + num_drafts`` tokens; what the runner rejects is rolled back from
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from loom.config import (CacheConfig, EarlyStopConfig, KVTransferConfig, SchedulerConfig,
                          SpeculativeConfig)
@@ -40,11 +40,14 @@ class Scheduler:
                  num_blocks: int, speculative_config: SpeculativeConfig | None = None,
                  early_stop_config: EarlyStopConfig | None = None,
                  sliding_window: int | None = None,
-                 kv_transfer_config: KVTransferConfig | None = None, tp_size: int = 1) -> None:
+                 kv_transfer_config: KVTransferConfig | None = None, tp_size: int = 1,
+                 kv_cache_groups: Sequence[int | None] | None = None) -> None:
         """``sliding_window``: every attention layer reads only the last this many
-        positions (the workers' ``kv_cache_window``), so blocks behind it are freed early;
-        None when some layer reads them all. ``kv_transfer_config``: this instance's
-        side of prefill/decode disaggregation (core/kv_transfer.py)."""
+        positions, so blocks behind it are freed early; None when some layer reads them
+        all. ``kv_cache_groups``: instead, the window of each KV cache group (None: full
+        attention), as the workers report them (a hybrid model: kv_cache_manager.py).
+        ``kv_transfer_config``: this instance's side of prefill/decode disaggregation
+        (core/kv_transfer.py), which moves one-group caches only."""
         self.config = scheduler_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
@@ -52,7 +55,13 @@ class Scheduler:
                            and early_stop_config.enable_early_stop else None)
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
-                                       cache_config.enable_prefix_caching, sliding_window)
+                                       cache_config.enable_prefix_caching, sliding_window,
+                                       kv_cache_groups)
+        if kv_transfer_config is not None and self.kv_cache.num_groups > 1:
+            raise ValueError(
+                f"prefill/decode disaggregation moves a KV cache of one group, but this "
+                f"model's has {self.kv_cache.num_groups} (full-attention and sliding-window "
+                "layers in separate block tables); run it without --kv-transfer-config")
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -176,7 +185,7 @@ class Scheduler:
             # (its prefix-cache lookup was counted when its pull began).
             arrived = request.request_id in self.kv_cache.req_to_blocks
             if arrived:
-                computed_blocks, num_hit_tokens = [], request.num_computed_tokens
+                computed_blocks, num_hit_tokens = None, request.num_computed_tokens
             else:
                 computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
@@ -436,7 +445,7 @@ class Scheduler:
             request = self.requests[req_id]
             if (request.kv_transfer_id is not None
                     and request.num_computed_tokens + num_tokens >= request.num_tokens):
-                self.kv_transfer.schedule_hold(request, self.kv_cache.req_to_blocks[req_id])
+                self.kv_transfer.schedule_hold(request, self.kv_cache.req_to_blocks[req_id][0])
 
     def _hold_for_decode(self, request: Request) -> dict:
         """Prefill side: a finished request leaves, its blocks stay for the decode
@@ -449,17 +458,16 @@ class Scheduler:
     def _start_kv_load(self, request: Request) -> bool:
         """Decode side: blocks for the prompt, local prefix-cache hits included, and the
         ranks told to pull the rest; False if they do not fit. Blocks the prefill
-        instance freed behind a sliding window (-1 there) are freed here at once: no
-        query to come reads them, and nothing fills them."""
+        instance freed behind a sliding window (-1 there) are neither allocated nor
+        counted: no query to come reads them, and nothing fills them."""
         load = request.kv_load
         hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
         num_new_tokens = load.remote_num_tokens - num_hit_tokens
-        if self.kv_cache.allocate_slots(request, num_new_tokens, hits,
-                                        cache_blocks=False) is None:
-            return False
         num_outside_window = next((i for i, block_id in enumerate(load.remote_block_ids)
                                    if block_id >= 0), len(load.remote_block_ids))
-        self.kv_cache.free_leading_blocks(request, num_outside_window)
+        if self.kv_cache.allocate_slots(request, num_new_tokens, hits, cache_blocks=False,
+                                        num_absent_blocks=num_outside_window) is None:
+            return False
         self.waiting.popleft()
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
@@ -532,7 +540,9 @@ class Scheduler:
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids, sampling_params=request.sampling_params,
             eos_token_ids=sorted(request.eos_token_ids),
-            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens)
+            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
+            group_block_ids=[self.kv_cache.get_block_ids(request.request_id, group)
+                             for group in range(1, self.kv_cache.num_groups)])
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:
         req_id = request.request_id
@@ -544,7 +554,9 @@ class Scheduler:
         return CachedRequestData(
             req_id=req_id, new_token_ids=request.all_token_ids[num_sent:],
             new_block_ids=block_ids[num_blocks_sent:],
-            num_computed_tokens=request.num_computed_tokens)
+            num_computed_tokens=request.num_computed_tokens,
+            new_group_block_ids=[self.kv_cache.get_block_ids(req_id, group)[num_blocks_sent:]
+                                 for group in range(1, self.kv_cache.num_groups)])
 
 
 def _slice_logprobs(logprobs: SampleLogprobs, start: int, end: int) -> SampleLogprobs:

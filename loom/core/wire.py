@@ -33,8 +33,10 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     output_token_ids: list[int]  # non-empty only when resuming after preemption
     sampling_params: SamplingParams
     eos_token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[int]  # KV cache group 0's block table (the only group but for hybrids)
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in block_ids
+    # Groups 1.. of a hybrid KV cache (core/kv_cache_manager.py), each as block_ids.
+    group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -42,6 +44,7 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     new_token_ids: list[int]  # tokens appended since the worker last saw this request
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_group_block_ids: list[list[int]] = []  # groups 1.., each as new_block_ids
 
 
 class KVHold(msgspec.Struct, array_like=True):
@@ -174,6 +177,8 @@ class RemoteStatus(msgspec.Struct, tag="status"):
     step_started: float = 0.0
     kv_cache_bytes_per_block: int = 0
     kv_cache_window: int = 0  # as WorkerSignals.kv_cache_window
+    kv_cache_num_groups: int = 1  # as WorkerSignals.kv_cache_num_groups
+    kv_cache_num_full_groups: int = 1
     weights_status: int = 0  # as WorkerSignals.weights_status
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 from loom.config import EngineConfig
@@ -36,9 +37,19 @@ class Executor(abc.ABC):
     ``shutdown`` stops every rank and may be called more than once."""
 
     kv_cache_bytes_per_block: int  # rank 0's, set by initialize()
-    # rank 0's ModelRunner.kv_cache_window (0: some layer reads every position), set by
-    # initialize(): the scheduler frees blocks behind it early
+    # rank 0's ModelRunner.kv_cache_window (0: every layer reads every position) and its
+    # KV cache groups (how many, how many of full attention), set by initialize(): the
+    # scheduler frees blocks behind the window early
     kv_cache_window: int = 0
+    kv_cache_num_groups: int = 1
+    kv_cache_num_full_groups: int = 1
+
+    @property
+    def kv_cache_groups(self) -> list[int | None]:
+        """Each KV cache group's window (None: full attention), full groups first."""
+        window = self.kv_cache_window or None
+        num_full = self.kv_cache_num_full_groups if window else self.kv_cache_num_groups
+        return [None] * num_full + [window] * (self.kv_cache_num_groups - num_full)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -86,7 +97,24 @@ def rpc_error(method: str, rank: int, exc_type: str | None, error: str) -> Excep
     return RPCError(f"{method} failed on rank {rank}: {exc_type}: {error}")
 
 
-def cap_num_blocks(config: EngineConfig, num_blocks: int) -> int:
+def blocks_per_sequence(config: EngineConfig,
+                        kv_cache_groups: Sequence[int | None] = (None,)) -> int:
+    """The most blocks one sequence of ``max_model_len`` holds at once: in each full
+    group one per ``block_size`` positions; in each sliding group of a hybrid cache
+    (``kv_cache_groups``: each group's window) its window's and one step's tokens'.
+    One group, windowed or not, counts every position (as before groups existed)."""
+    block_size = config.cache.block_size
+    seq_blocks = -(-config.model.max_model_len // block_size)
+    if len(kv_cache_groups) == 1:
+        return seq_blocks
+    step = config.scheduler.max_num_batched_tokens
+    return sum(seq_blocks if window is None
+               else min(seq_blocks, (window - 1 + step - 1) // block_size + 2)
+               for window in kv_cache_groups)
+
+
+def cap_num_blocks(config: EngineConfig, num_blocks: int,
+                   kv_cache_groups: Sequence[int | None] = (None,)) -> int:
     """No more blocks than ``max_num_seqs`` sequences of ``max_model_len`` can fill at once.
 
     Past that, memory would only keep stale prefix-cache entries, and on CPU every
@@ -94,14 +122,15 @@ def cap_num_blocks(config: EngineConfig, num_blocks: int) -> int:
     """
     if config.cache.num_gpu_blocks_override is not None:
         return num_blocks
-    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    blocks_per_seq = blocks_per_sequence(config, kv_cache_groups)
     return min(num_blocks, config.scheduler.max_num_seqs * blocks_per_seq)
 
 
-def check_num_blocks(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> None:
+def check_num_blocks(config: EngineConfig, num_blocks: int, bytes_per_block: int,
+                     kv_cache_groups: Sequence[int | None] = (None,)) -> None:
     """Fail at start-up, naming the knobs, if one max_model_len sequence cannot fit."""
     block_size = config.cache.block_size
-    needed = -(-config.model.max_model_len // block_size)
+    needed = blocks_per_sequence(config, kv_cache_groups)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache has room for {num_blocks} blocks ({num_blocks * block_size} tokens) "
@@ -116,23 +145,30 @@ def check_num_blocks(config: EngineConfig, num_blocks: int, bytes_per_block: int
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
 
-def lean_cpu_kv_cache_bytes(config: EngineConfig, bytes_per_block: int) -> int:
+def lean_cpu_kv_cache_bytes(config: EngineConfig, bytes_per_block: int,
+                            kv_cache_groups: Sequence[int | None] = (None,)) -> int:
     """The CPU's default KV budget: ``max_num_seqs`` sequences of ``max_model_len``, at
     most DEFAULT_CPU_KV_CACHE_BYTES, at least one sequence of max_model_len.
 
         SmolLM2-135M, bf16: 22.5 KiB a token; 64 x 4,096 tokens would be 5.6 GiB,
         capped to 0.5 GiB = 23,296 tokens = 5.7 sequences of 4,096
     """
-    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    blocks_per_seq = blocks_per_sequence(config, kv_cache_groups)
     wanted = config.scheduler.max_num_seqs * blocks_per_seq * bytes_per_block
     return max(min(wanted, DEFAULT_CPU_KV_CACHE_BYTES), blocks_per_seq * bytes_per_block)
 
 
-def kv_cache_summary(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> str:
+def kv_cache_summary(config: EngineConfig, num_blocks: int, bytes_per_block: int,
+                     kv_cache_groups: Sequence[int | None] = (None,)) -> str:
     """One line for the start-up log: size, tokens, and how many max_model_len
-    requests fit at once (as vLLM's "Maximum concurrency" line)."""
-    tokens = num_blocks * config.cache.block_size
+    requests fit at once (as vLLM's "Maximum concurrency" line). A hybrid cache's
+    blocks are shared by its groups: tokens counted as one sequence holds them."""
     max_model_len = config.model.max_model_len
+    concurrency = num_blocks / blocks_per_sequence(config, kv_cache_groups)
+    groups = (f" in {len(kv_cache_groups)} groups ({kv_cache_groups.count(None)} of full "
+              f"attention)" if len(kv_cache_groups) > 1 else "")
+    tokens = (num_blocks * config.cache.block_size if not groups
+              else int(concurrency * max_model_len))
     return (f"KV cache {num_blocks * bytes_per_block / 2**30:.2f} GiB, {tokens:,} tokens "
-            f"({num_blocks:,} blocks of {config.cache.block_size}); maximum concurrency for "
-            f"{max_model_len:,} tokens per request: {tokens / max_model_len:.2f}x")
+            f"({num_blocks:,} blocks of {config.cache.block_size}{groups}); maximum concurrency "
+            f"for {max_model_len:,} tokens per request: {concurrency:.2f}x")

@@ -178,18 +178,21 @@ class MultiProcExecutor(Executor):
                     f"ranks {waiting} were not ready after worker_start_timeout_s="
                     f"{parallel.worker_start_timeout_s:.0f}s; {self.not_ready_hint}")
         self.profiled_num_blocks = int(self.signals.profiled_blocks.min())
-        num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
+        self.kv_cache_window = int(self.signals.kv_cache_window[0])
+        self.kv_cache_num_groups = int(self.signals.kv_cache_num_groups[0])
+        self.kv_cache_num_full_groups = int(self.signals.kv_cache_num_full_groups[0])
+        num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks, self.kv_cache_groups)
         self.startup_time_s = time.monotonic() - started
         # Every rank ran check_num_blocks on this count before it allocated (a failure
         # arrived as its ValueError), and published the bytes of its blocks: nothing here
         # imports torch or reads the checkpoint's config (~250 MiB resident).
         self.kv_cache_bytes_per_block = int(self.signals.kv_cache_bytes_per_block[0])
-        self.kv_cache_window = int(self.signals.kv_cache_window[0])
         resident = [usage["rss"] / 2**20 for usage in self.collective_rpc("memory_usage")]
         logger.info("%d worker(s) ready in %.1fs; %d KV blocks; resident MiB per rank: %s",
                     parallel.world_size, self.startup_time_s, num_blocks,
                     ", ".join(f"{rss:.0f}" for rss in resident))
-        progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))
+        progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block,
+                                  self.kv_cache_groups))
         return num_blocks
 
     # ----------------------------------------------------------------- steps
@@ -324,7 +327,9 @@ class MultiProcExecutor(Executor):
         while message is not None:
             if isinstance(message, RemoteStatus):
                 for name in ("loaded", "ready", "profiled_blocks", "kv_cache_bytes_per_block",
-                             "kv_cache_window", "step", "step_started", "weights_status"):
+                             "kv_cache_window", "kv_cache_num_groups",
+                             "kv_cache_num_full_groups", "step", "step_started",
+                             "weights_status"):
                     getattr(self.signals, name)[message.rank] = getattr(message, name)
                 self.signals.heartbeat[message.rank] = time.time()  # our clock, not theirs
             elif isinstance(message, WorkerFailure):

@@ -19,12 +19,16 @@ class UniProcExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model()
         self.profiled_num_blocks = self.worker.determine_num_blocks()
-        num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks)
-        self.kv_cache_bytes_per_block = self.worker.model_runner.kv_cache_bytes_per_block
-        self.kv_cache_window = self.worker.model_runner.kv_cache_window
-        check_num_blocks(self.config, num_blocks, self.kv_cache_bytes_per_block)
+        runner = self.worker.model_runner
+        self.kv_cache_window = runner.kv_cache_window
+        self.kv_cache_num_groups, self.kv_cache_num_full_groups = runner.kv_cache_group_counts
+        groups = self.kv_cache_groups
+        num_blocks = cap_num_blocks(self.config, self.profiled_num_blocks, groups)
+        self.kv_cache_bytes_per_block = runner.kv_cache_bytes_per_block
+        check_num_blocks(self.config, num_blocks, self.kv_cache_bytes_per_block, groups)
         self.worker.initialize_kv_cache(num_blocks)
-        progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block))
+        progress(kv_cache_summary(self.config, num_blocks, self.kv_cache_bytes_per_block,
+                                  groups))
         self.worker.warm_up()
         return num_blocks
 

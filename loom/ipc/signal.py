@@ -123,6 +123,9 @@ class WorkerSignals:
                               bytes of one KV block on this rank (written with
                               profiled_blocks, so the engine never computes it)
     kv_cache_window[rank] = w the model runner's kv_cache_window (0: none), with them
+    kv_cache_num_groups[rank], kv_cache_num_full_groups[rank]
+                              its KV cache groups, and how many read every position
+                              (kv_cache_group_counts), with them
     ready[rank] = 1           KV cache allocated, warmed up, in the event loop
     heartbeat[rank] = time    written by the event loop each iteration (so it means
                               the loop runs, not merely that the process lives)
@@ -137,6 +140,7 @@ class WorkerSignals:
 
     FIELDS = {"loaded": np.int32, "profiled_blocks": np.int64,
               "kv_cache_bytes_per_block": np.int64, "kv_cache_window": np.int64,
+              "kv_cache_num_groups": np.int64, "kv_cache_num_full_groups": np.int64,
               "ready": np.int32,
               "heartbeat": np.float64, "step": np.int64, "step_started": np.float64,
               "weights_status": np.int32}
@@ -147,6 +151,8 @@ class WorkerSignals:
         self.profiled_blocks = signals["profiled_blocks"].array
         self.kv_cache_bytes_per_block = signals["kv_cache_bytes_per_block"].array
         self.kv_cache_window = signals["kv_cache_window"].array
+        self.kv_cache_num_groups = signals["kv_cache_num_groups"].array
+        self.kv_cache_num_full_groups = signals["kv_cache_num_full_groups"].array
         self.ready = signals["ready"].array
         self.heartbeat = signals["heartbeat"].array
         self.step = signals["step"].array
@@ -182,7 +188,7 @@ class WorkerSignals:
 
     def close(self) -> None:
         self.loaded = self.profiled_blocks = self.kv_cache_bytes_per_block = None
-        self.kv_cache_window = None
+        self.kv_cache_window = self.kv_cache_num_groups = self.kv_cache_num_full_groups = None
         self.ready = self.heartbeat = None
         self.step = self.step_started = self.weights_status = None
         for signal in self._signals.values():

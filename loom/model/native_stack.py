@@ -94,6 +94,11 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
         return f"tensor parallel over {num_ranks} ranks; the stack runs one rank"
     if any(layer.attention.kv_cache is None for layer in layers):
         return None
+    hybrid = next((index for index, layer in enumerate(layers)
+                   if layer.attention.kv_cache_group), None)
+    if hybrid is not None:
+        return (f"layer {hybrid} reads KV cache group {layers[hybrid].attention.kv_cache_group}'s "
+                "block tables (a hybrid KV cache); the stack takes one block table")
     fields = set(ops.DecoderLayerWeights.fields)
     stack_layers, kv_caches, moe_layers = [], [], []
     for index, layer in enumerate(layers):

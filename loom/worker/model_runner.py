@@ -13,6 +13,7 @@ proposer drafts the next step's tokens (``ModelRunnerOutput.spec_token_ids``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import torch
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
@@ -49,6 +51,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     stop_ids_for_min_tokens: list[int]  # eos (unless ignore_eos) + stop_token_ids
     block_ids: list[int] = field(default_factory=list)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # KV cache groups 1..
     # The scheduler's count when it scheduled this step: set from NewRequestData or
     # CachedRequestData every step the request runs, never advanced here (the
     # scheduler advances its own after the step, and rolls back rejected drafts).
@@ -122,38 +125,62 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
-        """Per block of the pool: this rank's share of the target's K/V, plus a draft
+        """Per block of the pool: this rank's share of the target's K/V (of the layers
+        of one KV cache group: the groups' blocks share one pool), plus a draft
         model's K/V (counted on every rank, so that all size their pools alike)."""
         target = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
                                           self.tp_group.world_size)
+        if self.model is not None:
+            target = (target // self.hf_config.num_hidden_layers
+                      * self.kv_cache_groups.layers_per_block)
         spec = self.config.speculative
         if spec is None or spec.method != "draft_model":
             return target
         return target + kv_cache_bytes_per_block(load_hf_config(spec.model), self.block_size,
                                                  self.dtype, 1)
 
+    @functools.cached_property
+    def kv_cache_groups(self) -> KVCacheGroups:
+        """The attention layers split into KV cache groups, each with its own block
+        tables (core/kv_cache_manager.py): one group but for a model that mixes
+        full-attention and sliding-window layers (Gemma 3), which gets vLLM's hybrid
+        layout, unless speculative decoding (a proposer's own layers and rolled-back
+        drafts are not accounted for) or a KV transfer (which moves one group's blocks)
+        is on; then its blocks are all kept."""
+        windows = [layer.sliding_window for layer in self.model.attention_layers]
+        return KVCacheGroups.of(windows, hybrid=self.config.speculative is None
+                                and self.config.kv_transfer is None)
+
     @property
     def kv_cache_window(self) -> int:
         """W when every attention layer reads only the last W positions of a request's
-        KV cache, so the scheduler may free the blocks behind them; 0 when some layer
-        reads them all (Gemma 3's global layers), and under speculative decoding (a
-        proposer's own layers and rolled-back drafts are not accounted for)."""
-        windows = [layer.sliding_window for layer in self.model.attention_layers]
-        if self.config.speculative is not None or not windows or None in windows:
-            return 0
-        return max(windows)
+        KV cache (or, in a hybrid layout, every layer of the sliding groups), so the
+        scheduler may free the blocks behind them; 0 when every group reads them all."""
+        return next((w for w in self.kv_cache_groups.windows if w is not None), 0)
+
+    @property
+    def kv_cache_group_counts(self) -> tuple[int, int]:
+        """(KV cache groups, of which full attention): what the engine needs besides
+        ``kv_cache_window`` to know every group's window (full groups come first)."""
+        windows = self.kv_cache_groups.windows
+        return len(windows), windows.count(None)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)  # see kv_layout.py
         # Not zeroed: attention never reads a slot before writing it (padding repeats a
         # request's last key). One allocation for all layers: on the CPU a large one is
         # fresh mmap'd memory, resident only once written or populated (the Worker
-        # populates it in the background), and a view per layer.
-        full_shape = (self.model.num_attention_layers, *shape)
+        # populates it in the background), and a view per layer slot: the i-th layer of
+        # each KV cache group shares slot i (a block belongs to one group at a time).
+        groups = self.kv_cache_groups
+        full_shape = (groups.layers_per_block, *shape)
         self.kv_cache_storage = (
             self.kv_cache_allocator(full_shape, self.dtype) if self.kv_cache_allocator
             else torch.empty(full_shape, dtype=self.dtype, device=self.device))
-        self.kv_caches = list(self.kv_cache_storage.unbind(0))
+        slots = self.kv_cache_storage.unbind(0)
+        self.kv_caches = [slots[slot] for slot in groups.slot_of_layer]
+        for attention, group in zip(self.model.attention_layers, groups.group_of_layer):
+            attention.kv_cache_group = group
         self.model.bind_kv_cache(self.kv_caches)
         if self.draft_proposer is not None:
             self.draft_proposer.initialize_kv_cache(num_blocks)
@@ -175,12 +202,13 @@ class ModelRunner:
         blocks_per_req = [-(-length // self.block_size) for length in lengths]
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
         new_reqs, first_block = [], 0
+        num_groups = len(self.kv_cache_groups.windows)
         for i, (length, num_blocks) in enumerate(zip(lengths, blocks_per_req)):
+            block_ids = list(range(first_block, first_block + num_blocks))
             new_reqs.append(NewRequestData(
                 req_id=f"profile-{i}", prompt_token_ids=[0] * length, output_token_ids=[],
-                sampling_params=params, eos_token_ids=[],
-                block_ids=list(range(first_block, first_block + num_blocks)),
-                num_computed_tokens=0))
+                sampling_params=params, eos_token_ids=[], block_ids=block_ids,
+                num_computed_tokens=0, group_block_ids=[block_ids] * (num_groups - 1)))
             first_block += num_blocks
         self.initialize_kv_cache(first_block)
         try:
@@ -258,11 +286,14 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=new.prompt_token_ids + new.output_token_ids,
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
                 stop_ids_for_min_tokens=stop_ids, block_ids=list(new.block_ids),
+                group_block_ids=[list(ids) for ids in new.group_block_ids],
                 num_computed_tokens=new.num_computed_tokens, generator=generator)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
+            for block_ids, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
+                block_ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int],
@@ -314,6 +345,14 @@ class ModelRunner:
         device = self.device
         metadata = AttentionMetadata.from_numpy(slot_mapping, query_start_loc, seq_lens,
                                                 block_table, self.block_size, device)
+        for group in range(len(self.kv_cache_groups.windows) - 1):
+            # KV cache groups 1..: the same step through their own block tables
+            group_table = np.zeros((num_reqs, max_blocks), np.int64)
+            for i, state in enumerate(states):
+                group_table[i, :len(state.group_block_ids[group])] = state.group_block_ids[group]
+            metadata.group_metadata.append(metadata.with_blocks(
+                group_table[req_of_token, positions // self.block_size] * self.block_size
+                + positions % self.block_size, group_table, device))
         return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
                 metadata, sample_rows, torch.from_numpy(logits_indices).to(device))
 

@@ -18,7 +18,7 @@ import torch
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
-from loom.executor.base import lean_cpu_kv_cache_bytes
+from loom.executor.base import blocks_per_sequence, lean_cpu_kv_cache_bytes
 from loom.progress import progress
 from loom.sampling_params import SamplingParams
 from loom.worker import memory
@@ -101,11 +101,12 @@ class Worker:
     def _lean_cpu_budget(self, bytes_per_block: int) -> int:
         """The lean default, shrunk to the memory available now if that is less, but
         never below one max_model_len sequence (then start-up fails naming the knobs)."""
-        wanted = lean_cpu_kv_cache_bytes(self.config, bytes_per_block)
+        groups = self.model_runner.kv_cache_groups.windows
+        wanted = lean_cpu_kv_cache_bytes(self.config, bytes_per_block, groups)
         available, reserve = self._cpu_memory_available(), self._activation_reserve()
         if wanted + reserve <= available:
             return wanted
-        one_sequence = -(-self.config.model.max_model_len // self.config.cache.block_size)
+        one_sequence = blocks_per_sequence(self.config, groups)
         self._check_cpu_memory(one_sequence * bytes_per_block, "--max-model-len")
         logger.warning("rank %d: %.2f GiB of memory available; the KV cache gets %.2f GiB "
                        "instead of %.2f GiB", self.rank, available / 2**30,
@@ -201,14 +202,15 @@ class Worker:
         # 0: the one-token prefill the others read; then 1, 2, 4, ..., max_batch
         batches = [0] + [2**i for i in range(max_batch.bit_length()) if 2**i < max_batch]
         finished: list[str] = []
+        num_groups = len(self.model_runner.kv_cache_groups.windows)
         for batch in batches + [max_batch]:
-            step = dummy_step(batch, block_ids, finished)
+            step = dummy_step(batch, block_ids, finished, num_groups)
             self.model_runner.execute_model(step)
             finished = list(step.num_scheduled_tokens)
             within_budget = time.monotonic() - started < WARM_UP_BUDGET_S
             if not self.tp_group.all_reduce_min(int(within_budget)):
                 break
-        self.model_runner.execute_model(dummy_step(None, block_ids, finished))
+        self.model_runner.execute_model(dummy_step(None, block_ids, finished, num_groups))
         assert not self.model_runner.requests, "warm-up left requests in the model runner"
         logger.info("rank %d: warmed up decode batch sizes up to %d of %d in %.2fs", self.rank,
                     batch, max_batch, time.monotonic() - started)
@@ -306,13 +308,15 @@ DUMMY_PROMPT_LEN = 2
 _DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def dummy_step(batch: int | None, block_ids: list[int], finished: list[str]) -> SchedulerOutput:
+def dummy_step(batch: int | None, block_ids: list[int], finished: list[str],
+               num_kv_cache_groups: int = 1) -> SchedulerOutput:
     """A warm-up step that also makes the runner forget the ``finished`` requests.
 
     Batch 0: one request prefills one token into slot 0. Batch b: b new requests of
     two tokens, the first counted as computed (as a prefix-cache hit would be), so
     each computes one token over a context of two: a pure decode step of b tokens.
-    All share ``block_ids`` (slot 0 read, slot 1 overwritten). None: nothing runs.
+    All share ``block_ids`` (slot 0 read, slot 1 overwritten), in every KV cache group.
+    None: nothing runs.
     """
     if batch is None:
         req_ids, prompt = [], []
@@ -323,7 +327,8 @@ def dummy_step(batch: int | None, block_ids: list[int], finished: list[str]) -> 
     num_computed = len(prompt) - 1 if batch else 0
     new_reqs = [NewRequestData(req_id=req_id, prompt_token_ids=prompt, output_token_ids=[],
                                sampling_params=_DUMMY_PARAMS, eos_token_ids=[],
-                               block_ids=block_ids, num_computed_tokens=num_computed)
+                               block_ids=block_ids, num_computed_tokens=num_computed,
+                               group_block_ids=[block_ids] * (num_kv_cache_groups - 1))
                 for req_id in req_ids]
     num_scheduled = {req_id: len(prompt) - num_computed for req_id in req_ids}
     return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=[],

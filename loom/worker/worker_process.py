@@ -85,6 +85,7 @@ class StatusReporter:
                         if spec.local else None)
         self.loaded = self.ready = False
         self.profiled_blocks = self.kv_cache_bytes_per_block = self.kv_cache_window = 0
+        self.kv_cache_num_groups = self.kv_cache_num_full_groups = 1
         self.step = 0
         self.step_started = 0.0
         self.weights_status = 0
@@ -108,6 +109,8 @@ class StatusReporter:
                 step_started=self.step_started,
                 kv_cache_bytes_per_block=self.kv_cache_bytes_per_block,
                 kv_cache_window=self.kv_cache_window,
+                kv_cache_num_groups=self.kv_cache_num_groups,
+                kv_cache_num_full_groups=self.kv_cache_num_full_groups,
                 weights_status=self.weights_status))
             self._last_sent = now
 
@@ -206,11 +209,15 @@ def initialize_kv_cache(worker, status: StatusReporter) -> int:
     from loom.executor.base import cap_num_blocks, check_num_blocks
 
     profiled_blocks = worker.determine_num_blocks()  # the same on every rank: MIN-reduced
-    bytes_per_block = worker.model_runner.kv_cache_bytes_per_block
+    runner = worker.model_runner
+    bytes_per_block = runner.kv_cache_bytes_per_block
+    num_groups, num_full_groups = runner.kv_cache_group_counts
     status.set(profiled_blocks=profiled_blocks, kv_cache_bytes_per_block=bytes_per_block,
-               kv_cache_window=worker.model_runner.kv_cache_window)
-    num_blocks = cap_num_blocks(worker.config, profiled_blocks)
-    check_num_blocks(worker.config, num_blocks, bytes_per_block)
+               kv_cache_window=runner.kv_cache_window, kv_cache_num_groups=num_groups,
+               kv_cache_num_full_groups=num_full_groups)
+    groups = runner.kv_cache_groups.windows
+    num_blocks = cap_num_blocks(worker.config, profiled_blocks, groups)
+    check_num_blocks(worker.config, num_blocks, bytes_per_block, groups)
     worker.initialize_kv_cache(num_blocks)
     return num_blocks
 

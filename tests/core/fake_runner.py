@@ -24,7 +24,7 @@ class FakeRunner:
         self.propose = propose
         self.token_prob = token_prob
         self.tokens: dict[str, list[int]] = {}
-        self.block_ids: dict[str, list[int]] = {}
+        self.block_ids: dict[str, list[list[int]]] = {}  # per KV cache group
         self.num_computed: dict[str, int] = {}
         self.num_prompt: dict[str, int] = {}
         self.prompt_logprobs: dict[str, int | None] = {}
@@ -39,14 +39,17 @@ class FakeRunner:
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.tokens, f"{new.req_id} sent as new twice"
             self.tokens[new.req_id] = new.prompt_token_ids + new.output_token_ids
-            self.block_ids[new.req_id] = list(new.block_ids)
+            self.block_ids[new.req_id] = [list(new.block_ids)] + [
+                list(ids) for ids in new.group_block_ids]
             self.num_computed[new.req_id] = new.num_computed_tokens
             self.num_prompt[new.req_id] = len(new.prompt_token_ids)
             self.prompt_logprobs[new.req_id] = new.sampling_params.prompt_logprobs
         for cached in out.scheduled_cached_reqs:
             assert cached.req_id in self.tokens, f"{cached.req_id} cached but never sent as new"
             self.tokens[cached.req_id] += cached.new_token_ids
-            self.block_ids[cached.req_id] += cached.new_block_ids
+            for ours, new_ids in zip(self.block_ids[cached.req_id],
+                                     [cached.new_block_ids] + cached.new_group_block_ids):
+                ours += new_ids
             assert cached.num_computed_tokens == self.num_computed[cached.req_id]
         req_ids, sampled, proposals, probs, prompt_logprobs = [], [], [], [], []
         for req_id, num_tokens in out.num_scheduled_tokens.items():
@@ -57,7 +60,8 @@ class FakeRunner:
             assert end <= len(tokens) + len(drafts), f"{req_id} scheduled past its known tokens"
             assert not drafts or end == len(tokens) + len(drafts), f"{req_id}: drafts cut"
             block_size = scheduler.kv_cache.block_size if scheduler else 1
-            assert len(self.block_ids[req_id]) * block_size >= end, f"{req_id} lacks blocks"
+            assert all(len(ids) * block_size >= end for ids in self.block_ids[req_id]), \
+                f"{req_id} lacks blocks"
             if scheduler is not None:
                 request = scheduler.requests[req_id]
                 assert tokens == request.all_token_ids, f"{req_id} tokens diverged"
@@ -92,19 +96,21 @@ class FakeRunner:
             else None)
 
     def _check_blocks(self, scheduler: Scheduler, req_id: str, start: int, end: int) -> None:
-        """Our block table is the scheduler's, except where it freed a block every
-        window has left behind (we keep the old id; a real worker never reads it).
-        Every position this step's queries may read is in a block the request holds."""
+        """Our block tables are the scheduler's, except where it freed a block every
+        window of its group has left behind (we keep the old id; a real worker never
+        reads it). Every position this step's queries may read is in a block the
+        request holds, in each group."""
         kv_cache = scheduler.kv_cache
-        held = kv_cache.req_to_blocks[req_id]
-        assert len(self.block_ids[req_id]) == len(held)
-        assert all(ours == block.block_id for ours, block in zip(self.block_ids[req_id], held)
-                   if block is not None), f"{req_id}: block tables diverged"
-        window = kv_cache.sliding_window
-        first_read = 0 if window is None else max(0, start - window + 1)
-        for position in range(first_read, end):
-            assert held[position // kv_cache.block_size] is not None, (
-                f"{req_id}: position {position} is read this step but its block was freed")
+        groups = kv_cache.req_to_blocks[req_id]
+        assert len(self.block_ids[req_id]) == len(groups) == kv_cache.num_groups
+        for ours, held, window in zip(self.block_ids[req_id], groups, kv_cache.group_windows):
+            assert len(ours) == len(held)
+            assert all(our_id == block.block_id for our_id, block in zip(ours, held)
+                       if block is not None), f"{req_id}: block tables diverged"
+            first_read = 0 if window is None else max(0, start - window + 1)
+            for position in range(first_read, end):
+                assert held[position // kv_cache.block_size] is not None, (
+                    f"{req_id}: position {position} is read this step but its block was freed")
 
 
 def assert_empty(scheduler: Scheduler) -> None:

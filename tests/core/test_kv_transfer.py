@@ -297,8 +297,8 @@ def test_prompt_logprobs_travel_with_the_blocks():
 def test_sliding_window_blocks_freed_on_the_prefill_side_are_neither_pulled_nor_cached():
     """Window 8, blocks of 4, chunks of 8: by the last chunk of a 20-token prompt the
     prefill side freed the blocks no query reads any more (-1 in its answer). The
-    decode side frees its own there at once, pulls the rest, and never puts the blocks
-    it did not fill in its prefix cache."""
+    decode side allocates none there (a pool of the 3 pulled blocks is enough), pulls
+    the rest, and never puts the blocks it did not fill in its prefix cache."""
     source = make_scheduler("prefill", budget=8, sliding_window=8)
     last, metadata = prefill(source, "a", prompt(20))
     params = last.kv_transfer_params
@@ -307,7 +307,7 @@ def test_sliding_window_blocks_freed_on_the_prefill_side_are_neither_pulled_nor_
     assert source.kv_transfer.num_held_blocks == 3
     report(source, params["transfer_id"], "send_done")
     assert_empty(source)
-    scheduler = make_scheduler("decode", sliding_window=8)
+    scheduler = make_scheduler("decode", sliding_window=8, num_blocks=3)
     runner = FakeRunner()
     scheduler.add_request(decode_request("a", prompt(20), max_tokens=2,
                                          **{**params, "transfer_id": "t-20"}))
@@ -364,3 +364,15 @@ def test_kv_transfer_config_forms():
         KVTransferConfig.from_args(None, {"kv_role": "producer"})
     with pytest.raises(ValueError, match="unknown keys"):
         KVTransferConfig.from_args(None, {"kv_rol": "kv_producer"})
+
+
+def test_a_hybrid_kv_cache_is_refused():
+    """A KV transfer moves one block table per request; a hybrid cache has one per
+    group (the workers keep Gemma 3 in one group when a transfer is configured)."""
+    with pytest.raises(ValueError, match="moves a KV cache of one group, but this "
+                                         "model's has 3"):
+        Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                  max_model_len=256),
+                  CacheConfig(block_size=BLOCK), num_blocks=32,
+                  kv_transfer_config=KVTransferConfig.from_args("decode", None),
+                  kv_cache_groups=(None, 8, 8))

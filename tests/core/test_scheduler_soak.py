@@ -43,7 +43,8 @@ def test_random_soak():
         assert all(block.ref_cnt >= 0 for block in pool.blocks)
         in_use = sum(1 for block in pool.blocks if block.ref_cnt > 0)
         assert in_use + pool.num_free_blocks == pool.num_blocks
-        owned = {b.block_id for blocks in scheduler.kv_cache.req_to_blocks.values() for b in blocks}
+        owned = {b.block_id for groups in scheduler.kv_cache.req_to_blocks.values()
+                 for blocks in groups for b in blocks if b is not None}
         assert owned == {b.block_id for b in pool.blocks if b.ref_cnt > 0}
     for _ in range(2000):
         if not scheduler.has_unfinished_requests():

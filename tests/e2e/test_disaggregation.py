@@ -244,9 +244,8 @@ def test_sliding_window_model(tmp_path_factory):
         # 45 tokens, its last chunk from 32 or later: the 5 blocks before position 21 freed
         assert handoff["r2"]["remote_block_ids"][:5] == [-1] * 5
         assert min(handoff["r2"]["remote_block_ids"][5:]) >= 0
-        # every block the prefill side had freed was freed here too, never pulled
-        assert decode.scheduler.kv_cache.num_blocks_freed_early >= sum(
-            p["remote_block_ids"].count(-1) for p in handoff.values())
+        # the blocks the prefill side had freed are neither pulled nor allocated here
+        # (tests/core/test_kv_transfer.py: a decode pool of the pulled blocks is enough)
         got_local, _, _ = run(decode, [Request("local", local[0].prompt_token_ids, GREEDY)])
         assert got_local.tokens() == want_local.tokens()
         assert_empty(prefill)

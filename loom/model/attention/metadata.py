@@ -10,12 +10,15 @@ requests contiguous and in batch order. For request i its new tokens are
 
 Each new token's K/V is written to slot ``block_id * block_size + offset``
 (``slot_mapping``) of the layer's KV cache; attention then reads
-the whole context of request i through ``block_table[i]``.
+the whole context of request i through ``block_table[i]``. A hybrid KV cache
+(kv_cache_groups.py) has one block table per group: group 0's are these fields, and
+``group_metadata[g - 1]`` is the same step through group g's tables.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +39,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # KV cache groups 1.. (a hybrid model): this step with each group's slots and tables
+    group_metadata: list[AttentionMetadata] = field(default_factory=list)
     # Per-step values derived by the attention backend (gather indices, masks), built
     # by the first layer that needs them and reused by the others; see ``cached``.
     _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,
@@ -63,6 +68,17 @@ class AttentionMetadata:
             max_query_len=int(np.diff(query_start_loc).max()),
             max_seq_len=int(seq_lens.max()),
             block_size=block_size)
+
+    def with_blocks(self, slot_mapping: np.ndarray, block_table: np.ndarray,
+                    device: torch.device) -> AttentionMetadata:
+        """This step through another KV cache group's slots and block tables."""
+        return dataclasses.replace(
+            self, slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
+            group_metadata=[])
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.group_metadata[group - 1]
 
     @property
     def num_reqs(self) -> int:

@@ -24,8 +24,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.impl = get_attn_backend(backend)(num_heads, num_kv_heads, head_dim, scale,
                                               sliding_window)
-        # Shaped by kv_cache_shape below (layout: kv_layout.py); bound by the model runner.
+        # Shaped by kv_cache_shape below (layout: kv_layout.py); bound by the model runner,
+        # with the KV cache group whose block tables it reads (kv_cache_groups.py).
         self.kv_cache: torch.Tensor | None = None
+        self.kv_cache_group = 0
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """This layer's cache, as its backend lays it out."""
@@ -40,5 +42,5 @@ class Attention(nn.Module):
             query.view(num_tokens, self.num_heads, self.head_dim),
             key.view(num_tokens, self.num_kv_heads, self.head_dim),
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache, get_forward_context())
+            self.kv_cache, get_forward_context().for_group(self.kv_cache_group))
         return out.view(num_tokens, self.num_heads * self.head_dim)
