@@ -109,15 +109,19 @@ inline __m512 load_scales(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// bf16 of 0..15, the table vpermw looks 4-bit values up in (twice: 32 entries).
-inline __m512i nibble_table() {
-  alignas(64) static const uint16_t table[32] = {
-      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  return _mm512_load_si512(table);
+// A 4-bit chunk's 32 bytes -> its two pair vectors as bf16 16 + q (exact): each byte
+// widened to a word, a nibble shifted into mantissa bits 3-6 of bf16 16.0 (0x4180, whose
+// mantissa step is 1/8, so 8 q there adds q) and the rest masked off in one vpternlog.
+// Five instructions, one of them on port 5, for 64 values (a table lookup through
+// vpermw took seven, four on port 5). The 16 is taken back with the group's sum of x
+// (kNibbleBias below).
+inline void nibbles_to_bf16(const uint8_t* p, __m512i& low, __m512i& high) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mask = _mm512_set1_epi16(0x0078), bias = _mm512_set1_epi16(0x4180);
+  low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, bias, 0xEA);  // (a & b) | c
+  high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, bias, 0xEA);
 }
+constexpr float kNibbleBias = 16.f;  // nibbles_to_bf16 gives 16 + q
 
 // 32 int8 -> 32 bf16 (exact), in order.
 inline __m512bh int8x32_to_bf16(const uint8_t* p) {
@@ -133,19 +137,11 @@ inline __m512bh int8x32_to_bf16(const uint8_t* p) {
 template <int BITS>
 void unpack_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
                   int64_t scale_bytes, __m512i* out) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m512i table = nibble_table();
   const uint8_t* p = panel;
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t i = 0; i < blocks_per_group; ++i, out += BITS == 4 ? 16 : 8) {
       if constexpr (BITS == 4) {
-        for (int c = 0; c < 8; ++c) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
-          out[c] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(w, low)),
-                                            table);
-          out[c + 8] = _mm512_permutexvar_epi16(
-              _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low)), table);
-        }
+        for (int c = 0; c < 8; ++c) nibbles_to_bf16(p + 32 * c, out[c], out[c + 8]);
         p += 256;
       } else {
         for (int j = 0; j < 8; ++j) out[j] = (__m512i)int8x32_to_bf16(p + 32 * j);
@@ -165,8 +161,6 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
   constexpr int P = MR >= 4 ? 1 : MR >= 2 ? 2 : 4;  // partial sums per row
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m512i table = nibble_table();
   const int32_t* xr[MR];
   for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
   const uint8_t* p = panel;
@@ -191,11 +185,9 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
       } else if constexpr (BITS == 4) {
         for (int l = 0; l < kBlockBytes; l += 64) prefetch(p + kPrefetch + l);
         for (int c = 0; c < 8; ++c) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
-          const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(
-              _mm512_cvtepu8_epi16(_mm256_and_si256(w, low)), table);
-          const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(
-              _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low)), table);
+          __m512i v0, v1;
+          nibbles_to_bf16(p + 32 * c, v0, v1);
+          const __m512bh w0 = (__m512bh)v0, w1 = (__m512bh)v1;
           for (int r = 0; r < MR; ++r) {
             part[r][(2 * c) % P] = _mm512_dpbf16_ps(
                 part[r][(2 * c) % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + c]), w0);
@@ -226,15 +218,18 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
     if constexpr (ASYM) {
       __m512 m = load_scales<ScaleT>(p);
       p += kLanes * sizeof(ScaleT);
-      // 8-bit values are stored q - 128: w = d (q - 128) + (m + 128 d)
+      // 8-bit values are stored q - 128: w = d (q - 128) + (m + 128 d); 4-bit ones
+      // come as 16 + q: w = d (16 + q) + (m - 16 d)
       if constexpr (BITS == 8) m = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), m);
+      if constexpr (BITS == 4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kNibbleBias), m);
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]),
                                  _mm512_fmadd_ps(d, sum[r], acc[r]));
-    } else if constexpr (BITS == 4) {  // w = d * (q - 8)
+    } else if constexpr (BITS == 4) {  // w = d * (q - 8) = d * ((16 + q) - 24)
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(
-            d, _mm512_sub_ps(sum[r], _mm512_set1_ps(8.f * xsum[r * groups + g])), acc[r]);
+            d, _mm512_sub_ps(sum[r], _mm512_set1_ps((kNibbleBias + 8.f) * xsum[r * groups + g])),
+            acc[r]);
     } else {  // stored q - 128 already
       for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(d, sum[r], acc[r]);
     }
@@ -302,6 +297,8 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
         offset = load_scales<ScaleT>(p);
         p += kLanes * sizeof(ScaleT);
         if constexpr (BITS == 8) offset = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), offset);
+        if constexpr (BITS == 4)
+          offset = _mm512_fnmadd_ps(d, _mm512_set1_ps(kNibbleBias), offset);
       }
       for (int64_t r = 0; r < m; ++r) {
         const __m512 sum = _mm512_load_ps(sums[r]);
@@ -310,7 +307,8 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
           a = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r * groups + g]),
                               _mm512_fmadd_ps(d, sum, a));
         else if constexpr (BITS == 4)
-          a = _mm512_fmadd_ps(d, _mm512_sub_ps(sum, _mm512_set1_ps(8.f * xs[r * groups + g])), a);
+          a = _mm512_fmadd_ps(
+              d, _mm512_sub_ps(sum, _mm512_set1_ps((kNibbleBias + 8.f) * xs[r * groups + g])), a);
         else
           a = _mm512_fmadd_ps(d, sum, a);
         _mm512_store_ps(acc[r], a);

@@ -309,10 +309,12 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor
     each sum of at most K + 2 float32 terms per output (the kernel's per-group sums,
     their scaling, the reference's matmul) rounds by at most (K + 2) 2^-24 of the sum of
     the magnitudes it adds, which |x| (|d| 2^bits + |m|) bounds term by term. Four such
-    sums at most (S, d S + m X, the groups, the reference)."""
+    sums at most (S, d S + m X, the groups, the reference). The kernel sums 4-bit values
+    as 16 + q (its decoding: quant_gemm.cpp's nibbles_to_bf16) and takes 16 d X back
+    with the offset, so their terms reach |x| |d| 2^(bits + 1)."""
     x = x.float()
     group = weight.group_size
-    amplitude = weight.scales.float().abs() * 2 ** weight.bits
+    amplitude = weight.scales.float().abs() * 2 ** (weight.bits + (weight.bits == 4))
     if weight.offsets is not None:
         amplitude = amplitude + weight.offsets.float().abs()
     amplitude = amplitude.repeat_interleave(group, dim=1)  # (N, K)
