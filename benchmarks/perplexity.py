@@ -1,5 +1,6 @@
 """Perplexity of one GGUF file: loom (kept quantized, and dequantized in float32) beside
-llama.cpp's ``llama-perplexity`` on the same file and text, by llama-perplexity's method.
+llama.cpp's ``llama-perplexity`` on the same file and text, by llama-perplexity's method;
+and each engine's top-1 agreement with the same file dequantized to float32.
 
     python benchmarks/perplexity.py                       # the default Q4_1 file
     python benchmarks/perplexity.py --model F.gguf --ctx 512 --llama-bin DIR
@@ -10,6 +11,11 @@ into chunks of ``--ctx``, puts BOS first in each chunk, and scores each chunk's 
 half given everything before it in the chunk; loom is scored the same way, on the same
 token ids (llama.cpp's tokenizer is given the text; loom's tokens are checked to be the
 same count). llama.cpp comes from benchmarks/setup_baselines.sh; a benchmark tool only.
+
+Top-1 agreement, over the same scored positions: loom's kept file (bf16, the default)
+against loom's float32 run of the dequantized file; llama.cpp's file against its own
+float32 copy of it (``llama-quantize --allow-requantize F32``), by llama-perplexity's
+``--kl-divergence`` ("Same top p"). So each engine is compared with itself in float32.
 """
 
 from __future__ import annotations
@@ -37,22 +43,26 @@ def text(min_tokens: int, tokenizer) -> str:
     return out
 
 
-def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int, **kwargs) -> float:
+def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int,
+                    **kwargs) -> tuple[float, list[int]]:
+    """(perplexity, the top-1 token at every scored position)."""
     from loom import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=ctx + 8, enable_warm_up=False, **kwargs)
-    nll, count = 0.0, 0
+    nll, count, top1 = 0.0, 0, []
     try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
         for start in range(0, len(token_ids) - ctx + 1, ctx):
             chunk = [bos] + token_ids[start + 1:start + ctx]
             out = llm.generate([{"prompt_token_ids": chunk}], params, use_tqdm=False)[0]
             for position in range(ctx // 2, ctx):
-                nll -= out.prompt_logprobs[position][chunk[position]].logprob
+                logprobs = out.prompt_logprobs[position]
+                nll -= logprobs[chunk[position]].logprob
+                top1.append(max(logprobs.items(), key=lambda item: item[1].logprob)[0])
                 count += 1
     finally:
         llm.shutdown()
-    return math.exp(nll / count)
+    return math.exp(nll / count), top1
 
 
 def llama_perplexity(bin_dir: str, model: str, path: str, ctx: int, threads: int) -> float:
@@ -63,6 +73,24 @@ def llama_perplexity(bin_dir: str, model: str, path: str, ctx: int, threads: int
     if not found:
         raise RuntimeError((out.stdout + out.stderr)[-2000:])
     return float(found.group(1))
+
+
+def llama_same_top1(bin_dir: str, model: str, path: str, ctx: int, threads: int) -> float:
+    """llama-perplexity's "Same top p" of ``model`` against its own float32 copy."""
+    with tempfile.TemporaryDirectory() as tmp:
+        f32, base = os.path.join(tmp, "f32.gguf"), os.path.join(tmp, "base.kld")
+        subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--allow-requantize", model,
+                        f32, "F32"], capture_output=True, check=True)
+        common = ["-f", path, "-c", str(ctx), "-b", str(ctx), "-t", str(threads),
+                  "--kl-divergence-base", base]
+        perplexity = os.path.join(bin_dir, "llama-perplexity")
+        subprocess.run([perplexity, "-m", f32, *common], capture_output=True, check=True)
+        out = subprocess.run([perplexity, "-m", model, *common, "--kl-divergence"],
+                             capture_output=True, text=True, check=True)
+    found = re.search(r"Same top p:\s*([\d.]+)", out.stdout + out.stderr)
+    if not found:
+        raise RuntimeError((out.stdout + out.stderr)[-2000:])
+    return float(found.group(1)) / 100
 
 
 def main() -> None:
@@ -84,15 +112,21 @@ def main() -> None:
     body = text(args.tokens, tokenizer)
     token_ids = tokenizer.encode(body)[:args.tokens]
     bos = tokenizer.hf.bos_token_id if tokenizer.hf.bos_token_id is not None else token_ids[0]
+    kept, kept_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos)
+    dequantized, reference_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos,
+                                                  dtype="float32", quantization="none")
     results = {
-        "loom Q4_1 kept (bf16)": loom_perplexity(args.model, token_ids, args.ctx, bos),
-        "loom dequantized (float32)": loom_perplexity(args.model, token_ids, args.ctx, bos,
-                                                      dtype="float32", quantization="none"),
+        "loom kept (bf16)": kept,
+        "loom dequantized (float32)": dequantized,
+        "loom kept (bf16): top-1 agreement with loom dequantized (float32)":
+            sum(a == b for a, b in zip(kept_top1, reference_top1)) / len(kept_top1),
     }
     if os.path.exists(os.path.join(args.llama_bin, "llama-perplexity")):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(tokenizer.decode(token_ids))
         results["llama.cpp llama-perplexity"] = llama_perplexity(
+            args.llama_bin, args.model, f.name, args.ctx, args.threads)
+        results["llama.cpp: top-1 agreement with its own float32 copy"] = llama_same_top1(
             args.llama_bin, args.model, f.name, args.ctx, args.threads)
     else:
         print(f"no llama-perplexity in {args.llama_bin}: loom only", file=sys.stderr)
