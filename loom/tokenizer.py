@@ -20,7 +20,7 @@ import tempfile
 from typing import Any
 
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from loom.envs import settings
 
@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                   "tokenizer.ggml.eom_token_id")
 _GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+# Architectures whose config transformers does not read from a GGUF file (loom does:
+# model/loader/gguf_configs.py), so its AutoTokenizer cannot choose a class for them;
+# their vocabulary is converted by the same code into a plain fast tokenizer.
+_GGUF_ARCHITECTURES_WITHOUT_HF_CONFIG = ("ernie4_5", "ernie4_5-moe")
 _CACHE_META_FILE = "loom_tokenizer.json"
 
 
@@ -210,9 +214,12 @@ def _load_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[
     from loom.progress import progress
 
     progress(f"converting the tokenizer of {os.path.basename(gguf_path)} (first use) ...")
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+    metadata = _read_gguf_metadata(gguf_path, (*_GGUF_EOS_KEYS, _GGUF_CHAT_TEMPLATE_KEY,
+                                               "general.architecture"))
+    tokenizer_cls = (PreTrainedTokenizerFast if metadata.get("general.architecture")
+                     in _GGUF_ARCHITECTURES_WITHOUT_HF_CONFIG else AutoTokenizer)
+    hf = tokenizer_cls.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
                                        gguf_file=os.path.basename(gguf_path))
-    metadata = _read_gguf_metadata(gguf_path, (*_GGUF_EOS_KEYS, _GGUF_CHAT_TEMPLATE_KEY))
     eos_token_ids = list(dict.fromkeys(int(metadata[key]) for key in _GGUF_EOS_KEYS if key in metadata))
     if not hf.chat_template and _GGUF_CHAT_TEMPLATE_KEY in metadata:
         hf.chat_template = metadata[_GGUF_CHAT_TEMPLATE_KEY]

@@ -7,9 +7,12 @@ the checkpoint the file was written from.
 The files are written here with the ``gguf`` package (a loom dependency), with the
 tensor names of its own ``TensorNameMap`` (the converter's) and the metadata keys the
 converter writes (convert_hf_to_gguf.py: TextModel.set_gguf_parameters, plus
-Ernie4_5MoeModel's): the converter itself needs a llama.cpp checkout and a real
-tokenizer, which CI does not have. benchmarks/moe_speed.py runs the real converter on a
-Qwen3-MoE checkpoint."""
+Ernie4_5MoeModel's; the vocabulary as ``_set_vocab_sentencepiece`` lays it out, its
+tokens placeholders): the converter itself needs a llama.cpp checkout and a real
+tokenizer, which CI does not have. benchmarks/ernie_gguf_converter.py runs the real
+converter on ERNIE 4.5 checkpoints with a trained SentencePiece tokenizer (loom's tokens
+and tokenizer equal transformers') and checks that this writer writes the same keys,
+tensor names and values; benchmarks/moe_speed.py runs it on a Qwen3-MoE checkpoint."""
 
 from __future__ import annotations
 
@@ -51,9 +54,19 @@ def write_gguf(checkpoint: str, path: str, family: str) -> str:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_vocab_size(config["vocab_size"])
+    # the converter's vocabulary keys (no vocab_size: the token list gives it)
+    specials = {config["pad_token_id"], config["bos_token_id"], config["eos_token_id"]}
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([f"<t{i}>" for i in range(config["vocab_size"])])
+    writer.add_token_scores([0.0] * config["vocab_size"])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL
+                            for i in range(config["vocab_size"])])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
     if family == "qwen3_moe":
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -65,6 +78,9 @@ def write_gguf(checkpoint: str, path: str, family: str) -> str:
         writer.add_leading_dense_block_count(config["moe_layer_start_index"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         writer.add_expert_shared_count(config["moe_num_shared_experts"])
+        # as the converter: intermediate_size // num_key_value_heads (loom reads neither)
+        writer.add_expert_shared_feed_forward_length(
+            config["intermediate_size"] // config["num_key_value_heads"])
     names = gguf.get_tensor_name_map(arch, num_layers)
     tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
     stacked: dict[str, dict[int, torch.Tensor]] = {}
@@ -135,3 +151,20 @@ def test_stacked_experts_split_per_expert(tmp_path):
     assert set(weights) == set(original)
     for name, tensor in original.items():
         np.testing.assert_array_equal(weights[name].numpy(), tensor.float().numpy())
+
+
+def test_ernie_tokenizer_comes_from_the_file(tmp_path, monkeypatch):
+    """transformers reads no config for ernie4_5, so its AutoTokenizer cannot choose a
+    class: loom converts the file's vocabulary into a plain fast tokenizer (the real
+    converter's SentencePiece vocabulary: benchmarks/ernie_gguf_converter.py)."""
+    from loom.envs import settings
+    from loom.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    settings.cache_clear()
+    checkpoint = make_tiny_checkpoint("ernie4_5", tmp_path / "ernie4_5")
+    path = write_gguf(checkpoint, str(tmp_path / "ernie4_5.gguf"), "ernie4_5")
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.hf.vocab_size == load_hf_config(checkpoint).vocab_size
+    assert tokenizer.hf.decode([7, 9]) == "<t7><t9>"
+    assert tokenizer.eos_token_ids == [2]
