@@ -209,14 +209,19 @@ class KVCacheManager:
         for blocks in groups:
             self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
 
-    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
-        """The request's block table in ``group``. A freed block's entry is never sent
-        (the workers got its id when it was allocated), but a table has no holes: it
-        reads 0."""
+    def get_block_ids(self, request_id: str, group: int = 0, start: int = 0) -> list[int]:
+        """The request's block table in ``group``, from block ``start`` on. A freed
+        block's entry is never sent (the workers got its id when it was allocated), but a
+        table has no holes: it reads 0."""
         groups = self.req_to_blocks.get(request_id)
         if groups is None:
             return []
-        return [0 if block is None else block.block_id for block in groups[group]]
+        return [0 if block is None else block.block_id for block in groups[group][start:]]
+
+    def num_blocks(self, request_id: str) -> int:
+        """The length of the request's block tables (held blocks and freed places)."""
+        groups = self.req_to_blocks.get(request_id)
+        return len(groups[0]) if groups else 0
 
     def num_blocks_held(self, request_id: str) -> int:
         return sum(block is not None for blocks in self.req_to_blocks.get(request_id, [])

@@ -547,15 +547,14 @@ class Scheduler:
     def _cached_request_data(self, request: Request) -> CachedRequestData:
         req_id = request.request_id
         num_sent = self._num_tokens_sent[req_id]
-        block_ids = self.kv_cache.get_block_ids(req_id)
         num_blocks_sent = self._num_blocks_sent[req_id]
         self._num_tokens_sent[req_id] = request.num_tokens
-        self._num_blocks_sent[req_id] = len(block_ids)
+        self._num_blocks_sent[req_id] = self.kv_cache.num_blocks(req_id)
         return CachedRequestData(
             req_id=req_id, new_token_ids=request.all_token_ids[num_sent:],
-            new_block_ids=block_ids[num_blocks_sent:],
+            new_block_ids=self.kv_cache.get_block_ids(req_id, 0, num_blocks_sent),
             num_computed_tokens=request.num_computed_tokens,
-            new_group_block_ids=[self.kv_cache.get_block_ids(req_id, group)[num_blocks_sent:]
+            new_group_block_ids=[self.kv_cache.get_block_ids(req_id, group, num_blocks_sent)
                                  for group in range(1, self.kv_cache.num_groups)])
 
 
