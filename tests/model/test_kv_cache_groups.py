@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loom.model.attention.kv_cache_groups import KVCacheGroups
 
 W = 512
@@ -38,3 +40,30 @@ def test_one_group_when_layers_agree_or_hybrid_is_off():
     assert plain.windows == (None,) and plain.layers_per_block == 3
     assert plain.slot_of_layer == (0, 1, 2)
     assert KVCacheGroups.of([W, None, 8]).windows == (None,)  # two window sizes
+
+
+@pytest.mark.parametrize("options, num_groups", [
+    (dict(), 3),  # global, local, local: a hybrid cache
+    (dict(splitwise_role="decode", kv_transfer_config={"kv_transport": "tcp"}), 1),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), 1)])
+def test_gemma3_runner_is_hybrid_unless_a_transfer_or_drafts_need_one_table(
+        tmp_path, options, num_groups):
+    """The runner's layout, which the engine's scheduler follows: a KV transfer moves one
+    block table, and drafts' rolled-back K/V is not accounted for per group."""
+    import torch
+
+    from loom.config import EngineConfig
+    from loom.worker.model_runner import ModelRunner
+
+    from .checkpoints import SLIDING_WINDOW, make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("gemma3", tmp_path / "gemma3")
+    config = EngineConfig.from_args(path, dtype="float32", max_model_len=64,
+                                    skip_tokenizer_init=True, **options)
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    groups = runner.kv_cache_groups
+    assert len(groups.windows) == num_groups
+    assert runner.kv_cache_group_counts == (num_groups, 1)
+    assert runner.kv_cache_window == (SLIDING_WINDOW if num_groups > 1 else 0)
+    assert groups.layers_per_block == (1 if num_groups > 1 else 3)
