@@ -95,12 +95,15 @@ def make_tiny_config(family: str):
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
-def make_tiny_checkpoint(family: str, path: str | os.PathLike) -> str:
-    """Write a tiny random float32 checkpoint of ``family`` to ``path``."""
+def make_tiny_checkpoint(family: str, path: str | os.PathLike, **overrides) -> str:
+    """Write a tiny random float32 checkpoint of ``family`` to ``path`` (``overrides``:
+    config fields to change, e.g. ``moe_intermediate_size=64``)."""
     from transformers import AutoModelForCausalLM
 
     path = str(path)
     config = make_tiny_config(family)
+    for field, value in overrides.items():
+        setattr(config, field, value)
     torch.manual_seed(FAMILIES.index(family) + 1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

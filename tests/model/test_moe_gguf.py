@@ -25,6 +25,7 @@ import torch
 from e2e.test_llm_correctness import hf_greedy, make_prompts
 
 from loom import LLM, SamplingParams
+from loom.kernels import native_ops
 from loom.model.loader import load_hf_config
 
 from .checkpoints import make_tiny_checkpoint
@@ -168,3 +169,83 @@ def test_ernie_tokenizer_comes_from_the_file(tmp_path, monkeypatch):
     assert tokenizer.hf.vocab_size == load_hf_config(checkpoint).vocab_size
     assert tokenizer.hf.decode([7, 9]) == "<t7><t9>"
     assert tokenizer.eos_token_ids == [2]
+
+
+def write_quantized_experts_gguf(checkpoint: str, path: str) -> str:
+    """``write_gguf``'s Qwen3-MoE file with its stacked experts quantized, mixing
+    formats as llama.cpp's files do: gate and up Q4_1, down Q8_0."""
+    import gguf
+
+    plain = write_gguf(checkpoint, path + ".f32", "qwen3_moe")
+    reader = gguf.GGUFReader(plain)
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                             else None)
+    formats = {"ffn_gate_exps": gguf.GGMLQuantizationType.Q4_1,
+               "ffn_up_exps": gguf.GGMLQuantizationType.Q4_1,
+               "ffn_down_exps": gguf.GGMLQuantizationType.Q8_0}
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        kind = next((k for k in formats if f".{k}." in tensor.name), None)
+        if kind is None:
+            writer.add_tensor(tensor.name, data)
+            continue
+        qtype = formats[kind]
+        writer.add_tensor(tensor.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_quantized_experts_stay_quantized(tmp_path, caplog):
+    """A file whose stacked experts are Q4_1/Q8_0: loom keeps each expert in the file's
+    format (uint8, no full-precision copy) and gives the tokens of the same file
+    dequantized, float32; in bf16 the native stack runs the kept experts."""
+    import logging
+
+    # 64-wide expert rows: quantized blocks are 32 input features
+    from loom.model.layers.fused_moe import FusedMoE
+    from loom.model.loader import load_model
+
+    checkpoint = make_tiny_checkpoint("qwen3_moe", tmp_path / "q", moe_intermediate_size=64)
+    path = write_quantized_experts_gguf(checkpoint, str(tmp_path / "q.gguf"))
+    model = load_model(path, load_hf_config(path), dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m.w13_weight is None and m.w2_weight is None for m in layers)
+    for layer in layers:  # each expert in the file's formats, no full-precision copy
+        assert [(e.w13.weight_format, e.w2.weight_format) for e in layer.experts] == \
+            [("Q4_1", "Q8_0")] * 8
+        assert all(p.dtype == torch.uint8 for e in layer.experts for p in e.parameters()
+                   if p.dim() == 2), layer
+    del model
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    caplog.set_level(logging.INFO)
+    for name, kwargs in (("kept", {"quantization": "auto"}),
+                         ("dequantized", {"quantization": "none"}),
+                         ("kept-bf16", {"quantization": "auto", "dtype": "bfloat16"})):
+        caplog.clear()
+        llm = LLM(path, max_model_len=128, skip_tokenizer_init=True, enable_warm_up=False,
+                  **({"dtype": "float32"} | kwargs))
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+            runs[name] = [o.outputs[0].token_ids for o in outputs]
+        finally:
+            llm.shutdown()
+        said = [r.getMessage() for r in caplog.records]
+        # only the file's F32 tensors (attention, embedding) are listed as dequantized
+        dequantized = [m.rsplit(":", 1)[1] for m in said if "dequantized (loom keeps" in m]
+        assert all("Q4_1" not in m and "Q8_0" not in m for m in dequantized), said
+    assert runs["kept"] == runs["dequantized"]
+    if native_ops() is not None and native_ops().quant_gemm_available():
+        assert "decoder layers: native stack (loom CPU kernels)" in said
+    # bf16 activations may flip a near-tie late in a sequence; the first tokens agree
+    assert [r[:2] for r in runs["kept-bf16"]] == [r[:2] for r in runs["kept"]]

@@ -33,7 +33,9 @@ layers/linear.py), so an expert's weight is quantized in its loader from the who
 checkpoint tensor before the rank takes its shard, laid out once for loom's
 ``quantized_linear`` kernel (bf16 on AVX512-BF16) or held for the PyTorch reference
 (float32, other CPUs), exactly as the dense linears are; the grouped path runs each
-expert hit once on its segment, as above.
+expert hit once on its segment, as above. A GGUF file's experts in a format loom keeps
+(Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; ``--quantization auto``) arrive as one
+``QuantizedTensor`` per expert and are held the same way, in the file's format.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from torch import nn
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.layers.activation import silu_and_mul
 from loom.model.layers.linear import LinearBase, PackedWeight, linear, pack_weight
-from loom.model.layers.quantization import parse_weight_quantization
+from loom.model.layers.quantization import QuantizedTensor, parse_weight_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +310,28 @@ class FusedMoE(nn.Module):
         # each local expert's w13 and w2 packed for the CPU bf16 matmul, or None
         self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
         self._forwards = 0
+        self._experts_loaded = False  # load_expert has filled an expert
+
+    def _hold_quantized_experts(self) -> None:
+        """The checkpoint's experts arrive quantized in a format loom keeps (a GGUF file
+        under ``--quantization auto``): hold each local expert as a ``QuantizedExpert``,
+        as wint8/wint4 do, in place of the stacked full-precision parameters (never
+        written: their pages were never touched)."""
+        num_local, hidden = self.w2_weight.shape[0], self.w2_weight.shape[1]
+        device, dtype = self.w2_weight.device, self.w2_weight.dtype
+        del self.w13_weight, self.w2_weight
+        self.register_parameter("w13_weight", None)
+        self.register_parameter("w2_weight", None)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # an expert dequantized later comes back in it
+        try:
+            with torch.device(device):
+                self.experts = nn.ModuleList(
+                    QuantizedExpert(hidden, self.intermediate_per_rank,
+                                    self.intermediate_start, "none")
+                    for _ in range(num_local))
+        finally:
+            torch.set_default_dtype(previous)
 
     def process_weights_after_loading(self) -> None:
         """Pack each local expert's matrices for the CPU bf16 matmul (linear.py's
@@ -340,6 +364,12 @@ class FusedMoE(nn.Module):
         parameters (relative to this layer) that such tensors fill."""
         if which not in ("gate", "up", "down"):
             raise ValueError(f"expert weight {which!r} is none of gate, up, down")
+        if isinstance(loaded_weight, QuantizedTensor) and self.experts is None:
+            if self._experts_loaded:  # experts held in full precision already: stay so
+                loaded_weight = loaded_weight.dequantize()
+            else:
+                self._hold_quantized_experts()
+        self._experts_loaded = True
         if self.experts is None:
             param = self.w2_weight if which == "down" else self.w13_weight
             param.weight_loader(param, loaded_weight, (expert_id, which))

@@ -7,7 +7,9 @@ llama.cpp's converter permutes the rows of Q and K for the ``llama`` architectur
 Mixtures of experts (qwen3moe, ernie4_5-moe): the converter stacks each layer's
 experts into one 3-d tensor per projection (``blk.N.ffn_gate_exps`` (E, I, H), ...);
 they come out here as the per-expert tensors of a Hugging Face checkpoint
-(``model.layers.N.mlp.experts.<e>.gate_proj.weight``), dequantized.
+(``model.layers.N.mlp.experts.<e>.gate_proj.weight``): dequantized, or with
+``keep_quantized`` each expert's rows of the stacked bytes as its own ``QuantizedTensor``
+when loom keeps the format (FusedMoE then holds its experts quantized).
 """
 
 from __future__ import annotations
@@ -220,6 +222,26 @@ _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
                  "ffn_down")
 
 
+def _stacked_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
+                       ) -> list[QuantizedTensor] | None:
+    """A stacked expert tensor's bytes ((E, out, in): each expert's rows one after
+    another) as one ``QuantizedTensor`` per expert, or None if loom does not keep the
+    format."""
+    num_experts, out_features, in_features = shape
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size % num_experts:
+        return None
+    per_expert = raw.size // num_experts
+    experts = []
+    for expert in range(num_experts):
+        weights = gguf_quantized(raw[expert * per_expert:(expert + 1) * per_expert],
+                                 ggml_type, (out_features, in_features))
+        if weights is None:
+            return None
+        experts.append(weights)
+    return experts
+
+
 def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = False
                           ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to float32 (the
@@ -241,6 +263,15 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
         m = _LAYER_RE.match(info.name)
         linear = (m is not None and m.group(2) in _LINEAR_PARTS and m.group(3) == "weight") \
             or info.name in ("token_embd.weight", "output.weight")
+        if keep_quantized and m is not None and m.group(2) in _EXPERT_PARTS:
+            experts = _stacked_quantized(raw, info.ggml_type, info.shape)
+            if experts is not None:
+                prefix, projection = hf_name.rsplit(".experts.", 1)
+                for expert, weights in enumerate(experts):
+                    yield f"{prefix}.experts.{expert}.{projection}", weights
+                continue
+            kind = _type_name(info.ggml_type)
+            dequantized[kind] = dequantized.get(kind, 0) + 1
         weights = gguf_quantized(raw, info.ggml_type, info.shape) \
             if keep_quantized and linear else None
         if weights is None:
