@@ -159,9 +159,15 @@ def _load() -> ModuleType | None:
             started = time.monotonic()
         with _exclusive_build(build_dir):
             built = build_dir / "loom_cpu_ops.so"
+            module = None
             if built.exists():
-                module = _import_built(built)
-            else:
+                try:
+                    module = _import_built(built)
+                except ImportError as exc:  # a link killed mid-way leaves a truncated .so
+                    logger.warning("the cached kernel build %s does not load (%s); building "
+                                   "it again", built, exc)
+                    built.unlink()
+            if module is None:
                 module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
                               build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)

@@ -24,3 +24,42 @@ def test_a_stale_build_lock_does_not_wedge_the_next_load():
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["loaded", "lock", "gone"], run.stdout + run.stderr
     assert "killed mid-way" in run.stderr
+
+
+def test_a_truncated_cached_build_is_built_again(tmp_path, monkeypatch, caplog):
+    """A link killed mid-way leaves a truncated .so in the cache: the next load removes it
+    and builds again, rather than fall back to PyTorch ops for good. (A unit: the build
+    itself is torch's ``load``, stood in for here; the real import of the truncated file
+    fails as dlopen fails on it.)"""
+    import logging
+
+    import torch.utils.cpp_extension
+
+    from loom import kernels
+    from loom.envs import settings
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    settings.cache_clear()
+    build_dir = kernels._build_dir()
+    build_dir.mkdir(parents=True)
+    built = build_dir / "loom_cpu_ops.so"
+    built.write_bytes(b"\x7fELF truncated")
+    rebuilt = []
+
+    class Module:
+        def set_bf16_amx(self, enabled):
+            pass
+
+    def load(**kwargs):
+        assert not built.exists()  # removed before the build
+        rebuilt.append(kwargs["build_directory"])
+        return Module()
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    caplog.set_level(logging.WARNING)
+    try:
+        module = kernels._load()
+    finally:
+        settings.cache_clear()
+    assert isinstance(module, Module) and rebuilt == [str(build_dir)]
+    assert any("does not load" in r.getMessage() for r in caplog.records)
