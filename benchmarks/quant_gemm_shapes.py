@@ -1,0 +1,197 @@
+"""The quantized and bf16 matmul kernels on a 1B Llama's layers: time and weight bandwidth.
+
+    python benchmarks/quant_gemm_shapes.py [--formats Q4_0,Q8_0,Q6_K,Q4_K,bf16]
+        [--rows 1,8,32] [--threads 2] [--repeats 5] [--out FILE]
+
+For each format and each linear of Llama-3.2-1B's shapes (fused QKV 3072 x 2048, O 2048
+x 2048, fused gate/up 16384 x 2048, down 2048 x 8192, and the 49,152 x 2048 LM head of
+SmolLM2's vocabulary), random weights packed as loom holds them, ``quantized_linear``
+(or ``bf16_linear``) on 1, 8, 32 rows: the median time of ``--repeats`` timed loops
+and the weight bytes read per call over that time (GB/s). One process, the formats and
+shapes interleaved each repeat; beside them the read bandwidth that
+``benchmarks/roofline.py`` measures (a tensor sum), the ceiling a 1-row product can
+reach. A 1-row figure near that ceiling means the kernel streams its weights at memory
+speed; far below it, the unpacking instructions bound it.
+
+    python benchmarks/quant_gemm_shapes.py --ab /tmp/old/loom/kernels/csrc [--iters 15]
+
+A/B instead (for a loaded machine, where runs move more than a kernel change): build A
+from another ``csrc/`` directory (``git archive <commit> loom/kernels/csrc | tar -x -C
+/tmp/old``), build B this checkout's, both in this process, each case timed A then B
+(B then A in odd iterations); per case the medians and the median of the per-iteration
+ratios B / A (below 1: B faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+          "down": (2048, 8192), "lm_head": (49152, 2048)}
+# ggml type, (values per block, bytes per block), byte offsets of float16 scales
+GGUF = {"Q4_0": (2, (32, 18), (0,)), "Q4_1": (3, (32, 20), (0, 2)),
+        "Q8_0": (8, (32, 34), (0,)), "Q4_K": (12, (256, 144), (0, 2)),
+        "Q5_K": (13, (256, 176), (0, 2)), "Q6_K": (14, (256, 210), (208,))}
+
+
+def load_build(csrc: str):
+    """The kernels built from ``csrc`` as loom builds them (benchmarks/cpu_kernels_ab.py)."""
+    from pathlib import Path
+
+    import loom.kernels
+
+    checkout = loom.kernels._CSRC
+    loom.kernels._CSRC = Path(csrc).resolve()
+    try:
+        module = loom.kernels._load()
+    finally:
+        loom.kernels._CSRC = checkout
+    assert module is not None, f"the kernels in {csrc} did not build"
+    return module
+
+
+def random_weight(fmt: str, n: int, k: int, ops):
+    """A random (n, k) weight of ``fmt`` as the kernel holds it, and its bytes."""
+    if fmt == "bf16":
+        packed = ops.pack_bf16_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.02)
+        return packed, packed.numel() * 2
+    from loom.model.layers.quantization import gguf_quantized
+
+    ggml_type, (values, size), scale_at = GGUF[fmt]
+    rng = np.random.default_rng(n + k)
+    raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
+    for offset in scale_at:
+        scales = (rng.standard_normal((n, k // values)) * 0.05).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
+    kept = gguf_quantized(raw.reshape(n, -1), ggml_type, (n, k))
+    packed = ops.pack_quantized_weight(kept.values, kept.scales, kept.offsets, kept.bits)
+    return packed, packed.nbytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="Q4_0,Q8_0,Q6_K,Q4_K,bf16")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.15, help="per timed loop")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--ab", default=None, help="build A's csrc/ directory: A/B mode")
+    parser.add_argument("--iters", type=int, default=15, help="A/B iterations")
+    args = parser.parse_args()
+    if args.ab:
+        return ab(args)
+    torch.set_num_threads(args.threads)
+    from benchmarks.roofline import measure_bandwidth
+    from loom.kernels import native_ops
+
+    ops = native_ops()
+    formats, shapes = args.formats.split(","), args.shapes.split(",")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    weights = {(f, s): random_weight(f, *SHAPES[s], ops) for f in formats for s in shapes}
+    inputs = {(r, k): torch.randn(r, k, dtype=torch.bfloat16)
+              for r in rows_list for k in {SHAPES[s][1] for s in shapes}}
+
+    def call(fmt, shape, rows):
+        n, k = SHAPES[shape]
+        packed, _ = weights[(fmt, shape)]
+        out = torch.empty(rows, n, dtype=torch.float32 if shape == "lm_head" else torch.bfloat16)
+        x = inputs[(rows, k)]
+        if fmt == "bf16":
+            return lambda: ops.bf16_linear(out, x, packed, None)
+        return lambda: ops.quantized_linear(out, x, packed, None)
+
+    times: dict[str, list[float]] = {}
+    bandwidth = []
+    for repeat in range(args.repeats):
+        for fmt in formats:
+            for shape in shapes:
+                for rows in rows_list:
+                    fn = call(fmt, shape, rows)
+                    fn()
+                    started = time.perf_counter()
+                    fn()
+                    once = time.perf_counter() - started
+                    loops = max(2, int(args.seconds / max(once, 1e-6)))
+                    started = time.perf_counter()
+                    for _ in range(loops):
+                        fn()
+                    elapsed = (time.perf_counter() - started) / loops
+                    times.setdefault(f"{fmt} {shape} {rows}", []).append(elapsed)
+        bandwidth.append(measure_bandwidth(512, 3, threads=args.threads)["read_gb_s"])
+    read_gb_s = statistics.median(bandwidth)
+    table = {}
+    print(f"read bandwidth (tensor sum, {args.threads} threads): {read_gb_s:.1f} GB/s")
+    print(f"{'format':6} {'shape':8} {'rows':>4} {'ms':>8} {'GB/s':>6} {'% read':>6}")
+    for fmt in formats:
+        for shape in shapes:
+            nbytes = weights[(fmt, shape)][1]
+            for rows in rows_list:
+                ms = statistics.median(times[f"{fmt} {shape} {rows}"]) * 1e3
+                gb_s = nbytes / ms / 1e6
+                table[f"{fmt} {shape} {rows}"] = {"ms": ms, "weight_gb_s": gb_s,
+                                                  "weight_bytes": nbytes}
+                print(f"{fmt:6} {shape:8} {rows:4d} {ms:8.3f} {gb_s:6.1f} "
+                      f"{100 * gb_s / read_gb_s:5.0f}%")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"read_gb_s": read_gb_s, "threads": args.threads, "results": table}, f,
+                      indent=1)
+
+
+def ab(args) -> None:
+    torch.set_num_threads(args.threads)
+    from loom.kernels import native_ops
+
+    builds = {"A": load_build(args.ab), "B": native_ops()}
+    assert builds["A"].__file__ != builds["B"].__file__, "build A is this checkout's"
+    print(f"A: {builds['A'].__file__}\nB: {builds['B'].__file__}\nthreads {args.threads}")
+    print("| format | shape | rows | A ms | B ms | B GB/s | B / A |\n|---|---|---:|---:|---:|---:|---:|")
+    for fmt in args.formats.split(","):
+        for shape in args.shapes.split(","):
+            n, k = SHAPES[shape]
+            packed = {label: random_weight(fmt, n, k, ops) for label, ops in builds.items()}
+            for rows in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(rows, k, dtype=torch.bfloat16)
+                out = torch.empty(rows, n, dtype=torch.float32 if shape == "lm_head"
+                                  else torch.bfloat16)
+
+                def fn(label):
+                    ops, (w, _) = builds[label], packed[label]
+                    if fmt == "bf16":
+                        return lambda: ops.bf16_linear(out, x, w, None)
+                    return lambda: ops.quantized_linear(out, x, w, None)
+
+                calls = {label: fn(label) for label in builds}
+                for call in calls.values():
+                    call()
+                started = time.perf_counter()
+                calls["A"]()
+                loops = max(2, int(args.seconds / 4 / max(time.perf_counter() - started, 1e-6)))
+                times: dict[str, list[float]] = {"A": [], "B": []}
+                for i in range(args.iters):
+                    for label in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                        started = time.perf_counter()
+                        for _ in range(loops):
+                            calls[label]()
+                        times[label].append((time.perf_counter() - started) / loops)
+                ratio = statistics.median(b / a for a, b in zip(times["A"], times["B"]))
+                a_ms, b_ms = (statistics.median(times[label]) * 1e3 for label in "AB")
+                print(f"| {fmt} | {shape} | {rows} | {a_ms:.3f} | {b_ms:.3f} | "
+                      f"{packed['B'][1] / b_ms / 1e6:.1f} | {ratio:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
