@@ -60,6 +60,10 @@ class ModelConfig:
     # The seed's --lm-head-fp32: logits from a float32 copy of the LM head's weight
     # (dequantized if it is quantized) and float32 hidden states.
     lm_head_fp32: bool = False
+    # The checkpoint's Hugging Face config as plain values (loom/model/loader/
+    # hf_config_values.py), read once by from_args, so that the engine core and the ranks
+    # build the model without importing transformers; None: each rank reads it itself.
+    hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
@@ -564,6 +568,7 @@ class EngineConfig:
                                         check_quantization, check_ray_installed,
                                         check_tensor_parallel, check_tokenizer_files)
         from loom.model.loader import load_hf_config
+        from loom.model.loader.hf_config_values import hf_config_values
         from loom.model.models.registry import get_model_architecture
 
         if not os.path.exists(model):
@@ -626,7 +631,8 @@ class EngineConfig:
                               attention_backend=attention_backend,
                               quantization=quantization,
                               quantization_group_size=quantization_group_size,
-                              lm_head_fp32=lm_head_fp32),
+                              lm_head_fp32=lm_head_fp32,
+                              hf_config=hf_config_values(hf_config)),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

@@ -27,7 +27,8 @@ from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
-from loom.model.loader import kv_cache_bytes_per_block, load_hf_config, load_model
+from loom.model.loader import (kv_cache_bytes_per_block, load_hf_config, load_model,
+                               model_hf_config)
 from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
@@ -70,7 +71,7 @@ class ModelRunner:
         self.tp_group = tp_group
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
-        self.hf_config = load_hf_config(config.model.model)
+        self.hf_config = model_hf_config(config.model)
         self.model: torch.nn.Module | None = None
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,8 +16,12 @@ from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.quantization import linear_weight_quantization
 from loom.model.loader.gguf_loader import gguf_weights_iterator, load_gguf_config
+from loom.model.loader.hf_config_values import HFConfigView
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
+
+if TYPE_CHECKING:
+    from loom.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,15 @@ def load_hf_config(model_path: str) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_path)
+
+
+def model_hf_config(model_config: ModelConfig) -> Any:
+    """The model's HF config as ``EngineConfig.from_args`` read it, from its plain values
+    (no ``transformers`` import in this process); read from the checkpoint when the
+    config was built without them."""
+    if model_config.hf_config is None:
+        return load_hf_config(model_config.model)
+    return HFConfigView.from_values(model_config.hf_config)
 
 
 @contextlib.contextmanager
