@@ -171,9 +171,14 @@ class KVCacheManager:
         if num_to_allocate * self.num_groups + num_idle_hits > self.pool.num_free_blocks:
             return None
         self.req_to_blocks[request_id] = groups
+        # Every group's hits leave the free queue before any group takes new blocks from
+        # it: one group's idle hit handed out as another's new block would be one block
+        # in two groups' tables (layer i of every group shares slot i: one group's K/V
+        # written over the other's).
+        for group_hits in hits:
+            self.pool.touch(block for block in group_hits if block is not None)
         new_blocks = []
         for group, blocks in enumerate(groups):
-            self.pool.touch(block for block in hits[group] if block is not None)
             blocks.extend(hits[group])
             blocks.extend([None] * num_absent)
             allocated = self.pool.get_new_blocks(num_to_allocate)
@@ -202,12 +207,16 @@ class KVCacheManager:
         return self.req_to_blocks.pop(request.request_id, [[]])[0]
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first so its prefix stays cached longest."""
+        """Release the request's blocks, tail first so its prefix stays cached longest;
+        the sliding groups' before the full ones', which a later hit needs whole (the
+        free queue evicts what was freed first)."""
         groups = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_skipped_blocks.pop(request.request_id, None)
-        for blocks in groups:
-            self.pool.free_blocks(block for block in reversed(blocks) if block is not None)
+        order = sorted(range(len(groups)), key=lambda g: self.group_windows[g] is None)
+        for group in order:
+            self.pool.free_blocks(block for block in reversed(groups[group])
+                                  if block is not None)
 
     def get_block_ids(self, request_id: str, group: int = 0, start: int = 0) -> list[int]:
         """The request's block table in ``group``, from block ``start`` on. A freed

@@ -145,12 +145,14 @@ class ModelRunner:
         """The attention layers split into KV cache groups, each with its own block
         tables (core/kv_cache_manager.py): one group but for a model that mixes
         full-attention and sliding-window layers (Gemma 3), which gets vLLM's hybrid
-        layout, unless speculative decoding (a proposer's own layers and rolled-back
-        drafts are not accounted for) or a KV transfer (which moves one group's blocks)
-        is on; then its blocks are all kept."""
+        layout, unless a KV transfer (which moves one group's blocks) is on; then its
+        blocks are all kept. Under speculative decoding every block is kept, windows or
+        not: a proposer's own layers (a draft model's full attention) read the target's
+        block tables, and rolled-back drafts are not accounted for per group."""
         windows = [layer.sliding_window for layer in self.model.attention_layers]
-        return KVCacheGroups.of(windows, hybrid=self.config.speculative is None
-                                and self.config.kv_transfer is None)
+        if self.config.speculative is not None:  # every block kept, as before groups
+            windows = [None] * len(windows)
+        return KVCacheGroups.of(windows, hybrid=self.config.kv_transfer is None)
 
     @property
     def kv_cache_window(self) -> int:

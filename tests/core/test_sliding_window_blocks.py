@@ -210,3 +210,28 @@ def test_hybrid_pool_serves_more_sequences_than_one_table():
                           groups=(None, None, None))
     run(full, requests())
     assert full.num_preemptions > 0
+
+
+def test_a_prefix_hit_never_puts_one_block_in_two_groups():
+    """Found in review: with one group's new blocks taken from the free queue before the
+    next group's idle hits left it, a hit could be handed out again as a new block, and
+    one block sat in two groups' tables (layer i of every group shares slot i: one
+    group's K/V over the other's). R (12 tokens) and Q (24) freed, in that order, put
+    both groups' blocks side by side in the queue; S, R's prompt and 6 more tokens, hits
+    R's blocks and needs new ones."""
+    manager = KVCacheManager(18, BLOCK_SIZE, group_windows=(None, 8))
+    r = make_request("r", list(range(10, 22)), 4)
+    q = make_request("q", list(range(100, 124)), 4)
+    assert manager.allocate_slots(r, 12) is not None
+    assert manager.allocate_slots(q, 24) is not None
+    manager.free(r)
+    manager.free(q)
+    s = make_request("s", list(range(10, 22)) + list(range(200, 206)), 4)
+    hits, num_hit = manager.get_computed_blocks(s)
+    assert num_hit == 12
+    assert manager.allocate_slots(s, 6, hits) is not None
+    held = [block for group in manager.req_to_blocks["s"] for block in group
+            if block is not None]
+    assert len({block.block_id for block in held}) == len(held), \
+        [[b and b.block_id for b in group] for group in manager.req_to_blocks["s"]]
+    assert all(block.ref_cnt == 1 for block in held)

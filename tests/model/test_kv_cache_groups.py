@@ -67,3 +67,27 @@ def test_gemma3_runner_is_hybrid_unless_a_transfer_or_drafts_need_one_table(
     assert runner.kv_cache_group_counts == (num_groups, 1)
     assert runner.kv_cache_window == (SLIDING_WINDOW if num_groups > 1 else 0)
     assert groups.layers_per_block == (1 if num_groups > 1 else 3)
+
+
+def test_drafts_keep_every_block_of_an_all_sliding_model(tmp_path):
+    """Found in review: a Mistral with a window under speculative decoding had its
+    blocks behind the window freed again (one group keeps its window), while a draft
+    model's full-attention layers read the target's tables. With drafts, none is freed."""
+    import torch
+
+    from loom.config import EngineConfig
+    from loom.worker.model_runner import ModelRunner
+
+    from .checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("mistral_sliding", tmp_path / "mistral")
+    runners = {}
+    for name, options in (("plain", {}), ("drafts", dict(speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2}))):
+        config = EngineConfig.from_args(path, dtype="float32", max_model_len=64,
+                                        skip_tokenizer_init=True, **options)
+        runners[name] = ModelRunner(config, torch.device("cpu"))
+        runners[name].load_model()
+    assert runners["plain"].kv_cache_window > 0
+    assert runners["drafts"].kv_cache_window == 0
+    assert runners["drafts"].kv_cache_groups.windows == (None,)
