@@ -12,7 +12,10 @@ decisive for greedy tests.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -95,12 +98,36 @@ def make_tiny_config(family: str):
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
+# (family, overrides) -> (a private directory with that checkpoint's files, the CPU RNG
+# state right after its weights were drawn): each is built once per process, then copied.
+_BUILT: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
+
+
 def make_tiny_checkpoint(family: str, path: str | os.PathLike, **overrides) -> str:
     """Write a tiny random float32 checkpoint of ``family`` to ``path`` (``overrides``:
-    config fields to change, e.g. ``moe_intermediate_size=64``)."""
+    config fields to change, e.g. ``moe_intermediate_size=64``).
+
+    Deterministic: the first such checkpoint in this process is built (seeded) in a
+    private directory, and every call copies its files, leaving torch's RNG as building
+    it does (seeded, then advanced by the draws). A test may rewrite its copy."""
+    path = str(path)
+    key = (family, repr(sorted(overrides.items())))
+    if key not in _BUILT:
+        _BUILT[key] = _build(family, overrides)
+    built, rng_after = _BUILT[key]
+    torch.manual_seed(FAMILIES.index(family) + 1234)  # every device's generator, as _build
+    torch.set_rng_state(rng_after)
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(built):
+        shutil.copyfile(os.path.join(built, name), os.path.join(path, name))
+    return path
+
+
+def _build(family: str, overrides: dict) -> tuple[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    path = str(path)
+    path = tempfile.mkdtemp(prefix=f"loom-tiny-{family}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     config = make_tiny_config(family)
     for field, value in overrides.items():
         setattr(config, field, value)
@@ -116,9 +143,8 @@ def make_tiny_checkpoint(family: str, path: str | os.PathLike, **overrides) -> s
             else:
                 param.normal_(0.0, 0.08)
         model.model.norm.weight.mul_(8.0)
-    os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    return path
+    return path, torch.get_rng_state()
 
 
 def bias_router(path: str) -> str:
