@@ -156,9 +156,6 @@ def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,
             return "its experts are not packed for loom's bf16 matmul"
         w13 = [ops.LinearWeight.bf16(gate_up.data) for gate_up, _ in moe.packed]
         w2 = [ops.LinearWeight.bf16(down.data) for _, down in moe.packed]
-        # fused_experts runs segments over PACKED_MAX_ROWS with F.linear on these
-        weights.expert_w13_stacked = moe.w13_weight
-        weights.expert_w2_stacked = moe.w2_weight
     weights.expert_w13, weights.expert_w2 = w13, w2
     # float32 once here (FusedMoE converts at each forward: the same values)
     weights.router = moe.gate.weight.detach().float()

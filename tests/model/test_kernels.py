@@ -231,6 +231,37 @@ def test_bf16_linear_is_exact_on_exact_inputs(ops):
                         ops.pack_bf16_weight(torch.zeros(8, 4, dtype=torch.bfloat16)), None)
 
 
+def test_bf16_linear_group_equals_one_call_each(ops):
+    """Several matmuls in one parallel region (a MoE layer's experts): each result is
+    bit for bit bf16_linear's on it alone, for row counts on either side of the tiles'
+    minimum and the 96-row chunks, outputs around the 64-wide panels, and rows written
+    into one shared output at offsets."""
+    if not ops.bf16_gemm_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(1, 64, 256), (3, 130, 256), (8, 64, 512), (40, 200, 512), (100, 96, 64),
+              (0, 64, 64), (1, 1024, 1024)]
+    xs = [torch.randn(rows, k, generator=gen).bfloat16() for rows, _, k in shapes]
+    packed = [ops.pack_bf16_weight(torch.randn(n, k, generator=gen).bfloat16() / k ** 0.5)
+              for _, n, k in shapes]
+    outs = [torch.full((rows, n), float("nan"), dtype=torch.bfloat16) for rows, n, _ in shapes]
+    ops.bf16_linear_group(outs, xs, packed)
+    for x, weight, out in zip(xs, packed, outs):
+        alone = torch.empty_like(out)
+        ops.bf16_linear(alone, x, weight)
+        assert torch.equal(out, alone), tuple(out.shape)
+    # one expert's rows after another into one (R, N) output, as the decoder stack does
+    shared = torch.empty(5, 64, dtype=torch.bfloat16)
+    ops.bf16_linear_group([shared[:2], shared[2:]], [xs[0].expand(2, -1), xs[1][:, :256]],
+                          [packed[0], packed[0]])
+    alone = torch.empty(5, 64, dtype=torch.bfloat16)
+    ops.bf16_linear(alone, torch.cat([xs[0].expand(2, -1), xs[1]]), packed[0])
+    assert torch.equal(shared, alone)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.bf16_linear_group([outs[0]], [torch.zeros(1, 128, dtype=torch.bfloat16)],
+                              [packed[0]])
+
+
 def test_the_amx_switch_keeps_many_rows_on_the_avx512_kernel(ops):
     """LOOM_AMX=0 (loom/envs.py, handed to the module as set_bf16_amx): many rows take
     the AVX-512 micro-kernel, exact on exact inputs like the tiles."""

@@ -265,8 +265,8 @@ def test_native_stack_schema_matches_the_declaration(checkpoints):
             assert all(f"{role}_bias" in fields for role in linear_roles)
     assert {"num_heads", "num_kv_heads", "head_dim", "intermediate_size", "attention_scale",
             "rms_norm_eps", "activation", "num_experts", "top_k", "moe_intermediate_size",
-            "shared_intermediate_size", "scoring", "renormalize", "renormalize_min",
-            "packed_max_rows"} == set(ops.DecoderStackOptions.fields)
+            "shared_intermediate_size", "scoring", "renormalize", "renormalize_min"
+            } == set(ops.DecoderStackOptions.fields)
 
 
 def test_registry_and_sizes(checkpoints):

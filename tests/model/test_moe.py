@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from loom.distributed.parallel_state import NO_EP, EPGroup, TPGroup, expert_parallel_group
+from loom.kernels import native_ops
 from loom.model.layers.fused_moe import (FusedMoE, MoESpec, fused_experts, loop_over_experts,
                                          select_experts)
 from loom.model.loader import load_hf_config, load_model
@@ -88,6 +90,37 @@ def test_routing_rules():
     torch.testing.assert_close(weights, sig / sig.sum())
     with pytest.raises(ValueError, match="scoring"):
         MoESpec(4, 2, 8, scoring="relu")
+
+
+@pytest.mark.parametrize("spec", [
+    MoESpec(16, 4, 8),  # softmax, renormalized (Qwen3-MoE, Mixtral)
+    MoESpec(16, 2, 8, renormalize=False),
+    MoESpec(16, 3, 8, scoring="sigmoid"),
+    MoESpec(16, 4, 8, correction_bias=True, renormalize_min=0.9),  # Ernie: bias, clamp
+], ids=["softmax", "not-renormalized", "sigmoid", "bias-and-clamp"])
+def test_native_router_equals_select_experts(spec):
+    """loom's moe_route (bf16 hidden states on the CPU: FusedMoE.route and the native
+    stack) against select_experts on F.linear's float32 logits: the same experts in the
+    same order, weights equal up to float32 summation order; a bf16 router and its
+    float32 copy route identically."""
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("no native kernels")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 200, generator=gen).bfloat16()
+    router = (torch.randn(spec.num_experts, 200, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(spec.num_experts, generator=gen) * 0.05 if spec.correction_bias else None
+    weights, ids = ops.moe_route(x, router, bias, spec.top_k, spec.scoring, spec.renormalize,
+                                 spec.renormalize_min)
+    expected_weights, expected_ids = select_experts(F.linear(x.float(), router.float()), spec,
+                                                    bias)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    again = ops.moe_route(x, router.float(), bias, spec.top_k, spec.scoring, spec.renormalize,
+                          spec.renormalize_min)
+    assert torch.equal(again[0], weights) and torch.equal(again[1], ids)
+    if spec.renormalize_min:  # the clamp took effect somewhere, or the case tests nothing
+        assert (weights.sum(-1) < 0.99).any()
 
 
 def test_layer_counts_tokens_per_expert():

@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -250,6 +251,96 @@ void amx_rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
 }
 #endif
 
+// bf16_linear's arguments: x (M, K) bf16, out (M, N) bf16 or float32, both with their
+// last dim contiguous, packed from pack_bf16_weight for a weight (N, K).
+void check_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(LOOM_HAVE_BF16_GEMM, "bf16_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+              x.stride(1) == 1, "x must be a 2-d bfloat16 CPU tensor, last dim contiguous");
+  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+              out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "out must be (rows of x, N) bfloat16 or float32, last dim contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2,
+              "packed must come from pack_bf16_weight");
+  const int64_t n = out.size(1), pairs = packed.size(1), panels = packed.size(0);
+  TORCH_CHECK(x.size(1) == 2 * pairs, "x has ", x.size(1), " features, the weight ", 2 * pairs);
+  TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, "out has ", n,
+              " columns, the packed weight ", panels * kPanel);
+}
+
+#if LOOM_HAVE_BF16_GEMM
+// How one matmul's rows are cut into work items: on the tiles or not, and equal chunks
+// of whole row blocks, at most kMaxRowChunk rows each. A function of the matmul alone,
+// so a matmul gives the same values run alone (bf16_linear) or in a group.
+struct RowChunks {
+  bool amx;
+  int64_t chunks, chunk_rows;
+};
+
+RowChunks row_chunks(int64_t rows, int64_t pairs) {
+  // The tiles from amx::kMinRows rows on.
+  const bool amx = rows >= amx::kMinRows && pairs % 16 == 0 && bf16_amx_available();
+  const int64_t block = amx ? 32 : kRowBlock;
+  const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
+  const int64_t chunk_rows =
+      chunks ? ((rows + chunks - 1) / chunks + block - 1) / block * block : 0;
+  return {amx, chunks, chunk_rows};
+}
+
+// Matmuls [0, count) in one parallel region. Work item (matmul, chunk of rows, panel),
+// panels inner and the matmuls one after another: with few rows each thread takes a
+// contiguous run of panels, reads only its share of the weights, and prefetches the
+// next item's panel, in the next matmul where its run crosses one.
+template <typename OutT>
+void run_matmuls(const Bf16Matmul* matmuls, int64_t count, const float* bias) {
+  std::vector<RowChunks> cuts(count);
+  std::vector<int64_t> first_item(count + 1, 0);  // matmul m's items: [first_item[m], ..[m+1])
+  for (int64_t m = 0; m < count; ++m) {
+    cuts[m] = row_chunks(matmuls[m].rows, matmuls[m].pairs);
+    first_item[m + 1] = first_item[m] + cuts[m].chunks * matmuls[m].panels;
+  }
+  auto panel_of = [&](int64_t m, int64_t p) {
+    return matmuls[m].packed + p * matmuls[m].pairs * kPanel * 2;
+  };
+  at::parallel_for(0, first_item[count], 1, [&](int64_t begin, int64_t end) {
+    int64_t configured = -1;  // this thread's tile shapes, loaded by the first block
+    int64_t m = std::upper_bound(first_item.begin(), first_item.end(), begin) -
+                first_item.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first_item[m + 1]) ++m;
+      const Bf16Matmul& job = matmuls[m];
+      const int64_t local = item - first_item[m];
+      const int64_t chunk = local / job.panels, p = local % job.panels;
+      const int64_t r0 = chunk * cuts[m].chunk_rows;
+      const int64_t nrows = std::min(cuts[m].chunk_rows, job.rows - r0);
+      if (nrows <= 0) continue;
+      const c10::BFloat16* next = nullptr;
+      if (item + 1 < end) {
+        const int64_t nm = item + 1 < first_item[m + 1] ? m : m + 1;
+        next = panel_of(nm, (item + 1 - first_item[nm]) % matmuls[nm].panels);
+      }
+      const c10::BFloat16* x = job.x + r0 * job.ldx;
+      OutT* y = static_cast<OutT*>(job.out) + r0 * job.ldy + p * kPanel;
+      const float* b = bias ? bias + p * kPanel : nullptr;
+      const int64_t cols = std::min(kPanel, job.n - p * kPanel);
+#if LOOM_HAVE_AMX
+      if (cuts[m].amx) {
+        amx_rows_times_panel(x, job.ldx, nrows, panel_of(m, p), job.pairs, b, y, job.ldy,
+                             cols, configured, next);
+        continue;
+      }
+#endif
+      rows_times_panel(x, job.ldx, nrows, panel_of(m, p), job.pairs, b, y, job.ldy, cols,
+                       next);
+    }
+#if LOOM_HAVE_AMX
+    amx::release(configured);
+#endif
+  });
+}
+#endif
+
 }  // namespace
 
 bool bf16_gemm_available() { return LOOM_HAVE_BF16_GEMM; }
@@ -278,20 +369,9 @@ at::Tensor pack_bf16_weight(at::Tensor weight) {
 
 void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
                  c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(LOOM_HAVE_BF16_GEMM, "bf16_linear needs a CPU with AVX512-BF16");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-              x.stride(1) == 1, "x must be a 2-d bfloat16 CPU tensor, last dim contiguous");
-  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
-              out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
-              "out must be (rows of x, N) bfloat16 or float32, last dim contiguous");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-              packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2,
-              "packed must come from pack_bf16_weight");
+  check_matmul(out, x, packed);
   const int64_t rows = x.size(0), n = out.size(1), pairs = packed.size(1);
   const int64_t panels = packed.size(0);
-  TORCH_CHECK(x.size(1) == 2 * pairs, "x has ", x.size(1), " features, the weight ", 2 * pairs);
-  TORCH_CHECK(n <= panels * kPanel && n > (panels - 1) * kPanel, "out has ", n,
-              " columns, the packed weight ", panels * kPanel);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "bias must have ", n, " entries");
@@ -300,49 +380,32 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
   }
   if (rows == 0) return;
 #if LOOM_HAVE_BF16_GEMM
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  const Bf16Matmul job{x.data_ptr<c10::BFloat16>(), x.stride(0), rows,
+                       packed.data_ptr<c10::BFloat16>(), pairs, panels,
+                       out.data_ptr(), out.stride(0), n};
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const int64_t ldx = x.stride(0), ldy = out.stride(0);
-  // The tiles from amx::kMinRows rows on.
-  const bool amx = rows >= amx::kMinRows && pairs % 16 == 0 && bf16_amx_available();
-  const int64_t block = amx ? 32 : kRowBlock;
-  // Equal chunks of whole row blocks, at most kMaxRowChunk rows each.
-  const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
-  const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
-  auto run = [&](auto* yp) {
-    // Work item (chunk of rows, panel), panels inner: with few rows each thread takes
-    // a contiguous run of panels and reads only its share of the weights.
-    at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-      int64_t configured = -1;  // this thread's tile shapes, loaded by the first block
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t chunk = item / panels, p = item % panels;
-        const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
-        if (nrows <= 0) continue;
-        const int64_t next = item + 1 < end ? (item + 1) % panels : -1;
-#if LOOM_HAVE_AMX
-        if (amx) {
-          amx_rows_times_panel(xp + r0 * ldx, ldx, nrows, wp + p * pairs * kPanel * 2, pairs,
-                               bp ? bp + p * kPanel : nullptr, yp + r0 * ldy + p * kPanel, ldy,
-                               std::min(kPanel, n - p * kPanel), configured,
-                               next >= 0 ? wp + next * pairs * kPanel * 2 : nullptr);
-          continue;
-        }
-#endif
-        rows_times_panel(xp + r0 * ldx, ldx, nrows, wp + p * pairs * kPanel * 2, pairs,
-                         bp ? bp + p * kPanel : nullptr, yp + r0 * ldy + p * kPanel, ldy,
-                         std::min(kPanel, n - p * kPanel),
-                         next >= 0 ? wp + next * pairs * kPanel * 2 : nullptr);
-      }
-#if LOOM_HAVE_AMX
-      amx::release(configured);
-#endif
-    });
-  };
   if (out.scalar_type() == at::kFloat)
-    run(out.data_ptr<float>());
+    run_matmuls<float>(&job, 1, bp);
   else
-    run(out.data_ptr<c10::BFloat16>());
+    run_matmuls<c10::BFloat16>(&job, 1, bp);
+#endif
+}
+
+Bf16Matmul bf16_matmul(at::Tensor out, at::Tensor x, at::Tensor packed) {
+  check_matmul(out, x, packed);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "a group's outputs are bfloat16");
+  return {x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0),
+          packed.data_ptr<c10::BFloat16>(), packed.size(1), packed.size(0),
+          out.data_ptr(), out.stride(0), out.size(1)};
+}
+
+void bf16_linear_group(const std::vector<Bf16Matmul>& matmuls) {
+  TORCH_CHECK(LOOM_HAVE_BF16_GEMM, "bf16_linear_group needs a CPU with AVX512-BF16");
+  for (const auto& m : matmuls)
+    TORCH_CHECK(m.n <= m.panels * kPanel && m.n > (m.panels - 1) * kPanel && m.rows >= 0,
+                "bf16_linear_group: a matmul of ", m.n, " outputs on ", m.panels, " panels");
+#if LOOM_HAVE_BF16_GEMM
+  run_matmuls<c10::BFloat16>(matmuls.data(), static_cast<int64_t>(matmuls.size()), nullptr);
 #endif
 }
 

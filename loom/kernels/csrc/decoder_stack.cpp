@@ -12,16 +12,12 @@
 
 #include <ATen/ops/argsort.h>
 #include <ATen/ops/bincount.h>
-#include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <limits>
-#include <tuple>
 #include <utility>
 
 namespace loom {
@@ -70,8 +66,12 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers,
                   "DecoderStack: top_k and moe_intermediate_size must be set");
       TORCH_CHECK(options_.scoring == "softmax" || options_.scoring == "sigmoid",
                   "DecoderStack: MoE scoring '", options_.scoring, "': softmax or sigmoid");
-      TORCH_CHECK(w.expert_w13_stacked.has_value() == w.expert_w2_stacked.has_value(),
-                  "DecoderStack: layer ", l, " has one of expert_w13_stacked and w2_stacked");
+      TORCH_CHECK(w.router->scalar_type() == at::kFloat && w.router->is_contiguous() &&
+                      w.router->size(0) == options_.num_experts &&
+                      (!w.correction_bias || (w.correction_bias->scalar_type() == at::kFloat &&
+                                              w.correction_bias->is_contiguous())),
+                  "DecoderStack: layer ", l, "'s router and correction_bias must be float32, "
+                  "contiguous, one row per expert");
       TORCH_CHECK(w.shared_gate_up.has_value() == w.shared_down.has_value() &&
                       (!w.shared_gate_up || options_.shared_intermediate_size > 0),
                   "DecoderStack: layer ", l, " has one of shared_gate_up and shared_down, "
@@ -150,83 +150,127 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
   return {x, residual};
 }
 
-// FusedMoE.forward (layers/fused_moe.py) for one rank holding every expert, the same
-// ATen ops in the same order: router, select_experts, the counts, then fused_experts
-// (its one-token path at T == 1, else grouped by expert).
+namespace {
+
+// Rows of one expert's input run through that expert's matmul into rows of `out`.
+struct ExpertRows {
+  int64_t expert, in_row, out_row, rows;
+};
+
+// Each ExpertRows' matmul: bf16 experts all in one parallel region (bf16_linear_group,
+// the values of a bf16_linear call per expert), quantized ones one call each.
+void run_experts(const std::vector<LinearWeight>& weights, const std::vector<ExpertRows>& jobs,
+                 const at::Tensor& in, at::Tensor out) {
+  const bool bf16 = std::all_of(jobs.begin(), jobs.end(), [&](const ExpertRows& j) {
+    return !weights[j.expert].quantized;
+  });
+  if (!bf16) {
+    for (const auto& j : jobs)
+      weights[j.expert].matmul(out.narrow(0, j.out_row, j.rows), in.narrow(0, j.in_row, j.rows),
+                               {});
+    return;
+  }
+  std::vector<Bf16Matmul> matmuls;
+  matmuls.reserve(jobs.size());
+  const auto* x = in.data_ptr<c10::BFloat16>();
+  auto* y = out.data_ptr<c10::BFloat16>();
+  for (const auto& j : jobs) {
+    const at::Tensor& packed = weights[j.expert].bf16_packed;
+    TORCH_CHECK(in.size(1) == 2 * packed.size(1), "DecoderStack: expert ", j.expert, " takes ",
+                2 * packed.size(1), " features, its input has ", in.size(1));
+    matmuls.push_back({x + j.in_row * in.stride(0), in.stride(0), j.rows,
+                       packed.data_ptr<c10::BFloat16>(), packed.size(1), packed.size(0),
+                       y + j.out_row * out.stride(0), out.stride(0), out.size(1)});
+  }
+  bf16_linear_group(matmuls);
+}
+
+}  // namespace
+
+// FusedMoE.forward (layers/fused_moe.py) for one rank holding every expert: the same
+// routing (moe_route), the same counts, then fused_experts' values in its order (its
+// one-token path at T == 1, else grouped by expert).
 at::Tensor DecoderStack::mixture_of_experts(const DecoderLayerWeights& w,
                                             const at::Tensor& x) const {
   const DecoderStackOptions& o = options_;
-  const int64_t tokens = x.size(0), width = x.size(1), top_k = o.top_k;
-  const int64_t inter = o.moe_intermediate_size;
-  // select_experts: float32 logits, scores, top-k (on scores + bias where there is one)
-  auto logits = at::linear(x.to(at::kFloat), *w.router);
-  auto scores = o.scoring == "softmax" ? logits.softmax(-1) : logits.sigmoid();
-  at::Tensor topk_weights, topk_ids;
-  if (w.correction_bias) {
-    topk_ids = std::get<1>(at::topk(scores.add(*w.correction_bias), top_k, -1));
-    topk_weights = scores.gather(-1, topk_ids);
-  } else {
-    std::tie(topk_weights, topk_ids) = at::topk(scores, top_k, -1);
-  }
-  if (o.renormalize) {
-    auto total = topk_weights.sum(-1, /*keepdim=*/true);
-    if (o.renormalize_min > 0) total = at::clamp(total, c10::Scalar(o.renormalize_min));
-    topk_weights = topk_weights.div(total);
-  }
-  auto flat_ids = topk_ids.flatten();
+  const int64_t top_k = o.top_k;
+  if (x.size(0) == 1) return one_token_experts(w, x);
+  auto routed_by = moe_route(x, *w.router, w.correction_bias, top_k, o.scoring, o.renormalize,
+                             o.renormalize_min);
+  const at::Tensor& topk_weights = routed_by[0];
+  auto flat_ids = routed_by[1].flatten();
   auto counts = at::bincount(flat_ids, {}, o.num_experts);  // also fused_experts' segments
   w.tokens_per_expert->add_(counts);
   if (w.step_tokens) w.step_tokens->add_(counts);
 
-  // one expert on rows (R, H): linear -> silu_and_mul -> linear, into `out`
-  // (R, H); F.linear on the stacked weights where fused_experts takes it
-  auto expert_mlp = [&](at::Tensor out, const at::Tensor& rows, int64_t expert) {
-    const int64_t r = rows.size(0);
-    const bool plain = w.expert_w13_stacked && r > o.packed_max_rows;
-    at::Tensor gate_up;
-    if (plain) {
-      gate_up = at::linear(rows, w.expert_w13_stacked->select(0, expert));
-    } else {
-      gate_up = at::empty({r, 2 * inter}, rows.options());
-      w.expert_w13[expert].matmul(gate_up, rows, {});
-    }
-    auto act = silu_and_mul(gate_up);  // silu(gate) * up, each rounded (as two ATen ops)
-    if (plain)
-      out.copy_(at::linear(act, w.expert_w2_stacked->select(0, expert)));
-    else
-      w.expert_w2[expert].matmul(out, act, {});
-  };
-
-  auto out = at::zeros_like(x);
-  if (tokens == 1) {  // _one_token: the experts in id order, each weighed and added
-    auto weights = topk_weights.select(0, 0).to(x.scalar_type());
-    auto ids = topk_ids.select(0, 0).contiguous();
-    std::vector<std::pair<int64_t, int64_t>> chosen;  // (expert, k)
-    for (int64_t k = 0; k < top_k; ++k) chosen.emplace_back(ids.data_ptr<int64_t>()[k], k);
-    std::stable_sort(chosen.begin(), chosen.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (const auto& [expert, k] : chosen) {
-      auto result = at::empty({1, width}, x.options());
-      expert_mlp(result, x, expert);
-      out.add_(result.mul_(weights.select(0, k)));
-    }
-    return out;
-  }
-  // fused_experts: the T*K assignments sorted by expert, each expert's rows one segment
+  // fused_experts: the T*K assignments sorted by expert, each expert's rows one segment;
+  // all segments' w13 in one parallel region, one silu_and_mul, all their w2 in one
   auto order = at::argsort(flat_ids, /*stable=*/true);
   auto token_of = order.div(top_k, "floor");
-  auto routed = x.index_select(0, token_of);
-  auto results = at::empty_like(routed);
+  auto routed = x.index_select(0, token_of);  // (T*K, H)
+  std::vector<ExpertRows> segments;
   const int64_t* count = counts.data_ptr<int64_t>();
-  for (int64_t expert = 0, start = 0; expert < o.num_experts; ++expert) {
-    if (count[expert] == 0) continue;
-    expert_mlp(results.narrow(0, start, count[expert]), routed.narrow(0, start, count[expert]),
-               expert);
-    start += count[expert];
-  }
+  for (int64_t expert = 0, start = 0; expert < o.num_experts; start += count[expert++])
+    if (count[expert]) segments.push_back({expert, start, start, count[expert]});
+  auto gate_up = at::empty({routed.size(0), 2 * o.moe_intermediate_size}, x.options());
+  run_experts(w.expert_w13, segments, routed, gate_up);
+  auto act = silu_and_mul(gate_up);
+  auto results = at::empty_like(routed);
+  run_experts(w.expert_w2, segments, act, results);
   auto weights = topk_weights.flatten().index_select(0, order).to(results.scalar_type());
   results.mul_(weights.unsqueeze(1));
-  return out.index_add_(0, token_of, results);
+  return at::zeros_like(x).index_add_(0, token_of, results);
+}
+
+// fused_experts' one-token path (FusedMoE._one_token) without ATen's small ops: the
+// token routed in one loop, its chosen experts' w13 in one parallel region, one
+// silu_and_mul over their rows, their w2 in one region, then in expert id order each
+// result weighed and added, rounded to bf16 at each step as `out += result.mul_(w)`.
+at::Tensor DecoderStack::one_token_experts(const DecoderLayerWeights& w,
+                                           const at::Tensor& x) const {
+  const DecoderStackOptions& o = options_;
+  const int64_t width = x.size(1), top_k = o.top_k;
+  const MoERouting routing{top_k, o.scoring == "sigmoid", o.renormalize, o.renormalize_min};
+  std::vector<float> weights(top_k);
+  std::vector<int64_t> ids(top_k);
+  moe_route_rows(x.data_ptr<c10::BFloat16>(), width, 0, 1, width, w.router->data_ptr<float>(),
+                 o.num_experts, w.correction_bias ? w.correction_bias->data_ptr<float>() : nullptr,
+                 routing, weights.data(), ids.data());
+  int64_t* counted = w.tokens_per_expert->data_ptr<int64_t>();
+  int64_t* step = w.step_tokens ? w.step_tokens->data_ptr<int64_t>() : nullptr;
+  for (const int64_t expert : ids) {
+    ++counted[expert];
+    if (step) ++step[expert];
+  }
+  std::vector<int64_t> order(top_k);  // k in expert id order
+  for (int64_t k = 0; k < top_k; ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  std::vector<ExpertRows> gate_up_jobs, down_jobs;
+  for (int64_t j = 0; j < top_k; ++j) {
+    gate_up_jobs.push_back({ids[order[j]], 0, j, 1});
+    down_jobs.push_back({ids[order[j]], j, j, 1});
+  }
+  auto gate_up = at::empty({top_k, 2 * o.moe_intermediate_size}, x.options());
+  run_experts(w.expert_w13, gate_up_jobs, x, gate_up);
+  auto act = silu_and_mul(gate_up);
+  auto results = at::empty({top_k, width}, x.options());
+  run_experts(w.expert_w2, down_jobs, act, results);
+  std::vector<float> scale(top_k);  // the weights as bf16, as `topk_weights.to(x.dtype)`
+  for (int64_t j = 0; j < top_k; ++j)
+    scale[j] = to_float(from_float<c10::BFloat16>(weights[order[j]]));
+  auto out = at::empty({1, width}, x.options());
+  auto* y = out.data_ptr<c10::BFloat16>();
+  const auto* r = results.data_ptr<c10::BFloat16>();
+  for (int64_t h = 0; h < width; ++h) {
+    float sum = 0.f;  // out starts at zero
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float weighed = to_float(from_float<c10::BFloat16>(to_float(r[j * width + h]) * scale[j]));
+      sum = to_float(from_float<c10::BFloat16>(sum + weighed));
+    }
+    y[h] = from_float<c10::BFloat16>(sum);
+  }
+  return out;
 }
 
 }  // namespace loom

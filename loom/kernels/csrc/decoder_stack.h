@@ -56,9 +56,6 @@
     "e_score_correction_bias (E,), float32: added to the scores to choose (Ernie)")   \
   X(std::vector<LinearWeight>, expert_w13, "each expert's gate|up weight (2I, H)")    \
   X(std::vector<LinearWeight>, expert_w2, "each expert's down weight (H, I)")         \
-  X(c10::optional<at::Tensor>, expert_w13_stacked,                                    \
-    "bf16 experts: w13 (E, 2I, H) for F.linear on segments over packed_max_rows")     \
-  X(c10::optional<at::Tensor>, expert_w2_stacked, "bf16 experts: w2 (E, H, I), as above") \
   X(c10::optional<at::Tensor>, tokens_per_expert,                                     \
     "(E,) int64 count since start, added to in place (the layer's buffer)")           \
   X(c10::optional<at::Tensor>, step_tokens,                                           \
@@ -79,9 +76,7 @@
   X(int64_t, shared_intermediate_size, "MoE layers: the shared experts' width (0: none)") \
   X(std::string, scoring, "MoE layers: softmax | sigmoid over the router logits")    \
   X(bool, renormalize, "MoE layers: chosen weights divided by their sum")            \
-  X(double, renormalize_min, "MoE layers: that sum clamped below (0: not clamped)")  \
-  X(int64_t, packed_max_rows,                                                         \
-    "MoE layers: bf16 expert segments of more rows run F.linear on the stacked weights")
+  X(double, renormalize_min, "MoE layers: that sum clamped below (0: not clamped)")
 
 namespace loom {
 
@@ -141,6 +136,8 @@ class DecoderStack {
  private:
   // A MoE layer's MLP on x (T, H): FusedMoE.forward, op for op.
   at::Tensor mixture_of_experts(const DecoderLayerWeights& w, const at::Tensor& x) const;
+  // Its one-token path (a batch-1 decode step).
+  at::Tensor one_token_experts(const DecoderLayerWeights& w, const at::Tensor& x) const;
 
   std::vector<DecoderLayerWeights> layers_;
   std::vector<at::Tensor> kv_caches_;

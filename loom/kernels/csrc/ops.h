@@ -5,7 +5,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace loom {
@@ -32,5 +35,24 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                               at::Tensor block_table, at::Tensor seq_lens,
                               at::Tensor query_start_loc, double scale, int64_t max_query_len,
                               int64_t sliding_window);
+
+// moe.cpp: a mixture of experts' router over bf16 hidden states
+struct MoERouting {
+  int64_t top_k;
+  bool sigmoid;  // sigmoid scores, else softmax
+  bool renormalize;
+  double renormalize_min;
+};
+// Tokens [begin, end) of x (rows ldx apart, `width` features) routed over `router`
+// (num_experts, width) float32, `bias` (num_experts,) float32 or null: their top_k weights
+// (float32) and expert ids, rows of top_k.
+void moe_route_rows(const c10::BFloat16* x, int64_t ldx, int64_t begin, int64_t end,
+                    int64_t width, const float* router, int64_t num_experts, const float* bias,
+                    const MoERouting& routing, float* weights, int64_t* ids);
+// x (T, H) bf16, router (E, H) float32 or bf16 -> [weights (T, K) float32, ids (T, K) int64]
+std::vector<at::Tensor> moe_route(at::Tensor x, at::Tensor router,
+                                  c10::optional<at::Tensor> correction_bias, int64_t top_k,
+                                  const std::string& scoring, bool renormalize,
+                                  double renormalize_min);
 
 }  // namespace loom

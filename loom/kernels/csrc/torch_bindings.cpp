@@ -155,6 +155,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
         release());
+  m.def(
+      "bf16_linear_group",
+      [](std::vector<at::Tensor> outs, std::vector<at::Tensor> xs,
+         std::vector<at::Tensor> packed) {
+        TORCH_CHECK(outs.size() == xs.size() && xs.size() == packed.size(),
+                    "bf16_linear_group: as many outs as xs as packed weights");
+        std::vector<loom::Bf16Matmul> matmuls;
+        for (size_t i = 0; i < outs.size(); ++i)
+          matmuls.push_back(loom::bf16_matmul(outs[i], xs[i], packed[i]));
+        loom::bf16_linear_group(matmuls);
+      },
+      "outs[i] = xs[i] @ W_i^T for each i, bf16, in one parallel region (each as bf16_linear)",
+      py::arg("outs"), py::arg("xs"), py::arg("packed"), release());
+  m.def("moe_route", &loom::moe_route,
+        "a mixture of experts' router: x (T, H) bf16 -> [weights (T, K) float32, ids (T, K)]",
+        py::arg("x"), py::arg("router"), py::arg("correction_bias"), py::arg("top_k"),
+        py::arg("scoring"), py::arg("renormalize"), py::arg("renormalize_min"), release());
   bind_quant_gemm(m);
   bind_decoder_stack(m);
   m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
+from loom.kernels import native_ops_for
 from loom.model.layers.activation import silu_and_mul
 from loom.model.layers.linear import LinearBase, PackedWeight, linear, pack_weight
 from loom.model.layers.quantization import QuantizedTensor, parse_weight_quantization
@@ -83,10 +84,6 @@ class MoESpec:
 
 
 
-# Segments of at most this many rows run the packed bf16 matmul, longer ones oneDNN's
-# F.linear: one expert's 1024x1024 at 1/4/16/32 rows took 0.11/0.14/0.41/1.8 ms packed
-# against 0.28/0.21/0.18/0.51 ms (1 thread, this 2-core AVX512-BF16 VM, loaded).
-PACKED_MAX_ROWS = 8
 # Rank 0 logs each MoE layer's load (tokens per expert) every this many forwards.
 LOG_LOAD_EVERY = 1000
 
@@ -130,7 +127,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
     Grouped by expert: sort the T*K assignments by expert id once, gather their tokens
     into one (N, H) matrix whose rows for expert e are one contiguous segment, run each
     expert hit once on its segment, weigh the rows, and scatter-add them back. With
-    ``packed`` (bf16 on the CPU) a short segment runs loom's packed bf16 matmul.
+    ``packed`` (bf16 on the CPU) every segment runs the packed matmul: one 1024x1024 +
+    1024x512 expert in loom's bf16 kernel (the AMX tiles from 8 rows) took 0.24-0.4 ms
+    at 1-32 rows against oneDNN's F.linear's 0.6-1.2 ms, 1.0/1.3 against 1.5/1.6 at
+    64/128, level at 256 (1 thread, loaded 2-core host; benchmarks/moe_speed.md).
 
         topk_ids [[2, 0], [2, 1]] -> order of (token, k): (0,1) (1,1) (0,0) (1,0)
         experts 0 | 1 | 2 2  -> counts [1, 1, 2]
@@ -159,9 +159,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
             if experts is not None:
                 results[start:end] = experts[expert](routed[start:end])
             else:
-                use_packed = packed is not None and count <= PACKED_MAX_ROWS
                 results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert],
-                                                 packed[expert] if use_packed else (None, None))
+                                                 packed[expert] if packed else (None, None))
             start = end
     weights = topk_weights.flatten()[order[:num_routed]].to(results.dtype)
     results.mul_(weights[:, None])
@@ -405,11 +404,23 @@ class FusedMoE(nn.Module):
                              f"parameter slice {tuple(target.shape)}; does the config match?")
         target.copy_(rows)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, H) -> (weights (T, K) float32, expert ids (T, K)): ``select_experts`` on
+        the float32 router logits; for bf16 on the CPU loom's ``moe_route`` kernel (the
+        same steps in one loop per token, its own float32 sum order; the native decoder
+        stack routes through it too)."""
+        ops = native_ops_for(x.device, x.dtype) if x.dtype == torch.bfloat16 else None
+        if ops is not None and x.dim() == 2:
+            spec = self.spec
+            return tuple(ops.moe_route(x, self.gate.weight, self.e_score_correction_bias,
+                                       spec.top_k, spec.scoring, spec.renormalize,
+                                       spec.renormalize_min))
+        router_logits = F.linear(x.float(), self.gate.weight.float())  # (T, E)
+        return select_experts(router_logits, self.spec, self.e_score_correction_bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, H) -> (T, H), summed over the ranks."""
-        router_logits = F.linear(x.float(), self.gate.weight.float())  # (T, E)
-        topk_weights, topk_ids = select_experts(router_logits, self.spec,
-                                                self.e_score_correction_bias)
+        topk_weights, topk_ids = self.route(x)
         counts = torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts)
         self.tokens_per_expert += counts
         if self.step_tokens is not None:

@@ -20,7 +20,6 @@ from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.attention.metadata import get_forward_context
-from loom.model.layers import fused_moe
 from loom.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from loom.model.layers.attention import Attention
 from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -281,8 +280,7 @@ class LlamaModel(nn.Module):
             num_experts=moe.num_experts, top_k=moe.top_k,
             moe_intermediate_size=moe.intermediate_size,
             shared_intermediate_size=moe.shared_intermediate_size, scoring=moe.scoring,
-            renormalize=moe.renormalize, renormalize_min=moe.renormalize_min,
-            packed_max_rows=fused_moe.PACKED_MAX_ROWS)
+            renormalize=moe.renormalize, renormalize_min=moe.renormalize_min)
         if moe is not None and any(layer.spec.moe not in (None, moe) for layer in self.layers):
             refusal = refusal or "its MoE layers differ (the stack has one MoE spec)"
         plan = refusal or plan_native_stack(
