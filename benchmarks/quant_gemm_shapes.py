@@ -13,13 +13,8 @@ shapes interleaved each repeat; beside them the read bandwidth that
 reach. A 1-row figure near that ceiling means the kernel streams its weights at memory
 speed; far below it, the unpacking instructions bound it.
 
-    python benchmarks/quant_gemm_shapes.py --ab /tmp/old/loom/kernels/csrc [--iters 15]
-
-A/B instead (for a loaded machine, where runs move more than a kernel change): build A
-from another ``csrc/`` directory (``git archive <commit> loom/kernels/csrc | tar -x -C
-/tmp/old``), build B this checkout's, both in this process, each case timed A then B
-(B then A in odd iterations); per case the medians and the median of the per-iteration
-ratios B / A (below 1: B faster).
+(Two builds cannot be compared in one process: both register the same pybind11 types;
+compare them in alternating processes, with the bf16 rows of each run as its yardstick.)
 """
 
 from __future__ import annotations
@@ -43,22 +38,6 @@ SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
 GGUF = {"Q4_0": (2, (32, 18), (0,)), "Q4_1": (3, (32, 20), (0, 2)),
         "Q8_0": (8, (32, 34), (0,)), "Q4_K": (12, (256, 144), (0, 2)),
         "Q5_K": (13, (256, 176), (0, 2)), "Q6_K": (14, (256, 210), (208,))}
-
-
-def load_build(csrc: str):
-    """The kernels built from ``csrc`` as loom builds them (benchmarks/cpu_kernels_ab.py)."""
-    from pathlib import Path
-
-    import loom.kernels
-
-    checkout = loom.kernels._CSRC
-    loom.kernels._CSRC = Path(csrc).resolve()
-    try:
-        module = loom.kernels._load()
-    finally:
-        loom.kernels._CSRC = checkout
-    assert module is not None, f"the kernels in {csrc} did not build"
-    return module
 
 
 def random_weight(fmt: str, n: int, k: int, ops):
@@ -88,11 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.15, help="per timed loop")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--ab", default=None, help="build A's csrc/ directory: A/B mode")
-    parser.add_argument("--iters", type=int, default=15, help="A/B iterations")
     args = parser.parse_args()
-    if args.ab:
-        return ab(args)
     torch.set_num_threads(args.threads)
     from benchmarks.roofline import measure_bandwidth
     from loom.kernels import native_ops
@@ -149,48 +124,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"read_gb_s": read_gb_s, "threads": args.threads, "results": table}, f,
                       indent=1)
-
-
-def ab(args) -> None:
-    torch.set_num_threads(args.threads)
-    from loom.kernels import native_ops
-
-    builds = {"A": load_build(args.ab), "B": native_ops()}
-    assert builds["A"].__file__ != builds["B"].__file__, "build A is this checkout's"
-    print(f"A: {builds['A'].__file__}\nB: {builds['B'].__file__}\nthreads {args.threads}")
-    print("| format | shape | rows | A ms | B ms | B GB/s | B / A |\n|---|---|---:|---:|---:|---:|---:|")
-    for fmt in args.formats.split(","):
-        for shape in args.shapes.split(","):
-            n, k = SHAPES[shape]
-            packed = {label: random_weight(fmt, n, k, ops) for label, ops in builds.items()}
-            for rows in [int(r) for r in args.rows.split(",")]:
-                x = torch.randn(rows, k, dtype=torch.bfloat16)
-                out = torch.empty(rows, n, dtype=torch.float32 if shape == "lm_head"
-                                  else torch.bfloat16)
-
-                def fn(label):
-                    ops, (w, _) = builds[label], packed[label]
-                    if fmt == "bf16":
-                        return lambda: ops.bf16_linear(out, x, w, None)
-                    return lambda: ops.quantized_linear(out, x, w, None)
-
-                calls = {label: fn(label) for label in builds}
-                for call in calls.values():
-                    call()
-                started = time.perf_counter()
-                calls["A"]()
-                loops = max(2, int(args.seconds / 4 / max(time.perf_counter() - started, 1e-6)))
-                times: dict[str, list[float]] = {"A": [], "B": []}
-                for i in range(args.iters):
-                    for label in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                        started = time.perf_counter()
-                        for _ in range(loops):
-                            calls[label]()
-                        times[label].append((time.perf_counter() - started) / loops)
-                ratio = statistics.median(b / a for a, b in zip(times["A"], times["B"]))
-                a_ms, b_ms = (statistics.median(times[label]) * 1e3 for label in "AB")
-                print(f"| {fmt} | {shape} | {rows} | {a_ms:.3f} | {b_ms:.3f} | "
-                      f"{packed['B'][1] / b_ms / 1e6:.1f} | {ratio:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

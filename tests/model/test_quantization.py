@@ -1,5 +1,5 @@
 """Weight-only quantization that stays quantized (issue 15): wint8, wint4 and GGUF's Q4_0,
-Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
 
 (a) the formats: quantizing rounds within half a step; GGUF blocks become loom's
     ``QuantizedTensor`` without re-quantizing (dequantized, they equal gguf-py's bit for
@@ -117,6 +117,7 @@ def test_wint4_group_fits_the_shard():
 GGUF_FORMATS = {
     "Q4_0": (2, (32, 18), (0,), (4, 32, torch.float16)),
     "Q4_1": (3, (32, 20), (0, 2), (4, 32, torch.float16)),
+    "Q5_0": (6, (32, 22), (0,), (8, 32, torch.float16)),
     "Q8_0": (8, (32, 34), (0,), (8, 32, torch.float16)),
     "Q4_K": (12, (256, 144), (0, 2), (4, 32, torch.float32)),
     "Q5_K": (13, (256, 176), (0, 2), (8, 32, torch.float32)),
@@ -149,14 +150,14 @@ def test_gguf_blocks_are_kept_not_requantized(name):
     assert kept.group_size == group and kept.bits == bits
     expected = dequantize(raw, ggml_type, (n, k))
     assert torch.equal(kept.dequantize().view(torch.int32), expected.view(torch.int32))
-    assert gguf_quantized(raw, 6, (n, k)) is None  # Q5_0: dequantized instead
+    assert gguf_quantized(raw, 7, (n, k)) is None  # Q5_1: dequantized instead
 
 
 # ---- (b) the kernel against dequantize-then-matmul in float32 --------------------------
 
 def make_format(fmt: str, n: int, k: int, seed: int) -> QuantizedTensor:
     gen = torch.Generator().manual_seed(seed)
-    if fmt in ("Q4_K", "Q5_K", "Q6_K"):
+    if fmt in ("Q5_0", "Q4_K", "Q5_K", "Q6_K"):
         return gguf_quantized(random_gguf_blocks(fmt, n, k, seed), GGUF_FORMATS[fmt][0],
                               (n, k))
     if fmt == "wint8":
@@ -171,7 +172,7 @@ def make_format(fmt: str, n: int, k: int, seed: int) -> QuantizedTensor:
     return QuantizedTensor(values, d, offsets, bits, fmt)
 
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "wint8", "wint4-g32",
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "wint8", "wint4-g32",
            "wint4-g64", "wint4-g128"]
 SHAPES = [(1, 256), (17, 256), (100, 512), (33, 1024)]  # (N, K): odd N, K in whole groups
 

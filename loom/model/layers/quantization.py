@@ -2,8 +2,8 @@
 
 ``--quantization`` (``ModelConfig.quantization``) names it:
 
-- ``auto``: a checkpoint runs as stored; a GGUF file keeps its Q8_0, Q4_0, Q4_1, Q4_K,
-  Q5_K and Q6_K linear weights quantized (other GGUF formats are dequantized, with a
+- ``auto``: a checkpoint runs as stored; a GGUF file keeps its Q8_0, Q4_0, Q4_1, Q5_0,
+  Q4_K, Q5_K and Q6_K linear weights quantized (other GGUF formats are dequantized, with a
   log line).
 - ``none``: every weight dequantized to the model's dtype (a GGUF file too).
 - ``wint8``: per-output-channel symmetric int8 made at load from the loaded weights.
@@ -16,7 +16,8 @@ offset m (asymmetric) or the fixed zero point z = 2^(bits-1) (symmetric)::
 
     w = d * (q - z)      symmetric:  Q8_0 (8-bit, float16 d per 32), Q4_0 (4-bit, per 32),
                                      wint8 (8-bit, one float32 d per row),
-                                     Q6_K (6-bit values held in 8, float32 d per 16)
+                                     Q6_K (6-bit values held in 8, float32 d per 16),
+                                     Q5_0 (5-bit values held in 8, float16 d per 32)
     w = d * q + m        asymmetric: Q4_1 (4-bit, float16 d and m per 32), wint4,
                                      Q4_K (4-bit, float32 d and m per 32),
                                      Q5_K (5-bit values held in 8, float32 d and m per 32)
@@ -55,9 +56,9 @@ WINT4_GROUP_SIZE = 128
 KERNEL_BLOCK = 32  # the 4-bit kernel's block of input features (8-bit groups may be 16: Q6_K)
 
 # ggml types (gguf_file.py) kept quantized
-_GGML_Q4_0, _GGML_Q4_1, _GGML_Q8_0 = 2, 3, 8
+_GGML_Q4_0, _GGML_Q4_1, _GGML_Q5_0, _GGML_Q8_0 = 2, 3, 6, 8
 _GGML_Q4_K, _GGML_Q5_K, _GGML_Q6_K = 12, 13, 14
-GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q8_0: "Q8_0",
+GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q5_0: "Q5_0", _GGML_Q8_0: "Q8_0",
              _GGML_Q4_K: "Q4_K", _GGML_Q5_K: "Q5_K", _GGML_Q6_K: "Q6_K"}
 _SUPER_BLOCK = 256  # values per K-quant block
 
@@ -244,6 +245,16 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if ggml_type in (_GGML_Q4_K, _GGML_Q5_K, _GGML_Q6_K):
         return _k_quantized(raw, ggml_type, n, k)
+    if ggml_type == _GGML_Q5_0:  # d | 32 high bits | 16 B nibbles: w = d * (q - 16)
+        from loom.model.loader import gguf_dequant as gd
+
+        blocks = raw.reshape(-1, 22)
+        d = blocks[:, 0:2].copy().view(np.float16).reshape(n, k // 32)
+        q = gd._nibbles(blocks[:, 6:], 16).reshape(-1, 32) | (
+            gd._high_bits(blocks[:, 2:6]) << np.uint8(4))
+        values = q + np.uint8(128 - 16)  # zero point 128, as the 8-bit formats hold it
+        return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(values).reshape(n, k)),
+                               torch.from_numpy(d), None, 8, "Q5_0")
     if ggml_type == _GGML_Q8_0:
         blocks = raw.reshape(n, k // 32, 34)
         d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]

@@ -247,7 +247,7 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
     """Yield ``(hf_name, tensor)`` one tensor at a time, dequantized to float32 (the
     weight loaders cast to the parameter's dtype as they copy); with ``keep_quantized``,
     decoder linear weights, the embedding and the LM head in a format loom runs
-    (``GGUF_KEPT``: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) as ``QuantizedTensor``
+    (``GGUF_KEPT``: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) as ``QuantizedTensor``
     instead, and a log line names the formats that were dequantized."""
     gguf_file = open_gguf(path)
     architecture = gguf_file.metadata.get("general.architecture")
