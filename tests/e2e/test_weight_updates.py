@@ -118,6 +118,36 @@ def test_update_every_kind_of_family(family, tmp_path):
         assert generate(llm) == expected_b != expected_a
 
 
+def test_moe_experts_held_as_panels_update_in_part_and_sleep(tmp_path):
+    """bf16 MoE experts, held only as loom's packed panels: an update of one expert's
+    tensors keeps every other expert (the tokens of a fresh engine on A with that expert
+    from B), sleep(2) frees them all and wake_up reloads A."""
+    from safetensors.torch import load_file
+
+    a = make_tiny_checkpoint("qwen3_moe", tmp_path / "a")
+    make_tiny_tokenizer(a)
+    a_tensors = load_file(os.path.join(a, "model.safetensors"))
+    expert = {name: tensor for name, tensor in variant_tensors(a, SEED_B).items()
+              if ".mlp.experts.1." in name}
+    c = make_variant(a, str(tmp_path / "c"), SEED_B,
+                     edit={name: t for name, t in a_tensors.items() if name not in expert})
+    expected_a = fresh_outputs(a, dtype="bfloat16")
+    expected_c = fresh_outputs(c, dtype="bfloat16")
+    assert expected_a != expected_c, "expert 1 changes nothing: the test tests nothing"
+    with LLM(a, **ENGINE, dtype="bfloat16") as llm:
+        model = llm.engine.engine_core.executor.worker.model_runner.model
+        from loom.model.layers.fused_moe import FusedMoE
+
+        moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(m.w13_weight.dim() == 5 for m in moes)  # the panels alone
+        llm.update_weights_from_tensors(expert.items())
+        assert generate(llm) == expected_c
+        llm.sleep(level=2)
+        assert llm.collective_rpc("memory_usage")[0]["weight_bytes"] == 0
+        llm.wake_up()
+        assert generate(llm) == expected_a
+
+
 def test_update_from_tensors_equals_fresh_engine(checkpoints):
     a, b = checkpoints
     with LLM(a, dtype="float32", **ENGINE) as llm:

@@ -68,6 +68,55 @@ def test_packed_bf16_experts_equal_the_loop():
     torch.testing.assert_close(grouped.float(), looped.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_bf16_experts_are_held_as_panels_and_reload_in_part():
+    """bf16 with loom's kernel: once loaded, the experts' one copy is the packed panels
+    (the parameters hold as many values as the plain weights; each expert's packed
+    weight is a view of its slice). Loading one expert's gate again unpacks w13 only,
+    keeps every other expert, and packs again: the layer then equals a fresh one loaded
+    with the same weights, bit for bit; release_weight (a sleep) drops every view."""
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("no AVX512-BF16 kernels here")
+    experts, hidden, inter = 4, 128, 64
+    gen = torch.Generator().manual_seed(4)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.1).bfloat16()
+    gate = torch.randn(experts, hidden, generator=gen).bfloat16()
+
+    def loaded(w13, w2):
+        layer = FusedMoE(MoESpec(experts, 2, inter), hidden_size=hidden).to(torch.bfloat16)
+        layer.gate.weight.data.copy_(gate)
+        for e in range(experts):
+            layer.load_expert(w13[e, :inter], e, "gate")
+            layer.load_expert(w13[e, inter:], e, "up")
+            layer.load_expert(w2[e], e, "down")
+        layer.process_weights_after_loading()
+        return layer
+
+    layer = loaded(w13, w2)
+    assert layer.w13_weight.dim() == 5 and layer.w2_weight.dim() == 5
+    assert sum(p.numel() for p in layer.parameters()) == gate.numel() + w13.numel() + w2.numel()
+    assert torch.equal(layer.plain_weight("w13_weight"), w13)
+    assert torch.equal(layer.plain_weight("w2_weight"), w2)
+    assert all(a.data.data_ptr() == layer.w13_weight[e].data_ptr()
+               and b.data.data_ptr() == layer.w2_weight[e].data_ptr()
+               for e, (a, b) in enumerate(layer.packed))
+    new_gate = (torch.randn(inter, hidden, generator=gen) * 0.1).bfloat16()
+    w2_panels = layer.w2_weight
+    layer.load_expert(new_gate, 2, "gate")
+    assert layer.w13_weight.shape == w13.shape and layer.w2_weight is w2_panels
+    layer.process_weights_after_loading()
+    updated = w13.clone()
+    updated[2, :inter] = new_gate
+    fresh = loaded(updated, w2)
+    x = torch.randn(6, hidden, generator=gen).bfloat16()
+    with torch.inference_mode():
+        for rows in (1, 6):
+            assert torch.equal(layer(x[:rows]), fresh(x[:rows]))
+    layer.release_weight()
+    assert layer.packed is None
+
+
 def test_routing_rules():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     # softmax, top-2, not renormalized (Qwen3-MoE without norm_topk_prob)

@@ -12,7 +12,8 @@ One step of the layer, for T tokens with hidden states x (T, H):
 The routed experts run grouped by expert (``fused_experts``): the T*K (token, expert)
 assignments are sorted by expert once; the tokens of each expert form one contiguous
 segment, gathered once, and each expert hit this step runs its two matmuls once, on its
-slice of the stacked weights ``w13`` (E, 2I, H) and ``w2`` (E, H, I). No Python loop
+slice of the stacked weights ``w13`` (E, 2I, H) and ``w2`` (E, H, I) (held as packed
+panels for loom's bf16 matmul on the CPU, one copy). No Python loop
 over tokens; the loop is over the experts hit, which ``loop_over_experts`` (the shape of
 Hugging Face's reference, a mask per expert) is measured against
 (benchmarks/moe.py).
@@ -253,7 +254,9 @@ class FusedMoE(nn.Module):
     the family (column/row parallel, it all-reduces its own output). With
     ``quantization`` wint8 or wint4[:G] (``LinearBase``'s), ``experts`` holds a
     ``QuantizedExpert`` per local expert instead of ``w13_weight``/``w2_weight``.
-    ``load_expert`` fills either."""
+    ``load_expert`` fills either. Once loaded, bf16 experts on loom's kernel are held
+    as its panels only (``process_weights_after_loading``; ``plain_weight`` gives the
+    (E_local, N, K) values back, a reload unpacks first)."""
 
     def __init__(self, spec: MoESpec, hidden_size: int, tp_group: TPGroup = SINGLE,
                  expert_parallel: EPGroup = NO_EP,
@@ -308,6 +311,10 @@ class FusedMoE(nn.Module):
         self.use_grouped = True  # False: loop_over_experts (the measured reference)
         # each local expert's w13 and w2 packed for the CPU bf16 matmul, or None
         self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
+        # the parameters held as loom's bf16 panels, (E_local, panels, K/2, 64, 2) in
+        # place of (E_local, N, K): each expert's PackedWeight is a view of its slice
+        self._panels: set[str] = set()
+        self._out_features = {"w13_weight": 2 * inter, "w2_weight": hidden_size}
         self._forwards = 0
         self._experts_loaded = False  # load_expert has filled an expert
 
@@ -334,13 +341,66 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack each local expert's matrices for the CPU bf16 matmul (linear.py's
-        ``pack_weight``; None elsewhere), once the weights are in place. Quantized
-        experts lay themselves out (their ``ExpertLinear``s' own hooks)."""
+        ``pack_weight``; None elsewhere), once the weights are in place (and again after
+        a reload). With loom's kernel the panels replace the stacked weights, as a
+        ``LinearBase``'s replace its weight: one copy of the experts stays resident
+        (peak RSS of benchmarks/moe_speed.py's 1.4B MoE, batch 1: 6,222 -> 5,527 MiB;
+        the peak is now the load, the plain experts beside the checkpoint's mapped
+        pages, before this runs). oneDNN's layout
+        (other CPUs) is a second copy beside the plain one. Quantized experts lay
+        themselves out (their ``ExpertLinear``s' own hooks)."""
         if self.experts is not None:
             return
-        packed = [(pack_weight(self.w13_weight[e]), pack_weight(self.w2_weight[e]))
-                  for e in range(self.w13_weight.shape[0])]
+        packs = {name: self._pack(name) for name in ("w13_weight", "w2_weight")}
+        packed = list(zip(packs["w13_weight"], packs["w2_weight"]))
         self.packed = packed if any(p is not None for pair in packed for p in pair) else None
+
+    def _pack(self, name: str) -> list[PackedWeight | None]:
+        """Each local expert's PackedWeight of parameter ``name``; its panels become the
+        parameter where they are loom's (one expert's pack at a time beside the two)."""
+        param, out_features = getattr(self, name), self._out_features[name]
+        if name in self._panels:
+            return [PackedWeight.loom_panels(param[e], out_features)
+                    for e in range(param.shape[0])]
+        packs = [pack_weight(param[0])]
+        if packs[0] is None or not packs[0].is_loom_kernel:
+            return packs + [pack_weight(param[e]) for e in range(1, param.shape[0])]
+        panels = torch.empty((param.shape[0], *packs[0].data.shape), dtype=param.dtype)
+        panels[0].copy_(packs[0].data)
+        for e in range(1, param.shape[0]):
+            panels[e].copy_(pack_weight(param[e]).data)
+        self._set_expert_param(name, panels)
+        self._panels.add(name)
+        return [PackedWeight.loom_panels(panels[e], out_features)
+                for e in range(panels.shape[0])]
+
+    def _set_expert_param(self, name: str, data: torch.Tensor) -> None:
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.expert_weight_loader
+        setattr(self, name, param)
+
+    def plain_weight(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` ("w13_weight" | "w2_weight") as (E_local, N, K): itself,
+        or a copy made from its panels."""
+        param = getattr(self, name)
+        if name not in self._panels:
+            return param
+        experts, panels, pairs = param.shape[:3]
+        return param.permute(0, 1, 3, 2, 4).reshape(
+            experts, panels * param.shape[3], 2 * pairs)[:, :self._out_features[name]]
+
+    def _unpack_panels(self, name: str) -> None:
+        """Back to the plain stacked parameter, to load into (a reload of some experts
+        keeps the others), from its panels."""
+        plain = self.plain_weight(name)
+        self._set_expert_param(name, torch.empty(plain.shape, dtype=plain.dtype).copy_(plain))
+        self._panels.discard(name)
+        self.packed = None  # made again by process_weights_after_loading
+
+    def release_weight(self) -> None:
+        """Drop the packed views (and oneDNN's copies) before a weight-update sleep frees
+        the parameters: nothing else holds the experts' bytes."""
+        self.packed = None
 
     def count_forward(self) -> None:
         """One more forward of this layer (the native stack calls it for the forwards it
@@ -385,19 +445,23 @@ class FusedMoE(nn.Module):
         the checkpoint has it (out, in), into this rank's slice; another rank's expert is
         skipped."""
         expert_id, which = shard_id
+        if which not in ("gate", "up", "down"):
+            raise ValueError(f"expert weight {which!r} is none of gate, up, down")
         if not self.expert_start <= expert_id < self.expert_end:
             return
+        name = "w2_weight" if which == "down" else "w13_weight"
+        if name in self._panels:
+            self._unpack_panels(name)
+        param = getattr(self, name)  # (a parameter held as panels was just replaced)
         local = expert_id - self.expert_start
         inter, first = self.intermediate_per_rank, self.intermediate_start
         if which in ("gate", "up"):
             rows = loaded_weight[first:first + inter]
             offset = 0 if which == "gate" else inter
             target = param.data[local, offset:offset + inter]
-        elif which == "down":
+        else:
             rows = loaded_weight[:, first:first + inter]
             target = param.data[local]
-        else:
-            raise ValueError(f"expert weight {which!r} is none of gate, up, down")
         if target.shape != rows.shape:
             raise ValueError(f"expert {expert_id} {which} weight has shape "
                              f"{tuple(loaded_weight.shape)}, which does not fit the "
@@ -430,11 +494,15 @@ class FusedMoE(nn.Module):
             out = fused_experts(x, None, None, topk_weights, topk_ids, self.expert_start,
                                 experts=self.experts)
         elif self.use_grouped:
+            if self._panels and self.packed is None:
+                raise RuntimeError("the experts are being reloaded: "
+                                   "process_weights_after_loading has not run yet")
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                 self.expert_start, self.packed)
         else:
-            out = loop_over_experts(x, self.w13_weight, self.w2_weight, topk_weights,
-                                    topk_ids, self.expert_start)
+            out = loop_over_experts(x, self.plain_weight("w13_weight"),
+                                    self.plain_weight("w2_weight"), topk_weights, topk_ids,
+                                    self.expert_start)
         out = self.tp_group.all_reduce(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -42,6 +42,12 @@ class PackedWeight:
         self.out_features = out_features
         self._ops = ops  # the native kernels for loom's layout, None for oneDNN's
 
+    @classmethod
+    def loom_panels(cls, data: torch.Tensor, out_features: int) -> PackedWeight:
+        """Panels ``pack_weight`` made for loom's ``bf16_linear`` (``data``, e.g. one
+        expert's slice of a stack of them), for a weight of ``out_features`` rows."""
+        return cls(data, out_features, native_ops_for(data.device, data.dtype))
+
     @property
     def is_loom_kernel(self) -> bool:
         """Packed for loom's ``bf16_linear`` (else for oneDNN)."""
