@@ -328,6 +328,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # the draft checkpoint (draft_model only)
+    # The draft's HF config as plain values (as ModelConfig.hf_config), read by from_args.
+    hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in _SPECULATIVE_METHODS:
@@ -477,7 +479,7 @@ def _config_from_value(cls, value, name: str):
             raise ValueError(f"{name} is not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
-    known = set(cls.__dataclass_fields__)
+    known = {name for name, spec in cls.__dataclass_fields__.items() if spec.repr}  # not hf_config
     unknown = sorted(set(value) - known)
     if unknown:
         raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
@@ -607,7 +609,8 @@ class EngineConfig:
                 max_num_batched_tokens = max(2048, max_model_len)
         speculative = SpeculativeConfig.from_value(speculative_config)
         if speculative is not None and speculative.model is not None:
-            _check_draft_model(speculative.model, hf_config)
+            speculative = dataclasses.replace(
+                speculative, hf_config=_check_draft_model(speculative.model, hf_config))
         dtype = resolve_dtype(dtype, hf_config, model, device)
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                             num_gpu_blocks_override=num_gpu_blocks_override,
@@ -750,17 +753,21 @@ def load_sampling_defaults(model: str, generation_config: str = "auto",
     return defaults
 
 
-def _check_draft_model(path: str, target_hf_config) -> None:
+def _check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
+    """Check the draft checkpoint against the target; returns its config's plain values."""
     from loom.model.loader import load_hf_config
+    from loom.model.loader.hf_config_values import hf_config_values
 
     if not os.path.exists(path):
         raise ValueError(f"draft model {path!r} does not exist; give a Hugging Face directory "
                          "or a .gguf file")
-    draft_vocab = getattr(load_hf_config(path), "vocab_size", None)
+    draft_config = load_hf_config(path)
+    draft_vocab = getattr(draft_config, "vocab_size", None)
     target_vocab = getattr(target_hf_config, "vocab_size", None)
     if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:
         raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is smaller than the "
                          f"target's ({target_vocab}); the draft must share the target's tokenizer")
+    return hf_config_values(draft_config)
 
 
 def _check_expert_parallel(hf_config: Any, expert_parallel_size: int) -> None:

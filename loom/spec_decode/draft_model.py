@@ -25,7 +25,7 @@ import torch
 from loom.config import EngineConfig
 from loom.distributed.parallel_state import SINGLE
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
-from loom.model.loader import kv_cache_bytes_per_block, load_hf_config, load_model
+from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
 
 
 class DraftModelProposer:
@@ -38,7 +38,7 @@ class DraftModelProposer:
         self.device = device
         self.dtype = dtype
         self.attention_backend = config.model.attention_backend
-        self.hf_config = load_hf_config(self.path)
+        self.hf_config = model_hf_config(spec)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
 

@@ -27,8 +27,7 @@ from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
-from loom.model.loader import (kv_cache_bytes_per_block, load_hf_config, load_model,
-                               model_hf_config)
+from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
 from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
@@ -137,7 +136,7 @@ class ModelRunner:
         spec = self.config.speculative
         if spec is None or spec.method != "draft_model":
             return target
-        return target + kv_cache_bytes_per_block(load_hf_config(spec.model), self.block_size,
+        return target + kv_cache_bytes_per_block(model_hf_config(spec), self.block_size,
                                                  self.dtype, 1)
 
     @functools.cached_property

@@ -87,3 +87,17 @@ def test_from_args_ships_the_values_and_the_ranks_read_them(checkpoints):
     # Built without them (a hand-made ModelConfig): the rank reads the checkpoint itself.
     assert not isinstance(model_hf_config(dataclasses.replace(config.model, hf_config=None)),
                           HFConfigView)
+
+
+def test_a_draft_models_values_ship_too(checkpoints):
+    target, draft = checkpoints["llama"], checkpoints["llama_tied_rope3"]
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    config = EngineConfig.from_args(target, max_model_len=64, kv_cache_memory_bytes=2**20,
+                                    skip_tokenizer_init=True, speculative_config=spec)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=EngineConfig)
+    view = model_hf_config(decoded.speculative)
+    assert isinstance(view, HFConfigView)
+    assert_same_attributes(load_hf_config(draft), view)
+    with pytest.raises(ValueError, match="unknown keys \\['hf_config'\\]"):
+        EngineConfig.from_args(target, skip_tokenizer_init=True,
+                               speculative_config={**spec, "hf_config": {}})

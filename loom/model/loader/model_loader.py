@@ -21,7 +21,7 @@ from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
 
 if TYPE_CHECKING:
-    from loom.config import ModelConfig
+    from loom.config import ModelConfig, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,10 @@ def load_hf_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(model_path)
 
 
-def model_hf_config(model_config: ModelConfig) -> Any:
-    """The model's HF config as ``EngineConfig.from_args`` read it, from its plain values
-    (no ``transformers`` import in this process); read from the checkpoint when the
-    config was built without them."""
+def model_hf_config(model_config: ModelConfig | SpeculativeConfig) -> Any:
+    """The model's (or the draft's) HF config as ``EngineConfig.from_args`` read it, from
+    its plain values (no ``transformers`` import in this process); read from the
+    checkpoint when the config was built without them."""
     if model_config.hf_config is None:
         return load_hf_config(model_config.model)
     return HFConfigView.from_values(model_config.hf_config)
