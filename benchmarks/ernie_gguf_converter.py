@@ -95,17 +95,11 @@ def make_checkpoint(out: str, family: str, tokenizer_dir: str, vocab_size: int) 
                                     moe_intermediate_size=32, moe_num_shared_experts=2,
                                     moe_layer_start_index=1, moe_layer_end_index=2,
                                     moe_layer_interval=1, tie_word_embeddings=False)
+    from model.checkpoints import randomize_weights  # the tests' tiny checkpoints' draw
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            else:
-                param.normal_(0.0, 0.08)
-        model.model.norm.weight.mul_(8.0)  # decisive logits for a greedy comparison
+    randomize_weights(model)
     path = os.path.join(out, family)
     model.save_pretrained(path)
     for name in os.listdir(tokenizer_dir):

@@ -271,19 +271,7 @@ class Runner:
                 "--result-file", os.path.join(self.raw, f"{name}.json")], timeout=600)
 
     def wait_ready(self, port: int, proc: subprocess.Popen, timeout: float) -> bool:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        return False
+        return wait_ready(port, proc, timeout)
 
     # ------------------------------------------------------------- mixed lengths
 
@@ -550,6 +538,25 @@ def _rotate(items: list[str], n: int) -> list[str]:
         return items
     n %= len(items)
     return items[n:] + items[:n]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float,
+               interval_s: float = 1.0) -> bool:
+    """Whether the OpenAI server ``proc`` on ``port`` lists its models within ``timeout``
+    seconds (False at once if it exits)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    return False
 
 
 def _free_port() -> int:

@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from quantized import tree_rss  # noqa: E402
-from run_all import _free_port, _stop  # noqa: E402
+from run_all import _free_port, _stop, wait_ready  # noqa: E402
 
 ENGINES = ("loom", "llamacpp")
 
@@ -47,22 +47,6 @@ def server_command(engine: str, model: str, port: int, args: argparse.Namespace)
             "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots),
             "-c", str(slots * (args.input_len + args.output_len + 16)), "--alias", "m",
             "--no-webui"]
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> bool:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return False
 
 
 def serve_once(port: int, server_pid: int, model: str, concurrency: int, seed: int,
@@ -131,7 +115,7 @@ def main() -> None:
                                         stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
             started = time.monotonic()
-            if not wait_ready(port, proc, 300):
+            if not wait_ready(port, proc, 300, interval_s=0.5):
                 raise SystemExit(f"{engine} did not start; see {logs}/{engine}.log")
             print(f"{engine} ready in {time.monotonic() - started:.1f} s, idle RSS "
                   f"{tree_rss(proc.pid) / 2**20:.0f} MiB", flush=True)

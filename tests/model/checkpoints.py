@@ -133,18 +133,24 @@ def _build(family: str, overrides: dict) -> tuple[str, torch.Tensor]:
         setattr(config, field, value)
     torch.manual_seed(FAMILIES.index(family) + 1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_weights(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, torch.get_rng_state()
+
+
+def randomize_weights(model) -> None:
+    """The tiny checkpoints' weights, drawn from torch's RNG: random norm weights exercise
+    the loaders, and the final norm scaled by 8 makes logits sharp (decisive greedy
+    comparisons)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                # random norm weights exercise the loaders; the final one makes logits sharp
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
             else:
                 param.normal_(0.0, 0.08)
         model.model.norm.weight.mul_(8.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path, torch.get_rng_state()
 
 
 def bias_router(path: str) -> str:
