@@ -30,8 +30,16 @@ from loom.model.loader import load_hf_config
 
 from .checkpoints import make_tiny_checkpoint
 
-GGUF_ARCH = {"qwen3_moe": "QWEN3MOE", "ernie4_5": "ERNIE4_5", "ernie4_5_moe": "ERNIE4_5_MOE"}
-_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+GGUF_ARCH = {"qwen3_moe": "QWEN3MOE", "ernie4_5": "ERNIE4_5", "ernie4_5_moe": "ERNIE4_5_MOE",
+             "mixtral": "LLAMA"}  # llama.cpp writes Mixtral as llama with experts
+_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\."
+                     r"(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K row order for the llama architecture (LlamaModel.permute)."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
 
 
 def write_gguf(checkpoint: str, path: str, family: str) -> str:
@@ -68,6 +76,9 @@ def write_gguf(checkpoint: str, path: str, family: str) -> str:
     writer.add_pad_token_id(config["pad_token_id"])
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if family == "mixtral":
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     if family == "qwen3_moe":
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -89,6 +100,9 @@ def write_gguf(checkpoint: str, path: str, family: str) -> str:
         if m := _EXPERT.match(name):  # the converter stacks each projection's experts
             stacked.setdefault(f"{m['layer']}.{m['proj']}", {})[int(m["e"])] = tensor
             continue
+        if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = _permute(tensor, config["num_attention_heads"] if "q_proj" in name
+                              else config["num_key_value_heads"])
         # as the converter's filter_tensors: the correction bias maps by ".bias"
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -118,7 +132,7 @@ def test_gguf_file_gives_transformers_tokens(tmp_path, family):
     for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "tie_word_embeddings", "num_experts", "moe_intermediate_size",
                   "num_experts_per_tok", "norm_topk_prob", "moe_num_experts", "moe_k",
                   "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
-                  "use_bias"):
+                  "use_bias", "num_local_experts"):
         assert getattr(gguf_config, field, None) == getattr(hf_config, field, None), field
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     prompts = make_prompts(hf.config.vocab_size)[2:10:2]

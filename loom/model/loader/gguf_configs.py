@@ -33,14 +33,17 @@ _ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 
 
 def config_from_metadata(gguf_file: GGUFFile) -> Any | None:
-    """The config of a file in :data:`GGUF_ARCHITECTURES`, else None."""
+    """The config of a file in :data:`GGUF_ARCHITECTURES`, or of a Mixtral (llama.cpp
+    writes it as ``llama`` with ``llama.expert_count``), else None."""
     import transformers
 
     metadata = gguf_file.metadata
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    mixtral = arch == "llama" and "llama.expert_count" in metadata
+    if arch not in GGUF_ARCHITECTURES and not mixtral:
         return None
-    config_name, architecture = GGUF_ARCHITECTURES[arch]
+    config_name, architecture = (("MixtralConfig", "MixtralForCausalLM") if mixtral
+                                 else GGUF_ARCHITECTURES[arch])
 
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{name}", default)
@@ -73,6 +76,12 @@ def config_from_metadata(gguf_file: GGUFFile) -> Any | None:
                       moe_intermediate_size=int(key("expert_feed_forward_length")),
                       norm_topk_prob=True, decoder_sparse_step=1,
                       mlp_only_layers=[i for i in range(num_layers) if i not in moe_layers])
+    elif mixtral:  # every layer a MoE; feed_forward_length is the experts' size
+        fields.update(num_local_experts=int(key("expert_count")),
+                      num_experts_per_tok=int(key("expert_used_count")))
+        if moe_layers != list(range(num_layers)):
+            raise ValueError(f"{gguf_file.path}: a Mixtral file has a router in every layer, "
+                             f"this one in {moe_layers}")
     elif arch.startswith("ernie4_5"):
         fields["use_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
     if arch == "ernie4_5-moe":

@@ -14,7 +14,10 @@ import torch
 from loom.model.layers.fused_moe import MoESpec, load_expert_weights
 from loom.model.models.llama import DecoderLayerSpec, MistralForCausalLM
 
-EXPERT_ROLES = {"w1": "gate", "w3": "up", "w2": "down"}
+# the checkpoint's names, and a GGUF file's (gguf_loader splits the stacked experts
+# under Hugging Face's usual projection names)
+EXPERT_ROLES = {"w1": "gate", "w3": "up", "w2": "down",
+                "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
