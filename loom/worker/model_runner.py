@@ -334,8 +334,9 @@ class ModelRunner:
                 input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
             if end >= len(state.token_ids):
                 sample_rows.append(i)
-        slot_mapping = (block_table[req_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
+        # a token's slot through a block table: its block's id * block_size + offset
+        token_block, token_offset = positions // self.block_size, positions % self.block_size
+        slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset
         # Last positions first (one per sampling request), then each one's draft rows:
         # drafts [2, 0, 1], queries ending before [10, 13, 21] -> [9, 12, 20, 7, 8, 19]
         logits_indices = query_start_loc[1:][sample_rows] - 1
@@ -353,8 +354,8 @@ class ModelRunner:
             for i, state in enumerate(states):
                 group_table[i, :len(state.group_block_ids[group])] = state.group_block_ids[group]
             metadata.group_metadata.append(metadata.with_blocks(
-                group_table[req_of_token, positions // self.block_size] * self.block_size
-                + positions % self.block_size, group_table, device))
+                group_table[req_of_token, token_block] * self.block_size + token_offset,
+                group_table, device))
         return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
                 metadata, sample_rows, torch.from_numpy(logits_indices).to(device))
 
