@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 from loom_server import REPO_ROOT, LoomServer
 
@@ -84,6 +85,11 @@ def _completion(http: httpx.Client, prompt: str) -> tuple[str, str]:
     return response.json()["choices"][0]["text"], response.headers.get("x-loom-backend", "")
 
 
+def _signal_all(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
+        process.send_signal(signum)
+
+
 def _up(body: dict) -> list[str]:
     return [b["url"] for b in body["backends"] if b["healthy"]]
 
@@ -148,9 +154,15 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
         assert missing.status_code == 404 and "error" in missing.json()
 
     # Kill one backend mid-run: its streams end with an error event, the others finish.
+    # The victim's engine is frozen while the streams open, and again once each of its
+    # streams has sent an event, so it cannot finish them before it is killed however
+    # slowly this process is scheduled (unfrozen, the tiny model writes 400 tokens in
+    # under a second).
     long_stream = {"prompt": "keep going", "max_tokens": 400, "ignore_eos": True,
                    "stream": True}
     victim_port = second.url.rsplit(":", 1)[1]
+    victim_engine = psutil.Process(second.proc.pid).children(recursive=True)
+    _signal_all(victim_engine, signal.SIGSTOP)
     with router.http() as http:
         streams = [http.stream("POST", "/v1/completions",
                                json={**long_stream, "prompt": f"keep going {i}"})
@@ -159,8 +171,14 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
         backends = [r.headers["x-loom-backend"] for r in opened]
         assert set(backends) == {first.url, second.url}, backends
         lines = [r.iter_lines() for r in opened]
-        for line_iter in lines:  # every stream is under way
+        on_first = [it for it, b in zip(lines, backends) if b == first.url]
+        on_second = [it for it, b in zip(lines, backends) if b == second.url]
+        for line_iter in on_first:  # every stream is under way
             assert next(line for line in line_iter if line).startswith("data: {")
+        _signal_all(victim_engine, signal.SIGCONT)
+        for line_iter in on_second:
+            assert next(line for line in line_iter if line).startswith("data: {")
+        _signal_all(victim_engine, signal.SIGSTOP)
         second.kill()
         endings = []
         for line_iter, response in zip(lines, opened):
