@@ -6,8 +6,9 @@ A family declares each layer once, in Python, next to its modules: its
 ``DecoderLayerSpec`` (sizes, biases, norms, activation), from which the modules are
 built, and ``weights_by_role()``, which names the module behind each role. The roles
 are the fields of the C++ ``DecoderLayerWeights``: a norm's role takes its weight, a
-linear layer's role takes its weight as a ``LinearWeight`` (bf16 panels or a quantized
-weight, layers/quantization.py) and ``<role>_bias`` its bias. Nothing is
+linear layer's role takes its weight as a ``LinearWeight`` (bf16 panels, a quantized
+weight, layers/quantization.py, or one per format of a fused layer whose projections
+come in several) and ``<role>_bias`` its bias. Nothing is
 passed by position. The stack runs the same kernels, on the same tensors, in the same
 order as the modules' forward with the ``cpu`` attention backend, so the results are
 identical (tests/model/test_models.py compares the two paths bit for bit). It saves the
@@ -145,11 +146,14 @@ def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,
     w13, w2 = [], []
     if moe.experts is not None:  # quantized: each expert a pair of LinearBase
         for expert in moe.experts:
-            if expert.w13.quant_weight is None or expert.w2.quant_weight is None:
-                return (f"its experts are {expert.w13.weight_format} on the PyTorch path "
-                        "(no AVX512-BF16 kernel for it here)")
-            w13.append(ops.LinearWeight.quantized(expert.w13.quant_weight))
-            w2.append(ops.LinearWeight.quantized(expert.w2.quant_weight))
+            for linear, held in ((expert.w13, w13), (expert.w2, w2)):
+                weight = _quantized_weight(ops, linear)
+                if weight is None:
+                    return (f"its experts are {linear.weight_format} on the PyTorch path "
+                            "(no AVX512-BF16 kernel for it here)")
+                if isinstance(weight, str):
+                    return f"its experts' {weight}"
+                held.append(weight)
     else:
         if moe.packed is None or not all(p is not None and p.is_loom_kernel
                                          for pair in moe.packed for p in pair):
@@ -180,8 +184,11 @@ def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.M
         setattr(weights, role, module.weight)
         return None
     if isinstance(module, LinearBase):
-        if module.quant_weight is not None:
-            setattr(weights, role, ops.LinearWeight.quantized(module.quant_weight))
+        quantized = _quantized_weight(ops, module)
+        if isinstance(quantized, str):
+            return f"the {role} {quantized}"
+        if quantized is not None:
+            setattr(weights, role, quantized)
         elif module.weight_format is not None:
             return (f"the {role} weight is {module.weight_format} on the PyTorch path (no "
                     "AVX512-BF16 kernel for it here)")
@@ -195,3 +202,18 @@ def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.M
             setattr(weights, f"{role}_bias", module.bias)
         return None
     return f"{role} is a {type(module).__name__}, which the stack does not run"
+
+
+def _quantized_weight(ops: Any, module: LinearBase) -> Any:
+    """``module``'s weight as the stack's ``LinearWeight`` if it is held in loom's
+    quantized kernel layout (in one format, or one per run of rows:
+    ``LinearBase.weight_parts``), None if not; a sentence where the kernels cannot take
+    it."""
+    if module.quant_weight is not None:
+        return ops.LinearWeight.quantized(module.quant_weight)
+    if not module.parts_on_kernel:
+        return None
+    if not hasattr(ops.LinearWeight, "quantized_parts"):
+        return (f"weight is held in several formats ({module.weight_format}) and the "
+                "kernels take one (a stale kernel build?)")
+    return ops.LinearWeight.quantized_parts(module.weight_parts)

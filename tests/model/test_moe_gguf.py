@@ -43,13 +43,14 @@ def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def write_gguf(checkpoint: str, path: str, family: str) -> str:
-    """``checkpoint`` as llama.cpp's converter would write it, tensors in float32."""
+    """``checkpoint`` as llama.cpp's converter would write it, tensors in float32
+    (``family`` one of ``GGUF_ARCH``, or ``llama``)."""
     import gguf
     from safetensors.torch import load_file
 
     config = load_hf_config(checkpoint).to_dict()
     config |= {"num_experts": getattr(load_hf_config(checkpoint), "num_experts", None)}
-    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCH[family])
+    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCH.get(family) or {"llama": "LLAMA"}[family])
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     num_layers = config["num_hidden_layers"]
     writer.add_block_count(num_layers)
@@ -100,7 +101,7 @@ def write_gguf(checkpoint: str, path: str, family: str) -> str:
         if m := _EXPERT.match(name):  # the converter stacks each projection's experts
             stacked.setdefault(f"{m['layer']}.{m['proj']}", {})[int(m["e"])] = tensor
             continue
-        if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = _permute(tensor, config["num_attention_heads"] if "q_proj" in name
                               else config["num_key_value_heads"])
         # as the converter's filter_tensors: the correction bias maps by ".bias"

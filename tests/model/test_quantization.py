@@ -369,6 +369,141 @@ def test_a_reload_requantizes_the_shards_it_is_given():
             assert torch.equal(after.scales[rows], before.scales[rows])
 
 
+# A fused layer whose projections come in different formats, as a GGUF Q4_K_M file's do
+# (attn_v, ffn_down and some ffn_up in Q6_K, the rest in Q4_K): each kept in its own.
+MIXED_QKV = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}
+
+
+def mixed_qkv_layer(dtype: torch.dtype, tp_group: TPGroup = TPGroup(0, 1),
+                    bias: bool = True) -> QKVParallelLinear:
+    torch.set_default_dtype(dtype)
+    try:  # q 4 heads of 32 (128 rows), k and v 2 heads each (64 rows), 256 inputs
+        return QKVParallelLinear(256, 32, total_num_heads=4, total_num_kv_heads=2, bias=bias,
+                                 tp_group=tp_group)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def mixed_shards(formats: dict[str, str], seed: int = 0) -> dict[str, QuantizedTensor]:
+    return {name: make_format(fmt, 128 if name == "q" else 64, 256, seed + i)
+            for i, (name, fmt) in enumerate(formats.items())}
+
+
+def held_blocks(layer) -> list[QuantizedTensor]:
+    return layer._unpack_blocks().merged()
+
+
+def assert_same_rows(got: QuantizedTensor, want: QuantizedTensor) -> None:
+    assert got.format == want.format and torch.equal(got.values, want.values)
+    assert torch.equal(got.scales, want.scales)
+    assert (got.offsets is None) == (want.offsets is None)
+    assert got.offsets is None or torch.equal(got.offsets, want.offsets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_keeps_each_projection_in_its_format(dtype):
+    """q and k in Q4_K, v in Q6_K, loaded in any order: the layer holds two runs of rows,
+    each in its file's format (no full-precision copy, its bytes in the one uint8
+    parameter), and multiplies each into its columns of the output, within the kernel's
+    rounding bound of dequantize-then-matmul on the whole weight. A reload of one shard
+    keeps the others; shards in one format again make one weight; a released layer
+    loads whole again."""
+    layer = mixed_qkv_layer(dtype)
+    shards = mixed_shards(MIXED_QKV)
+    for name in ("v", "q", "k"):  # v first: the staging starts in Q6_K
+        layer.weight.weight_loader(layer.weight, shards[name], name)
+    bias = torch.randn(256).to(dtype)
+    for name, rows in (("q", slice(0, 128)), ("k", slice(128, 192)), ("v", slice(192, 256))):
+        layer.bias.weight_loader(layer.bias, bias[rows], name)
+    layer.process_weights_after_loading()
+    kernel = dtype == torch.bfloat16 and native_ops() is not None \
+        and native_ops().quant_gemm_available()
+    assert layer.weight_format == "Q4_K+Q6_K" and layer.parts_on_kernel == kernel
+    assert layer.quant_weight is None and len(layer.weight_parts) == 2
+    assert layer.weight.dtype == torch.uint8 and layer.weight.dim() == 1
+    assert [name for name, p in layer.named_parameters()] == ["weight", "bias"]
+    blocks = held_blocks(layer)
+    assert_same_rows(blocks[0], QuantizedTensor.cat([shards["q"], shards["k"]]))
+    assert_same_rows(blocks[1], shards["v"])
+    # every byte in the parameter: each part's and at most 64 bytes of alignment each
+    held = sum(p.nbytes for p in layer.weight_parts) if kernel else \
+        sum(b.nbytes for b in blocks)
+    assert held <= weight_bytes_by_dtype(layer)["uint8"] <= held + 64 * 2
+
+    def check_output(shards):
+        whole = [shards["q"], shards["k"], shards["v"]]
+        x = torch.randn(7, 256).to(dtype)
+        y = layer(x)
+        reference = torch.nn.functional.linear(
+            x.float(), torch.cat([w.dequantize() for w in whole]), bias.float())
+        bound = torch.cat([kernel_error_bound(x, w) for w in whole], dim=1) + \
+            bias.float().abs() * 2 * U32
+        if dtype == torch.bfloat16:  # the output rounded once to bf16
+            bound = bound * (1 + 2 ** -8) + reference.abs() * 2 ** -8
+        error = (y.float() - reference).abs()
+        assert y.dtype == dtype and bool((error <= bound).all()), float((error / bound).max())
+
+    check_output(shards)
+    # a weight update of v alone, in its format: q and k unchanged
+    new_v = make_format("Q6_K", 64, 256, seed=99)
+    layer.weight.weight_loader(layer.weight, new_v, "v")
+    layer.process_weights_after_loading()
+    assert layer.weight_format == "Q4_K+Q6_K"
+    assert_same_rows(held_blocks(layer)[1], new_v)
+    check_output(shards | {"v": new_v})
+    # v in Q4_K too: one format, one weight again
+    q4_v = make_format("Q4_K", 64, 256, seed=98)
+    layer.weight.weight_loader(layer.weight, q4_v, "v")
+    layer.process_weights_after_loading()
+    assert layer.weight_format == "Q4_K" and layer.weight_parts is None
+    assert (layer.quantized() is None) == kernel
+    assert_same_rows(layer._unpack(), QuantizedTensor.cat([shards["q"], shards["k"], q4_v]))
+    check_output(shards | {"v": q4_v})
+    # and back to two formats; then a sleep frees it and a reload fills it whole
+    layer.weight.weight_loader(layer.weight, shards["v"], "v")
+    layer.process_weights_after_loading()
+    assert layer.weight_format == "Q4_K+Q6_K"
+    layer.release_weight()
+    assert layer.weight_parts is None
+    for name in ("q", "k", "v"):
+        layer.weight.weight_loader(layer.weight, shards[name], name)
+    layer.process_weights_after_loading()
+    check_output(shards)
+
+
+def test_mixed_formats_shard_under_tensor_parallel():
+    """Each rank of a fused layer in several formats holds its slice of every projection
+    in that projection's format: q, k, v (gate, up) rows of TP=1's, and its output the
+    matching columns of TP=1's."""
+    from loom.model.layers.linear import MergedColumnParallelLinear
+
+    shards = mixed_shards(MIXED_QKV)
+    gate_up = {0: make_format("Q6_K", 64, 256, seed=5), 1: make_format("Q4_K", 64, 256, seed=6)}
+    x = torch.randn(3, 256)
+    for rank in (0, 1):
+        tp = TPGroup(rank=rank, world_size=2)
+        qkv = mixed_qkv_layer(torch.float32, tp, bias=False)
+        for name, shard in shards.items():
+            qkv.weight.weight_loader(qkv.weight, shard, name)
+        merged = MergedColumnParallelLinear(256, [64, 64], tp_group=tp)
+        for index, shard in gate_up.items():
+            merged.weight.weight_loader(merged.weight, shard, index)
+        for layer in (qkv, merged):
+            layer.process_weights_after_loading()
+        q, kv = shards["q"].narrow(0, 64 * rank, 64), slice(32 * rank, 32 * rank + 32)
+        k, v = (shards[n].narrow(0, kv.start, 32) for n in "kv")
+        blocks = held_blocks(qkv)
+        assert qkv.weight_format == "Q4_K+Q6_K" and len(blocks) == 2
+        assert_same_rows(blocks[0], QuantizedTensor.cat([q, k]))
+        assert_same_rows(blocks[1], v)
+        gate, up = gate_up[0].narrow(0, 32 * rank, 32), gate_up[1].narrow(0, 32 * rank, 32)
+        assert merged.weight_format == "Q6_K+Q4_K"
+        for got, want in zip(held_blocks(merged), (gate, up)):
+            assert_same_rows(got, want)
+        assert torch.equal(merged(x), torch.cat([reference_linear(x, gate),
+                                                 reference_linear(x, up)], dim=1))
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K", "Q5_K", "Q4_K"])
 def test_quantized_embedding_and_tied_head(fmt):
     """A table kept quantized: the embedding's rows are the dequantized table's, bit for
@@ -700,3 +835,123 @@ def test_k_quants_kept_follow_the_dequantized_file(tmp_path, caplog):
             said = " ".join(r.getMessage() for r in caplog.records)
             assert "dequantized" not in said or not any(f in said for f in formats), said
     assert outputs["kept"] == outputs["dequantized"]
+
+
+# (layer, projection) -> format of a tiny Llama's GGUF file whose fused layers mix them,
+# as Q4_K_M files do; the rest stays float32 (the embedding, the head) or Q8_0 (down)
+MIXED_FILE = {
+    (0, "attn_q"): "Q4_K", (0, "attn_k"): "Q4_K", (0, "attn_v"): "Q6_K",
+    (0, "ffn_gate"): "Q4_K", (0, "ffn_up"): "Q6_K", (0, "attn_output"): "Q4_K",
+    (1, "attn_q"): "Q6_K", (1, "attn_k"): "Q4_K", (1, "attn_v"): "Q5_K",
+    (1, "ffn_gate"): "Q8_0", (1, "ffn_up"): "Q4_K", (1, "attn_output"): "Q6_K",
+}
+# the K-quants' block scales, drawn so that weights stay near the checkpoint's size
+K_SCALE = {"Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 5e-5}
+
+
+def write_mixed_gguf(tmp_path) -> str:
+    """A tiny Llama (hidden 256: whole K-quant blocks) as a GGUF file whose qkv and
+    gate_up projections come in different formats (``MIXED_FILE``): K-quant blocks
+    drawn at random (gguf-py writes no K-quants), Q8_0 quantized from the checkpoint."""
+    gguf = pytest.importorskip("gguf")
+    from .test_moe_gguf import write_gguf
+
+    checkpoint = make_tiny_checkpoint("llama", tmp_path / "llama256", hidden_size=256,
+                                      head_dim=64)
+    plain = write_gguf(checkpoint, str(tmp_path / "llama256.f32.gguf"), "llama")
+    reader = gguf.GGUFReader(plain)
+    path = str(tmp_path / "llama256-mixed.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                             else None)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", tensor.name)
+        fmt = MIXED_FILE.get((int(m.group(1)), m.group(2))) if m else None
+        if m and m.group(2) == "ffn_down":
+            fmt = "Q8_0"
+        if fmt is None:
+            writer.add_tensor(tensor.name, data)
+        elif fmt == "Q8_0":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            n, k = data.shape
+            blocks = random_gguf_blocks(fmt, n, k, seed=len(tensor.name) * 7 + int(m.group(1)),
+                                        scale=K_SCALE[fmt])
+            writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplog,
+                                                                 monkeypatch):
+    """A GGUF file whose q/k/v and gate/up come in different formats (Q4_K with Q6_K,
+    Q5_K; Q8_0 with Q4_K): every linear stays quantized, each projection in its own
+    format (the load log names no dequantized tensor of those formats; the only
+    full-precision bytes are the embedding, the head and the norms). float32 (the
+    PyTorch path): the greedy tokens and prompt log-probabilities of the same file
+    dequantized to float32 (the weights are the file's exactly; only the order of the
+    float32 sums differs, per part against whole). bfloat16: the native stack runs the
+    kept parts, with the modules' tokens."""
+    path = write_mixed_gguf(tmp_path)
+    config = load_hf_config(path)
+    caplog.set_level(logging.INFO)
+    model = load_model(path, config, dtype=torch.float32)
+    said = [r.getMessage() for r in caplog.records]
+    assert "4 fused linear layers hold their projections in their own formats " \
+        "(Q4_K+Q6_K, Q6_K+Q4_K+Q5_K, Q8_0+Q4_K)" in said, said
+    # every linear's weight is its file's values (the PyTorch path's scales beside them)
+    from loom.model.layers.linear import LinearBase
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+    assert len(linears) == 4 * config.num_hidden_layers
+    assert all(m.weight.dtype == torch.uint8 and m.weight_format for m in linears.values())
+    full = {name for name, p in model.named_parameters() if p.dtype == torch.float32
+            and not name.endswith(("weight_scale", "weight_offset"))}
+    assert all(name.endswith("norm.weight") for name in
+               full - {"model.embed_tokens.weight", "lm_head.weight"}), full
+    del model
+    prompts = [[1, 50, 34, 200, 17, 9], list(range(100, 160)), [2, 17, 81, 42]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    runs = {}
+
+    def run(name, **kwargs):
+        caplog.clear()
+        llm = LLM(path, max_model_len=128, skip_tokenizer_init=True, enable_warm_up=False,
+                  **kwargs)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+        finally:
+            llm.shutdown()
+        said = [r.getMessage() for r in caplog.records]
+        dequantized = [m for m in said if "dequantized (loom keeps" in m]
+        assert not [m for m in dequantized if re.search(r"Q[4568]_[0K]", m.rsplit(":", 1)[1])]
+        runs[name] = ([o.outputs[0].token_ids for o in outputs],
+                      [[lp[t].logprob for t, lp in zip(p[1:], o.prompt_logprobs[1:])]
+                       for p, o in zip(prompts, outputs)], said)
+
+    run("kept", dtype="float32")
+    run("dequantized", dtype="float32", quantization="none")
+    assert runs["kept"][0] == runs["dequantized"][0]
+    assert len(set(map(tuple, runs["kept"][0]))) > 1  # not one token for every prompt
+    for ours, want in zip(runs["kept"][1], runs["dequantized"][1]):
+        np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    if native_ops() is None or not native_ops().quant_gemm_available():
+        return
+    run("native", dtype="bfloat16")
+    assert "decoder layers: native stack (loom CPU kernels)" in runs["native"][2]
+    monkeypatch.setenv("LOOM_NATIVE_LAYERS", "0")
+    from loom.envs import settings
+
+    settings.cache_clear()
+    run("modules", dtype="bfloat16")
+    assert runs["native"][0] == runs["modules"][0]

@@ -22,12 +22,34 @@
 
 namespace loom {
 
+LinearWeight LinearWeight::of_parts(std::vector<QuantizedWeight> parts) {
+  TORCH_CHECK(!parts.empty(), "LinearWeight.quantized_parts: no parts");
+  for (const auto& part : parts)
+    TORCH_CHECK(part.data.defined() && part.in_features == parts[0].in_features,
+                "LinearWeight.quantized_parts: every part takes the same input features");
+  return LinearWeight{at::Tensor(), {}, std::move(parts)};
+}
+
 void LinearWeight::matmul(at::Tensor out, at::Tensor x,
                           const c10::optional<at::Tensor>& bias) const {
-  if (quantized)
+  if (quantized) {
     quantized_linear(out, x, *quantized, bias);
-  else
+  } else if (!parts.empty()) {  // each part into its columns of out (and of the bias)
+    int64_t first = 0;
+    for (const auto& part : parts) first += part.out_features;
+    TORCH_CHECK(first == out.size(1), "LinearWeight: parts of ", first, " outputs, out has ",
+                out.size(1));
+    first = 0;
+    for (const auto& part : parts) {
+      const int64_t n = part.out_features;
+      c10::optional<at::Tensor> part_bias;
+      if (bias && bias->defined()) part_bias = bias->narrow(0, first, n);
+      quantized_linear(out.narrow(1, first, n), x, part, part_bias);
+      first += n;
+    }
+  } else {
     bf16_linear(out, x, bf16_packed, bias);
+  }
 }
 
 DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers,
@@ -45,8 +67,7 @@ DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers,
     LOOM_DECODER_LAYER_REQUIRED(LOOM_CHECK_DEFINED)
 #undef LOOM_CHECK_DEFINED
 #define LOOM_CHECK_LINEAR(name, doc)                                               \
-  TORCH_CHECK(layers_[l].name.has_value() &&                                      \
-                  (layers_[l].name->quantized || layers_[l].name->bf16_packed.defined()), \
+  TORCH_CHECK(layers_[l].name.has_value() && layers_[l].name->defined(),          \
               "DecoderStack: layer ", l, " has no " #name);
     LOOM_DECODER_LAYER_LINEARS(LOOM_CHECK_LINEAR)
 #undef LOOM_CHECK_LINEAR
@@ -162,7 +183,7 @@ struct ExpertRows {
 void run_experts(const std::vector<LinearWeight>& weights, const std::vector<ExpertRows>& jobs,
                  const at::Tensor& in, at::Tensor out) {
   const bool bf16 = std::all_of(jobs.begin(), jobs.end(), [&](const ExpertRows& j) {
-    return !weights[j.expert].quantized;
+    return weights[j.expert].is_bf16();
   });
   if (!bf16) {
     for (const auto& j : jobs)

@@ -81,15 +81,23 @@
 namespace loom {
 
 // A linear layer's weight as one of the two matmuls holds it: bf16 panels
-// (pack_bf16_weight, for bf16_linear) or a QuantizedWeight (for quantized_linear).
+// (pack_bf16_weight, for bf16_linear) or a QuantizedWeight (for quantized_linear), or,
+// for a fused layer whose projections come in different formats (a GGUF Q4_K_M file's
+// Q4_K q and k with a Q6_K v), one QuantizedWeight per run of output rows, top to
+// bottom, each multiplied into its columns of the output (LinearBase.weight_parts).
 struct LinearWeight {
   at::Tensor bf16_packed;
   c10::optional<QuantizedWeight> quantized;
+  std::vector<QuantizedWeight> parts;
 
-  static LinearWeight bf16(at::Tensor packed) { return LinearWeight{std::move(packed), {}}; }
+  static LinearWeight bf16(at::Tensor packed) { return LinearWeight{std::move(packed), {}, {}}; }
   static LinearWeight of_quantized(QuantizedWeight weight) {
-    return LinearWeight{at::Tensor(), std::move(weight)};
+    return LinearWeight{at::Tensor(), std::move(weight), {}};
   }
+  static LinearWeight of_parts(std::vector<QuantizedWeight> parts);
+  // bf16 panels (not quantized, in one format or several)
+  bool is_bf16() const { return !quantized && parts.empty(); }
+  bool defined() const { return quantized || !parts.empty() || bf16_packed.defined(); }
   // out (M, N) = x (M, K) @ W^T (+ bias in the float32 sum)
   void matmul(at::Tensor out, at::Tensor x, const c10::optional<at::Tensor>& bias) const;
 };

@@ -41,7 +41,8 @@ std::string set_isa(const std::string& name) {
 void bind_quant_gemm(py::module& m) {
   py::class_<loom::QuantizedWeight>(m, "QuantizedWeight",
                                     "a quantized linear weight in quantized_linear's layout")
-      .def_readonly("data", &loom::QuantizedWeight::data)
+      // writable: a layer in several formats moves its parts' bytes into one buffer
+      .def_readwrite("data", &loom::QuantizedWeight::data)
       .def_readonly("out_features", &loom::QuantizedWeight::out_features)
       .def_readonly("in_features", &loom::QuantizedWeight::in_features)
       .def_readonly("bits", &loom::QuantizedWeight::bits)
@@ -76,8 +77,11 @@ void bind_decoder_stack(py::module& m) {
                   py::arg("packed"))
       .def_static("quantized", &loom::LinearWeight::of_quantized, "from a QuantizedWeight",
                   py::arg("weight"))
+      .def_static("quantized_parts", &loom::LinearWeight::of_parts,
+                  "from QuantizedWeights of consecutive runs of output rows (several formats)",
+                  py::arg("parts"))
       .def_property_readonly("is_quantized",
-                             [](const loom::LinearWeight& w) { return w.quantized.has_value(); });
+                             [](const loom::LinearWeight& w) { return !w.is_bf16(); });
   py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights",
                                           "one decoder layer's weights, by role");
   weights.def(py::init<>());

@@ -138,11 +138,122 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+class RowBlocks:
+    """A quantized layer's weight while it loads: row blocks, top to bottom, each a
+    ``QuantizedTensor`` in the layout of the shard written there.
+
+    One block while every shard comes in one layout (copied in place, as into a single
+    tensor). A fused layer whose projections come in different formats (a GGUF Q4_K_M
+    file's Q4_K ``attn_q``/``attn_k`` with a Q6_K ``attn_v``, Q4_K ``ffn_gate`` with Q6_K
+    ``ffn_up``) gets a block per run of rows in one layout, each kept in its own format:
+    ``LinearBase`` runs each block's matmul into its columns of the output. Shaped like
+    what a subclass's ``weight_loader`` writes into: ``shape``, ``dim()``, ``narrow``
+    (rows) and ``copy_``."""
+
+    def __init__(self, blocks: list[QuantizedTensor]) -> None:
+        self.blocks = blocks
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(b.shape[0] for b in self.blocks), self.blocks[0].shape[1]))
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> _RowSlice:
+        if dim != 0:
+            raise ValueError("a quantized layer's weight takes its shards as rows")
+        return _RowSlice(self, start, length)
+
+    def copy_(self, src: QuantizedTensor) -> RowBlocks:
+        self.write(0, src)
+        return self
+
+    def write(self, start: int, src: QuantizedTensor) -> None:
+        """Rows ``start .. start + len(src)`` become ``src``: copied in place where they
+        lie in one block of its layout, else a block of their own (the blocks around
+        them cut at its edges)."""
+        end = start + src.shape[0]
+        first = 0
+        for block in self.blocks:
+            rows = block.shape[0]
+            if first <= start and end <= first + rows and block.same_layout(src):
+                block.narrow(0, start - first, end - start).copy_(src)
+                return
+            first += rows
+        above, below, first = [], [], 0
+        for block in self.blocks:
+            rows = block.shape[0]
+            if first < start:  # rows above src's
+                kept = min(rows, start - first)
+                above.append(block if kept == rows else block.narrow(0, 0, kept).clone())
+            if first + rows > end:  # rows below
+                skip = max(0, end - first)
+                below.append(block if skip == 0 else block.narrow(0, skip, rows - skip).clone())
+            first += rows
+        self.blocks = above + [src.clone()] + below
+
+    def merged(self) -> list[QuantizedTensor]:
+        """The blocks with neighbours of one layout stacked into one."""
+        runs: list[list[QuantizedTensor]] = []
+        for block in self.blocks:
+            if runs and runs[-1][0].same_layout(block):
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        return [QuantizedTensor.cat(run) for run in runs]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([block.dequantize(dtype) for block in self.blocks])
+
+
+class _RowSlice:
+    """Rows ``start .. start + length`` of a ``RowBlocks`` (a fused layer's shard)."""
+
+    def __init__(self, owner: RowBlocks, start: int, length: int) -> None:
+        self.owner, self.start = owner, start
+        self.shape = torch.Size((length, owner.shape[1]))
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> _RowSlice:
+        if dim != 0:
+            raise ValueError("a quantized layer's weight takes its shards as rows")
+        return _RowSlice(self.owner, self.start + start, length)
+
+    def copy_(self, src: QuantizedTensor) -> _RowSlice:
+        if src.shape != self.shape:
+            raise ValueError(f"shard of shape {tuple(src.shape)} does not fit rows "
+                             f"{self.start}:{self.start + self.shape[0]} of a "
+                             f"{tuple(self.owner.shape)} weight")
+        self.owner.write(self.start, src)
+        return self
+
+
+def _one_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``tensors`` copied into one uint8 buffer, each at a 64-byte boundary, and their
+    views in it (a layer's blocks as one parameter: counted, freed and refilled whole)."""
+    offsets, total = [], 0
+    for tensor in tensors:
+        total = -(-total // 64) * 64
+        offsets.append(total)
+        total += tensor.numel() * tensor.element_size()
+    buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    views = []
+    for tensor, offset in zip(tensors, offsets):
+        view = buffer[offset:offset + tensor.numel() * tensor.element_size()]
+        view = view.view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        views.append(view)
+    return buffer, views
+
+
 class _Staging:
     """What a subclass's ``weight_loader`` writes into while a quantized layer loads:
-    the parameter-shaped face (``data``, ``shape``, ``dim()``) of a ``QuantizedTensor``."""
+    the parameter-shaped face (``data``, ``shape``, ``dim()``) of its ``RowBlocks``."""
 
-    def __init__(self, data: QuantizedTensor) -> None:
+    def __init__(self, data: RowBlocks) -> None:
         self.data = data
         self.shape = data.shape
 
@@ -160,7 +271,11 @@ class LinearBase(nn.Module):
     in its format. Once loaded (``process_weights_after_loading``), a quantized layer
     holds either loom's kernel layout (``quant_weight``; ``weight`` is its bytes) or,
     for the PyTorch path, the values (``weight``, uint8), ``weight_scale`` and
-    ``weight_offset``; no full-precision copy stays."""
+    ``weight_offset``; no full-precision copy stays. A fused layer whose shards came in
+    different formats (``RowBlocks``) holds one weight per run of rows in one format
+    (``weight_parts``: kernel layouts, or ``QuantizedTensor`` objects for the PyTorch path),
+    all their bytes in the one ``weight`` parameter, and multiplies each into its
+    columns of the output."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  tp_group: TPGroup, quantization: str = "none") -> None:
@@ -181,8 +296,11 @@ class LinearBase(nn.Module):
         self.register_parameter("weight_offset", None)
         self.packed_weight: PackedWeight | None = None  # see pack_weight
         self.quant_weight = None  # the kernel's QuantizedWeight
-        self.weight_format: str | None = None  # Q4_1, wint8, ... once quantized
-        self._staging: QuantizedTensor | None = None  # quantized shards while loading
+        # several formats (RowBlocks): QuantizedWeight (kernel) or QuantizedTensor each
+        self.weight_parts: list | None = None
+        self._part_formats: list[str] = []
+        self.weight_format: str | None = None  # Q4_1, wint8, Q4_K+Q6_K ... once quantized
+        self._staging: RowBlocks | None = None  # quantized shards while loading
         self._bits = 0
         self._weight_is_panels = False  # self.weight is packed_weight's data (bf16)
 
@@ -208,29 +326,25 @@ class LinearBase(nn.Module):
             return
         if self._staging is None:
             if self.weight_format is not None and self._holds_weight():
-                self._staging = self._unpack()  # loaded before: reload into its values
+                self._staging = self._unpack_blocks()  # loaded before: reload into it
             else:
-                self._staging = QuantizedTensor.empty(
-                    loaded_weight, (self.output_size, self.input_size))
-        if not self._staging.same_layout(loaded_weight):
-            # one projection of a fused layer in another format (a GGUF file mixing them)
-            logger.info("a %s shard into a %s layer: the layer is dequantized",
-                        loaded_weight.format, self._staging.format)
-            self._to_full_precision()
-            self.weight_loader(self.weight, loaded_weight.dequantize(), shard_id)
-            return
+                self._staging = RowBlocks([QuantizedTensor.empty(
+                    loaded_weight, (self.output_size, self.input_size))])
+        # a shard in another layout than the rows it lands on (one projection of a fused
+        # layer in another format: a GGUF file mixing them) becomes a block of its own
         self.weight_loader(_Staging(self._staging), loaded_weight, shard_id)
 
     def _to_full_precision(self) -> None:
         """Drop quantization: the weight so far, dequantized, in the model's dtype."""
         held = self._staging if self._staging is not None else (
-            self._unpack() if self.weight_format is not None and self._holds_weight() else None)
+            self._unpack_blocks() if self.weight_format is not None and self._holds_weight()
+            else None)
         weight = torch.empty(self.output_size, self.input_size, dtype=self._params_dtype)
         if held is not None:
             weight.copy_(held.dequantize())
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self._load_weight
-        self.weight_scale = self.weight_offset = None
+        self.weight_scale = self.weight_offset = self.weight_parts = None
         self.quant_weight = self.weight_format = self._staging = None
         self.quantization = "none"
 
@@ -255,16 +369,34 @@ class LinearBase(nn.Module):
 
     def _holds_weight(self) -> bool:
         """Whether the quantized weight is still here (``release_weight`` drops it)."""
-        return self.quant_weight is not None or self.weight_scale is not None
+        return (self.quant_weight is not None or self.weight_scale is not None
+                or self.weight_parts is not None)
 
     def release_weight(self) -> None:
-        """Free what the weight is made of beyond its parameter (``quant_weight`` holds
-        the kernel's bytes too): a weight-update sleep; the next load fills it whole."""
+        """Free what the weight is made of beyond its parameter (``quant_weight`` and
+        ``weight_parts`` hold its bytes too): a weight-update sleep; the next load fills
+        it whole."""
         self.quant_weight = None
+        self.weight_parts = None
         self.packed_weight = None
 
+    def _unpack_blocks(self) -> RowBlocks:
+        """The held quantized weight as ``RowBlocks`` (a copy to load into)."""
+        if self.weight_parts is None:
+            return RowBlocks([self._unpack()])
+        blocks = []
+        for part, fmt in zip(self.weight_parts, self._part_formats):
+            if isinstance(part, QuantizedTensor):
+                blocks.append(part.clone())
+            else:
+                values, scales, offsets = native_ops().unpack_quantized_weight(part)
+                blocks.append(QuantizedTensor(values, scales, offsets, part.bits, fmt))
+        return RowBlocks(blocks)
+
     def _unpack(self) -> QuantizedTensor:
-        """The held quantized weight as a ``QuantizedTensor`` (a copy to load into)."""
+        """The held quantized weight, in one format, as a ``QuantizedTensor`` (a copy)."""
+        if self.weight_parts is not None:
+            raise ValueError(f"a {self.weight_format} layer is held in several formats")
         if self.quant_weight is not None:
             values, scales, offsets = native_ops().unpack_quantized_weight(self.quant_weight)
             return QuantizedTensor(values, scales, offsets, self._bits, self.weight_format)
@@ -286,11 +418,17 @@ class LinearBase(nn.Module):
                     self.weight.weight_loader = self._load_weight
                     self._weight_is_panels = True
             return
-        self.weight_format, self._bits = staged.format, staged.bits
-        self.packed_weight = None
+        blocks = staged.merged()
+        self.packed_weight = self.weight_parts = None
         ops = native_ops_for(self.weight.device, self._params_dtype)
-        if (ops is not None and self._params_dtype == torch.bfloat16
-                and ops.quant_gemm_available()):
+        kernel = (ops is not None and self._params_dtype == torch.bfloat16
+                  and ops.quant_gemm_available())
+        if len(blocks) > 1:
+            self._hold_parts(blocks, ops if kernel else None)
+            return
+        staged = blocks[0]
+        self.weight_format, self._bits = staged.format, staged.bits
+        if kernel:
             self.quant_weight = ops.pack_quantized_weight(staged.values, staged.scales,
                                                           staged.offsets, staged.bits)
             self.weight = nn.Parameter(self.quant_weight.data, requires_grad=False)
@@ -303,9 +441,45 @@ class LinearBase(nn.Module):
                                   else nn.Parameter(staged.offsets, requires_grad=False))
         self.weight.weight_loader = self._load_weight
 
+    def _hold_parts(self, blocks: list[QuantizedTensor], ops) -> None:
+        """Hold ``blocks`` (runs of rows, each in one format) each in its own layout:
+        packed for loom's kernel with ``ops``, else as they are for the PyTorch path;
+        their bytes in one ``weight`` parameter."""
+        self.quant_weight = None
+        self._part_formats = [block.format for block in blocks]
+        self.weight_format = "+".join(dict.fromkeys(self._part_formats))
+        if ops is not None:
+            parts = [ops.pack_quantized_weight(b.values, b.scales, b.offsets, b.bits)
+                     for b in blocks]
+            buffer, views = _one_buffer([part.data for part in parts])
+            for part, view in zip(parts, views):
+                part.data = view
+        else:
+            tensors = [[b.values, b.scales] + ([] if b.offsets is None else [b.offsets])
+                       for b in blocks]
+            buffer, views = _one_buffer([t for group in tensors for t in group])
+            parts, at = [], 0
+            for block, group in zip(blocks, tensors):
+                held = views[at:at + len(group)]
+                at += len(group)
+                parts.append(QuantizedTensor(held[0], held[1], held[2] if len(held) > 2
+                                             else None, block.bits, block.format))
+        self.weight_parts = parts
+        self.weight = nn.Parameter(buffer, requires_grad=False)
+        self.weight_scale = self.weight_offset = None
+        self.weight.weight_loader = self._load_weight
+
+    @property
+    def parts_on_kernel(self) -> bool:
+        """Held in several formats, each in loom's kernel layout."""
+        return bool(self.weight_parts) and not isinstance(self.weight_parts[0],
+                                                          QuantizedTensor)
+
     def quantized(self) -> QuantizedTensor | None:
-        """The PyTorch path's quantized weight (None for loom's kernel or unquantized)."""
-        if self.weight_format is None or self.quant_weight is not None:
+        """The PyTorch path's quantized weight (None for loom's kernel, unquantized, or
+        several formats: ``weight_parts``)."""
+        if self.weight_format is None or self.quant_weight is not None \
+                or self.weight_parts is not None:
             return None
         return QuantizedTensor(self.weight, self.weight_scale, self.weight_offset, self._bits,
                                self.weight_format)
@@ -319,11 +493,33 @@ class LinearBase(nn.Module):
             out = torch.empty(flat.shape[0], self.output_size, dtype=x.dtype)
             native_ops().quantized_linear(out, flat, self.quant_weight, bias)
             return out.view(*x.shape[:-1], self.output_size)
+        if self.weight_parts is not None:
+            return self._matmul_parts(x, bias)
         if self.weight_format is not None:
             return reference_linear(x, self.quantized(), bias)
         if self._weight_is_panels and x.dtype != torch.bfloat16:  # a rare caller
             return F.linear(x, self.plain_weight().to(x.dtype), bias)
         return linear(x, self.weight, bias, self.packed_weight)
+
+
+    def _matmul_parts(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``matmul`` of a layer held in several formats: each part's rows of the
+        weight into its columns of the output (its own kernel call)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = torch.empty(flat.shape[0], self.output_size, dtype=x.dtype, device=x.device)
+        first = 0
+        for part in self.weight_parts:
+            rows = part.shape[0] if isinstance(part, QuantizedTensor) else part.out_features
+            part_bias = None if bias is None else bias.narrow(0, first, rows)
+            columns = out.narrow(1, first, rows)
+            if isinstance(part, QuantizedTensor):
+                columns.copy_(reference_linear(flat, part, part_bias))
+            else:
+                native_ops().quantized_linear(columns, flat, part, part_bias)
+            first += rows
+        return out.view(*x.shape[:-1], self.output_size)
 
 
 class ReplicatedLinear(LinearBase):

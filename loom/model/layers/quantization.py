@@ -157,6 +157,24 @@ class QuantizedTensor:
                                None if self.offsets is None else self.offsets[index],
                                self.bits, self.format)
 
+    def clone(self) -> QuantizedTensor:
+        """A copy that owns its memory (a row block cut from a larger weight)."""
+        return QuantizedTensor(self.values.clone(), self.scales.clone(),
+                               None if self.offsets is None else self.offsets.clone(),
+                               self.bits, self.format)
+
+    @classmethod
+    def cat(cls, blocks: list[QuantizedTensor]) -> QuantizedTensor:
+        """Row blocks of one layout (``same_layout``) stacked top to bottom."""
+        if len(blocks) == 1:
+            return blocks[0]
+        first = blocks[0]
+        if not all(first.same_layout(block) for block in blocks[1:]):
+            raise ValueError("only row blocks of one layout stack into one weight")
+        return cls(torch.cat([b.values for b in blocks]), torch.cat([b.scales for b in blocks]),
+                   None if first.offsets is None else torch.cat([b.offsets for b in blocks]),
+                   first.bits, first.format)
+
     @classmethod
     def empty(cls, like: QuantizedTensor, shape: tuple[int, int]) -> QuantizedTensor:
         """Zeros of ``like``'s layout in ``shape`` (a layer's shard of it)."""

@@ -102,6 +102,13 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
             hook()
     if tp_group.rank == 0:
         logger.info("weights: %s", describe_weight_bytes(weight_bytes_by_dtype(model)))
+        mixed = sorted({module.weight_format for module in model.modules()
+                        if getattr(module, "weight_parts", None) is not None})
+        if mixed:  # a GGUF file's fused projections in several formats (linear.RowBlocks)
+            layers = sum(getattr(module, "weight_parts", None) is not None
+                         for module in model.modules())
+            logger.info("%d fused linear layers hold their projections in their own "
+                        "formats (%s)", layers, ", ".join(mixed))
     return model.eval()
 
 
