@@ -899,8 +899,9 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
     full-precision bytes are the embedding, the head and the norms). float32 (the
     PyTorch path): the greedy tokens and prompt log-probabilities of the same file
     dequantized to float32 (the weights are the file's exactly; only the order of the
-    float32 sums differs, per part against whole). bfloat16: the native stack runs the
-    kept parts, with the modules' tokens."""
+    float32 sums differs, per part against whole), also after sleep(2) and wake_up, and
+    with tensor parallel over 2 ranks. bfloat16: the native stack runs the kept parts,
+    with the modules' tokens."""
     path = write_mixed_gguf(tmp_path)
     config = load_hf_config(path)
     caplog.set_level(logging.INFO)
@@ -923,13 +924,21 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
     runs = {}
 
-    def run(name, **kwargs):
+    def run(name, sleep=False, **kwargs):
         caplog.clear()
         llm = LLM(path, max_model_len=128, skip_tokenizer_init=True, enable_warm_up=False,
                   **kwargs)
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                    use_tqdm=False)
+            if sleep:  # the parts' bytes freed whole, then reloaded from the file
+                llm.sleep(level=2)
+                assert llm.collective_rpc("memory_usage")[0]["weight_bytes"] == 0
+                llm.wake_up()
+                again = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                     use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in again] == \
+                    [o.outputs[0].token_ids for o in outputs]
         finally:
             llm.shutdown()
         said = [r.getMessage() for r in caplog.records]
@@ -939,9 +948,11 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
                       [[lp[t].logprob for t, lp in zip(p[1:], o.prompt_logprobs[1:])]
                        for p, o in zip(prompts, outputs)], said)
 
-    run("kept", dtype="float32")
+    run("kept", dtype="float32", sleep=True)
     run("dequantized", dtype="float32", quantization="none")
     assert runs["kept"][0] == runs["dequantized"][0]
+    run("tp2", dtype="float32", tensor_parallel_size=2)  # each rank its columns of each part
+    assert runs["tp2"][0] == runs["kept"][0]
     assert len(set(map(tuple, runs["kept"][0]))) > 1  # not one token for every prompt
     for ours, want in zip(runs["kept"][1], runs["dequantized"][1]):
         np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
