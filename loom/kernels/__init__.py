@@ -144,10 +144,6 @@ def _load() -> ModuleType | None:
     if not settings().native_kernels:
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        _put_ninja_on_path()
-
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         first_use = not (build_dir / "loom_cpu_ops.so").exists()
@@ -168,6 +164,11 @@ def _load() -> ModuleType | None:
                                    "it again", built, exc)
                     built.unlink()
             if module is None:
+                # torch's build tools import setuptools (a few tenths of a second): only
+                # a build pays for them, not every process that loads the cached module
+                from torch.utils.cpp_extension import load
+
+                _put_ninja_on_path()
                 module = load(name="loom_cpu_ops", sources=[str(path) for path in _sources()],
                               build_directory=str(build_dir), extra_include_paths=[str(_CSRC)],
                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
