@@ -191,13 +191,17 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights computed in float32 (``d * (q - z)`` or ``d * q + m``, each
         operation rounded once, as ``gguf.quants`` does) and rounded once to ``dtype``."""
-        group = self.group_size
-        d = self.scales.float().repeat_interleave(group, dim=1)
+        n, k = self.values.shape
+        groups = self.scales.shape[1]
+        # (N, groups, group) values against (N, groups, 1) scales: the same elementwise
+        # operations as on (N, K) copies of the scales, without materializing them
+        q = self.values.float().view(n, groups, k // groups)
+        d = self.scales.float().unsqueeze(2)
         if self.offsets is None:
-            w = (self.values.float() - self.zero_point) * d
+            w = (q - self.zero_point) * d
         else:
-            w = self.values.float() * d + self.offsets.float().repeat_interleave(group, dim=1)
-        return w.to(dtype)
+            w = q * d + self.offsets.float().unsqueeze(2)
+        return w.view(n, k).to(dtype)
 
     @property
     def nbytes(self) -> int:
