@@ -292,11 +292,18 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     """Run a command; a bad argument or input is one line on stderr and status 2, Ctrl-C
-    one line and status 130, never a traceback."""
+    one line and status 130, never a traceback. ``own_process``: this process is the
+    ``loom`` command's own (``run``), not a caller's."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if own_process and args.command == "serve":
+        # The API server process never imports torch (loom/torch_free.py); its engine
+        # core and workers are processes of their own.
+        from loom.torch_free import forbid_torch
+
+        forbid_torch()
     # SIGTERM unwinds like Ctrl-C's exit (finalizers stop workers, segments unlinked);
     # `loom serve` drains on it instead, inside its event loop.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -420,7 +427,7 @@ def run() -> None:
     in, after what a normal exit does first: no other thread is left to join, and
     atexit's handlers run (weakref finalizers stop workers and unlink segments; logging
     flushes)."""
-    code = main()
+    code = main(own_process=True)
     others = [thread for thread in threading.enumerate()
               if thread is not threading.main_thread() and not thread.daemon]
     if others:

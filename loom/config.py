@@ -569,7 +569,7 @@ class EngineConfig:
         from loom.config_checks import (check_architecture_before_loading, check_kv_budget,
                                         check_quantization, check_ray_installed,
                                         check_tensor_parallel, check_tokenizer_files)
-        from loom.model.loader import load_hf_config
+        from loom.model.loader.hf_config import load_hf_config
         from loom.model.loader.hf_config_values import hf_config_values
         from loom.model.models.registry import get_model_architecture
 
@@ -667,18 +667,21 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> str:
+    """``auto``: cuda where torch sees a CUDA device, else cpu. Imports no torch for a
+    CPU build of torch; the API server process asks a child process (loom/torch_free.py)."""
+    from loom.torch_free import cuda_available, torch_build
+
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cpu":
         return device
-    import torch
-
-    if torch.cuda.is_available():
+    build = torch_build()
+    if build.has_gpu_support and cuda_available():
         return "cuda"
     if device == "cuda":
-        reason = ("this torch is built without CUDA" if torch.version.cuda is None
+        reason = ("this torch is built without CUDA" if not build.has_gpu_support
                   else "no CUDA device is visible")
-        raise ValueError(f"--device cuda, but {reason} (torch {torch.__version__}); use "
+        raise ValueError(f"--device cuda, but {reason} (torch {build.version}); use "
                          "--device cpu or --device auto")
     return "cpu"
 
@@ -755,7 +758,7 @@ def load_sampling_defaults(model: str, generation_config: str = "auto",
 
 def _check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
     """Check the draft checkpoint against the target; returns its config's plain values."""
-    from loom.model.loader import load_hf_config
+    from loom.model.loader.hf_config import load_hf_config
     from loom.model.loader.hf_config_values import hf_config_values
 
     if not os.path.exists(path):

@@ -121,12 +121,10 @@ def check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_s
     from free memory is checked by the executor once it is known."""
     if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
         return
-    import torch
+    from loom.model.loader.hf_config import kv_cache_bytes_per_block
 
-    from loom.model.loader import kv_cache_bytes_per_block
-
-    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size,
-                                               getattr(torch, dtype), tensor_parallel_size)
+    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size, dtype,
+                                               tensor_parallel_size)
     needed = -(-max_model_len // cache.block_size)
     if cache.num_gpu_blocks_override is not None:
         num_blocks, flag = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"

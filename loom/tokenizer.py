@@ -17,12 +17,12 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
-
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any
 
 from loom.envs import settings
+
+if TYPE_CHECKING:  # imported where a tokenizer loads: `loom serve` binds its port first
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,8 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None,
     if _is_gguf(source):
         hf, eos_token_ids = _load_gguf_tokenizer(source)
     else:
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(source)
         eos_token_ids = _eos_ids_from_generation_config([model_path, source])
         if hf.eos_token_id is not None and hf.eos_token_id not in eos_token_ids:
@@ -204,6 +206,10 @@ def _read_chat_template(chat_template: str) -> str:
 
 
 def _load_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[int]]:
+    from transformers import AutoTokenizer
+
+    from loom.torch_free import torch_forbidden
+
     cache_dir = _gguf_cache_dir(gguf_path)
     meta_path = os.path.join(cache_dir, _CACHE_META_FILE)
     if os.path.isfile(meta_path):
@@ -214,6 +220,17 @@ def _load_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[
     from loom.progress import progress
 
     progress(f"converting the tokenizer of {os.path.basename(gguf_path)} (first use) ...")
+    if torch_forbidden():
+        hf, eos_token_ids = _convert_in_child(gguf_path)
+    else:
+        hf, eos_token_ids = _convert_gguf_tokenizer(gguf_path)
+    _save_to_cache(hf, eos_token_ids, cache_dir)
+    return hf, eos_token_ids
+
+
+def _convert_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[int]]:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     metadata = _read_gguf_metadata(gguf_path, (*_GGUF_EOS_KEYS, _GGUF_CHAT_TEMPLATE_KEY,
                                                "general.architecture"))
     tokenizer_cls = (PreTrainedTokenizerFast if metadata.get("general.architecture")
@@ -223,8 +240,31 @@ def _load_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[
     eos_token_ids = list(dict.fromkeys(int(metadata[key]) for key in _GGUF_EOS_KEYS if key in metadata))
     if not hf.chat_template and _GGUF_CHAT_TEMPLATE_KEY in metadata:
         hf.chat_template = metadata[_GGUF_CHAT_TEMPLATE_KEY]
-    _save_to_cache(hf, eos_token_ids, cache_dir)
     return hf, eos_token_ids
+
+
+def save_gguf_tokenizer(gguf_path: str, directory: str) -> list[int]:
+    """Convert the tokenizer of ``gguf_path`` and save it into ``directory``; returns its
+    eos ids. The child process's part of :func:`_convert_in_child`."""
+    hf, eos_token_ids = _convert_gguf_tokenizer(gguf_path)
+    hf.save_pretrained(directory)
+    return eos_token_ids
+
+
+def _convert_in_child(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[int]]:
+    """transformers reads a GGUF file with torch, which a process that forbade it (the
+    API server, an engine core; loom/torch_free.py) cannot import: a child converts and
+    saves the tokenizer, this process loads that copy (as it would the cached one)."""
+    from transformers import AutoTokenizer
+
+    from loom.torch_free import call_with_torch
+
+    staging = tempfile.mkdtemp(prefix="loom-tokenizer-")
+    try:
+        eos_token_ids = call_with_torch("loom.tokenizer:save_gguf_tokenizer", gguf_path, staging)
+        return AutoTokenizer.from_pretrained(staging), eos_token_ids
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _read_gguf_metadata(gguf_path: str, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -237,6 +277,8 @@ def _read_gguf_metadata(gguf_path: str, keys: tuple[str, ...]) -> dict[str, Any]
 
 
 def _gguf_cache_dir(gguf_path: str) -> str:
+    import transformers
+
     stat = os.stat(gguf_path)
     key_text = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]

@@ -45,6 +45,7 @@ from loom.executor.base import EngineDeadError
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.request import Request, RequestStatus
+from loom.torch_free import forbid_torch
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,11 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     The config arrives as msgpack (it is a tree of frozen dataclasses), not pickled.
     """
     config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
+    parallel = config.parallel
+    if parallel.use_worker_processes and parallel.distributed_executor_backend != "ray":
+        # The ranks hold torch. This process schedules, and tokenizes only to compile
+        # grammars: with transformers in its mode without torch (loom/torch_free.py).
+        forbid_torch()
     # The API server owns shutdown (it drains on SIGTERM, then sends EngineCoreShutdown), so a
     # signal sent to the whole process group must not kill the core under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

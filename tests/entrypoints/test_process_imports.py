@@ -1,12 +1,16 @@
-"""What the processes `loom serve` spawns import: the engine core and the ranks build and
+"""What the processes of `loom serve` import: the engine core and the ranks build and
 run the model from ModelConfig.hf_config's plain values, never importing transformers
-(seconds of CPU in each process; docs/architecture.md, "Worker life cycle")."""
+(seconds of CPU in each process; docs/architecture.md, "Worker life cycle"); the API
+server process never imports torch (loom/torch_free.py): only the ranks hold it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import psutil
 
 # Loaded at start-up by every Python process given this directory on PYTHONPATH; in those
 # multiprocessing spawned (the engine core, the worker ranks), `import transformers` fails
@@ -43,3 +47,61 @@ def test_engine_core_and_ranks_serve_without_importing_transformers(start_server
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
     assert "spawned loom process" not in server.output()
+
+
+# In `loom serve`'s own process (not a spawned one): at exit, the names of the imported
+# modules of torch and transformers, written to the file LOOM_TEST_MODULES_FILE names.
+_RECORDER = '''
+import atexit, json, os, sys
+
+if "--multiprocessing-fork" not in sys.argv and "serve" in sys.argv:
+    def _record():
+        with open(os.environ["LOOM_TEST_MODULES_FILE"], "w") as f:
+            json.dump(sorted(name for name, module in list(sys.modules.items())
+                             if module is not None
+                             and name.split(".")[0] in ("torch", "transformers")), f)
+
+    atexit.register(_record)
+'''
+
+
+def maps_torch(process: psutil.Process) -> bool:
+    """Whether torch's shared libraries are mapped into the process (libtorch_cpu.so,
+    libc10.so, ...): any ``import torch`` maps them, and they stay."""
+    with open(f"/proc/{process.pid}/maps") as f:
+        return any("libtorch" in line or "libc10" in line for line in f)
+
+
+def test_api_server_process_never_imports_torch(start_server, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_RECORDER)
+    modules_file = tmp_path / "modules.json"
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    server = start_server(env={"PYTHONPATH": python_path,
+                               "LOOM_TEST_MODULES_FILE": str(modules_file)})
+    messages = [{"role": "user", "content": "hello"}]
+    with server.http() as http:
+        # the chat template, a JSON schema (validated here, compiled by the engine core),
+        # a grammar the API process refuses, a completion, /tokenize
+        chat = http.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object"}}}})
+        assert chat.status_code == 200, chat.text
+        bad = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                                 "guided_regex": "(unclosed"})
+        assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"], bad.text
+        completion = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8,
+                                                        "temperature": 0, "ignore_eos": True})
+        assert completion.json()["usage"]["completion_tokens"] == 8, completion.text
+        tokenized = http.post("/tokenize", json={"messages": messages})
+        assert tokenized.status_code == 200 and tokenized.json()["count"] > 0, tokenized.text
+    [worker] = server.worker_processes()
+    assert maps_torch(worker), "the check sees torch where it is: in the rank"
+    assert not maps_torch(psutil.Process(server.proc.pid)), "the API server process has torch"
+    assert not maps_torch(server.engine_core_process()), "the engine core has torch"
+    assert server.terminate() == 0, server.output()
+    modules = json.loads(modules_file.read_text())
+    assert "transformers.tokenization_utils_base" in modules, "the API process tokenized"
+    assert [name for name in modules if name.split(".")[0] == "torch"] == []
+    assert "transformers.modeling_utils" not in modules
+    assert "PyTorch was not found" not in server.output()

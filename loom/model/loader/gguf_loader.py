@@ -14,10 +14,7 @@ when loom keeps the format (FusedMoE then holds its experts quantized).
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
-import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -26,9 +23,8 @@ import numpy as np
 import torch
 
 from loom.model.layers.quantization import GGUF_KEPT, QuantizedTensor, gguf_quantized
-from loom.model.loader.gguf_configs import config_from_metadata
 from loom.model.loader.gguf_dequant import dequantize
-from loom.model.loader.gguf_file import GGUFFile
+from loom.model.loader.hf_config import close_gguf_files, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -123,99 +119,6 @@ def _type_name(ggml_type: int) -> str:
         return f"ggml type {ggml_type}"
 
 
-def load_gguf_config(path: str) -> Any:
-    """The ``transformers`` config of a GGUF model, memoized per file version.
-
-    Llama-architecture files are read from their metadata alone (milliseconds), and so
-    are qwen3moe, ernie4_5 and ernie4_5-moe ones (gguf_configs.py); any other
-    architecture, or a llama file with keys loom does not map (rope scaling, experts),
-    goes through ``transformers``, which also parses the tokenizer (seconds).
-    """
-    stat = os.stat(path)
-    return copy.deepcopy(_load_gguf_config(os.path.abspath(path), stat.st_size,
-                                           stat.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=8)
-def _load_gguf_config(path: str, size: int, mtime_ns: int) -> Any:
-    gguf_file = open_gguf(path)
-    config = llama_config_from_metadata(gguf_file) or config_from_metadata(gguf_file)
-    if config is None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(os.path.dirname(path),
-                                            gguf_file=os.path.basename(path))
-    if not getattr(config, "architectures", None):
-        from loom.model.models.registry import get_model_architecture
-
-        config.architectures = [get_model_architecture(config)]
-    return config
-
-
-def open_gguf(path: str) -> GGUFFile:
-    """A parsed GGUF header, shared by the config and the weight loader of one file."""
-    stat = os.stat(path)
-    return _open_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(path)
-
-
-# llama.cpp metadata key (after "llama.") -> LlamaConfig field, as transformers maps them
-_LLAMA_KEYS = {
-    "context_length": "max_position_embeddings",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "embedding_length": "hidden_size",
-    "rope.dimension_count": "head_dim",
-    "rope.freq_base": "rope_theta",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "vocab_size": "vocab_size",
-}
-_TOKENIZER_KEYS = {
-    "tokenizer.ggml.bos_token_id": "bos_token_id",
-    "tokenizer.ggml.eos_token_id": "eos_token_id",
-    "tokenizer.ggml.unknown_token_id": "unk_token_id",
-    "tokenizer.ggml.padding_token_id": "pad_token_id",
-}
-
-
-def llama_config_from_metadata(gguf_file: GGUFFile) -> Any | None:
-    """A ``LlamaConfig`` equal to the one transformers builds for this file, or None
-    when the file is not plain llama (other architecture, Mistral by name, or a
-    ``llama.*`` key outside :data:`_LLAMA_KEYS` such as rope scaling or experts)."""
-    metadata = gguf_file.metadata
-    if metadata.get("general.architecture") != "llama" or \
-            "mistral" in str(metadata.get("general.name", "")).lower():
-        return None
-    arch_keys = {key[len("llama."):] for key in metadata if key.startswith("llama.")}
-    if not arch_keys <= set(_LLAMA_KEYS):
-        return None
-    from transformers import LlamaConfig
-
-    fields = {field: metadata[f"llama.{key}"] for key, field in _LLAMA_KEYS.items()
-              if f"llama.{key}" in metadata}
-    fields.update({field: metadata[key] for key, field in _TOKENIZER_KEYS.items()
-                   if key in metadata})
-    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in metadata:
-        fields["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
-    fields["tie_word_embeddings"] = "output.weight" not in gguf_file.tensors
-    for int_field in ("max_position_embeddings", "num_hidden_layers", "intermediate_size",
-                      "hidden_size", "head_dim", "num_attention_heads",
-                      "num_key_value_heads", "vocab_size"):
-        if int_field in fields:
-            fields[int_field] = int(fields[int_field])
-    if "general.name" in metadata:
-        fields["_model_name_or_path"] = metadata["general.name"]
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], **fields)
-    config._name_or_path = os.path.dirname(gguf_file.path)
-    return config
-
-
 # Decoder linear weights (and token_embd, output): the tensors a GGUF file may keep
 # quantized (their loaders take a QuantizedTensor; everything else is dequantized).
 _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
@@ -297,4 +200,4 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
                     ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items())))
     # Every tensor is in the model now: unmap the file, whose pages read so far would
     # otherwise stay in the resident set (the file's size) as long as the process.
-    _open_gguf.cache_clear()
+    close_gguf_files()

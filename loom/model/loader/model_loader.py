@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,8 @@ from loom.distributed.parallel_state import SINGLE, TPGroup, expert_parallel_gro
 from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.quantization import linear_weight_quantization
-from loom.model.loader.gguf_loader import gguf_weights_iterator, load_gguf_config
+from loom.model.loader.gguf_loader import gguf_weights_iterator
+from loom.model.loader.hf_config import is_gguf, load_hf_config
 from loom.model.loader.hf_config_values import HFConfigView
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
@@ -24,22 +24,6 @@ if TYPE_CHECKING:
     from loom.config import ModelConfig, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-
-def is_gguf(model_path: str) -> bool:
-    return os.path.isfile(model_path) and model_path.endswith(".gguf")
-
-
-def load_hf_config(model_path: str) -> Any:
-    """A ``transformers`` config from an HF checkpoint dir or a ``.gguf`` file."""
-    if is_gguf(model_path):
-        return load_gguf_config(model_path)
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"model path {model_path!r} is neither a checkpoint "
-                                "directory nor a .gguf file")
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path)
 
 
 def model_hf_config(model_config: ModelConfig | SpeculativeConfig) -> Any:
@@ -140,14 +124,3 @@ def describe_weight_bytes(totals: dict[str, int]) -> str:
     if "packed" in totals:
         text += f" (+ {totals['packed'] / 2**20:.1f} MiB packed copies for the CPU matmul)"
     return text
-
-
-def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype,
-                             tp_size: int) -> int:
-    """Bytes of K and V for one block of ``block_size`` tokens over all layers, per rank."""
-    head_dim = getattr(hf_config, "head_dim", None) or \
-        hf_config.hidden_size // hf_config.num_attention_heads
-    kv_heads_per_rank = max(1, hf_config.num_key_value_heads // tp_size)
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return (hf_config.num_hidden_layers * 2 * block_size * kv_heads_per_rank * head_dim
-            * element_size)

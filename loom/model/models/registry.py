@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # the API server process looks architectures up without torch
+    from torch import nn
 
 # architecture -> (module under loom.model.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
