@@ -13,7 +13,8 @@ after ``--``) from each tree in turn, ``PYTHONPATH`` at the tree, and measures:
 - per process (API server, engine core, worker, resource tracker; psutil): RSS 3 s
   after ready (the KV cache populated) and the kernel's peak (``VmHWM``) once 16
   concurrent completions of 64 tokens have run, with the tree's summed RSS sampled
-  every 50 ms during them (``tree peak``);
+  every 50 ms during them (``tree peak``); then the API server's and the engine core's
+  RSS after one JSON-schema request (the engine core loads the tokenizer for grammars);
 - ``loom serve`` refusing a bad flag that needs the checkpoint's config
   (``--tensor-parallel-size 2``: the default model's 9 heads do not split): wall
   seconds to exit 2.
@@ -77,9 +78,9 @@ def _get(url: str, timeout: float = 1.0) -> int:
         return response.status
 
 
-def _complete(port: int, model: str) -> None:
+def _complete(port: int, model: str, extra: dict | None = None) -> None:
     body = json.dumps({"model": model, "prompt": "Tell me about the sea.", "max_tokens": 64,
-                       "ignore_eos": True}).encode()
+                       "ignore_eos": True, **(extra or {})}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
     urllib.request.urlopen(request, timeout=600).read()
@@ -133,6 +134,11 @@ def serve_once(tree: Path, port: int, extra: list[str], memory: bool) -> dict[st
         for role, process in processes.items():
             figures[f"peak (VmHWM) {role}, MiB"] = peak_rss(process) / 2**20
         figures["tree peak under 16 requests, MiB"] = tree_peak[0] / 2**20
+        _complete(port, model, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": {"type": "object"}}}})
+        for role in ("API server", "engine core"):
+            figures[f"RSS {role} after a JSON-schema request, MiB"] = \
+                processes[role].memory_info().rss / 2**20
         return figures
     finally:
         server.send_signal(signal.SIGTERM)
