@@ -25,6 +25,7 @@ import torch
 from loom.config import EngineConfig
 from loom.distributed.parallel_state import SINGLE
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+from loom.model.layers.sampler import greedy_argmax
 from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
 
 
@@ -88,7 +89,7 @@ class DraftModelProposer:
             with set_forward_context(metadata):
                 hidden_states = self.model(input_ids, step_positions)
             logits = self.model.compute_logits(hidden_states)[:, :vocab_size]
-            for i, token_id in zip(active, logits.argmax(dim=-1).tolist()):
+            for i, token_id in zip(active, greedy_argmax(logits).tolist()):
                 drafts[i].append(token_id)
                 tokens[i] = token_id
                 pos[i] += 1

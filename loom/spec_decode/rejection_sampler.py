@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs, inverse_cdf
+from loom.model.layers.sampler import (Sampler, SamplingMetadata, gather_logprobs, greedy_argmax,
+                                      inverse_cdf)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class RejectionSampler:
         draft_rows = torch.arange(num_reqs, num_reqs + num_drafts, device=device)
         drafts = torch.tensor(flat_drafts, dtype=torch.int64, device=device)
 
-        target_argmax = processed.argmax(dim=-1)  # (B + D,)
+        target_argmax = greedy_argmax(processed)  # (B + D,)
         if metadata.all_greedy:
             accepted = target_argmax[draft_rows] == drafts
             emitted_if_stop = target_argmax

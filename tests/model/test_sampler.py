@@ -8,6 +8,7 @@ from loom.model.layers.sampler import (
     Sampler,
     SamplingMetadata,
     apply_penalties,
+    greedy_argmax,
 )
 from loom.sampling_params import SamplingParams
 
@@ -68,6 +69,29 @@ def test_greedy_is_argmax_and_does_not_touch_logits():
     assert out.logprobs is None and out.logprob_token_ids is None
     assert out.sampled_token_ranks is None
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("width", [1000, 1024, 49152, 50000])
+def test_greedy_argmax_equals_torch_argmax(width):
+    """The two-level argmax gives torch.argmax's index: the first largest on ties (within
+    a chunk, across chunks, across rows), -inf rows and masked vocabularies, the first
+    NaN, widths that are and are not whole chunks, a column slice of wider logits."""
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(12, width, generator=gen)
+    logits[1, [7, 300, width - 1]] = 50.0  # ties in different chunks
+    logits[2, [256, 257]] = 50.0  # a tie inside one chunk
+    logits[3] = float("-inf")  # nothing left: index 0
+    logits[4, :] = float("-inf")
+    logits[4, width - 1] = -1e30  # the only finite value is the last
+    logits[5, [5, width // 2]] = float("nan")
+    logits[6, width // 2] = float("nan")
+    logits[6, 3] = 100.0
+    logits[7] = 1.0  # all equal
+    logits[8, :width - 1] = float("-inf")  # only the padded tail chunk holds a value
+    logits[9] = logits[9].round()  # many ties
+    wide = torch.cat([logits, torch.randn(12, 77, generator=gen)], dim=1)[:, :width]
+    for case in (logits, wide, logits[:1], logits[10:]):
+        assert torch.equal(greedy_argmax(case), case.argmax(dim=-1))
 
 
 def test_temperature_zero_tiny_and_top_k_one_equal_greedy_in_mixed_batch():

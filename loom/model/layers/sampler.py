@@ -214,11 +214,11 @@ class Sampler(nn.Module):
         logits = self.process_logits(logits, metadata)
 
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits)
         else:
             sampled = self._sample_random(logits, metadata)  # leaves `logits` as it was
             if not metadata.all_random:
-                sampled = torch.where(metadata.is_greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(metadata.is_greedy, greedy_argmax(logits), sampled)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -400,6 +400,33 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
             groups.append((rows[done], values[done], ids[done]))
         pending = rows[~settled]
     return groups
+
+
+_ARGMAX_CHUNK = 256
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of (R, N) logits: the same index in every case (a row's
+    first largest value; its first NaN if it has one), found faster on the CPU.
+
+    ATen's CPU argmax walks a row one element at a time: ~200 us for a 49k vocabulary
+    on one core, about 35x its vectorised ``amax``, and a batch-1 decode step pays it
+    for every token. So in two levels: the largest of each chunk of 256 (``amax``,
+    vectorised, NaN propagating), the first chunk holding the row's largest (argmax over
+    N / 256 values), and the first largest inside that chunk. A row padded to whole
+    chunks gets -inf, which never comes before a real value."""
+    num_rows, width = logits.shape
+    if logits.device.type != "cpu" or width <= 4 * _ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    pad = -width % _ARGMAX_CHUNK
+    if pad:
+        logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    elif logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    chunks = logits.view(num_rows, -1, _ARGMAX_CHUNK)  # (R, C, 256)
+    chunk = chunks.amax(dim=-1).argmax(dim=-1)  # (R,)
+    inside = chunks.gather(1, chunk.view(num_rows, 1, 1).expand(num_rows, 1, _ARGMAX_CHUNK))
+    return chunk * _ARGMAX_CHUNK + inside.squeeze(1).argmax(dim=-1)
 
 
 def row_uniforms(num_rows: int, generators: dict[int, torch.Generator],
