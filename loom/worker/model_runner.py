@@ -75,6 +75,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.requests: dict[str, CachedRequestState] = {}
+        # The last step's sampling rows and their metadata, while reusable (_sampling_metadata)
+        self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
         self.kv_caches: list[torch.Tensor] = []
         # Where the KV cache's one allocation comes from: (shape, dtype) -> tensor;
         # None: torch.empty on the device (a KV connector may put it in shared memory).
@@ -379,12 +381,7 @@ class ModelRunner:
                 # across a preemption that rebuilds this state.
                 seed = hash((state.sampling_params.seed, len(state.token_ids))) & (2**63 - 1)
                 generators[row] = state.generator.manual_seed(seed)
-        metadata = SamplingMetadata.build(
-            [s.sampling_params for s in states],
-            [s.token_ids[:s.num_prompt_tokens] for s in states],
-            [s.output_token_ids for s in states],
-            [s.stop_ids_for_min_tokens for s in states],
-            generators, self.vocab_size, self.device)
+        metadata = self._sampling_metadata(states, generators)
         result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         if result.logprobs is not None:
@@ -398,6 +395,27 @@ class ModelRunner:
                 logprobs[i] = SampleLogprobs(token_ids=[lp_ids[row][:k + 1]],
                                              logprobs=[lp_values[row][:k + 1]],
                                              ranks=[ranks[row]])
+
+    def _sampling_metadata(self, states: list[CachedRequestState],
+                           generators: dict[int, torch.Generator]) -> SamplingMetadata:
+        """The step's SamplingMetadata for rows ``states``; the last step's when the same
+        requests (the same state objects: a preempted request comes back as a new one)
+        sample in the same order and nothing in it reads the output so far (no
+        penalties, no min_tokens still masking: output only grows). Building it is ~10
+        small tensors a step; its generators are the requests' own, re-seeded in place."""
+        last = self._last_sampling
+        if last is not None and len(last[0]) == len(states) and all(
+                a is b for a, b in zip(last[0], states)):
+            return last[1]
+        metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.token_ids[:s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states],
+            [s.stop_ids_for_min_tokens for s in states],
+            generators, self.vocab_size, self.device)
+        reusable = metadata.no_penalties and metadata.min_tokens_rows is None
+        self._last_sampling = (states, metadata) if reusable else None
+        return metadata
 
     def _verify(self, req_ids: list[str], sample_rows: list[int],
                 spec_tokens: dict[str, list[int]], logits: torch.Tensor,
