@@ -253,7 +253,8 @@ class ModelRunner:
         if sample_rows:
             # Every rank computes logits (the LM head gathers across ranks); rank 0 samples.
             # Rows: each sampling request's last position, then the draft positions.
-            logits = self.model.compute_logits(hidden_states[logits_indices])
+            logits = self.model.compute_logits(
+                hidden_states if logits_indices is None else hidden_states[logits_indices])
             if self.tp_group.rank == 0:
                 if scheduler_output.grammar_bitmask is not None:
                     self._apply_grammar_bitmask(scheduler_output, req_ids, sample_rows, logits)
@@ -313,9 +314,12 @@ class ModelRunner:
 
         # positions: each request's computed length, then counting up.
         # query_lens [2, 3] starts [5, 0] -> [5, 6, 0, 1, 2]
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        positions = (np.arange(num_tokens) - query_start_loc[req_of_token]
-                     + context_starts[req_of_token])
+        if num_tokens == num_reqs:  # one token each (a decode step): its computed length
+            req_of_token, positions = np.arange(num_reqs), context_starts
+        else:
+            req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+            positions = (np.arange(num_tokens) - query_start_loc[req_of_token]
+                         + context_starts[req_of_token])
 
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), np.int64)
@@ -341,11 +345,14 @@ class ModelRunner:
         slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset
         # Last positions first (one per sampling request), then each one's draft rows:
         # drafts [2, 0, 1], queries ending before [10, 13, 21] -> [9, 12, 20, 7, 8, 19]
+        # None when that is every token in order (each request one token, all sampling).
         logits_indices = query_start_loc[1:][sample_rows] - 1
         if any(num_drafts):
             logits_indices = np.concatenate([logits_indices] + [
                 np.arange(query_start_loc[i + 1] - 1 - num_drafts[i], query_start_loc[i + 1] - 1)
                 for i in sample_rows if num_drafts[i]])
+        elif len(sample_rows) == num_tokens:
+            logits_indices = None
 
         device = self.device
         metadata = AttentionMetadata.from_numpy(slot_mapping, query_start_loc, seq_lens,
@@ -359,7 +366,8 @@ class ModelRunner:
                 group_table[req_of_token, token_block] * self.block_size + token_offset,
                 group_table, device))
         return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
-                metadata, sample_rows, torch.from_numpy(logits_indices).to(device))
+                metadata, sample_rows,
+                None if logits_indices is None else torch.from_numpy(logits_indices).to(device))
 
     @staticmethod
     def _apply_grammar_bitmask(scheduler_output: SchedulerOutput, req_ids: list[str],
