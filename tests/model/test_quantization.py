@@ -196,7 +196,7 @@ def test_kernel_equals_dequantize_then_matmul(fmt, shape):
     dense = weight.dequantize()
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(n, generator=gen)
-    for rows in (1, 2, 7, 33, 256):
+    for rows in (1, 2, 7, 8, 17, 32, 33, 256):  # 8 and more: the AMX tiles, where granted
         x = torch.randn(rows, k, generator=gen).bfloat16()
         for out_dtype, b in ((torch.float32, bias), (torch.bfloat16, None)):
             out = torch.empty(rows, n, dtype=out_dtype)
@@ -216,6 +216,46 @@ def test_kernel_equals_dequantize_then_matmul(fmt, shape):
     assert bool(((out - reference_linear(wide[:, :k].float(), weight)).abs()
                  <= kernel_error_bound(wide[:, :k], weight)).all())
     assert torch.equal(dense, weight.dequantize())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_rows_match_the_reference_and_one_row(fmt):
+    """8 rows or more take another path (the AMX tiles where granted, else the unpacked
+    panel): its sums in another order, the same rounding steps. A symmetric format's
+    output is d times exact integer-times-x sums, rounded once (quant_gemm.cpp): with one
+    nonzero input per row, a power of two, every output is dequantize()'s weight times
+    it, bit for bit. Random rows: within kernel_error_bound of the reference, and of the
+    one-row kernel (each row alone) within the two bounds together. Odd N (a partial
+    panel of 16), rows 8..256."""
+    ops = kernel_ops()
+    n, k = 37, {"wint4-g64": 576, "wint4-g128": 768, "Q4_K": 768, "Q5_K": 768,
+                "Q6_K": 768}.get(fmt, 352)
+    weight = make_format(fmt, n, k, seed=11)
+    packed = ops.pack_quantized_weight(weight.values, weight.scales, weight.offsets,
+                                       weight.bits)
+    dense = weight.dequantize()
+    gen = torch.Generator().manual_seed(3)
+    if weight.offsets is None:  # (asymmetric: d S + m X, two roundings, not one)
+        for rows in (8, 9, 16, 17, 31, 32, 33, 100, 256):
+            columns = torch.randint(0, k, (rows,), generator=gen)
+            values = torch.tensor([-2.0, -1.0, -0.5, 0.25, 0.5, 1.0, 4.0])[
+                torch.randint(0, 7, (rows,), generator=gen)]
+            x = torch.zeros(rows, k)
+            x[torch.arange(rows), columns] = values
+            out = torch.empty(rows, n)
+            ops.quantized_linear(out, x.bfloat16(), packed, None)
+            expected = dense[:, columns].t() * values[:, None]
+            assert torch.equal(out, expected), (rows, int((out != expected).sum()))
+    for rows in (8, 24, 256):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        out = torch.empty(rows, n)
+        ops.quantized_linear(out, x, packed, None)
+        one = torch.empty(rows, n)
+        for r in range(rows):
+            ops.quantized_linear(one[r:r + 1], x[r:r + 1], packed, None)
+        bound = kernel_error_bound(x, weight)
+        assert bool(((out - reference_linear(x.float(), weight)).abs() <= bound).all())
+        assert bool(((out - one).abs() <= 2 * bound).all())
 
 
 def test_kernel_refuses_what_it_does_not_take():
