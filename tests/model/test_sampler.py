@@ -3,12 +3,14 @@ import math
 import pytest
 import torch
 
+from loom.kernels import native_ops
 from loom.model.layers.sampler import (
     LOGPROB_FLOOR,
     Sampler,
     SamplingMetadata,
     apply_penalties,
     greedy_argmax,
+    two_level_argmax,
 )
 from loom.sampling_params import SamplingParams
 
@@ -90,8 +92,19 @@ def test_greedy_argmax_equals_torch_argmax(width):
     logits[8, :width - 1] = float("-inf")  # only the padded tail chunk holds a value
     logits[9] = logits[9].round()  # many ties
     wide = torch.cat([logits, torch.randn(12, 77, generator=gen)], dim=1)[:, :width]
-    for case in (logits, wide, logits[:1], logits[10:]):
-        assert torch.equal(greedy_argmax(case), case.argmax(dim=-1))
+    ops = native_ops()
+    paths = [greedy_argmax, two_level_argmax]
+    if ops is not None:  # the kernel on each path this build has
+        for isa in ops.isas():
+            paths.append(lambda x, isa=isa: (ops.set_isa(isa), ops.argmax_rows(x))[1])
+    previous = ops.isa() if ops is not None else None
+    try:
+        for case in (logits, wide, logits[:1], logits[10:], logits[:, :40]):
+            for path in paths:
+                assert torch.equal(path(case), case.argmax(dim=-1))
+    finally:
+        if ops is not None:
+            ops.set_isa(previous)
 
 
 def test_temperature_zero_tiny_and_top_k_one_equal_greedy_in_mixed_batch():

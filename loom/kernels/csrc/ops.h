@@ -36,6 +36,9 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                               at::Tensor query_start_loc, double scale, int64_t max_query_len,
                               int64_t sliding_window);
 
+// sampling.cpp: logits (R, V) float32 -> (R,) int64, each row's torch.argmax
+at::Tensor argmax_rows(at::Tensor logits);
+
 // moe.cpp: a mixture of experts' router over bf16 hidden states
 struct MoERouting {
   int64_t top_k;

@@ -176,6 +176,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a mixture of experts' router: x (T, H) bf16 -> [weights (T, K) float32, ids (T, K)]",
         py::arg("x"), py::arg("router"), py::arg("correction_bias"), py::arg("top_k"),
         py::arg("scoring"), py::arg("renormalize"), py::arg("renormalize_min"), release());
+  m.def("argmax_rows", &loom::argmax_rows,
+        "logits (R, V) float32 -> (R,) int64, each row's first largest (torch.argmax)",
+        release());
   bind_quant_gemm(m);
   bind_decoder_stack(m);
   m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loom.kernels import native_ops_for
 from loom.model.layers.scratch import scratch
 from loom.sampling_params import SamplingParams
 
@@ -411,13 +412,22 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
     ATen's CPU argmax walks a row one element at a time: ~200 us for a 49k vocabulary
     on one core, about 35x its vectorised ``amax``, and a batch-1 decode step pays it
-    for every token. So in two levels: the largest of each chunk of 256 (``amax``,
-    vectorised, NaN propagating), the first chunk holding the row's largest (argmax over
-    N / 256 values), and the first largest inside that chunk. A row padded to whole
-    chunks gets -inf, which never comes before a real value."""
-    num_rows, width = logits.shape
-    if logits.device.type != "cpu" or width <= 4 * _ARGMAX_CHUNK:
+    for every token. loom's ``argmax_rows`` kernel reads each row once in 16 lanes;
+    without the kernels, ``two_level_argmax``."""
+    if logits.device.type != "cpu" or logits.shape[-1] <= 4 * _ARGMAX_CHUNK:
         return logits.argmax(dim=-1)
+    ops = native_ops_for(logits.device, logits.dtype)
+    if ops is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return ops.argmax_rows(logits)
+    return two_level_argmax(logits)
+
+
+def two_level_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of (R, N) logits in ATen's vectorised ops: the largest
+    of each chunk of 256 (``amax``, NaN propagating), the first chunk holding the row's
+    largest (argmax over N / 256 values), and the first largest inside that chunk. A
+    row padded to whole chunks gets -inf, which never comes before a real value."""
+    num_rows, width = logits.shape
     pad = -width % _ARGMAX_CHUNK
     if pad:
         logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
