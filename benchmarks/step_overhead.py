@@ -26,6 +26,7 @@ prints the N largest functions of that run by cumulative time.
     python benchmarks/step_overhead.py                          # default Q4_1 file, batch 1
     python benchmarks/step_overhead.py --quantization none      # dequantized to bf16
     python benchmarks/step_overhead.py --json                   # one JSON line
+    python benchmarks/step_overhead.py --threads 1 --clock cpu  # on a busy host
 
 Two trees A/B (the host is shared: interleave them in one run, compare ratios):
 
@@ -55,22 +56,25 @@ PARTS = ("step", "schedule", "execute", "update_states", "prepare_inputs", "forw
 
 
 class StepTimer:
-    """Nanoseconds spent in each wrapped method during the current step."""
+    """Nanoseconds spent in each wrapped method during the current step: wall time, or
+    with ``clock=time.thread_time_ns`` this thread's CPU time (what a loaded host's
+    other processes do not add to; with one torch thread the kernels run on it too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter_ns) -> None:
         self.current: dict[str, int] = defaultdict(int)
+        self.clock = clock
 
     def wrap(self, owner: object, method: str, part: str) -> None:
         inner = getattr(owner, method)
-        current = self.current
+        current, clock = self.current, self.clock
 
         @functools.wraps(inner)
         def timed(*args, **kwargs):
-            start = time.perf_counter_ns()
+            start = clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                current[part] += time.perf_counter_ns() - start
+                current[part] += clock() - start
 
         setattr(owner, method, timed)
 
@@ -80,11 +84,11 @@ class StepTimer:
         return taken
 
 
-def instrument(llm) -> StepTimer:
+def instrument(llm, clock) -> StepTimer:
     engine = llm.engine
     core = engine.engine_core
     runner = core.executor.worker.model_runner
-    timer = StepTimer()
+    timer = StepTimer(clock)
     timer.wrap(engine, "step", "step")
     timer.wrap(core.scheduler, "schedule", "schedule")
     timer.wrap(core.scheduler, "update_from_output", "update_from_output")
@@ -176,6 +180,9 @@ def main() -> None:
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 on a busy host")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (robust on a busy host; with "
+                             "--threads 1 the kernels run on this thread)")
     parser.add_argument("--host-only", action="store_true",
                         help="fixed tensors for the model's forward and logits")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
@@ -206,7 +213,8 @@ def main() -> None:
 
         if args.host_only:
             replace_model(llm)
-        timer = instrument(llm)
+        timer = instrument(llm, time.thread_time_ns if args.clock == "cpu"
+                           else time.perf_counter_ns)
         decode_steps(llm, timer, batch(), 8, "warm-up")
         profiler = None
         if args.cprofile:
@@ -226,7 +234,8 @@ def main() -> None:
         llm.shutdown()
     result = summarize(steps)
     record = {"tree": os.path.dirname(sys.modules["loom"].__file__), "model": model,
-              "quantization": args.quantization, "host_only": args.host_only, "batch_size": args.batch_size,
+              "quantization": args.quantization, "host_only": args.host_only,
+              "clock": args.clock, "threads": args.threads, "batch_size": args.batch_size,
               "decode_steps": len(steps),
               "decode_tokens_per_s": args.batch_size / (result["step"] / 1e3),
               "ms": {k: round(v, 4) for k, v in result.items()}}
