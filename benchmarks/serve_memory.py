@@ -9,7 +9,8 @@
 Each round runs ``loom serve`` (the default model unless ``--model``; extra loom flags
 after ``--``) from each tree in turn, ``PYTHONPATH`` at the tree, and measures:
 
-- start-up: wall seconds from the command to ``/health`` 200;
+- start-up: wall seconds from the command to ``/health`` 200, and the API server
+  process's own CPU seconds until then (less swayed by other load than wall time);
 - per process (API server, engine core, worker, resource tracker; psutil): RSS 3 s
   after ready (the KV cache populated) and the kernel's peak (``VmHWM``) once 16
   concurrent completions of 64 tokens have run, with the tree's summed RSS sampled
@@ -104,6 +105,8 @@ def serve_once(tree: Path, port: int, extra: list[str], memory: bool) -> dict[st
                 pass
             time.sleep(0.05)
         figures["start-up to /health 200, s"] = time.perf_counter() - started
+        times = psutil.Process(server.pid).cpu_times()
+        figures["API server CPU (user + system) to ready, s"] = times.user + times.system
         if not memory:
             return figures
         time.sleep(3.0)

@@ -270,7 +270,7 @@ def _convert_in_child(gguf_path: str) -> tuple[PreTrainedTokenizerBase, list[int
 def _read_gguf_metadata(gguf_path: str, keys: tuple[str, ...]) -> dict[str, Any]:
     # loom's header reader (milliseconds, and the config has parsed this file already),
     # not gguf.GGUFReader (seconds for a 50k-token vocabulary)
-    from loom.model.loader.gguf_loader import open_gguf
+    from loom.model.loader.hf_config import open_gguf
 
     metadata = open_gguf(gguf_path).metadata
     return {key: metadata[key] for key in keys if key in metadata}
