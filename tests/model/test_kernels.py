@@ -39,12 +39,12 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
 def test_rms_norm(ops, dtype):
     torch.manual_seed(0)
     x, w = torch.randn(7, 576, dtype=dtype) * 3, torch.randn(576, dtype=dtype)
-    expected = w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
+    expected = (w.float() * F.rms_norm(x.float(), (576,), eps=1e-5)).to(dtype)
     _close(ops.rms_norm(x, w, 1e-5), expected, dtype)
     # a strided view (a slice of q in Qwen3's q_norm) is read correctly
     wide = torch.randn(7, 2, 576, dtype=dtype)
     _close(ops.rms_norm(wide[:, 1], w, 1e-5),
-           w * F.rms_norm(wide[:, 1].float(), (576,), eps=1e-5).to(dtype), dtype)
+           (w.float() * F.rms_norm(wide[:, 1].float(), (576,), eps=1e-5)).to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,10 +53,29 @@ def test_fused_add_rms_norm(ops, dtype):
     x, residual = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
     w = torch.randn(64, dtype=dtype)
     total = residual + x
-    expected = w * F.rms_norm(total.float(), (64,), eps=1e-6).to(dtype)
+    expected = (w.float() * F.rms_norm(total.float(), (64,), eps=1e-6)).to(dtype)
     ops.fused_add_rms_norm(x, residual, w, 1e-6)
     assert torch.equal(residual, total)  # the sum is rounded once, as `residual + x`
     _close(x, expected, dtype)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_into_a_float32_residual_stream(ops, x_dtype):
+    # a bfloat16 model's stream: residual float32, x a layer's float32 sums (or an MoE's
+    # bf16 output), the norm out in bf16: the sum is exact float32, one rounding out
+    torch.manual_seed(0)
+    x = torch.randn(9, 96).to(x_dtype)
+    residual = torch.randn(9, 96) * 3
+    w = torch.randn(96, dtype=torch.bfloat16)
+    total = residual + x.float()
+    out = torch.empty(9, 96, dtype=torch.bfloat16)
+    ops.add_rms_norm(out, x, residual, w, 1e-6)
+    assert torch.equal(residual, total)
+    expected = (w.float() * F.rms_norm(total, (96,), eps=1e-6)).bfloat16()
+    _close(out, expected, torch.bfloat16)
+    assert (out != expected).sum() <= 2  # only where float32 sums' order flips a rounding
+    with pytest.raises(RuntimeError, match="weight's dtype"):
+        ops.add_rms_norm(out.float(), x, residual, w, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

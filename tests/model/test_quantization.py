@@ -788,9 +788,10 @@ def test_default_gguf_kept_in_q4_1_follows_the_dequantized_file(caplog):
     print(f"top-1 agreement with the file dequantized in float32 over 2,000 tokens: Q4_1 "
           f"kept (bf16) {agreement(top1):.4f}, dequantized to bf16 {agreement(runs['bf16'][0]):.4f}; "
           f"perplexity {perplexity:.3f} vs {ref_perplexity:.3f}")
-    # bf16 activations flip near-ties (the dequantized bf16 model agrees 98.85%); the
-    # kept weights themselves are exact: cost at most half a point more
-    assert agreement(top1) >= 0.98
+    # bf16 activations flip near-ties (the dequantized bf16 model agrees 99.15%, with the
+    # float32 residual stream: layers/layernorm.py; 98.60% without); the kept weights
+    # themselves are exact: cost at most half a point more
+    assert agreement(top1) >= 0.99
     assert agreement(top1) >= agreement(runs["bf16"][0]) - 0.005
     assert abs(perplexity / ref_perplexity - 1) < 0.01
 

@@ -114,23 +114,30 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
   const int64_t q_size = o.num_heads * o.head_dim, kv_size = o.num_kv_heads * o.head_dim;
   // a bias in the float32 sum goes to the kernel; one after the rounded product (a
   // row-parallel layer's, added after its all-reduce) is a separate bf16 add
+  // (a layer's last linears, o and down, write their float32 sums: they join the
+  // float32 residual stream unrounded, as the modules' RowParallelLinear(float_output))
   auto linear = [&](const at::Tensor& x, const c10::optional<LinearWeight>& weight,
                     const c10::optional<at::Tensor>& bias_in_sum,
-                    const c10::optional<at::Tensor>& bias_after, int64_t out_features) {
-    auto out = at::empty({tokens, out_features}, x.options());
+                    const c10::optional<at::Tensor>& bias_after, int64_t out_features,
+                    bool float_output = false) {
+    auto out = at::empty({tokens, out_features},
+                         float_output ? x.options().dtype(at::kFloat) : x.options());
     weight->matmul(out, x, bias_in_sum);
     if (bias_after) out.add_(*bias_after);
     return out;
   };
   const c10::optional<at::Tensor> none;
-  at::Tensor residual = hidden;
+  at::Tensor residual = hidden.to(at::kFloat);  // the stream in float32 (a copy for bf16)
   at::Tensor x;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const DecoderLayerWeights& w = layers_[l];
-    if (l == 0)
+    if (l == 0) {
       x = rms_norm(hidden, w.input_norm, o.rms_norm_eps);
-    else
-      fused_add_rms_norm(x, residual, w.input_norm, o.rms_norm_eps);
+    } else {
+      auto normed = x.scalar_type() == hidden.scalar_type() ? x : at::empty({tokens, width}, hidden.options());
+      add_rms_norm(normed, x, residual, w.input_norm, o.rms_norm_eps);
+      x = normed;
+    }
     auto qkv = linear(x, w.qkv, w.qkv_bias, none, q_size + 2 * kv_size);  // | q | k | v |
     at::Tensor q, k;
     if (w.q_norm) {  // per-head RMSNorm on q and k (new tensors), then rope on each
@@ -152,12 +159,13 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
     auto attn = at::empty({tokens, o.num_heads, o.head_dim}, x.options());
     paged_attention(attn, q, kv_caches_[l], block_table, seq_lens, query_start_loc,
                     o.attention_scale, std::numeric_limits<int64_t>::max());
-    auto out = linear(attn.view({tokens, q_size}), w.o, none, w.o_bias, width);
-    fused_add_rms_norm(out, residual, w.post_attention_norm, o.rms_norm_eps);
+    auto attn_out = linear(attn.view({tokens, q_size}), w.o, none, w.o_bias, width, true);
+    auto out = at::empty({tokens, width}, hidden.options());
+    add_rms_norm(out, attn_out, residual, w.post_attention_norm, o.rms_norm_eps);
     if (w.expert_w13.empty()) {
       auto act =
           silu_and_mul(linear(out, w.gate_up, w.gate_up_bias, none, 2 * o.intermediate_size));
-      x = linear(act, w.down, none, w.down_bias, width);
+      x = linear(act, w.down, none, w.down_bias, width, true);
     } else {
       x = mixture_of_experts(w, out);
       if (w.shared_gate_up) {  // out + shared_experts(out): a new tensor, as the modules

@@ -16,6 +16,8 @@ namespace loom {
 // layernorm.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight,
+                  double eps);
 
 // activation.cpp
 at::Tensor silu_and_mul(at::Tensor x);

@@ -141,6 +141,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &loom::rms_norm, "RMSNorm of each row", release());
   m.def("fused_add_rms_norm", &loom::fused_add_rms_norm, "residual += x; x = rms_norm(residual)",
         release());
+  m.def("add_rms_norm", &loom::add_rms_norm, "residual += x; out = rms_norm(residual)",
+        release());
   m.def("silu_and_mul", &loom::silu_and_mul, "silu(gate) * up", release());
   m.def("rotary_embedding", &loom::rotary_embedding, "neox rotary, in place", release());
   m.def("write_kv_cache", &loom::write_kv_cache, "copy new K/V into their cache slots", release());

@@ -484,22 +484,27 @@ class LinearBase(nn.Module):
         return QuantizedTensor(self.weight, self.weight_scale, self.weight_offset, self._bits,
                                self.weight_format)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T (+ bias)`` on this rank's weight, however it is held."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+               float_output: bool = False) -> torch.Tensor:
+        """``x W^T (+ bias)`` on this rank's weight, however it is held; with
+        ``float_output``, float32 (the kernels' sums unrounded where they have them)."""
         if self.quant_weight is not None:
             flat = x.reshape(-1, x.shape[-1])
             if flat.stride(-1) != 1:
                 flat = flat.contiguous()
-            out = torch.empty(flat.shape[0], self.output_size, dtype=x.dtype)
+            out = torch.empty(flat.shape[0], self.output_size,
+                              dtype=torch.float32 if float_output else x.dtype)
             native_ops().quantized_linear(out, flat, self.quant_weight, bias)
             return out.view(*x.shape[:-1], self.output_size)
         if self.weight_parts is not None:
             return self._matmul_parts(x, bias)
         if self.weight_format is not None:
-            return reference_linear(x, self.quantized(), bias)
-        if self._weight_is_panels and x.dtype != torch.bfloat16:  # a rare caller
-            return F.linear(x, self.plain_weight().to(x.dtype), bias)
-        return linear(x, self.weight, bias, self.packed_weight)
+            out = reference_linear(x, self.quantized(), bias)
+        elif self._weight_is_panels and x.dtype != torch.bfloat16:  # a rare caller
+            out = F.linear(x, self.plain_weight().to(x.dtype), bias)
+        else:
+            out = linear(x, self.weight, bias, self.packed_weight, float_output=float_output)
+        return out.float() if float_output else out
 
 
     def _matmul_parts(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -635,10 +640,13 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_group: TPGroup = SINGLE, reduce_results: bool = True,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", float_output: bool = False) -> None:
         start, end = tp_group.shard_range(input_size)
         super().__init__(end - start, output_size, bias, tp_group, quantization)
         self.reduce_results = reduce_results
+        # float32 output: a decoder layer's last linear, whose sums join the float32
+        # residual stream unrounded (layers/layernorm.py)
+        self.float_output = float_output
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         if param.dim() == 1:  # bias: replicated
@@ -649,7 +657,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, None)
+        y = self.matmul(x, None, self.float_output)
         if self.reduce_results:
             self.tp_group.all_reduce(y)
         if self.bias is not None:

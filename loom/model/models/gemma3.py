@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from loom.model.layers.layernorm import RMSNorm
+from loom.model.layers.layernorm import RMSNorm, residual_stream
 from loom.model.layers.rotary import RopeStep
 from loom.model.models.llama import (DecoderLayerSpec, LlamaDecoderLayer, LlamaForCausalLM,
                                      LlamaModel)
@@ -55,7 +55,7 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         #                     r += post_ff_norm(mlp(pre_ff_norm(r)))
         # with each "r +=" fused into the next norm, as Llama's layer does.
         if residual is None:
-            residual = hidden_states
+            residual = residual_stream(hidden_states)
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)

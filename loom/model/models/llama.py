@@ -24,7 +24,7 @@ from loom.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from loom.model.layers.attention import Attention
 from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from loom.model.layers.fused_moe import FusedMoE, MoESpec
-from loom.model.layers.layernorm import RMSNorm
+from loom.model.layers.layernorm import RMSNorm, residual_stream
 from loom.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear, default_weight_loader)
 from loom.model.layers.rotary import RopeStep, RotaryEmbedding, get_rope
@@ -109,7 +109,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size,
                                         bias=spec.o_bias, tp_group=tp_group,
-                                        quantization=spec.weight_quantization)
+                                        quantization=spec.weight_quantization,
+                                        float_output=True)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
@@ -142,7 +143,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, spec: DecoderLayerSpec, tp_group: TPGroup,
-                 intermediate_size: int | None = None) -> None:
+                 intermediate_size: int | None = None, float_output: bool = False) -> None:
         super().__init__()
         intermediate_size = intermediate_size or spec.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -150,7 +151,8 @@ class LlamaMLP(nn.Module):
             tp_group=tp_group, quantization=spec.weight_quantization)
         self.down_proj = RowParallelLinear(intermediate_size, spec.hidden_size,
                                            bias=spec.mlp_bias, tp_group=tp_group,
-                                           quantization=spec.weight_quantization)
+                                           quantization=spec.weight_quantization,
+                                           float_output=float_output)
         self.act_fn = _ACTIVATIONS[spec.activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec, layer_idx, tp_group, rotary_emb,
                                         attention_backend)
         if spec.moe is None:
-            self.mlp: nn.Module = LlamaMLP(spec, tp_group)
+            # its output joins the residual stream: float32 (a shared expert's does not)
+            self.mlp: nn.Module = LlamaMLP(spec, tp_group, float_output=True)
         else:
             shared = (LlamaMLP(spec, tp_group, spec.moe.shared_intermediate_size)
                       if spec.moe.shared_intermediate_size else None)
@@ -197,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden_states
+            residual = residual_stream(hidden_states)
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
