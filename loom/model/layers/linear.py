@@ -497,15 +497,14 @@ class LinearBase(nn.Module):
             native_ops().quantized_linear(out, flat, self.quant_weight, bias)
             return out.view(*x.shape[:-1], self.output_size)
         if self.weight_parts is not None:
-            return self._matmul_parts(x, bias)
-        if self.weight_format is not None:
+            out = self._matmul_parts(x, bias)
+        elif self.weight_format is not None:
             out = reference_linear(x, self.quantized(), bias)
         elif self._weight_is_panels and x.dtype != torch.bfloat16:  # a rare caller
             out = F.linear(x, self.plain_weight().to(x.dtype), bias)
         else:
             out = linear(x, self.weight, bias, self.packed_weight, float_output=float_output)
         return out.float() if float_output else out
-
 
     def _matmul_parts(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``matmul`` of a layer held in several formats: each part's rows of the
