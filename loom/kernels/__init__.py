@@ -47,6 +47,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=of
 _BUILD_ESTIMATE = "a minute"
 _UNSET = object()
 _module: object = _UNSET
+_CPU = None  # torch.device("cpu"), made at the first native_ops_for
 
 
 def _sources() -> list[Path]:
@@ -106,7 +107,12 @@ def native_ops_for(device, dtype) -> ModuleType | None:
     or bfloat16), else None: the one check every caller makes before the native path."""
     import torch
 
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    global _CPU
+    if _CPU is None:
+        _CPU = torch.device("cpu")
+    # `device != cpu` first: a torch.device's .type builds its string through a C++
+    # ostringstream (~0.5 us, and a decode step asks several times)
+    if (device != _CPU and device.type != "cpu") or dtype not in (torch.float32, torch.bfloat16):
         return None
     return native_ops()
 

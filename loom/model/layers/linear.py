@@ -105,7 +105,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     process-wide around the call. ``float_output``: the result may
     be float32 where the kernel has it unrounded (an LM head's logits); ``out_owner``:
     the result may live in that owner's scratch buffer, valid until its next call."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.dtype != torch.bfloat16 or not x.is_cpu:
         return F.linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
     if packed is not None and (packed.is_loom_kernel or rows > 1):

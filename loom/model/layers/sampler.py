@@ -414,7 +414,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     on one core, about 35x its vectorised ``amax``, and a batch-1 decode step pays it
     for every token. loom's ``argmax_rows`` kernel reads each row once in 16 lanes;
     without the kernels, ``two_level_argmax``."""
-    if logits.device.type != "cpu" or logits.shape[-1] <= 4 * _ARGMAX_CHUNK:
+    if not logits.is_cpu or logits.shape[-1] <= 4 * _ARGMAX_CHUNK:
         return logits.argmax(dim=-1)
     ops = native_ops_for(logits.device, logits.dtype)
     if ops is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
