@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,15 +59,16 @@ class AttentionMetadata:
                    seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
                    device: torch.device) -> AttentionMetadata:
         """Build a step's metadata from the runner's int64 numpy arrays."""
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         return cls(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
             block_table=torch.from_numpy(block_table.astype(np.int32)).to(device),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(np.diff(query_start_loc).max()),
-            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=starts, seq_lens_cpu=lens,
+            # maxima of the lists: numpy's diff and two reductions cost ~10 us a step,
+            # Python's max over a batch's values 1-3
+            max_query_len=max(map(operator.sub, starts[1:], starts)), max_seq_len=max(lens),
             block_size=block_size)
 
     def with_blocks(self, slot_mapping: np.ndarray, block_table: np.ndarray,
