@@ -24,6 +24,8 @@
 // features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
 // more than 6 rows unpack a panel of 16 outputs once into a thread's buffer (in L2) and
 // run every 6 rows over it, so the unpacking is paid once per panel, not per 6 rows.
+// On the AMX tiles, up to 32 rows (one block) of 4-bit values unpack it 256 features at
+// a time into L1 instead, each chunk right before its tile products.
 // No dequantized copy of the weights is kept anywhere.
 //
 // Layout (pack_quantized_weight): panels of 16 output rows; in a panel, group after
@@ -248,7 +250,12 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
 #if LOOM_HAVE_AMX
 // Rows [0, rows) of x times one panel of 16 outputs on the AMX tiles, from the panel's
 // values unpacked to bf16 integers (`unpacked`, pair vector after pair vector: 16 of
-// them are one B tile, 64 bytes apart). Per group, the tiles give S for up to 32 rows
+// them are one B tile, 64 bytes apart). `unpacked` null (4-bit, at most 32 rows):
+// the panel is unpacked here 256 features at a time into an 8 KB buffer that stays in
+// L1, each chunk right before its tile products. (The whole panel unpacked first is
+// 32 KB per 1,024 features: written to L2 and read back by the tile loads. Q4_0 16,384
+// x 2,048 at 8 rows, one thread, a standalone copy of this code: 3.5 -> 2.2 ms,
+// benchmarks/quantized.md.) Per group, the tiles give S for up to 32 rows
 // (C tiles 0-1, A tiles 2-3, B tile 4: the group's pairs, 16 at a time), then S leaves
 // the tiles and the group's scales and offsets apply in float32 exactly as the AVX-512
 // micro-kernel applies them: only S's float32 sums come in another order.
@@ -261,6 +268,14 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
   const int64_t step = std::min<int64_t>(group_pairs, 16);  // pairs per tile product
   const int64_t block_bytes = blocks_per_group * kBlockBytes;
   const int64_t x_stride = ldx * 2;
+  const int64_t scale_bytes = kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1);
+  const int64_t chunk_groups = std::max<int64_t>(1, 128 / group_pairs);  // 256 features
+  thread_local std::vector<__m512i> chunk;
+  if (!unpacked) {
+    TORCH_CHECK(rows <= 32, "amx_rows_times_panel: unpacking by chunks takes one block of rows");
+    if (static_cast<int64_t>(chunk.size()) < chunk_groups * group_pairs)
+      chunk.resize(chunk_groups * group_pairs);
+  }
   alignas(64) float sums[32][kLanes];
   alignas(64) float acc[32][kLanes];
   for (int64_t r0 = 0; r0 < rows; r0 += 32) {
@@ -275,11 +290,17 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
     const float* xs = xsum + r0 * groups;
     const uint8_t* p = panel;
     for (int64_t g = 0; g < groups; ++g) {
+      if (!unpacked && g % chunk_groups == 0)
+        unpack_panel<BITS>(panel + g * (block_bytes + scale_bytes),
+                           std::min(chunk_groups, groups - g), blocks_per_group, scale_bytes,
+                           chunk.data());
+      const __m512i* values =
+          unpacked ? unpacked + g * group_pairs : chunk.data() + (g % chunk_groups) * group_pairs;
       _tile_zero(0);
       if (m1) _tile_zero(1);
       for (int64_t s = 0; s < group_pairs; s += step) {
         const int64_t pair = g * group_pairs + s;
-        _tile_loadd(4, unpacked + pair, 64);
+        _tile_loadd(4, values + s, 64);
         _tile_loadd(2, xb + 2 * pair, x_stride);
         _tile_dpbf16ps(0, 2, 4);
         if (m1) {
@@ -337,7 +358,11 @@ void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_g
   // features, in L2) and let every block of rows read it, rather than unpack it again
   // per 6 rows (batch 32: 6 unpackings of each weight instead of 1).
   const __m512i* unpacked = nullptr;
-  if (rows > kRowBlock) {
+  // One block of 4-bit rows on the tiles unpacks by chunks (amx_rows_times_panel). 8-bit
+  // values (their unpacking through float32 costs more than the L2 round trip it saves)
+  // measured no faster that way (benchmarks/quantized.md): whole panel first.
+  const bool by_chunks = amx && rows <= 32 && BITS == 4;
+  if (rows > kRowBlock && !by_chunks) {
     thread_local std::vector<__m512i> buffer;
     const int64_t vectors = groups * blocks_per_group * (BITS == 4 ? 16 : 8);
     if (static_cast<int64_t>(buffer.size()) < vectors) buffer.resize(vectors);
@@ -346,7 +371,7 @@ void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_g
     unpacked = buffer.data();
   }
 #if LOOM_HAVE_AMX
-  if (amx && unpacked) {
+  if (amx) {
     amx_rows_times_panel<BITS, ASYM, ScaleT, OutT>(panel, unpacked, groups, blocks_per_group,
                                                    x, ldx, xsum, rows, bias, y, ldy, cols,
                                                    configured);
