@@ -186,6 +186,19 @@ def test_ernie_tokenizer_comes_from_the_file(tmp_path, monkeypatch):
     assert tokenizer.eos_token_ids == [2]
 
 
+def copy_metadata(reader, writer) -> None:
+    """Every key of ``reader``'s file (a gguf.GGUFReader) into ``writer`` (a
+    gguf.GGUFWriter, which writes the header and architecture itself)."""
+    import gguf
+
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                             else None)
+
+
 def write_quantized_experts_gguf(checkpoint: str, path: str) -> str:
     """``write_gguf``'s Qwen3-MoE file with its stacked experts quantized, mixing
     formats as llama.cpp's files do: gate and up Q4_1, down Q8_0."""
@@ -194,12 +207,7 @@ def write_quantized_experts_gguf(checkpoint: str, path: str) -> str:
     plain = write_gguf(checkpoint, path + ".f32", "qwen3_moe")
     reader = gguf.GGUFReader(plain)
     writer = gguf.GGUFWriter(path, "qwen3moe")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
-                             else None)
+    copy_metadata(reader, writer)
     formats = {"ffn_gate_exps": gguf.GGMLQuantizationType.Q4_1,
                "ffn_up_exps": gguf.GGMLQuantizationType.Q4_1,
                "ffn_down_exps": gguf.GGMLQuantizationType.Q8_0}

@@ -898,7 +898,7 @@ def write_mixed_gguf(tmp_path) -> str:
     gate_up projections come in different formats (``MIXED_FILE``): K-quant blocks
     drawn at random (gguf-py writes no K-quants), Q8_0 quantized from the checkpoint."""
     gguf = pytest.importorskip("gguf")
-    from .test_moe_gguf import write_gguf
+    from .test_moe_gguf import copy_metadata, write_gguf
 
     checkpoint = make_tiny_checkpoint("llama", tmp_path / "llama256", hidden_size=256,
                                       head_dim=64)
@@ -906,12 +906,7 @@ def write_mixed_gguf(tmp_path) -> str:
     reader = gguf.GGUFReader(plain)
     path = str(tmp_path / "llama256-mixed.gguf")
     writer = gguf.GGUFWriter(path, "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
-                             else None)
+    copy_metadata(reader, writer)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
         m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", tensor.name)
