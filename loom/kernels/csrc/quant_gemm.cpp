@@ -404,6 +404,133 @@ void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_g
   }
 }
 
+// Without the tiles, more than one block of rows runs kQuad panels (64 outputs) at a
+// time, bf16_gemm.cpp's blocking: 6 rows x 64 outputs of sums in 24 registers, so a
+// pair of features costs 4 vector loads and 6 broadcasts for 24 vdpbf16ps (one panel at
+// a time: 1 load and 6 broadcasts for 6, and 6 dependent chains that wait out the
+// instruction's latency). The panels are unpacked a chunk of ~256 features at a time
+// into a 32 KB buffer that stays in L1 while every block of rows reads it; per group,
+// the 24 sums are scaled into float32 accumulators kept in a thread buffer, exactly as
+// micro_kernel scales them. Measured on the 2-core Zen 5 VM (AVX512-BF16, no AMX), a 1B
+// Llama's fused gate/up (16,384 x 2,048) in Q4_0: see benchmarks/quantized.md.
+constexpr int64_t kQuad = 4;                 // panels per wide micro-kernel call
+constexpr int64_t kChunkFeatures = 256;      // features unpacked per chunk
+constexpr int64_t kWideMaxGroup = 512;       // larger groups (wint8's whole rows) stay per panel
+
+// Rows [0, MR) times the chunk's `chunk_groups` groups (starting at group g0) of kQuad
+// panels: values from `unpacked` (panel v's pairs at unpacked + v * chunk_pairs), scales
+// from `scales[v]` (panel v's first scale of group g0; `group_stride` bytes per group);
+// acc (MR x 64 floats, row stride 64) accumulates the scaled sums.
+template <int BITS, bool ASYM, typename ScaleT, int MR>
+void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const uint8_t* const* scales,
+                 int64_t group_stride, int64_t g0, int64_t chunk_groups, int64_t group_pairs,
+                 const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t groups,
+                 float* acc) {
+  const int32_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
+  for (int64_t gi = 0; gi < chunk_groups; ++gi) {
+    __m512 part[MR][kQuad];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < kQuad; ++v) part[r][v] = _mm512_setzero_ps();
+    const __m512i* w = unpacked + gi * group_pairs;
+    const int64_t pair0 = (g0 + gi) * group_pairs;  // x's pair index
+    for (int64_t j = 0; j < group_pairs; ++j, ++w) {
+      const __m512bh w0 = (__m512bh)_mm512_load_si512(w);
+      const __m512bh w1 = (__m512bh)_mm512_load_si512(w + chunk_pairs);
+      const __m512bh w2 = (__m512bh)_mm512_load_si512(w + 2 * chunk_pairs);
+      const __m512bh w3 = (__m512bh)_mm512_load_si512(w + 3 * chunk_pairs);
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[r][pair0 + j]);
+        part[r][0] = _mm512_dpbf16_ps(part[r][0], xb, w0);
+        part[r][1] = _mm512_dpbf16_ps(part[r][1], xb, w1);
+        part[r][2] = _mm512_dpbf16_ps(part[r][2], xb, w2);
+        part[r][3] = _mm512_dpbf16_ps(part[r][3], xb, w3);
+      }
+    }
+    const int64_t g = g0 + gi;
+    for (int v = 0; v < kQuad; ++v) {
+      const uint8_t* sp = scales[v] + gi * group_stride;
+      const __m512 d = load_scales<ScaleT>(sp);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (ASYM) {
+        m = load_scales<ScaleT>(sp + kLanes * sizeof(ScaleT));
+        if constexpr (BITS == 8) m = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), m);
+        if constexpr (BITS == 4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kNibbleBias), m);
+      }
+      for (int r = 0; r < MR; ++r) {
+        float* a = acc + r * 64 + 16 * v;
+        const float xs = xsum[r * groups + g];
+        __m512 sum = part[r][v];
+        if constexpr (!ASYM && BITS == 4)  // w = d * (q - 8) = d * ((16 + q) - 24)
+          sum = _mm512_sub_ps(sum, _mm512_set1_ps((kNibbleBias + 8.f) * xs));
+        __m512 out = _mm512_fmadd_ps(d, sum, _mm512_load_ps(a));
+        if constexpr (ASYM) out = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), out);
+        _mm512_store_ps(a, out);
+      }
+    }
+  }
+}
+
+// All `rows` rows (more than kRowBlock) times kQuad panels starting at `panel` (`count`
+// of them real: a last, partial quad repeats its last panel, whose outputs are not
+// written), writing `cols` (<= 64) outputs per row.
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void rows_times_quad(const uint8_t* panel, int64_t stride, int64_t count, int64_t groups,
+                     int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
+                     const float* xsum, int64_t rows, const float* bias, OutT* y, int64_t ldy,
+                     int64_t cols) {
+  const int64_t group_pairs = blocks_per_group * (BITS == 4 ? 16 : 8);
+  const int64_t scale_bytes = kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1);
+  const int64_t group_stride = blocks_per_group * kBlockBytes + scale_bytes;
+  const int64_t chunk_groups = std::max<int64_t>(1, kChunkFeatures / (2 * group_pairs));
+  const int64_t chunk_pairs = chunk_groups * group_pairs;
+  thread_local std::vector<__m512i> buffer;
+  thread_local std::vector<__m512> sums;  // rows x 64 float32 accumulators
+  if (static_cast<int64_t>(buffer.size()) < kQuad * chunk_pairs) buffer.resize(kQuad * chunk_pairs);
+  if (static_cast<int64_t>(sums.size()) < rows * kQuad) sums.resize(rows * kQuad);
+  float* acc = reinterpret_cast<float*>(sums.data());
+  std::fill(acc, acc + rows * 64, 0.f);
+  const uint8_t* panels[kQuad];
+  for (int64_t v = 0; v < kQuad; ++v) panels[v] = panel + std::min(v, count - 1) * stride;
+  for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
+    const int64_t gn = std::min(chunk_groups, groups - g0);
+    const uint8_t* scales[kQuad];
+    for (int64_t v = 0; v < kQuad; ++v) {
+      const uint8_t* start = panels[v] + g0 * group_stride;
+      unpack_panel<BITS>(start, gn, blocks_per_group, scale_bytes, buffer.data() + v * chunk_pairs);
+      scales[v] = start + blocks_per_group * kBlockBytes;
+    }
+    for (int64_t r = 0; r < rows; r += kRowBlock) {
+#define LOOM_WIDE(MR)                                                                     \
+  wide_kernel<BITS, ASYM, ScaleT, MR>(buffer.data(), chunk_pairs, scales, group_stride, g0, gn, \
+                                      group_pairs, x + r * ldx, ldx, xsum + r * groups,   \
+                                      groups, acc + r * 64)
+      switch (std::min(kRowBlock, rows - r)) {
+        case 6: LOOM_WIDE(6); break;
+        case 5: LOOM_WIDE(5); break;
+        case 4: LOOM_WIDE(4); break;
+        case 3: LOOM_WIDE(3); break;
+        case 2: LOOM_WIDE(2); break;
+        default: LOOM_WIDE(1); break;
+      }
+#undef LOOM_WIDE
+    }
+  }
+  for (int64_t v = 0; v < kQuad; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 out = _mm512_add_ps(_mm512_load_ps(acc + r * 64 + 16 * v), add);
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, out);
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(out));
+    }
+  }
+}
+
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, const float* xsum,
               int64_t rows, const float* bias, OutT* y, int64_t ldy) {
@@ -419,6 +546,22 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
   const int64_t block = amx ? 32 : kRowBlock;
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
+  if (!amx && rows > kRowBlock && w.group_size <= kWideMaxGroup) {
+    const int64_t quads = (panels + kQuad - 1) / kQuad;
+    at::parallel_for(0, chunks * quads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t chunk = item / quads, q = item % quads;
+        const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
+        if (nrows <= 0) continue;
+        const int64_t p = q * kQuad;
+        rows_times_quad<BITS, ASYM, ScaleT, OutT>(
+            data + p * stride, stride, std::min(kQuad, panels - p), groups, blocks_per_group,
+            x + r0 * ldx, ldx, xsum + r0 * groups, nrows, bias ? bias + p * kLanes : nullptr,
+            y + r0 * ldy + p * kLanes, ldy, std::min(kQuad * kLanes, n - p * kLanes));
+      }
+    });
+    return;
+  }
   // Work item (chunk of rows, panel), panels inner: with few rows each thread takes a
   // contiguous run of panels and reads only its share of the weights.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
