@@ -113,15 +113,15 @@ def test_wint4_group_fits_the_shard():
 
 
 # name: ggml type, (values, bytes) per block, where its float16 scales sit, and what loom
-# holds: bits, group size, scale dtype
+# holds: bits, group size, scale dtype (int8: two-level, a float16 per 256 values above)
 GGUF_FORMATS = {
     "Q4_0": (2, (32, 18), (0,), (4, 32, torch.float16)),
     "Q4_1": (3, (32, 20), (0, 2), (4, 32, torch.float16)),
-    "Q5_0": (6, (32, 22), (0,), (8, 32, torch.float16)),
+    "Q5_0": (6, (32, 22), (0,), (5, 32, torch.float16)),
     "Q8_0": (8, (32, 34), (0,), (8, 32, torch.float16)),
-    "Q4_K": (12, (256, 144), (0, 2), (4, 32, torch.float32)),
-    "Q5_K": (13, (256, 176), (0, 2), (8, 32, torch.float32)),
-    "Q6_K": (14, (256, 210), (208,), (8, 16, torch.float32)),
+    "Q4_K": (12, (256, 144), (0, 2), (4, 32, torch.int8)),
+    "Q5_K": (13, (256, 176), (0, 2), (5, 32, torch.int8)),
+    "Q6_K": (14, (256, 210), (208,), (6, 16, torch.int8)),
 }
 
 
@@ -141,13 +141,14 @@ def random_gguf_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.05
 def test_gguf_blocks_are_kept_not_requantized(name):
     """A GGUF tensor becomes a QuantizedTensor whose dequantized values equal the file's
     (gguf-py's decoding, which gguf_dequant matches bit for bit): the K-quants' two-level
-    scales multiplied out exactly."""
+    scales kept as the file has them, multiplied out exactly where they apply."""
     ggml_type, _, _, (bits, group, scale_dtype) = GGUF_FORMATS[name]
     n, k = 7, 512
     raw = random_gguf_blocks(name, n, k, seed=ggml_type)
     kept = gguf_quantized(raw, ggml_type, (n, k))
     assert kept.format == name and kept.scales.dtype == scale_dtype
     assert kept.group_size == group and kept.bits == bits
+    assert kept.two_level == (scale_dtype == torch.int8)
     expected = dequantize(raw, ggml_type, (n, k))
     assert torch.equal(kept.dequantize().view(torch.int32), expected.view(torch.int32))
     assert gguf_quantized(raw, 7, (n, k)) is None  # Q5_1: dequantized instead
@@ -183,20 +184,15 @@ def test_kernel_equals_dequantize_then_matmul(fmt, shape):
     ops = kernel_ops()
     n, k = shape
     weight = make_format(fmt, n, k, seed=n + k)
-    packed = ops.pack_quantized_weight(weight.values, weight.scales, weight.offsets,
-                                       weight.bits)
-    values, scales, offsets = ops.unpack_quantized_weight(packed)
-    assert torch.equal(values, weight.values) and torch.equal(scales, weight.scales)
-    assert (offsets is None) == (weight.offsets is None)
+    packed = weight.pack(ops)
+    assert_same_rows(QuantizedTensor.unpack(ops, packed, weight.format), weight)
     # values at their width, scales (and offsets) at theirs, rows padded to panels of 16
-    groups = weight.scales.shape[1]
-    per_row = k * weight.bits // 8 + groups * weight.scales.element_size() * \
-        (1 if weight.offsets is None else 2)
-    assert packed.nbytes == math.ceil(n / 16) * 16 * per_row
+    scale_bytes = weight.nbytes - weight.values.numel()  # scales, offsets, super ones
+    assert packed.nbytes == math.ceil(n / 16) * 16 * (k * weight.bits // 8 + scale_bytes // n)
     dense = weight.dequantize()
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(n, generator=gen)
-    for rows in (1, 2, 7, 8, 17, 32, 33, 256):  # 8 and more: the AMX tiles, where granted
+    for rows in (1, 2, 5, 6, 7, 8, 17, 32, 33, 256):  # 8 and more: the AMX tiles if granted
         x = torch.randn(rows, k, generator=gen).bfloat16()
         for out_dtype, b in ((torch.float32, bias), (torch.bfloat16, None)):
             out = torch.empty(rows, n, dtype=out_dtype)
@@ -231,8 +227,7 @@ def test_many_rows_match_the_reference_and_one_row(fmt):
     n, k = 37, {"wint4-g64": 576, "wint4-g128": 768, "Q4_K": 768, "Q5_K": 768,
                 "Q6_K": 768}.get(fmt, 352)
     weight = make_format(fmt, n, k, seed=11)
-    packed = ops.pack_quantized_weight(weight.values, weight.scales, weight.offsets,
-                                       weight.bits)
+    packed = weight.pack(ops)
     dense = weight.dequantize()
     gen = torch.Generator().manual_seed(3)
     if weight.offsets is None:  # (asymmetric: d S + m X, two roundings, not one)
@@ -256,6 +251,57 @@ def test_many_rows_match_the_reference_and_one_row(fmt):
         bound = kernel_error_bound(x, weight)
         assert bool(((out - reference_linear(x.float(), weight)).abs() <= bound).all())
         assert bool(((out - one).abs() <= 2 * bound).all())
+
+
+@pytest.mark.parametrize("name", [name for name in GGUF_FORMATS])
+def test_gguf_formats_are_held_at_the_files_size(name):
+    """loom's kernel layout holds a GGUF tensor within 10% of the file's bytes (issue 15:
+    no wider copy): the K-quants keep their two-level scales, 5- and 6-bit values take
+    5 and 6 bits. Exactly: Q4_K 4.625 bits a weight (file 4.5), Q5_K 5.625 (5.5), the
+    others the file's."""
+    ops = kernel_ops()
+    ggml_type, (values, size), _, _ = GGUF_FORMATS[name]
+    n, k = 64, 1024
+    raw = random_gguf_blocks(name, n, k, seed=ggml_type)
+    packed = gguf_quantized(raw, ggml_type, (n, k)).pack(ops)
+    held_bits = {"Q4_K": 4.625, "Q5_K": 5.625}.get(name, size * 8 / values)
+    assert packed.nbytes == n * k * held_bits / 8
+    assert packed.nbytes <= 1.1 * raw.nbytes
+
+
+@pytest.mark.parametrize("name", [name for name in GGUF_FORMATS])
+def test_dequantized_rows_are_the_files(name):
+    """dequantize_rows (an embedding's lookup from a table kept quantized) gives the
+    file's values bit for bit, in float32, and rounded once in bf16; rows in any order,
+    in a partial panel too."""
+    ops = kernel_ops()
+    ggml_type = GGUF_FORMATS[name][0]
+    n, k = 37, 768
+    raw = random_gguf_blocks(name, n, k, seed=ggml_type + 1)
+    packed = gguf_quantized(raw, ggml_type, (n, k)).pack(ops)
+    expected = dequantize(raw, ggml_type, (n, k))
+    ids = torch.tensor([36, 0, 17, 16, 35, 5, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(len(ids), k, dtype=dtype)
+        ops.dequantize_rows(out, packed, ids)
+        assert torch.equal(out, expected[ids].to(dtype))
+
+
+def test_two_level_formats_split_at_super_blocks():
+    """A K-quant's input features split only where its super-blocks (256 features, one
+    float16 super scale each) do: a row-parallel shard must be whole super-blocks."""
+    weight = make_format("Q4_K", 16, 768, seed=2)
+    part = weight.narrow(1, 256, 512)
+    assert part.super_scales.shape == (16, 2) and part.scales.shape == (16, 16)
+    assert torch.equal(part.dequantize(), weight.dequantize()[:, 256:])
+    for start, length in ((32, 256), (0, 384)):
+        with pytest.raises(ValueError, match="super-blocks"):
+            weight.narrow(1, start, length)
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        QuantizedTensor.empty(weight, (16, 384))
+    layer = RowParallelLinear(768, 16, tp_group=TPGroup(rank=1, world_size=2))
+    with pytest.raises(ValueError, match="super-blocks"):
+        layer.weight.weight_loader(layer.weight, weight)
 
 
 def test_kernel_refuses_what_it_does_not_take():
@@ -434,10 +480,11 @@ def held_blocks(layer) -> list[QuantizedTensor]:
 
 
 def assert_same_rows(got: QuantizedTensor, want: QuantizedTensor) -> None:
-    assert got.format == want.format and torch.equal(got.values, want.values)
-    assert torch.equal(got.scales, want.scales)
+    assert got.format == want.format and got.bits == want.bits
+    assert len(got.tensors()) == len(want.tensors()) and got.two_level == want.two_level
     assert (got.offsets is None) == (want.offsets is None)
-    assert got.offsets is None or torch.equal(got.offsets, want.offsets)
+    for a, b in zip(got.tensors(), want.tensors()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -894,17 +941,19 @@ K_SCALE = {"Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 5e-5}
 
 
 def write_mixed_gguf(tmp_path) -> str:
-    """A tiny Llama (hidden 256: whole K-quant blocks) as a GGUF file whose qkv and
+    """A tiny Llama (hidden 512: whole K-quant blocks, and attn_output's inputs split at
+    TP=2 into whole 256-feature super-blocks, as a K-quant's must) as a GGUF file whose
+    qkv and
     gate_up projections come in different formats (``MIXED_FILE``): K-quant blocks
     drawn at random (gguf-py writes no K-quants), Q8_0 quantized from the checkpoint."""
     gguf = pytest.importorskip("gguf")
     from .test_moe_gguf import copy_metadata, write_gguf
 
-    checkpoint = make_tiny_checkpoint("llama", tmp_path / "llama256", hidden_size=256,
-                                      head_dim=64)
-    plain = write_gguf(checkpoint, str(tmp_path / "llama256.f32.gguf"), "llama")
+    checkpoint = make_tiny_checkpoint("llama", tmp_path / "llama512", hidden_size=512,
+                                      head_dim=128)
+    plain = write_gguf(checkpoint, str(tmp_path / "llama512.f32.gguf"), "llama")
     reader = gguf.GGUFReader(plain)
-    path = str(tmp_path / "llama256-mixed.gguf")
+    path = str(tmp_path / "llama512-mixed.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     copy_metadata(reader, writer)
     for tensor in reader.tensors:

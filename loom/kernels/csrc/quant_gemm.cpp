@@ -1,40 +1,63 @@
-// y = x W^T (+ bias) for weight-only quantized W (4- or 8-bit values in groups with
-// float16/float32 scales) and bfloat16 x, on CPUs with AVX512-BF16.
+// y = x W^T (+ bias) for weight-only quantized W (4-, 5-, 6- or 8-bit values in groups
+// with float16/float32 scales, or the K-quants' two-level ones) and bfloat16 x, on CPUs
+// with AVX512-BF16.
 //
 // One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0,
-// Q4_1, Q4_K, Q5_K (5-bit values held in 8) and Q6_K (6-bit values in 8, groups of 16)
-// and loom's wint8 and wint4 all read as w = d * q + m per group, with the offset m
-// stored (asymmetric) or fixed at -d * 2^(bits-1) (symmetric). Per group g of
-// each output row, with bfloat16 x as it comes:
+// Q4_1, Q5_0, Q4_K, Q5_K and Q6_K and loom's wint8 and wint4 all read as w = d * q + m
+// per group, with the offset m stored (asymmetric) or fixed at -d * 2^(bits-1)
+// (symmetric). Per group g of each output row, with bfloat16 x as it comes:
 //
 //     y[n] += d[n,g] * S[n,g] + m[n,g] * X[g],   S = sum_{k in g} q'[n,k] x[k],
 //                                                X = sum_{k in g} x[k]
 //
-// where q' is q as a bfloat16 integer (exact: 4-bit values through a 16-entry table,
-// 8-bit ones stored as q - 128 and converted through float32) and S comes from
-// vdpbf16ps: every product exact, float32 sums. So the result differs from
-// dequantize-then-matmul in float32 only by float32 rounding: no activation is
-// quantized. (The first version quantized x per block of 32 to int8 for VNNI dot
-// products, as llama.cpp does: an error of up to half a step, 1/254 of the block's
-// largest |x|, on every input; SmolLM2's MLP inputs reach 3,000 in a few channels,
-// which wipes out the rest of their blocks. Its error on the default model's first
-// layer was 0.2-0.8% of each linear's largest output; this kernel's is float32 rounding.)
+// where q' is q as a bfloat16 integer, exact: 4-bit values decode to 16 + q, 5- and
+// 6-bit ones to 128 + q, 8-bit ones are stored q - 128 and converted through float32;
+// the bias comes back with X. S comes from vdpbf16ps: every product exact, float32 sums.
+// So the result differs from dequantize-then-matmul in float32 only by float32
+// rounding: no activation is quantized. (The first version quantized x per block of 32
+// to int8 for VNNI dot products, as llama.cpp does: an error of up to half a step, 1/254
+// of the block's largest |x|, on every input; SmolLM2's MLP inputs reach 3,000 in a few
+// channels, which wipes out the rest of their blocks. Its error on the default model's
+// first layer was 0.2-0.8% of each linear's largest output; this kernel's is float32
+// rounding.)
+//
+// The K-quants keep their two-level scales (`two_level`): per group of 16 or 32 a 6- or
+// 8-bit integer scale (and offset), per super-block of 256 features a float16 factor for
+// each; d = float(super) * float(sub) in float32 is exact (11- times 8-bit significands),
+// the very value gguf.quants multiplies the values by. So every format is held at about
+// its file's size (bits per weight, file -> held; rows padded to panels of 16):
+//
+//     Q4_0 4.5 -> 4.5   Q4_1 5 -> 5       Q8_0 8.5 -> 8.5   Q5_0 5.5 -> 5.5
+//     Q4_K 4.5 -> 4.625 Q5_K 5.5 -> 5.625 Q6_K 6.5625 -> 6.5625
+//
+// (before: the two-level scales multiplied out into float32, and 5- and 6-bit values
+// held in 8 bits: Q4_K 6, Q5_K 10, Q6_K 10, Q5_0 8.5.)
 //
 // One row streams each weight byte once and unpacks it in registers (a block of 32
 // features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
 // more than 6 rows unpack a panel of 16 outputs once into a thread's buffer (in L2) and
 // run every 6 rows over it, so the unpacking is paid once per panel, not per 6 rows.
-// On the AMX tiles, up to 32 rows (one block) of 4-bit values unpack it 256 features at
-// a time into L1 instead, each chunk right before its tile products.
+// On the AMX tiles, up to 32 rows (one block) of 4-, 5- or 6-bit values unpack it 256
+// features at a time into L1 instead, each chunk right before its tile products.
 // No dequantized copy of the weights is kept anywhere.
 //
-// Layout (pack_quantized_weight): panels of 16 output rows; in a panel, group after
-// group: its blocks (256 bytes each), then 16 scales, then 16 offsets if asymmetric.
-// "Pair vector" j holds in word 2i + c feature 2j + c of row i (the two bf16 a
-// vdpbf16ps lane multiplies). 4-bit block: 32 features, 16 pair vectors as 8 chunks of
-// 32 bytes, chunk c's byte t holding word t of vector c in its low nibble and of vector
-// c + 8 in its high one. 8-bit block: 16 features, 8 pair vectors of 32 int8 bytes,
-// q - 128, in word order (so an 8-bit group may be 16 features: Q6_K's).
+// Layout (pack_quantized_weight, Layout below): panels of 16 output rows. "Pair vector"
+// j holds in word 2i + c feature 2j + c of row i (the two bf16 a vdpbf16ps lane
+// multiplies). Blocks of 16 rows:
+//   4-bit (256 bytes, 32 features): 16 pair vectors as 8 chunks of 32 bytes, chunk c's
+//     byte t holding word t of vector c in its low nibble and of vector c + 8 in its
+//     high one.
+//   5-bit (320 bytes, 32 features): the 4-bit block of the low 4 bits, then a plane of
+//     32 little-endian words: bit j of word t is bit 4 of word t of vector j.
+//   6-bit (192 bytes, 16 features): 8 pair vectors, the low 4 bits as 4 chunks (vectors
+//     c and c + 4), then a plane of 32 words: bits 2j, 2j + 1 of word t are bits 4-5 of
+//     word t of vector j.
+//   8-bit (256 bytes, 16 features): 8 pair vectors of 32 int8 bytes, q - 128, in word
+//     order (so an 8-bit group may be 16 features).
+// In a panel, one-level scales: group after group, its blocks, then 16 scales, then 16
+// offsets if asymmetric. Two-level: super-block after super-block (256 features): 16
+// float16 super scales, 16 super offsets if asymmetric, then the int8 sub-scales of its
+// groups (16 per group), their int8 sub-offsets if asymmetric, then the groups' blocks.
 
 #include "quant_gemm.h"
 
@@ -48,6 +71,7 @@
 #include <c10/util/Half.h>
 
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -61,7 +85,7 @@ namespace loom {
 namespace {
 
 constexpr int64_t kLanes = 16;       // output rows per panel: one float32 vector
-constexpr int64_t kBlockBytes = 256; // a block: 32 features of 16 rows at 4 bits, 16 at 8
+constexpr int64_t kSuperBlock = 256; // features per two-level super-block (the K-quants')
 constexpr int64_t kRowBlock = 6;     // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;
 // Bytes ahead of the block being read that a streaming row (no unpacked panel) asks the
@@ -70,17 +94,62 @@ constexpr int64_t kMaxRowChunk = 96;
 // gave 1.8 ms. (benchmarks/quantized.md, 2026-12-02.)
 constexpr int64_t kPrefetch = 8192;
 
-// Input features per block: 4-bit blocks pack pair vectors c and c + 8 in one chunk
-// (32 features); 8-bit ones are 8 vectors (16 features), so that an 8-bit group can be
-// 16 features (Q6_K's).
-int64_t block_features(int64_t bits) { return bits == 4 ? 32 : 16; }
-
-int64_t panel_bytes(int64_t k, int64_t bits, int64_t group_size, bool asymmetric,
-                    bool float_scales) {
-  const int64_t groups = k / group_size;
-  const int64_t scale_bytes = kLanes * (float_scales ? 4 : 2) * (asymmetric ? 2 : 1);
-  return groups * ((group_size / block_features(bits)) * kBlockBytes + scale_bytes);
+// Input features and bytes per block of 16 rows (see the layout above).
+constexpr int64_t block_features(int64_t bits) { return bits == 4 || bits == 5 ? 32 : 16; }
+constexpr int64_t block_bytes(int64_t bits) {
+  return bits == 5 ? 320 : bits == 6 ? 192 : 256;
 }
+
+// Where a panel's parts lie. A "unit" is what repeats: one group (one-level scales,
+// after its blocks) or one super-block (two-level: its scales before its groups' blocks).
+struct Layout {
+  int64_t bits = 0, groups = 0, blocks_per_group = 0;
+  bool asymmetric = false, two_level = false;
+  int64_t scale_size = 0;       // bytes per one-level scale (2 or 4); 1 (int8) two-level
+  int64_t group_values = 0;     // bytes of a group's blocks
+  int64_t groups_per_unit = 1;
+  int64_t header = 0;           // bytes before a unit's blocks
+  int64_t unit_bytes = 0;
+
+  Layout(int64_t bits_, int64_t k, int64_t group_size, bool asym, bool float_scales,
+         bool two)
+      : bits(bits_), groups(k / group_size), blocks_per_group(group_size / block_features(bits_)),
+        asymmetric(asym), two_level(two) {
+    const int64_t tables = asym ? 2 : 1;
+    group_values = blocks_per_group * block_bytes(bits);
+    if (two_level) {
+      scale_size = 1;
+      groups_per_unit = kSuperBlock / group_size;
+      header = tables * (kLanes * 2 + groups_per_unit * kLanes);
+      unit_bytes = header + groups_per_unit * group_values;
+    } else {
+      scale_size = float_scales ? 4 : 2;
+      unit_bytes = group_values + tables * kLanes * scale_size;
+    }
+  }
+  explicit Layout(const QuantizedWeight& w)
+      : Layout(w.bits, w.in_features, w.group_size, w.asymmetric, w.float_scales, w.two_level) {}
+
+  int64_t panel_bytes() const { return groups / groups_per_unit * unit_bytes; }
+  const uint8_t* unit(const uint8_t* panel, int64_t g) const {
+    return panel + g / groups_per_unit * unit_bytes;
+  }
+  // group g's first block
+  const uint8_t* values(const uint8_t* panel, int64_t g) const {
+    return unit(panel, g) + header + g % groups_per_unit * group_values;
+  }
+  // group g's 16 scales (one-level: its d, then its m if asymmetric; two-level: its
+  // int8 sub-scales) and sub-offsets (two-level, asymmetric)
+  const uint8_t* scales(const uint8_t* panel, int64_t g) const {
+    if (!two_level) return unit(panel, g) + group_values;
+    return unit(panel, g) + super_bytes() + g % groups_per_unit * kLanes;
+  }
+  const uint8_t* sub_offsets(const uint8_t* panel, int64_t g) const {
+    return scales(panel, g) + groups_per_unit * kLanes;
+  }
+  // two-level: 16 float16 super scales, then 16 super offsets if asymmetric
+  int64_t super_bytes() const { return kLanes * 2 * (asymmetric ? 2 : 1); }
+};
 
 // x (M, K) bf16 -> xsum float (M, K / group_size): x summed over each group.
 void group_sums(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
@@ -98,9 +167,59 @@ void group_sums(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
   });
 }
 
+// The value q in [0, 2^bits) of feature f (of the block's block_features) of row `lane`
+// in the block at p, and its inverse for the packing: the layout above, one value at a
+// time (packing, unpacking, dequantize_rows).
+uint32_t block_value(const uint8_t* p, int64_t bits, int64_t lane, int64_t f) {
+  const int64_t j = f / 2, t = 2 * lane + f % 2;
+  auto plane_word = [&](int64_t at) { return static_cast<uint32_t>(p[at + 2 * t] | (p[at + 2 * t + 1] << 8)); };
+  switch (bits) {
+    case 4: return j < 8 ? p[32 * j + t] & 0x0F : p[32 * (j - 8) + t] >> 4;
+    case 5: {
+      const uint32_t low = j < 8 ? p[32 * j + t] & 0x0F : p[32 * (j - 8) + t] >> 4;
+      return low | (((plane_word(256) >> j) & 1) << 4);
+    }
+    case 6: {
+      const uint32_t low = j < 4 ? p[32 * j + t] & 0x0F : p[32 * (j - 4) + t] >> 4;
+      return low | (((plane_word(128) >> (2 * j)) & 3) << 4);
+    }
+    default: return static_cast<uint8_t>(p[32 * j + t] ^ 0x80);  // stored q - 128
+  }
+}
+
+void set_block_value(uint8_t* p, int64_t bits, int64_t lane, int64_t f, uint32_t q) {
+  const int64_t j = f / 2, t = 2 * lane + f % 2;
+  auto or_plane = [&](int64_t at, uint32_t bits_) {
+    p[at + 2 * t] |= static_cast<uint8_t>(bits_);
+    p[at + 2 * t + 1] |= static_cast<uint8_t>(bits_ >> 8);
+  };
+  const int64_t half = bits == 6 ? 4 : 8;  // vectors per nibble half of the chunks
+  if (bits != 8) {
+    const uint8_t low = q & 0x0F;
+    if (j < half)
+      p[32 * j + t] |= low;
+    else
+      p[32 * (j - half) + t] |= static_cast<uint8_t>(low << 4);
+  }
+  if (bits == 5) or_plane(256, ((q >> 4) & 1) << j);
+  if (bits == 6) or_plane(128, ((q >> 4) & 3) << (2 * j));
+  if (bits == 8) p[32 * j + t] = static_cast<uint8_t>(q ^ 0x80);
+}
+
 #if LOOM_HAVE_QUANT_GEMM
 inline void prefetch(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// f(integral_constant<int, 0>) ... f(integral_constant<int, N - 1>): an unrolled loop
+// whose index is a constant (register indices, shift counts).
+template <typename F, int... I>
+inline void unrolled(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+inline void unrolled(F&& f) {
+  unrolled(f, std::make_integer_sequence<int, N>{});
 }
 
 template <typename ScaleT>
@@ -111,19 +230,112 @@ inline __m512 load_scales(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+inline __m512 int8x16_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Group s of a unit's d and (asymmetric) m for the 16 rows (see PanelWalk).
+template <bool ASYM, typename ScaleT>
+inline void unit_scales(const Layout& layout, const uint8_t* unit, int64_t s, __m512& d,
+                        __m512& m) {
+  if constexpr (std::is_same_v<ScaleT, int8_t>) {
+    const uint8_t* sub = unit + layout.super_bytes() + s * kLanes;
+    d = _mm512_mul_ps(load_scales<c10::Half>(unit), int8x16_to_ps(sub));
+    if constexpr (ASYM)
+      m = _mm512_mul_ps(load_scales<c10::Half>(unit + 2 * kLanes),
+                        int8x16_to_ps(sub + layout.groups_per_unit * kLanes));
+  } else {
+    const uint8_t* p = unit + layout.group_values;
+    d = load_scales<ScaleT>(p);
+    if constexpr (ASYM) m = load_scales<ScaleT>(p + kLanes * sizeof(ScaleT));
+  }
+}
+
+// A panel, group after group, as the kernels read it: each group's blocks and its d and
+// (asymmetric) m for the 16 rows. ScaleT int8_t: two-level, d = super scale x sub-scale
+// and m = super offset x sub-offset, each product exact in float32, the super-block's
+// factors converted once per super-block. The walk is all pointer steps, no branch on
+// the layout: the group's fixed costs are a batch-1 row's margin (a division and a
+// branch per group cost one-level formats 15-20% at batch 1 from L3).
+template <bool ASYM, typename ScaleT>
+struct PanelWalk {
+  static constexpr bool kTwoLevel = std::is_same_v<ScaleT, int8_t>;
+  const uint8_t* unit;  // this group's unit: its group (one-level), its super-block
+  int64_t in_unit = 0;  // two-level: the group's index in its super-block
+  __m512 super_d, super_m;
+
+  const uint8_t* values(const Layout& layout) const {
+    if constexpr (kTwoLevel) return unit + layout.header + in_unit * layout.group_values;
+    return unit;
+  }
+  void scales(const Layout& layout, __m512& d, __m512& m) {
+    if constexpr (kTwoLevel) {
+      if (in_unit == 0) {
+        super_d = load_scales<c10::Half>(unit);
+        if constexpr (ASYM) super_m = load_scales<c10::Half>(unit + 2 * kLanes);
+      }
+      const uint8_t* s = unit + layout.super_bytes() + in_unit * kLanes;
+      d = _mm512_mul_ps(super_d, int8x16_to_ps(s));
+      if constexpr (ASYM)
+        m = _mm512_mul_ps(super_m, int8x16_to_ps(s + layout.groups_per_unit * kLanes));
+    } else {
+      const uint8_t* s = unit + layout.group_values;
+      d = load_scales<ScaleT>(s);
+      if constexpr (ASYM) m = load_scales<ScaleT>(s + kLanes * sizeof(ScaleT));
+    }
+  }
+  void next(const Layout& layout) {
+    if constexpr (kTwoLevel) {
+      if (++in_unit < layout.groups_per_unit) return;
+      in_unit = 0;
+    }
+    unit += layout.unit_bytes;
+  }
+};
+
 // A 4-bit chunk's 32 bytes -> its two pair vectors as bf16 16 + q (exact): each byte
 // widened to a word, a nibble shifted into mantissa bits 3-6 of bf16 16.0 (0x4180, whose
 // mantissa step is 1/8, so 8 q there adds q) and the rest masked off in one vpternlog.
 // Five instructions, one of them on port 5, for 64 values (a table lookup through
-// vpermw took seven, four on port 5). The 16 is taken back with the group's sum of x
-// (kNibbleBias below).
+// vpermw took seven, four on port 5). The 16 is taken back with the group's sum of x.
 inline void nibbles_to_bf16(const uint8_t* p, __m512i& low, __m512i& high) {
   const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i mask = _mm512_set1_epi16(0x0078), bias = _mm512_set1_epi16(0x4180);
   low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, bias, 0xEA);  // (a & b) | c
   high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, bias, 0xEA);
 }
-constexpr float kNibbleBias = 16.f;  // nibbles_to_bf16 gives 16 + q
+
+// Shift each word left by S (right by -S).
+template <int S>
+inline __m512i shift_words(__m512i v) {
+  if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+  else return v;
+}
+
+// 5- and 6-bit: chunk C's 32 bytes of low nibbles and the block's plane -> pair vectors
+// C and C + H (H = 8 at 5 bits, 4 at 6) as bf16 128 + q, exact (0x4300 is 128.0, whose
+// mantissa step is 1: q in mantissa bits 0-6). The plane's bits for vector j shifted to
+// bits 4 (-5) and masked in onto 0x4300 (one vpternlog), the nibble selected into bits
+// 0-3 (another): eight instructions for two vectors where 4 bits take five.
+template <int BITS, int C>
+inline void packed_to_bf16(const uint8_t* p, __m512i plane, __m512i& low, __m512i& high) {
+  constexpr int kPlaneBits = BITS - 4, kHalf = BITS == 5 ? 8 : 4;
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i high_mask = _mm512_set1_epi16(BITS == 5 ? 0x10 : 0x30);
+  const __m512i bias = _mm512_set1_epi16(0x4300), nibble = _mm512_set1_epi16(0x0F);
+  // vector j's plane bits at kPlaneBits * j -> 4
+  const __m512i h0 = _mm512_ternarylogic_epi32(shift_words<4 - kPlaneBits * C>(plane),
+                                               high_mask, bias, 0xEA);  // (a & b) | c
+  const __m512i h1 = _mm512_ternarylogic_epi32(
+      shift_words<4 - kPlaneBits * (C + kHalf)>(plane), high_mask, bias, 0xEA);
+  low = _mm512_ternarylogic_epi32(v, h0, nibble, 0xE4);  // c ? a : b, bitwise
+  high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), h1, nibble, 0xE4);
+}
+
+// The bias each width's decoding adds to q (taken back with the group's sum of x).
+template <int BITS>
+constexpr float kDecodeBias = BITS == 4 ? 16.f : BITS == 8 ? -128.f : 128.f;
 
 // 32 int8 -> 32 bf16 (exact), in order.
 inline __m512bh int8x32_to_bf16(const uint8_t* p) {
@@ -133,49 +345,76 @@ inline __m512bh int8x32_to_bf16(const uint8_t* p) {
                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
 }
 
-// A panel's values as bf16 pair vectors, in feature order (vector `pair` holds
-// features 2 pair, 2 pair + 1 of the 16 rows): what micro_kernel<..., true> reads
-// instead of unpacking each block again for every 6 rows.
+// One block's pair vectors as bf16: f(j, k, vector j) for each, j in [0, block_features
+// / 2), k the order they come in (integral_constants both). The micro-kernel sums by k:
+// consecutive vectors into different partial sums (chunk c gives vectors c and c + 8,
+// which by j would land in one chain and halve the batch-1 throughput).
+template <int BITS, typename F>
+inline void decode_block(const uint8_t* p, F&& f) {
+  using std::integral_constant;
+  if constexpr (BITS == 8) {
+    unrolled<8>([&](auto j) { f(j, j, int8x32_to_bf16(p + 32 * j)); });
+  } else {
+    constexpr int kHalf = BITS == 6 ? 4 : 8;  // chunks: vectors c and c + kHalf
+    __m512i plane = _mm512_setzero_si512();
+    if constexpr (BITS != 4) plane = _mm512_loadu_si512(p + 32 * kHalf);
+    unrolled<kHalf>([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      __m512i v0, v1;
+      if constexpr (BITS == 4)
+        nibbles_to_bf16(p + 32 * C, v0, v1);
+      else
+        packed_to_bf16<BITS, C>(p + 32 * C, plane, v0, v1);
+      f(c, integral_constant<int, 2 * C>{}, (__m512bh)v0);
+      f(integral_constant<int, C + kHalf>{}, integral_constant<int, 2 * C + 1>{}, (__m512bh)v1);
+    });
+  }
+}
+
+// Groups [first, first + count) of a panel as bf16 pair vectors, in feature order
+// (vector `pair` holds features 2 pair, 2 pair + 1 of the 16 rows): what
+// micro_kernel<..., true> reads instead of unpacking each block again for every 6 rows.
 template <int BITS>
-void unpack_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
-                  int64_t scale_bytes, __m512i* out) {
-  const uint8_t* p = panel;
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t i = 0; i < blocks_per_group; ++i, out += BITS == 4 ? 16 : 8) {
-      if constexpr (BITS == 4) {
-        for (int c = 0; c < 8; ++c) nibbles_to_bf16(p + 32 * c, out[c], out[c + 8]);
-        p += 256;
-      } else {
-        for (int j = 0; j < 8; ++j) out[j] = (__m512i)int8x32_to_bf16(p + 32 * j);
-        p += 256;
-      }
+void unpack_panel(const Layout& layout, const uint8_t* panel, int64_t first, int64_t count,
+                  __m512i* out) {
+  constexpr int kPairs = block_features(BITS) / 2;
+  const uint8_t* unit = layout.unit(panel, first);
+  for (int64_t g = first, s = first % layout.groups_per_unit; g < first + count; ++g) {
+    const uint8_t* p = unit + layout.header + s * layout.group_values;
+    if (++s == layout.groups_per_unit) {  // the next group's unit: no division per group
+      s = 0;
+      unit += layout.unit_bytes;
     }
-    p += scale_bytes;
+    for (int64_t i = 0; i < layout.blocks_per_group; ++i, out += kPairs, p += block_bytes(BITS))
+      decode_block<BITS>(p, [&](auto j, auto, __m512bh w) { out[j] = (__m512i)w; });
   }
 }
 
 // Rows [0, MR) of x times one panel: `cols` (<= 16) outputs per row. UNPACKED: the
 // panel's values come from `unpacked` (unpack_panel), its scales from `panel`.
 template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT, bool UNPACKED>
-void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
-                  int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
-                  const float* xsum, const float* bias, OutT* y, int64_t ldy, int64_t cols) {
+void micro_kernel(const Layout& layout, const uint8_t* panel, const __m512i* unpacked,
+                  const c10::BFloat16* x, int64_t ldx, const float* xsum, const float* bias,
+                  OutT* y, int64_t ldy, int64_t cols) {
   constexpr int P = MR >= 4 ? 1 : MR >= 2 ? 2 : 4;  // partial sums per row
+  constexpr int kPairs = block_features(BITS) / 2;  // pair vectors per block
+  constexpr int64_t kBytes = block_bytes(BITS);
+  const int64_t groups = layout.groups;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const int32_t* xr[MR];
   for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * ldx);
-  const uint8_t* p = panel;
-  constexpr int kPairs = BITS == 4 ? 16 : 8;  // pair vectors per block
   int64_t pair = 0;  // index of the next pair of features
-  for (int64_t g = 0; g < groups; ++g) {
+  PanelWalk<ASYM, ScaleT> walk{panel};
+  for (int64_t g = 0; g < groups; ++g, walk.next(layout)) {
     // P partial sums per row, so that P * MR vdpbf16ps chains run side by side: with
     // one chain per row, a row alone waits out the instruction's latency at every
     // product (batch 1 streamed 6.6 GB/s per core, bound by that chain, not by memory).
     __m512 part[MR][P];
     for (int r = 0; r < MR; ++r)
       for (int q = 0; q < P; ++q) part[r][q] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < blocks_per_group; ++i, pair += kPairs) {
+    const uint8_t* p = walk.values(layout);
+    for (int64_t i = 0; i < layout.blocks_per_group; ++i, pair += kPairs, p += kBytes) {
       if constexpr (UNPACKED) {
         for (int j = 0; j < kPairs; ++j) {
           const __m512bh w = (__m512bh)_mm512_load_si512(unpacked + pair + j);
@@ -183,30 +422,13 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
             part[r][j % P] = _mm512_dpbf16_ps(
                 part[r][j % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
         }
-        p += kBlockBytes;
-      } else if constexpr (BITS == 4) {
-        for (int l = 0; l < kBlockBytes; l += 64) prefetch(p + kPrefetch + l);
-        for (int c = 0; c < 8; ++c) {
-          __m512i v0, v1;
-          nibbles_to_bf16(p + 32 * c, v0, v1);
-          const __m512bh w0 = (__m512bh)v0, w1 = (__m512bh)v1;
-          for (int r = 0; r < MR; ++r) {
-            part[r][(2 * c) % P] = _mm512_dpbf16_ps(
-                part[r][(2 * c) % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + c]), w0);
-            part[r][(2 * c + 1) % P] = _mm512_dpbf16_ps(
-                part[r][(2 * c + 1) % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + c + 8]), w1);
-          }
-        }
-        p += 256;
       } else {
-        for (int l = 0; l < kBlockBytes; l += 64) prefetch(p + kPrefetch + l);
-        for (int j = 0; j < 8; ++j) {
-          const __m512bh w = int8x32_to_bf16(p + 32 * j);
+        for (int l = 0; l < kBytes; l += 64) prefetch(p + kPrefetch + l);
+        decode_block<BITS>(p, [&](auto j, auto k, __m512bh w) {
           for (int r = 0; r < MR; ++r)
-            part[r][j % P] = _mm512_dpbf16_ps(
-                part[r][j % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
-        }
-        p += 256;
+            part[r][k % P] = _mm512_dpbf16_ps(
+                part[r][k % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
+        });
       }
     }
     __m512 sum[MR];
@@ -215,23 +437,19 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
         for (int t = 0; t < q; ++t) part[r][t] = _mm512_add_ps(part[r][t], part[r][t + q]);
       sum[r] = part[r][0];
     }
-    const __m512 d = load_scales<ScaleT>(p);
-    p += kLanes * sizeof(ScaleT);
+    __m512 d, m;
+    walk.scales(layout, d, m);
     if constexpr (ASYM) {
-      __m512 m = load_scales<ScaleT>(p);
-      p += kLanes * sizeof(ScaleT);
-      // 8-bit values are stored q - 128: w = d (q - 128) + (m + 128 d); 4-bit ones
-      // come as 16 + q: w = d (16 + q) + (m - 16 d)
-      if constexpr (BITS == 8) m = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), m);
-      if constexpr (BITS == 4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kNibbleBias), m);
+      // w = d q + m = d (q + B) + (m - B d), B the decoding's bias
+      m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS>), m);
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]),
                                  _mm512_fmadd_ps(d, sum[r], acc[r]));
-    } else if constexpr (BITS == 4) {  // w = d * (q - 8) = d * ((16 + q) - 24)
+    } else if constexpr (BITS != 8) {  // w = d (q - z) = d ((q + B) - (B + z))
+      constexpr float kShift = kDecodeBias<BITS> + (1 << (BITS - 1));
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(
-            d, _mm512_sub_ps(sum[r], _mm512_set1_ps((kNibbleBias + 8.f) * xsum[r * groups + g])),
-            acc[r]);
+            d, _mm512_sub_ps(sum[r], _mm512_set1_ps(kShift * xsum[r * groups + g])), acc[r]);
     } else {  // stored q - 128 already
       for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(d, sum[r], acc[r]);
     }
@@ -250,25 +468,26 @@ void micro_kernel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
 #if LOOM_HAVE_AMX
 // Rows [0, rows) of x times one panel of 16 outputs on the AMX tiles, from the panel's
 // values unpacked to bf16 integers (`unpacked`, pair vector after pair vector: 16 of
-// them are one B tile, 64 bytes apart). `unpacked` null (4-bit, at most 32 rows):
-// the panel is unpacked here 256 features at a time into an 8 KB buffer that stays in
-// L1, each chunk right before its tile products. (The whole panel unpacked first is
-// 32 KB per 1,024 features: written to L2 and read back by the tile loads. Q4_0 16,384
-// x 2,048 at 8 rows, one thread, a standalone copy of this code: 3.5 -> 2.2 ms,
+// them are one B tile, 64 bytes apart). `unpacked` null (4-, 5- or 6-bit, at most 32
+// rows): the panel is unpacked here 256 features at a time into an 8 KB buffer that
+// stays in L1, each chunk right before its tile products. (The whole panel unpacked
+// first is 32 KB per 1,024 features: written to L2 and read back by the tile loads. Q4_0
+// 16,384 x 2,048 at 8 rows, one thread, a standalone copy of this code: 3.5 -> 2.2 ms,
 // benchmarks/quantized.md.) Per group, the tiles give S for up to 32 rows
 // (C tiles 0-1, A tiles 2-3, B tile 4: the group's pairs, 16 at a time), then S leaves
 // the tiles and the group's scales and offsets apply in float32 exactly as the AVX-512
 // micro-kernel applies them: only S's float32 sums come in another order.
+// (Unrun on the development host, which has no AMX: compile-checked only since the
+// 5- and 6-bit layouts and two-level scales.)
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
-void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t groups,
-                          int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
-                          const float* xsum, int64_t rows, const float* bias, OutT* y,
-                          int64_t ldy, int64_t cols, int64_t& configured) {
-  const int64_t group_pairs = blocks_per_group * (BITS == 4 ? 16 : 8);
+void amx_rows_times_panel(const Layout& layout, const uint8_t* panel, const __m512i* unpacked,
+                          const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t rows,
+                          const float* bias, OutT* y, int64_t ldy, int64_t cols,
+                          int64_t& configured) {
+  const int64_t groups = layout.groups;
+  const int64_t group_pairs = layout.blocks_per_group * block_features(BITS) / 2;
   const int64_t step = std::min<int64_t>(group_pairs, 16);  // pairs per tile product
-  const int64_t block_bytes = blocks_per_group * kBlockBytes;
   const int64_t x_stride = ldx * 2;
-  const int64_t scale_bytes = kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1);
   const int64_t chunk_groups = std::max<int64_t>(1, 128 / group_pairs);  // 256 features
   thread_local std::vector<__m512i> chunk;
   if (!unpacked) {
@@ -288,12 +507,10 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
     for (int64_t r = 0; r < m; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
     const c10::BFloat16* xb = x + r0 * ldx;
     const float* xs = xsum + r0 * groups;
-    const uint8_t* p = panel;
-    for (int64_t g = 0; g < groups; ++g) {
+    PanelWalk<ASYM, ScaleT> walk{panel};
+    for (int64_t g = 0; g < groups; ++g, walk.next(layout)) {
       if (!unpacked && g % chunk_groups == 0)
-        unpack_panel<BITS>(panel + g * (block_bytes + scale_bytes),
-                           std::min(chunk_groups, groups - g), blocks_per_group, scale_bytes,
-                           chunk.data());
+        unpack_panel<BITS>(layout, panel, g, std::min(chunk_groups, groups - g), chunk.data());
       const __m512i* values =
           unpacked ? unpacked + g * group_pairs : chunk.data() + (g % chunk_groups) * group_pairs;
       _tile_zero(0);
@@ -310,26 +527,21 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
       }
       _tile_stored(0, sums[0], sizeof(sums[0]));
       if (m1) _tile_stored(1, sums[16], sizeof(sums[0]));
-      p += block_bytes;
-      const __m512 d = load_scales<ScaleT>(p);
-      p += kLanes * sizeof(ScaleT);
-      __m512 offset = _mm512_setzero_ps();
-      if constexpr (ASYM) {
-        offset = load_scales<ScaleT>(p);
-        p += kLanes * sizeof(ScaleT);
-        if constexpr (BITS == 8) offset = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), offset);
-        if constexpr (BITS == 4)
-          offset = _mm512_fnmadd_ps(d, _mm512_set1_ps(kNibbleBias), offset);
-      }
+      __m512 d, offset = _mm512_setzero_ps();
+      walk.scales(layout, d, offset);
+      if constexpr (ASYM) offset = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS>), offset);
       for (int64_t r = 0; r < m; ++r) {
         const __m512 sum = _mm512_load_ps(sums[r]);
         __m512 a = _mm512_load_ps(acc[r]);
         if constexpr (ASYM)
           a = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r * groups + g]),
                               _mm512_fmadd_ps(d, sum, a));
-        else if constexpr (BITS == 4)
+        else if constexpr (BITS != 8)
           a = _mm512_fmadd_ps(
-              d, _mm512_sub_ps(sum, _mm512_set1_ps((kNibbleBias + 8.f) * xs[r * groups + g])), a);
+              d,
+              _mm512_sub_ps(sum, _mm512_set1_ps((kDecodeBias<BITS> + (1 << (BITS - 1))) *
+                                                xs[r * groups + g])),
+              a);
         else
           a = _mm512_fmadd_ps(d, sum, a);
         _mm512_store_ps(acc[r], a);
@@ -350,47 +562,44 @@ void amx_rows_times_panel(const uint8_t* panel, const __m512i* unpacked, int64_t
 #endif
 
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
-void rows_times_panel(const uint8_t* panel, int64_t groups, int64_t blocks_per_group,
-                      const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t rows,
-                      const float* bias, OutT* y, int64_t ldy, int64_t cols, bool amx,
-                      int64_t& configured) {
+void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFloat16* x,
+                      int64_t ldx, const float* xsum, int64_t rows, const float* bias, OutT* y,
+                      int64_t ldy, int64_t cols, bool amx, int64_t& configured) {
   // More than one block of rows: unpack the panel once (K / 2 vectors, 32 KB per 1,024
   // features, in L2) and let every block of rows read it, rather than unpack it again
   // per 6 rows (batch 32: 6 unpackings of each weight instead of 1).
   const __m512i* unpacked = nullptr;
-  // One block of 4-bit rows on the tiles unpacks by chunks (amx_rows_times_panel). 8-bit
+  // One block of 4-bit rows on the tiles unpacks by chunks (amx_rows_times_panel); 5-
+  // and 6-bit ones, whose decoding is as cheap, too (unmeasured: no AMX here). 8-bit
   // values (their unpacking through float32 costs more than the L2 round trip it saves)
   // measured no faster that way (benchmarks/quantized.md): whole panel first.
-  const bool by_chunks = amx && rows <= 32 && BITS == 4;
+  const bool by_chunks = amx && rows <= 32 && BITS != 8;
   if (rows > kRowBlock && !by_chunks) {
     thread_local std::vector<__m512i> buffer;
-    const int64_t vectors = groups * blocks_per_group * (BITS == 4 ? 16 : 8);
+    const int64_t vectors = layout.groups * layout.blocks_per_group * block_features(BITS) / 2;
     if (static_cast<int64_t>(buffer.size()) < vectors) buffer.resize(vectors);
-    unpack_panel<BITS>(panel, groups, blocks_per_group,
-                       kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1), buffer.data());
+    unpack_panel<BITS>(layout, panel, 0, layout.groups, buffer.data());
     unpacked = buffer.data();
   }
 #if LOOM_HAVE_AMX
   if (amx) {
-    amx_rows_times_panel<BITS, ASYM, ScaleT, OutT>(panel, unpacked, groups, blocks_per_group,
-                                                   x, ldx, xsum, rows, bias, y, ldy, cols,
-                                                   configured);
+    amx_rows_times_panel<BITS, ASYM, ScaleT, OutT>(layout, panel, unpacked, x, ldx, xsum, rows,
+                                                   bias, y, ldy, cols, configured);
     return;
   }
 #endif
+  const int64_t groups = layout.groups;
   for (int64_t r = 0; r < rows; r += kRowBlock) {
-#define LOOM_MICRO(MR)                                                                    \
-  do {                                                                                    \
-    if (unpacked)                                                                         \
-      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, true>(panel, unpacked, groups,           \
-                                                       blocks_per_group, x + r * ldx, ldx, \
-                                                       xsum + r * groups, bias, y + r * ldy, \
-                                                       ldy, cols);                        \
-    else                                                                                  \
-      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, false>(panel, nullptr, groups,           \
-                                                        blocks_per_group, x + r * ldx, ldx, \
-                                                        xsum + r * groups, bias,          \
-                                                        y + r * ldy, ldy, cols);          \
+#define LOOM_MICRO(MR)                                                                      \
+  do {                                                                                      \
+    if (unpacked)                                                                           \
+      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, true>(layout, panel, unpacked, x + r * ldx, \
+                                                       ldx, xsum + r * groups, bias,        \
+                                                       y + r * ldy, ldy, cols);             \
+    else                                                                                    \
+      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, false>(layout, panel, nullptr, x + r * ldx, \
+                                                        ldx, xsum + r * groups, bias,       \
+                                                        y + r * ldy, ldy, cols);            \
   } while (0)
     switch (std::min(kRowBlock, rows - r)) {
       case 6: LOOM_MICRO(6); break;
@@ -418,12 +627,14 @@ constexpr int64_t kChunkFeatures = 256;      // features unpacked per chunk
 constexpr int64_t kWideMaxGroup = 512;       // larger groups (wint8's whole rows) stay per panel
 
 // Rows [0, MR) times the chunk's `chunk_groups` groups (starting at group g0) of kQuad
-// panels: values from `unpacked` (panel v's pairs at unpacked + v * chunk_pairs), scales
-// from `scales[v]` (panel v's first scale of group g0; `group_stride` bytes per group);
-// acc (MR x 64 floats, row stride 64) accumulates the scaled sums.
-template <int BITS, bool ASYM, typename ScaleT, int MR>
-void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const uint8_t* const* scales,
-                 int64_t group_stride, int64_t g0, int64_t chunk_groups, int64_t group_pairs,
+// panels: values from `unpacked` (panel v's pairs at unpacked + v * chunk_pairs), each
+// group's d and m' = m - B d (B the decoding's bias; asymmetric) from `scales` (panel
+// v's group gi at scales[2 * (v * chunk_groups + gi)], then m'), float32 once per chunk
+// (two-level ones multiplied out there, not again for every 6 rows); acc (MR x 64
+// floats, row stride 64) accumulates the scaled sums.
+template <int BITS, bool ASYM, int MR>
+void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const __m512* scales,
+                 int64_t g0, int64_t chunk_groups, int64_t group_pairs,
                  const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t groups,
                  float* acc) {
   const int32_t* xr[MR];
@@ -449,20 +660,16 @@ void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const uint8_t* co
     }
     const int64_t g = g0 + gi;
     for (int v = 0; v < kQuad; ++v) {
-      const uint8_t* sp = scales[v] + gi * group_stride;
-      const __m512 d = load_scales<ScaleT>(sp);
-      __m512 m = _mm512_setzero_ps();
-      if constexpr (ASYM) {
-        m = load_scales<ScaleT>(sp + kLanes * sizeof(ScaleT));
-        if constexpr (BITS == 8) m = _mm512_fmadd_ps(d, _mm512_set1_ps(128.f), m);
-        if constexpr (BITS == 4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kNibbleBias), m);
-      }
+      // as micro_kernel: w = d (q + B) + (m - B d), or d ((q + B) - (B + z))
+      const __m512 d = scales[2 * (v * chunk_groups + gi)];
+      const __m512 m = scales[2 * (v * chunk_groups + gi) + 1];
       for (int r = 0; r < MR; ++r) {
         float* a = acc + r * 64 + 16 * v;
         const float xs = xsum[r * groups + g];
         __m512 sum = part[r][v];
-        if constexpr (!ASYM && BITS == 4)  // w = d * (q - 8) = d * ((16 + q) - 24)
-          sum = _mm512_sub_ps(sum, _mm512_set1_ps((kNibbleBias + 8.f) * xs));
+        if constexpr (!ASYM && BITS != 8)
+          sum = _mm512_sub_ps(
+              sum, _mm512_set1_ps((kDecodeBias<BITS> + (1 << (BITS - 1))) * xs));
         __m512 out = _mm512_fmadd_ps(d, sum, _mm512_load_ps(a));
         if constexpr (ASYM) out = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), out);
         _mm512_store_ps(a, out);
@@ -475,46 +682,59 @@ void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const uint8_t* co
 // of them real: a last, partial quad repeats its last panel, whose outputs are not
 // written), writing `cols` (<= 64) outputs per row.
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
-void rows_times_quad(const uint8_t* panel, int64_t stride, int64_t count, int64_t groups,
-                     int64_t blocks_per_group, const c10::BFloat16* x, int64_t ldx,
-                     const float* xsum, int64_t rows, const float* bias, OutT* y, int64_t ldy,
-                     int64_t cols, bool prefetch_next_quad) {
-  const int64_t group_pairs = blocks_per_group * (BITS == 4 ? 16 : 8);
-  const int64_t scale_bytes = kLanes * sizeof(ScaleT) * (ASYM ? 2 : 1);
-  const int64_t group_stride = blocks_per_group * kBlockBytes + scale_bytes;
-  const int64_t chunk_groups = std::max<int64_t>(1, kChunkFeatures / (2 * group_pairs));
+void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride, int64_t count,
+                     const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t rows,
+                     const float* bias, OutT* y, int64_t ldy, int64_t cols,
+                     bool prefetch_next_quad) {
+  const int64_t groups = layout.groups;
+  const int64_t group_pairs = layout.blocks_per_group * block_features(BITS) / 2;
+  // whole units (super-blocks), so that each chunk's walks start at one
+  const int64_t per_unit = layout.groups_per_unit;
+  const int64_t chunk_groups =
+      (std::max<int64_t>(1, kChunkFeatures / (2 * group_pairs)) + per_unit - 1) / per_unit *
+      per_unit;
   const int64_t chunk_pairs = chunk_groups * group_pairs;
+  const int64_t chunk_bytes = chunk_groups / per_unit * layout.unit_bytes;
   thread_local std::vector<__m512i> buffer;
   thread_local std::vector<__m512> sums;  // rows x 64 float32 accumulators
+  thread_local std::vector<__m512> scales;  // the chunk's d and m' (wide_kernel)
   if (static_cast<int64_t>(buffer.size()) < kQuad * chunk_pairs) buffer.resize(kQuad * chunk_pairs);
+  if (static_cast<int64_t>(scales.size()) < 2 * kQuad * chunk_groups)
+    scales.resize(2 * kQuad * chunk_groups);
   if (static_cast<int64_t>(sums.size()) < rows * kQuad) sums.resize(rows * kQuad);
   float* acc = reinterpret_cast<float*>(sums.data());
   std::fill(acc, acc + rows * 64, 0.f);
   const uint8_t* panels[kQuad];
-  for (int64_t v = 0; v < kQuad; ++v) panels[v] = panel + std::min(v, count - 1) * stride;
+  const uint8_t* units[kQuad];  // each panel's unit of the chunk's first group
+  for (int64_t v = 0; v < kQuad; ++v) units[v] = panels[v] = panel + std::min(v, count - 1) * stride;
   for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
     const int64_t gn = std::min(chunk_groups, groups - g0);
-    const uint8_t* scales[kQuad];
     for (int64_t v = 0; v < kQuad; ++v) {
-      const uint8_t* start = panels[v] + g0 * group_stride;
-      unpack_panel<BITS>(start, gn, blocks_per_group, scale_bytes, buffer.data() + v * chunk_pairs);
-      scales[v] = start + blocks_per_group * kBlockBytes;
+      unpack_panel<BITS>(layout, panels[v], g0, gn, buffer.data() + v * chunk_pairs);
+      __m512* vs = scales.data() + 2 * v * gn;  // wide_kernel's chunk_groups is gn
+      for (int64_t gi = 0; gi < gn; ++gi) {
+        const uint8_t* unit = units[v] + gi / per_unit * layout.unit_bytes;
+        __m512 d, m = _mm512_setzero_ps();
+        unit_scales<ASYM, ScaleT>(layout, unit, gi % per_unit, d, m);
+        if constexpr (ASYM) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS>), m);
+        vs[2 * gi] = d;
+        vs[2 * gi + 1] = m;
+      }
     }
     // The next chunk of each panel (or the next quad's first), asked for now: four
     // streams of 2 KB are too short for the hardware prefetcher, and unpacking them as
     // they come waited on memory (a 1B gate/up at 8 rows, one thread: half the time).
-    const int64_t chunk_bytes = gn * group_stride;
     for (int64_t v = 0; v < kQuad; ++v) {
-      const uint8_t* next = g0 + chunk_groups < groups ? panels[v] + (g0 + chunk_groups) * group_stride
-                                                       : panel + (kQuad + v) * stride;
+      const uint8_t* next = g0 + chunk_groups < groups
+                                ? panels[v] + (g0 + chunk_groups) / per_unit * layout.unit_bytes
+                                : panel + (kQuad + v) * stride;
       if (g0 + chunk_groups >= groups && !prefetch_next_quad) break;
       for (int64_t l = 0; l < chunk_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T0);
     }
     for (int64_t r = 0; r < rows; r += kRowBlock) {
-#define LOOM_WIDE(MR)                                                                     \
-  wide_kernel<BITS, ASYM, ScaleT, MR>(buffer.data(), chunk_pairs, scales, group_stride, g0, gn, \
-                                      group_pairs, x + r * ldx, ldx, xsum + r * groups,   \
-                                      groups, acc + r * 64)
+#define LOOM_WIDE(MR)                                                                      \
+  wide_kernel<BITS, ASYM, MR>(buffer.data(), chunk_pairs, scales.data(), g0, gn, group_pairs, \
+                              x + r * ldx, ldx, xsum + r * groups, groups, acc + r * 64)
       switch (std::min(kRowBlock, rows - r)) {
         case 6: LOOM_WIDE(6); break;
         case 5: LOOM_WIDE(5); break;
@@ -525,6 +745,7 @@ void rows_times_quad(const uint8_t* panel, int64_t stride, int64_t count, int64_
       }
 #undef LOOM_WIDE
     }
+    for (int64_t v = 0; v < kQuad; ++v) units[v] += chunk_bytes;
   }
   for (int64_t v = 0; v < kQuad; ++v) {
     const int64_t left = cols - 16 * v;
@@ -544,9 +765,9 @@ void rows_times_quad(const uint8_t* panel, int64_t stride, int64_t count, int64_
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, const float* xsum,
               int64_t rows, const float* bias, OutT* y, int64_t ldy) {
+  const Layout layout(w);
   const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
-  const int64_t groups = w.in_features / w.group_size;
-  const int64_t blocks_per_group = w.group_size / block_features(BITS);
+  const int64_t groups = layout.groups;
   const auto* data = w.data.data_ptr<uint8_t>();
   // The tiles take 8 rows or more when a group's pairs fill whole tile products (16 at
   // a time, or Q6_K's 8).
@@ -565,7 +786,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
         if (nrows <= 0) continue;
         const int64_t p = q * kQuad;
         rows_times_quad<BITS, ASYM, ScaleT, OutT>(
-            data + p * stride, stride, std::min(kQuad, panels - p), groups, blocks_per_group,
+            layout, data + p * stride, stride, std::min(kQuad, panels - p),
             x + r0 * ldx, ldx, xsum + r0 * groups, nrows, bias ? bias + p * kLanes : nullptr,
             y + r0 * ldy + p * kLanes, ldy, std::min(kQuad * kLanes, n - p * kLanes),
             item + 1 < end && q + 1 < quads && p + 2 * kQuad <= panels);
@@ -582,8 +803,8 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
       const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
       if (nrows <= 0) continue;
       rows_times_panel<BITS, ASYM, ScaleT, OutT>(
-          data + p * stride, groups, blocks_per_group, x + r0 * ldx, ldx, xsum + r0 * groups,
-          nrows, bias ? bias + p * kLanes : nullptr, y + r0 * ldy + p * kLanes, ldy,
+          layout, data + p * stride, x + r0 * ldx, ldx, xsum + r0 * groups, nrows,
+          bias ? bias + p * kLanes : nullptr, y + r0 * ldy + p * kLanes, ldy,
           std::min(kLanes, n - p * kLanes), amx, configured);
     }
 #if LOOM_HAVE_AMX
@@ -592,21 +813,26 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
   });
 }
 
+// The formats that exist, and only those (each combination is ~12 micro-kernels):
+// Q4_1/wint4, Q4_0, Q8_0, wint8, Q4_K, Q5_K, Q5_0, Q6_K.
 template <typename OutT>
 void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx,
                    const float* xsum, int64_t rows, const float* bias, OutT* y, int64_t ldy) {
 #define LOOM_RUN(BITS, ASYM, SCALE) \
   return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, xsum, rows, bias, y, ldy)
-  if (w.bits == 4 && w.asymmetric && !w.float_scales) LOOM_RUN(4, true, c10::Half);
-  if (w.bits == 4 && !w.asymmetric && !w.float_scales) LOOM_RUN(4, false, c10::Half);
-  if (w.bits == 8 && !w.asymmetric && !w.float_scales) LOOM_RUN(8, false, c10::Half);
-  if (w.bits == 8 && !w.asymmetric && w.float_scales) LOOM_RUN(8, false, float);
-  if (w.bits == 4 && w.asymmetric && w.float_scales) LOOM_RUN(4, true, float);
-  if (w.bits == 8 && w.asymmetric && w.float_scales) LOOM_RUN(8, true, float);
+  const bool half = !w.float_scales && !w.two_level, single = w.float_scales;
+  if (w.bits == 4 && w.asymmetric && half) LOOM_RUN(4, true, c10::Half);
+  if (w.bits == 4 && !w.asymmetric && half) LOOM_RUN(4, false, c10::Half);
+  if (w.bits == 8 && !w.asymmetric && half) LOOM_RUN(8, false, c10::Half);
+  if (w.bits == 8 && !w.asymmetric && single) LOOM_RUN(8, false, float);
+  if (w.bits == 4 && w.asymmetric && w.two_level) LOOM_RUN(4, true, int8_t);
+  if (w.bits == 5 && w.asymmetric && w.two_level) LOOM_RUN(5, true, int8_t);
+  if (w.bits == 5 && !w.asymmetric && half) LOOM_RUN(5, false, c10::Half);
+  if (w.bits == 6 && !w.asymmetric && w.two_level) LOOM_RUN(6, false, int8_t);
 #undef LOOM_RUN
   TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
               w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
-              w.float_scales ? "float32" : "float16", " scales");
+              w.two_level ? "two-level" : w.float_scales ? "float32" : "float16", " scales");
 }
 #endif
 
@@ -615,79 +841,107 @@ void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx
 bool quant_gemm_available() { return LOOM_HAVE_QUANT_GEMM; }
 
 QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
-                                      c10::optional<at::Tensor> offsets, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "pack_quantized_weight: bits must be 4 or 8, got ", bits);
+                                      c10::optional<at::Tensor> offsets, int64_t bits,
+                                      c10::optional<at::Tensor> super_scales,
+                                      c10::optional<at::Tensor> super_offsets) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "pack_quantized_weight: bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kByte && values.dim() == 2,
               "values must be a 2-d uint8 CPU tensor");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == values.size(0) &&
-                  (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
-              "scales must be (N, groups) float16 or float32");
+  const bool two_level = super_scales.has_value() && super_scales->defined();
   const bool asymmetric = offsets.has_value() && offsets->defined();
-  if (asymmetric)
+  const int64_t n = values.size(0), k = values.size(1);
+  if (two_level) {
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.scalar_type() == at::kChar &&
+                    super_scales->scalar_type() == at::kHalf && k % kSuperBlock == 0 &&
+                    super_scales->sizes() == at::IntArrayRef({n, k / kSuperBlock}),
+                "two-level scales: int8 scales (N, groups) and float16 super_scales (N, K / ",
+                kSuperBlock, "), K a multiple of ", kSuperBlock, "; got ", k, " features");
+  } else {
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n &&
+                    (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+                "scales must be (N, groups) float16 or float32");
+  }
+  if (asymmetric) {
     TORCH_CHECK(offsets->sizes() == scales.sizes() &&
                     offsets->scalar_type() == scales.scalar_type(),
                 "offsets must have the shape and dtype of scales");
-  const int64_t n = values.size(0), k = values.size(1), groups = scales.size(1);
-  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % block_features(bits) == 0,
+  }
+  TORCH_CHECK(two_level ? (asymmetric == (super_offsets.has_value() && super_offsets->defined()))
+                        : !(super_offsets.has_value() && super_offsets->defined()),
+              "super_offsets come with two-level offsets, and only with them");
+  if (two_level && asymmetric) {
+    TORCH_CHECK(super_offsets->sizes() == super_scales->sizes() &&
+                    super_offsets->scalar_type() == at::kHalf,
+                "super_offsets must have the shape and dtype of super_scales");
+  }
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % block_features(bits) == 0 &&
+                  (!two_level || kSuperBlock % (k / groups) == 0),
               "pack_quantized_weight: ", k, " input features in ", groups,
               " groups: each group must be a multiple of ", block_features(bits),
-              " features at ", bits, " bits");
+              " features at ", bits, " bits", two_level ? " that divides 256" : "");
   QuantizedWeight w;
   w.out_features = n;
   w.in_features = k;
   w.bits = bits;
   w.group_size = k / groups;
   w.asymmetric = asymmetric;
-  w.float_scales = scales.scalar_type() == at::kFloat;
+  w.float_scales = !two_level && scales.scalar_type() == at::kFloat;
+  w.two_level = two_level;
+  const Layout layout(w);
   const int64_t panels = (n + kLanes - 1) / kLanes;
-  const int64_t stride = panel_bytes(k, bits, w.group_size, asymmetric, w.float_scales);
+  const int64_t stride = layout.panel_bytes();
   w.data = at::zeros({panels, stride}, values.options());
   const auto v = values.contiguous();
   const auto s = scales.contiguous();
   const auto o = asymmetric ? offsets->contiguous() : at::Tensor();
+  const auto ss = two_level ? super_scales->contiguous() : at::Tensor();
+  const auto so = two_level && asymmetric ? super_offsets->contiguous() : at::Tensor();
   const auto* vp = v.data_ptr<uint8_t>();
-  const auto* sp = static_cast<const uint8_t*>(s.data_ptr());
-  const auto* op = asymmetric ? static_cast<const uint8_t*>(o.data_ptr()) : nullptr;
+  auto bytes = [](const at::Tensor& t) {
+    return t.defined() ? static_cast<const uint8_t*>(t.data_ptr()) : nullptr;
+  };
   auto* out = w.data.data_ptr<uint8_t>();
   const int64_t scale_size = s.element_size();
   const int64_t features = block_features(bits);
-  const int64_t blocks_per_group = w.group_size / features;
   const int64_t limit = (1 << bits) - 1;
   TORCH_CHECK(v.max().item<uint8_t>() <= limit, "values must be below 2^", bits);
+  const int64_t supers = k / kSuperBlock;
+  // table (N, columns) of `size`-byte entries: rows of panel p, column c -> 16 entries
+  auto copy_lanes = [&](uint8_t* dst, const uint8_t* table, int64_t columns, int64_t c,
+                        int64_t size, int64_t p) {
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const int64_t row = p * kLanes + lane;
+      if (row < n)
+        std::memcpy(dst + lane * size, table + (row * columns + c) * size, size);
+    }
+  };
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      uint8_t* dst = out + p * stride;
+      uint8_t* panel = out + p * stride;
       for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t i = 0; i < blocks_per_group; ++i) {
-          const int64_t k0 = (g * blocks_per_group + i) * features;
+        uint8_t* dst = const_cast<uint8_t*>(layout.values(panel, g));
+        for (int64_t i = 0; i < layout.blocks_per_group; ++i, dst += block_bytes(bits)) {
+          const int64_t k0 = (g * layout.blocks_per_group + i) * features;
           for (int64_t lane = 0; lane < kLanes; ++lane) {
             const int64_t row = p * kLanes + lane;
             if (row >= n) continue;
-            const uint8_t* src = vp + row * k + k0;
-            // word t = 2 * lane + e of pair vector j holds feature 2j + e
-            for (int64_t j = 0; j < features / 2; ++j)
-              for (int64_t e = 0; e < 2; ++e) {
-                const uint8_t q = src[2 * j + e];
-                const int64_t t = 2 * lane + e;
-                if (bits == 8)
-                  dst[32 * j + t] = static_cast<uint8_t>(static_cast<int>(q) - 128);
-                else if (j < 8)
-                  dst[32 * j + t] |= q;
-                else
-                  dst[32 * (j - 8) + t] |= static_cast<uint8_t>(q << 4);
-              }
+            for (int64_t f = 0; f < features; ++f)
+              set_block_value(dst, bits, lane, f, vp[row * k + k0 + f]);
           }
-          dst += kBlockBytes;
         }
-        for (const uint8_t* table : {sp, op}) {
-          if (table == nullptr) continue;
-          for (int64_t lane = 0; lane < kLanes; ++lane) {
-            const int64_t row = p * kLanes + lane;
-            if (row < n)
-              std::memcpy(dst + lane * scale_size, table + (row * groups + g) * scale_size,
-                          scale_size);
-          }
-          dst += kLanes * scale_size;
+        uint8_t* sc = const_cast<uint8_t*>(layout.scales(panel, g));
+        copy_lanes(sc, bytes(s), groups, g, scale_size, p);
+        if (asymmetric)
+          copy_lanes(two_level ? const_cast<uint8_t*>(layout.sub_offsets(panel, g))
+                               : sc + kLanes * scale_size,
+                     bytes(o), groups, g, scale_size, p);
+        if (two_level && g % layout.groups_per_unit == 0) {
+          uint8_t* super = const_cast<uint8_t*>(layout.unit(panel, g));
+          copy_lanes(super, bytes(ss), supers, g / layout.groups_per_unit, 2, p);
+          if (asymmetric)
+            copy_lanes(super + 2 * kLanes, bytes(so), supers, g / layout.groups_per_unit, 2, p);
         }
       }
     }
@@ -697,51 +951,63 @@ QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
 
 std::vector<c10::optional<at::Tensor>> unpack_quantized_weight(const QuantizedWeight& w) {
   TORCH_CHECK(w.data.defined(), "unpack_quantized_weight: the weight is empty");
-  const int64_t n = w.out_features, k = w.in_features, groups = k / w.group_size;
-  const int64_t features = block_features(w.bits);
-  const int64_t blocks_per_group = w.group_size / features, stride = w.data.size(1);
-  const auto scale_type = w.float_scales ? at::kFloat : at::kHalf;
+  const Layout layout(w);
+  const int64_t n = w.out_features, k = w.in_features, groups = layout.groups;
+  const int64_t features = block_features(w.bits), stride = w.data.size(1);
+  const int64_t supers = k / kSuperBlock;
+  const auto scale_type = w.two_level ? at::kChar : w.float_scales ? at::kFloat : at::kHalf;
   auto values = at::empty({n, k}, w.data.options());
   auto scales = at::empty({n, groups}, w.data.options().dtype(scale_type));
   auto offsets = w.asymmetric ? at::empty({n, groups}, scales.options()) : at::Tensor();
+  auto super_scales =
+      w.two_level ? at::empty({n, supers}, w.data.options().dtype(at::kHalf)) : at::Tensor();
+  auto super_offsets =
+      w.two_level && w.asymmetric ? at::empty({n, supers}, super_scales.options()) : at::Tensor();
   const auto* in = w.data.data_ptr<uint8_t>();
   auto* vp = values.data_ptr<uint8_t>();
-  auto* sp = static_cast<uint8_t*>(scales.data_ptr());
-  auto* op = w.asymmetric ? static_cast<uint8_t*>(offsets.data_ptr()) : nullptr;
+  auto bytes = [](at::Tensor& t) {
+    return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;
+  };
   const int64_t scale_size = scales.element_size();
   const int64_t panels = w.data.size(0);
+  // 16 entries of `size` bytes at src -> column c of table (N, columns), panel p's rows
+  auto copy_lanes = [&](uint8_t* table, const uint8_t* src, int64_t columns, int64_t c,
+                        int64_t size, int64_t p) {
+    for (int64_t lane = 0; lane < kLanes && p * kLanes + lane < n; ++lane)
+      std::memcpy(table + ((p * kLanes + lane) * columns + c) * size, src + lane * size, size);
+  };
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* src = in + p * stride;
+      const uint8_t* panel = in + p * stride;
       for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t i = 0; i < blocks_per_group; ++i) {
-          const int64_t k0 = (g * blocks_per_group + i) * features;
-          for (int64_t lane = 0; lane < kLanes && p * kLanes + lane < n; ++lane) {
-            uint8_t* dst = vp + (p * kLanes + lane) * k + k0;
-            for (int64_t j = 0; j < features / 2; ++j)
-              for (int64_t e = 0; e < 2; ++e) {
-                const int64_t t = 2 * lane + e;
-                if (w.bits == 8)
-                  dst[2 * j + e] = static_cast<uint8_t>(static_cast<int8_t>(src[32 * j + t]) + 128);
-                else if (j < 8)
-                  dst[2 * j + e] = src[32 * j + t] & 0x0F;
-                else
-                  dst[2 * j + e] = src[32 * (j - 8) + t] >> 4;
-              }
-          }
-          src += kBlockBytes;
-        }
-        for (uint8_t* table : {sp, op}) {
-          if (table == nullptr) continue;
+        const uint8_t* src = layout.values(panel, g);
+        for (int64_t i = 0; i < layout.blocks_per_group; ++i, src += block_bytes(w.bits)) {
+          const int64_t k0 = (g * layout.blocks_per_group + i) * features;
           for (int64_t lane = 0; lane < kLanes && p * kLanes + lane < n; ++lane)
-            std::memcpy(table + ((p * kLanes + lane) * groups + g) * scale_size,
-                        src + lane * scale_size, scale_size);
-          src += kLanes * scale_size;
+            for (int64_t f = 0; f < features; ++f)
+              vp[(p * kLanes + lane) * k + k0 + f] =
+                  static_cast<uint8_t>(block_value(src, w.bits, lane, f));
+        }
+        const uint8_t* sc = layout.scales(panel, g);
+        copy_lanes(bytes(scales), sc, groups, g, scale_size, p);
+        if (w.asymmetric)
+          copy_lanes(bytes(offsets), w.two_level ? layout.sub_offsets(panel, g)
+                                                 : sc + kLanes * scale_size,
+                     groups, g, scale_size, p);
+        if (w.two_level && g % layout.groups_per_unit == 0) {
+          const uint8_t* super = layout.unit(panel, g);
+          copy_lanes(bytes(super_scales), super, supers, g / layout.groups_per_unit, 2, p);
+          if (w.asymmetric)
+            copy_lanes(bytes(super_offsets), super + 2 * kLanes, supers,
+                       g / layout.groups_per_unit, 2, p);
         }
       }
     }
   });
-  return {values, scales, w.asymmetric ? c10::optional<at::Tensor>(offsets) : c10::nullopt};
+  auto optional = [](const at::Tensor& t) {
+    return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+  };
+  return {values, scales, optional(offsets), optional(super_scales), optional(super_offsets)};
 }
 
 void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
@@ -751,57 +1017,57 @@ void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
                   out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0) &&
                   out.size(1) == w.in_features,
               "out must be (len(ids), ", w.in_features, ") bfloat16 or float32, contiguous");
-  const int64_t k = w.in_features, groups = k / w.group_size, stride = w.data.size(1);
+  const Layout layout(w);
+  const int64_t k = w.in_features, groups = layout.groups, stride = w.data.size(1);
   const int64_t features = block_features(w.bits);
-  const int64_t blocks_per_group = w.group_size / features;
-  const int64_t scale_size = w.float_scales ? 4 : 2;
+  const float zero_point = w.asymmetric ? 0.f : static_cast<float>(1 << (w.bits - 1));
   const auto ids_c = ids.contiguous();
   const int64_t* idp = ids_c.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.size(0); ++i)
     TORCH_CHECK(idp[i] >= 0 && idp[i] < w.out_features, "dequantize_rows: row ", idp[i],
                 " is out of range [0, ", w.out_features, ")");
   const auto* data = w.data.data_ptr<uint8_t>();
-  auto scale_at = [&](const uint8_t* p, int64_t lane) {
-    if (w.float_scales) {
-      float f;
-      std::memcpy(&f, p + 4 * lane, 4);
-      return f;
-    }
+  auto half_at = [](const uint8_t* p, int64_t lane) {
     c10::Half h;
     std::memcpy(&h, p + 2 * lane, 2);
     return static_cast<float>(h);
   };
+  // group g's d and m for row `lane`, as QuantizedTensor.dequantize computes them
+  auto scale_offset = [&](const uint8_t* panel, int64_t g, int64_t lane, float& d, float& m) {
+    const uint8_t* s = layout.scales(panel, g);
+    m = 0.f;
+    if (w.two_level) {  // exact products
+      const uint8_t* super = layout.unit(panel, g);
+      d = half_at(super, lane) * static_cast<float>(static_cast<int8_t>(s[lane]));
+      if (w.asymmetric)
+        m = half_at(super + 2 * kLanes, lane) *
+            static_cast<float>(static_cast<int8_t>(layout.sub_offsets(panel, g)[lane]));
+    } else if (w.float_scales) {
+      std::memcpy(&d, s + 4 * lane, 4);
+      if (w.asymmetric) std::memcpy(&m, s + 4 * (kLanes + lane), 4);
+    } else {
+      d = half_at(s, lane);
+      if (w.asymmetric) m = half_at(s + 2 * kLanes, lane);
+    }
+  };
   LOOM_DISPATCH(out.scalar_type(), "dequantize_rows", [&] {
     auto* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, ids.size(0), 1, [&](int64_t begin, int64_t end) {
-      float row[32];
       for (int64_t i = begin; i < end; ++i) {
         const int64_t lane = idp[i] % kLanes;
-        const uint8_t* src = data + (idp[i] / kLanes) * stride;
+        const uint8_t* panel = data + (idp[i] / kLanes) * stride;
         for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* scales = src + blocks_per_group * kBlockBytes;
-          const float d = scale_at(scales, lane);
-          const float m = w.asymmetric ? scale_at(scales + kLanes * scale_size, lane) : 0.f;
-          for (int64_t b = 0; b < blocks_per_group; ++b, src += kBlockBytes) {
-            for (int64_t j = 0; j < features / 2; ++j)
-              for (int64_t e = 0; e < 2; ++e) {
-                const int64_t t = 2 * lane + e;
-                float q;
-                if (w.bits == 8)  // stored q - 128
-                  q = static_cast<float>(static_cast<int8_t>(src[32 * j + t])) +
-                      (w.asymmetric ? 128.f : 0.f);
-                else if (j < 8)
-                  q = src[32 * j + t] & 0x0F;
-                else
-                  q = src[32 * (j - 8) + t] >> 4;
-                if (w.bits == 4 && !w.asymmetric) q -= 8.f;
-                // as QuantizedTensor.dequantize: d * (q - z), or d * q + m
-                row[2 * j + e] = w.asymmetric ? d * q + m : d * q;
-              }
-            scalar_t* dst = op + i * k + (g * blocks_per_group + b) * features;
-            for (int64_t c = 0; c < features; ++c) dst[c] = from_float<scalar_t>(row[c]);
+          float d, m;
+          scale_offset(panel, g, lane, d, m);
+          const uint8_t* src = layout.values(panel, g);
+          for (int64_t b = 0; b < layout.blocks_per_group; ++b, src += block_bytes(w.bits)) {
+            scalar_t* dst = op + i * k + (g * layout.blocks_per_group + b) * features;
+            for (int64_t f = 0; f < features; ++f) {
+              const float q = static_cast<float>(block_value(src, w.bits, lane, f));
+              // as QuantizedTensor.dequantize: d * (q - z), or d * q + m
+              dst[f] = from_float<scalar_t>(w.asymmetric ? q * d + m : (q - zero_point) * d);
+            }
           }
-          src += kLanes * scale_size * (w.asymmetric ? 2 : 1);
         }
       }
     });

@@ -49,15 +49,19 @@ void bind_quant_gemm(py::module& m) {
       .def_readonly("group_size", &loom::QuantizedWeight::group_size)
       .def_readonly("asymmetric", &loom::QuantizedWeight::asymmetric)
       .def_readonly("float_scales", &loom::QuantizedWeight::float_scales)
+      .def_readonly("two_level", &loom::QuantizedWeight::two_level)
       .def_property_readonly("nbytes", &loom::QuantizedWeight::nbytes);
   m.def("quant_gemm_available", &loom::quant_gemm_available,
         "whether quantized_linear runs here (AVX512-BF16)");
   m.def("pack_quantized_weight", &loom::pack_quantized_weight,
-        "values (N, K) uint8, scales (N, groups) [, offsets] -> QuantizedWeight",
+        "values (N, K) uint8, scales (N, groups) [, offsets] [, two-level super_scales "
+        "[, super_offsets] (N, K / 256)] -> QuantizedWeight",
         py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
+        py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("unpack_quantized_weight", &loom::unpack_quantized_weight,
-        "QuantizedWeight -> [values, scales, offsets or None]", py::arg("weight"),
+        "QuantizedWeight -> [values, scales, offsets, super_scales, super_offsets] (None where "
+        "absent)", py::arg("weight"),
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &loom::dequantize_rows, "out = rows ids of W, dequantized",
         py::arg("out"), py::arg("weight"), py::arg("ids"),

@@ -30,8 +30,7 @@ class QuantizedTable:
         self.format = staged.format
         ops = native_ops_for(staged.values.device, dtype)
         if ops is not None and dtype == torch.bfloat16 and ops.quant_gemm_available():
-            self.kernel = ops.pack_quantized_weight(staged.values, staged.scales,
-                                                    staged.offsets, staged.bits)
+            self.kernel = staged.pack(ops)
             self.reference, self._ops = None, ops
         else:
             self.kernel, self.reference, self._ops = None, staged, None

@@ -294,6 +294,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.register_parameter("weight_scale", None)  # quantized, PyTorch path
         self.register_parameter("weight_offset", None)
+        self.register_parameter("weight_super_scale", None)  # two-level (K-quants)
+        self.register_parameter("weight_super_offset", None)
         self.packed_weight: PackedWeight | None = None  # see pack_weight
         self.quant_weight = None  # the kernel's QuantizedWeight
         # several formats (RowBlocks): QuantizedWeight (kernel) or QuantizedTensor each
@@ -344,8 +346,8 @@ class LinearBase(nn.Module):
             weight.copy_(held.dequantize())
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self._load_weight
-        self.weight_scale = self.weight_offset = self.weight_parts = None
-        self.quant_weight = self.weight_format = self._staging = None
+        self._hold_scales(None)
+        self.weight_parts = self.quant_weight = self.weight_format = self._staging = None
         self.quantization = "none"
 
     def _unpack_panels(self) -> None:
@@ -389,8 +391,7 @@ class LinearBase(nn.Module):
             if isinstance(part, QuantizedTensor):
                 blocks.append(part.clone())
             else:
-                values, scales, offsets = native_ops().unpack_quantized_weight(part)
-                blocks.append(QuantizedTensor(values, scales, offsets, part.bits, fmt))
+                blocks.append(QuantizedTensor.unpack(native_ops(), part, fmt))
         return RowBlocks(blocks)
 
     def _unpack(self) -> QuantizedTensor:
@@ -398,12 +399,8 @@ class LinearBase(nn.Module):
         if self.weight_parts is not None:
             raise ValueError(f"a {self.weight_format} layer is held in several formats")
         if self.quant_weight is not None:
-            values, scales, offsets = native_ops().unpack_quantized_weight(self.quant_weight)
-            return QuantizedTensor(values, scales, offsets, self._bits, self.weight_format)
-        return QuantizedTensor(self.weight.detach().clone(), self.weight_scale.detach().clone(),
-                               None if self.weight_offset is None
-                               else self.weight_offset.detach().clone(),
-                               self._bits, self.weight_format)
+            return QuantizedTensor.unpack(native_ops(), self.quant_weight, self.weight_format)
+        return self.quantized().clone()
 
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every weight is in place (and again after a reload):
@@ -429,17 +426,24 @@ class LinearBase(nn.Module):
         staged = blocks[0]
         self.weight_format, self._bits = staged.format, staged.bits
         if kernel:
-            self.quant_weight = ops.pack_quantized_weight(staged.values, staged.scales,
-                                                          staged.offsets, staged.bits)
+            self.quant_weight = staged.pack(ops)
             self.weight = nn.Parameter(self.quant_weight.data, requires_grad=False)
-            self.weight_scale = self.weight_offset = None
+            self._hold_scales(None)
         else:
             self.quant_weight = None
             self.weight = nn.Parameter(staged.values, requires_grad=False)
-            self.weight_scale = nn.Parameter(staged.scales, requires_grad=False)
-            self.weight_offset = (None if staged.offsets is None
-                                  else nn.Parameter(staged.offsets, requires_grad=False))
+            self._hold_scales(staged)
         self.weight.weight_loader = self._load_weight
+
+    def _hold_scales(self, staged: QuantizedTensor | None) -> None:
+        """The PyTorch path's scale parameters: ``staged``'s, or none (loom's kernel
+        holds them in its layout)."""
+        tensors = [None] * 4 if staged is None else [
+            staged.scales, staged.offsets, staged.super_scales, staged.super_offsets]
+        for name, tensor in zip(("weight_scale", "weight_offset", "weight_super_scale",
+                                 "weight_super_offset"), tensors):
+            setattr(self, name,
+                    None if tensor is None else nn.Parameter(tensor, requires_grad=False))
 
     def _hold_parts(self, blocks: list[QuantizedTensor], ops) -> None:
         """Hold ``blocks`` (runs of rows, each in one format) each in its own layout:
@@ -449,24 +453,20 @@ class LinearBase(nn.Module):
         self._part_formats = [block.format for block in blocks]
         self.weight_format = "+".join(dict.fromkeys(self._part_formats))
         if ops is not None:
-            parts = [ops.pack_quantized_weight(b.values, b.scales, b.offsets, b.bits)
-                     for b in blocks]
+            parts = [block.pack(ops) for block in blocks]
             buffer, views = _one_buffer([part.data for part in parts])
             for part, view in zip(parts, views):
                 part.data = view
         else:
-            tensors = [[b.values, b.scales] + ([] if b.offsets is None else [b.offsets])
-                       for b in blocks]
+            tensors = [block.tensors() for block in blocks]
             buffer, views = _one_buffer([t for group in tensors for t in group])
             parts, at = [], 0
             for block, group in zip(blocks, tensors):
-                held = views[at:at + len(group)]
+                parts.append(block.with_tensors(views[at:at + len(group)]))
                 at += len(group)
-                parts.append(QuantizedTensor(held[0], held[1], held[2] if len(held) > 2
-                                             else None, block.bits, block.format))
         self.weight_parts = parts
         self.weight = nn.Parameter(buffer, requires_grad=False)
-        self.weight_scale = self.weight_offset = None
+        self._hold_scales(None)
         self.weight.weight_loader = self._load_weight
 
     @property
@@ -482,7 +482,8 @@ class LinearBase(nn.Module):
                 or self.weight_parts is not None:
             return None
         return QuantizedTensor(self.weight, self.weight_scale, self.weight_offset, self._bits,
-                               self.weight_format)
+                               self.weight_format, self.weight_super_scale,
+                               self.weight_super_offset)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                float_output: bool = False) -> torch.Tensor:

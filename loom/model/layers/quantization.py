@@ -15,21 +15,30 @@ groups of input features, each group of each output row with a scale d and eithe
 offset m (asymmetric) or the fixed zero point z = 2^(bits-1) (symmetric)::
 
     w = d * (q - z)      symmetric:  Q8_0 (8-bit, float16 d per 32), Q4_0 (4-bit, per 32),
+                                     Q5_0 (5-bit, float16 d per 32),
                                      wint8 (8-bit, one float32 d per row),
-                                     Q6_K (6-bit values held in 8, float32 d per 16),
-                                     Q5_0 (5-bit values held in 8, float16 d per 32)
+                                     Q6_K (6-bit, two-level d per 16)
     w = d * q + m        asymmetric: Q4_1 (4-bit, float16 d and m per 32), wint4,
-                                     Q4_K (4-bit, float32 d and m per 32),
-                                     Q5_K (5-bit values held in 8, float32 d and m per 32)
+                                     Q4_K (4-bit, two-level d and m per 32),
+                                     Q5_K (5-bit, two-level d and m per 32)
 
-The K-quants' two-level scales (a float16 per 256 values times a 6- or 8-bit integer per
-32 or 16) are multiplied out into one float32 scale (and offset) per group: exact, since
-both factors fit in float32's 24-bit significand, and what ``gguf.quants`` computes
-before it scales the values. Held that way, Q4_K takes 6 bits a weight (the file 4.5),
-Q5_K 10 (5.5) and Q6_K 10 (6.56): more than the file, 0.4-0.6 of bf16's 16, and one
-kernel still reads them all.
-which is also what the CPU kernel reads (``loom/kernels/csrc/quant_gemm.cpp``), so a
-GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
+The K-quants keep their two-level scales as the file has them: an int8 per group (Q4_K
+and Q5_K's 6-bit scale and min, Q6_K's signed 8-bit scale) times a float16 per
+super-block of 256 values (d, and -dmin for the offsets). Where they apply (the
+kernel's float32 per-group scaling, ``dequantize``) the two are multiplied in float32:
+exact, since both factors fit in float32's 24-bit significand, and what ``gguf.quants``
+computes before it scales the values. So loom's kernel layout holds each format at its
+file's size, bits per weight (file -> held)::
+
+    Q4_0 4.5 -> 4.5     Q4_1 5.0 -> 5.0     Q5_0 5.5 -> 5.5     Q8_0 8.5 -> 8.5
+    Q4_K 4.5 -> 4.625   Q5_K 5.5 -> 5.625   Q6_K 6.5625 -> 6.5625
+
+(Q4_K and Q5_K: the file packs 8 six-bit scales and mins in 12 bytes per 256 values,
+loom an int8 each. Before, with the two levels multiplied out into float32 and 5- and
+6-bit values held in 8 bits: Q4_K 6, Q5_K 10, Q6_K 10, Q5_0 8.5.) A ``QuantizedTensor``
+itself (loading, and the PyTorch path's weights) holds one byte per value. Either way
+the values and scales are the file's (``loom/kernels/csrc/quant_gemm.cpp`` repacks them
+into panels), so a GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
 (``gguf.quants``) bit for bit. Quantizing at load (wint8, wint4) happens in the weight
 loader on the whole checkpoint tensor, before a rank takes its shard: a row's scale
 comes from the full row, and tensor parallel ranks hold exactly TP=1's values.
@@ -60,7 +69,7 @@ _GGML_Q4_0, _GGML_Q4_1, _GGML_Q5_0, _GGML_Q8_0 = 2, 3, 6, 8
 _GGML_Q4_K, _GGML_Q5_K, _GGML_Q6_K = 12, 13, 14
 GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q5_0: "Q5_0", _GGML_Q8_0: "Q8_0",
              _GGML_Q4_K: "Q4_K", _GGML_Q5_K: "Q5_K", _GGML_Q6_K: "Q6_K"}
-_SUPER_BLOCK = 256  # values per K-quant block
+SUPER_BLOCK = 256  # values per K-quant block: their super scales'
 
 
 def linear_weight_quantization(name: str, group_size: int = WINT4_GROUP_SIZE) -> str:
@@ -90,15 +99,24 @@ class QuantizedTensor:
     an offset per group if asymmetric (``offsets``, same shape), else the zero point
     2^(bits-1). ``format`` names it for logs (Q4_1, wint8, ...).
 
+    Two-level (the K-quants, ``super_scales`` set): ``scales`` (and ``offsets``) are int8
+    integers per group and ``super_scales`` (and ``super_offsets``) float16 factors per
+    super-block of 256 input features, (N, K / 256): the group's scale is
+    ``super_scale * scale`` and its offset ``super_offset * offset``, each product exact
+    in float32 (the K-quants' dmin is held negated, so that offsets add as everywhere).
+
     Shaped like the tensors a weight loader takes: ``shape``, ``dim()``, ``narrow``
-    (rows freely, input features at group boundaries, or anywhere with one group per
-    row: its scale holds for every part of the row) and ``copy_``."""
+    (rows freely, input features at group boundaries (super-block ones if two-level),
+    or anywhere with one group per row: its scale holds for every part of the row) and
+    ``copy_``."""
 
     values: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
     bits: int
     format: str
+    super_scales: torch.Tensor | None = None
+    super_offsets: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -115,53 +133,72 @@ class QuantizedTensor:
     def zero_point(self) -> int:
         return 1 << (self.bits - 1)
 
+    @property
+    def two_level(self) -> bool:
+        return self.super_scales is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What holds it: values, scales, then offsets, super_scales and super_offsets
+        where present (``with_tensors`` takes them back in this order)."""
+        return [t for t in (self.values, self.scales, self.offsets, self.super_scales,
+                             self.super_offsets) if t is not None]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> QuantizedTensor:
+        """This layout over other tensors (``tensors()``'s order): views, copies."""
+        held = iter(tensors)
+        return QuantizedTensor(next(held), next(held),
+                               None if self.offsets is None else next(held), self.bits,
+                               self.format, None if self.super_scales is None else next(held),
+                               None if self.super_offsets is None else next(held))
+
+    def _map(self, fn) -> QuantizedTensor:
+        """``fn`` applied to every tensor (row selections, copies)."""
+        return self.with_tensors([fn(t) for t in self.tensors()])
+
     def same_layout(self, other: QuantizedTensor) -> bool:
         """Whether ``other`` can be copied into this one (shape aside)."""
         return (self.bits == other.bits and (self.offsets is None) == (other.offsets is None)
+                and self.two_level == other.two_level
                 and self.scales.dtype == other.scales.dtype
                 and (self.scales.shape[1] == 1) == (other.scales.shape[1] == 1)
                 and (self.scales.shape[1] == 1 or self.group_size == other.group_size))
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         if dim == 0:
-            return QuantizedTensor(self.values.narrow(0, start, length),
-                                   self.scales.narrow(0, start, length),
-                                   None if self.offsets is None
-                                   else self.offsets.narrow(0, start, length),
-                                   self.bits, self.format)
+            return self._map(lambda t: t.narrow(0, start, length))
         if self.scales.shape[1] == 1:  # one scale per row
             return QuantizedTensor(self.values.narrow(1, start, length), self.scales,
                                    self.offsets, self.bits, self.format)
         group = self.group_size
+        if self.two_level and (start % SUPER_BLOCK or length % SUPER_BLOCK):
+            raise ValueError(f"a {self.format} weight splits its input features only at "
+                             f"multiples of its {SUPER_BLOCK}-feature super-blocks, not at "
+                             f"{start}:{start + length} (a tensor-parallel row split "
+                             f"too: choose a tensor-parallel size that divides the input "
+                             f"features in whole super-blocks)")
         if start % group or length % group:
             raise ValueError(f"a {self.format} weight splits at multiples of its group of "
                              f"{group} input features, not at {start}:{start + length}")
-        return QuantizedTensor(self.values.narrow(1, start, length),
-                               self.scales.narrow(1, start // group, length // group),
-                               None if self.offsets is None
-                               else self.offsets.narrow(1, start // group, length // group),
-                               self.bits, self.format)
+
+        def columns(t: torch.Tensor) -> torch.Tensor:
+            per_column = self.values.shape[1] // t.shape[1]  # features per column of t
+            return t.narrow(1, start // per_column, length // per_column)
+        return self._map(columns)
 
     def copy_(self, src: QuantizedTensor) -> QuantizedTensor:
         if not self.same_layout(src):
             raise ValueError(f"cannot copy a {src.format} weight into a {self.format} one")
-        self.values.copy_(src.values)
-        self.scales.copy_(src.scales)
-        if self.offsets is not None:
-            self.offsets.copy_(src.offsets)
+        for dst, tensor in zip(self.tensors(), src.tensors()):
+            dst.copy_(tensor)
         return self
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows ``index`` (a permutation, e.g. GGUF's q/k order undone)."""
-        return QuantizedTensor(self.values[index], self.scales[index],
-                               None if self.offsets is None else self.offsets[index],
-                               self.bits, self.format)
+        return self._map(lambda t: t[index])
 
     def clone(self) -> QuantizedTensor:
         """A copy that owns its memory (a row block cut from a larger weight)."""
-        return QuantizedTensor(self.values.clone(), self.scales.clone(),
-                               None if self.offsets is None else self.offsets.clone(),
-                               self.bits, self.format)
+        return self._map(torch.Tensor.clone)
 
     @classmethod
     def cat(cls, blocks: list[QuantizedTensor]) -> QuantizedTensor:
@@ -171,42 +208,66 @@ class QuantizedTensor:
         first = blocks[0]
         if not all(first.same_layout(block) for block in blocks[1:]):
             raise ValueError("only row blocks of one layout stack into one weight")
-        return cls(torch.cat([b.values for b in blocks]), torch.cat([b.scales for b in blocks]),
-                   None if first.offsets is None else torch.cat([b.offsets for b in blocks]),
-                   first.bits, first.format)
+        return first.with_tensors([torch.cat(parts) for parts in
+                                   zip(*(block.tensors() for block in blocks))])
 
     @classmethod
     def empty(cls, like: QuantizedTensor, shape: tuple[int, int]) -> QuantizedTensor:
         """Zeros of ``like``'s layout in ``shape`` (a layer's shard of it)."""
         n, k = shape
         groups = 1 if like.scales.shape[1] == 1 else k // like.group_size
-        if groups != 1 and k % like.group_size:
+        if groups != 1 and k % like.group_size or like.two_level and k % SUPER_BLOCK:
             raise ValueError(f"{k} input features are not whole groups of "
-                             f"{like.group_size} ({like.format})")
-        scales = torch.zeros(n, groups, dtype=like.scales.dtype)
-        return cls(torch.zeros(n, k, dtype=torch.uint8), scales,
-                   None if like.offsets is None else torch.zeros_like(scales),
-                   like.bits, like.format)
+                             f"{like.group_size} ({like.format}"
+                             f"{f' in super-blocks of {SUPER_BLOCK}' if like.two_level else ''})")
+        widths = [k, groups, groups, k // SUPER_BLOCK, k // SUPER_BLOCK]
+        present = [like.values, like.scales, like.offsets, like.super_scales,
+                   like.super_offsets]
+        return like.with_tensors([torch.zeros(n, width, dtype=t.dtype)
+                                  for width, t in zip(widths, present) if t is not None])
+
+    def scales_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's d and m (None if symmetric) in float32, (N, groups): two-level
+        ones multiplied out (exact, as ``gguf.quants`` computes them)."""
+        d = self.scales.float()
+        m = None if self.offsets is None else self.offsets.float()
+        if self.two_level:
+            per_super = SUPER_BLOCK // self.group_size
+            d = self.super_scales.float().repeat_interleave(per_super, dim=1) * d
+            if m is not None:
+                m = self.super_offsets.float().repeat_interleave(per_super, dim=1) * m
+        return d, m
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights computed in float32 (``d * (q - z)`` or ``d * q + m``, each
         operation rounded once, as ``gguf.quants`` does) and rounded once to ``dtype``."""
         n, k = self.values.shape
         groups = self.scales.shape[1]
+        d, m = self.scales_and_offsets()
         # (N, groups, group) values against (N, groups, 1) scales: the same elementwise
         # operations as on (N, K) copies of the scales, without materializing them
         q = self.values.float().view(n, groups, k // groups)
-        d = self.scales.float().unsqueeze(2)
-        if self.offsets is None:
-            w = (q - self.zero_point) * d
+        if m is None:
+            w = (q - self.zero_point) * d.unsqueeze(2)
         else:
-            w = q * d + self.offsets.float().unsqueeze(2)
+            w = q * d.unsqueeze(2) + m.unsqueeze(2)
         return w.view(n, k).to(dtype)
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.values, self.scales] + ([] if self.offsets is None else [self.offsets])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def pack(self, ops):
+        """Packed for loom's kernel (``ops``: ``native_ops()``): a ``QuantizedWeight``."""
+        return ops.pack_quantized_weight(self.values, self.scales, self.offsets, self.bits,
+                                         self.super_scales, self.super_offsets)
+
+    @classmethod
+    def unpack(cls, ops, weight, format: str) -> QuantizedTensor:
+        """A kernel's ``QuantizedWeight`` back as a ``QuantizedTensor`` (a copy)."""
+        values, scales, offsets, super_scales, super_offsets = \
+            ops.unpack_quantized_weight(weight)
+        return cls(values, scales, offsets, weight.bits, format, super_scales, super_offsets)
 
 
 def quantize(weight: torch.Tensor, method: str, group_size: int = WINT4_GROUP_SIZE
@@ -274,9 +335,8 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
         d = blocks[:, 0:2].copy().view(np.float16).reshape(n, k // 32)
         q = gd._nibbles(blocks[:, 6:], 16).reshape(-1, 32) | (
             gd._high_bits(blocks[:, 2:6]) << np.uint8(4))
-        values = q + np.uint8(128 - 16)  # zero point 128, as the 8-bit formats hold it
-        return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(values).reshape(n, k)),
-                               torch.from_numpy(d), None, 8, "Q5_0")
+        return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+                               torch.from_numpy(d), None, 5, "Q5_0")
     if ggml_type == _GGML_Q8_0:
         blocks = raw.reshape(n, k // 32, 34)
         d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
@@ -297,22 +357,28 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
 
 
 def _k_quantized(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedTensor:
-    """Q4_K, Q5_K or Q6_K blocks (layouts in ``gguf_dequant``) as per-group values,
-    float32 scales and (Q4_K, Q5_K) offsets, dequantizing as ``gguf.quants`` does."""
+    """Q4_K, Q5_K or Q6_K blocks (layouts in ``gguf_dequant``) as values with their
+    two-level scales as the file has them: int8 scales (and offsets) per group, float16
+    d (and -dmin) per 256 values; dequantizing as ``gguf.quants`` does."""
     from loom.model.loader import gguf_dequant as gd
 
     blocks = raw.reshape(-1, {_GGML_Q4_K: 144, _GGML_Q5_K: 176, _GGML_Q6_K: 210}[ggml_type])
     count = blocks.shape[0]
+
+    def tensor(array: np.ndarray, columns: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array).reshape(n, columns))
+
     if ggml_type == _GGML_Q6_K:  # w = (d * sc) * (q - 32), q 6-bit, groups of 16
-        scale = gd._f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
         ql = gd._nibbles(blocks[:, :128], 64).reshape(count, 8, 32)
         shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         qh = ((blocks[:, 128:192].reshape(count, 2, 1, 32) >> shifts) & np.uint8(3))
         q = ql | (qh.reshape(count, 8, 32) << np.uint8(4))
-        values = q + np.uint8(128 - 32)  # zero point 128, as the 8-bit formats hold it
-        return QuantizedTensor(torch.from_numpy(values.reshape(n, k)),
-                               torch.from_numpy(scale.reshape(n, k // 16)), None, 8, "Q6_K")
-    scale, offset = gd._k_scale_offset(blocks)  # d * sc, dmin * m: w = q * scale - offset
+        return QuantizedTensor(tensor(q, k), tensor(blocks[:, 192:208].view(np.int8), k // 16),
+                               None, 6, "Q6_K",
+                               super_scales=tensor(blocks[:, 208:210].copy().view(np.float16),
+                                                   k // SUPER_BLOCK))
+    # w = (d * sc) * q - dmin * m = q * (d * sc) + (-dmin) * m
+    sc, mn = gd._k_scale_min(blocks[:, 4:16])
     if ggml_type == _GGML_Q4_K:
         values, bits = gd._nibbles(blocks[:, 16:], 32), 4
     else:
@@ -320,11 +386,13 @@ def _k_quantized(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedTe
         qh = (blocks[:, 16:48].reshape(count, 1, 1, 32) >> shifts) & np.uint8(1)
         values = gd._nibbles(blocks[:, 48:], 32).reshape(count, 8, 32) | (
             qh.reshape(count, 8, 32) << np.uint8(4))
-        bits = 8
-    return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(values).reshape(n, k)),
-                           torch.from_numpy(scale.reshape(n, k // 32)),
-                           torch.from_numpy(-offset.reshape(n, k // 32)), bits,
-                           GGUF_KEPT[ggml_type])
+        bits = 5
+    d = blocks[:, 0:2].copy().view(np.float16)
+    return QuantizedTensor(tensor(values, k), tensor(sc.view(np.int8), k // 32),
+                           tensor(mn.view(np.int8), k // 32), bits, GGUF_KEPT[ggml_type],
+                           super_scales=tensor(d, k // SUPER_BLOCK),
+                           super_offsets=tensor(-blocks[:, 2:4].copy().view(np.float16),
+                                                k // SUPER_BLOCK))
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedTensor,
@@ -341,15 +409,16 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor
     rounding steps both take: every product is exact (bf16 x times a small integer), and
     each sum of at most K + 2 float32 terms per output (the kernel's per-group sums,
     their scaling, the reference's matmul) rounds by at most (K + 2) 2^-24 of the sum of
-    the magnitudes it adds, which |x| (|d| 2^bits + |m|) bounds term by term. Four such
-    sums at most (S, d S + m X, the groups, the reference). The kernel sums 4-bit values
-    as 16 + q (its decoding: quant_gemm.cpp's nibbles_to_bf16) and takes 16 d X back
-    with the offset, so their terms reach |x| |d| 2^(bits + 1)."""
+    the magnitudes it adds, which |x| (|d| A + |m|) bounds term by term. Four such sums
+    at most (S, d S + m X, the groups, the reference). A: the largest value the kernel
+    sums (quant_gemm.cpp), 4-bit values as 16 + q (below 2^5), 5- and 6-bit ones as
+    128 + q and 8-bit ones as q - 128 (below 2^8), the bias taken back with d X."""
     x = x.float()
     group = weight.group_size
-    amplitude = weight.scales.float().abs() * 2 ** (weight.bits + (weight.bits == 4))
-    if weight.offsets is not None:
-        amplitude = amplitude + weight.offsets.float().abs()
+    d, m = weight.scales_and_offsets()
+    amplitude = d.abs() * (2 ** 5 if weight.bits == 4 else 2 ** 8)
+    if m is not None:
+        amplitude = amplitude + m.abs()
     amplitude = amplitude.repeat_interleave(group, dim=1)  # (N, K)
     k = x.shape[1]
     return 4 * (k + 2) * 2.0 ** -24 * (x.abs() @ amplitude.t()) + 1e-30
