@@ -61,7 +61,7 @@ def random_weight(fmt: str, n: int, k: int, ops):
         scales = (rng.standard_normal((n, k // values)) * 0.05).astype(np.float16)
         raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
     kept = gguf_quantized(raw.reshape(n, -1), ggml_type, (n, k))
-    packed = ops.pack_quantized_weight(kept.values, kept.scales, kept.offsets, kept.bits)
+    packed = kept.pack(ops)
     return packed, packed.nbytes
 
 
