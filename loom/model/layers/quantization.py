@@ -411,7 +411,7 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor
     their scaling, the reference's matmul) rounds by at most (K + 2) 2^-24 of the sum of
     the magnitudes it adds, which |x| (|d| A + |m|) bounds term by term. Four such sums
     at most (S, d S + m X, the groups, the reference). A: the largest value the kernel
-    sums (quant_gemm.cpp), 4-bit values as 16 + q (below 2^5), 5- and 6-bit ones as
+    sums (quant_gemm.cpp), 4-bit values as 16 + q or q - 8 (below 2^5), 5- and 6-bit ones as
     128 + q and 8-bit ones as q - 128 (below 2^8), the bias taken back with d X."""
     x = x.float()
     group = weight.group_size
