@@ -216,8 +216,9 @@ def test_kernel_equals_dequantize_then_matmul(fmt, shape):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_many_rows_match_the_reference_and_one_row(fmt):
-    """8 rows or more take another path (the AMX tiles where granted, else the unpacked
-    panel): its sums in another order, the same rounding steps. A symmetric format's
+    """More rows take other paths (blocks of up to 8 rows unpacking in registers; past
+    12 rows of 4-bit or 24 of wider values, 4 panels over chunks unpacked into L1; the
+    AMX tiles where granted): their sums in another order, the same rounding steps. A symmetric format's
     output is d times exact integer-times-x sums, rounded once (quant_gemm.cpp): with one
     nonzero input per row, a power of two, every output is dequantize()'s weight times
     it, bit for bit. Random rows: within kernel_error_bound of the reference, and of the
