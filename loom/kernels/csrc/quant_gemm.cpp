@@ -226,6 +226,28 @@ inline void unrolled(F&& f) {
   unrolled(f, std::make_integer_sequence<int, N>{});
 }
 
+// f(integral_constant<int, n>) for a count n in [1, MAX] known only at run time: a
+// micro-kernel's block of rows as a template argument.
+template <int MAX, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  unrolled<MAX>([&](auto i) {
+    constexpr int kRows = decltype(i)::value + 1;
+    if (n == kRows) f(std::integral_constant<int, kRows>{});
+  });
+}
+
+// Rows [0, rows) in blocks of at most `most`, as even as that allows (at most 6: 8 = 4 +
+// 4, not 6 + 2, whose 2-row block is 8 dependent vdpbf16ps chains for 6 loads; at most
+// 8: 12 = 6 + 6): f(first row, rows in the block).
+template <typename F>
+inline void even_row_blocks(int64_t rows, int64_t most, F&& f) {
+  const int64_t blocks = (rows + most - 1) / most;
+  for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
+    mr = (rows - r + (blocks - b) - 1) / (blocks - b);
+    f(r, mr);
+  }
+}
+
 template <typename ScaleT>
 inline __m512 load_scales(const uint8_t* p) {
   if constexpr (std::is_same_v<ScaleT, float>)
@@ -629,37 +651,26 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
   }
 #endif
   const int64_t groups = layout.groups;
-  // Blocks of rows as even as their size allows (12 = 6 + 6, not 8 + 4): up to 8 rows
-  // when each block unpacks the panel in registers, which 8 rows share (one 8-row block
-  // took 0.75-0.96 of two of 4 rows' time at 8 rows, 1B shapes, one thread), up to 6
-  // when they read it unpacked.
-  const int64_t most = unpacked ? kRowBlock : kStreamBlock;
-  const int64_t blocks = (rows + most - 1) / most;
-  for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
-    mr = (rows - r + (blocks - b) - 1) / (blocks - b);
-#define LOOM_MICRO(MR)                                                                      \
-  do {                                                                                      \
-    if (unpacked)                                                                           \
-      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, true>(layout, panel, unpacked, x + r * ldx, \
-                                                       ldx, xsum + r * groups, bias,        \
-                                                       y + r * ldy, ldy, cols);             \
-    else                                                                                    \
-      micro_kernel<BITS, ASYM, ScaleT, MR, OutT, false>(layout, panel, nullptr, x + r * ldx, \
-                                                        ldx, xsum + r * groups, bias,       \
-                                                        y + r * ldy, ldy, cols);            \
-  } while (0)
-    switch (mr) {
-      case 8: LOOM_MICRO(8); break;
-      case 7: LOOM_MICRO(7); break;
-      case 6: LOOM_MICRO(6); break;
-      case 5: LOOM_MICRO(5); break;
-      case 4: LOOM_MICRO(4); break;
-      case 3: LOOM_MICRO(3); break;
-      case 2: LOOM_MICRO(2); break;
-      default: LOOM_MICRO(1); break;
-    }
-#undef LOOM_MICRO
+  // Blocks of up to 8 rows when each unpacks the panel in registers, which 8 rows share
+  // (one 8-row block took 0.75-0.96 of two of 4 rows' time at 8 rows, 1B shapes, one
+  // thread); up to 6 when they read it unpacked.
+  if (unpacked) {
+    even_row_blocks(rows, kRowBlock, [&](int64_t r, int64_t mr) {
+      with_rows<kRowBlock>(mr, [&](auto m) {
+        micro_kernel<BITS, ASYM, ScaleT, decltype(m)::value, OutT, true>(
+            layout, panel, unpacked, x + r * ldx, ldx, xsum + r * groups, bias, y + r * ldy,
+            ldy, cols);
+      });
+    });
+    return;
   }
+  even_row_blocks(rows, kStreamBlock, [&](int64_t r, int64_t mr) {
+    with_rows<kStreamBlock>(mr, [&](auto m) {
+      micro_kernel<BITS, ASYM, ScaleT, decltype(m)::value, OutT, false>(
+          layout, panel, nullptr, x + r * ldx, ldx, xsum + r * groups, bias, y + r * ldy, ldy,
+          cols);
+    });
+  });
 }
 
 // Without the tiles, more than one block of rows runs kQuad panels (64 outputs) at a
@@ -682,13 +693,13 @@ constexpr int64_t kChunkFeatures = 128;      // features unpacked per chunk
 constexpr int64_t kWideMaxGroup = 512;       // larger groups (wint8's whole rows) stay per panel
 
 // Rows [0, MR) times the chunk's `chunk_groups` groups (starting at group g0) of kQuad
-// panels: values from `unpacked` (panel v's pairs at unpacked + v * chunk_pairs), each
+// panels: values from `unpacked` (pair j of panel v at unpacked[kQuad * j + v]), each
 // group's d and m' = m - B d (B the decoding's bias; asymmetric) from `scales` (panel
 // v's group gi at scales[2 * (v * chunk_groups + gi)], then m'), float32 once per chunk
 // (two-level ones multiplied out there, not again for every 6 rows); acc (MR x 64
 // floats, row stride 64) accumulates the scaled sums.
 template <int BITS, bool ASYM, int MR>
-void wide_kernel(const __m512i* unpacked, int64_t chunk_pairs, const __m512* scales,
+void wide_kernel(const __m512i* unpacked, const __m512* scales,
                  int64_t g0, int64_t chunk_groups, int64_t group_pairs,
                  const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t groups,
                  float* acc) {
@@ -788,24 +799,13 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
       if (g0 + chunk_groups >= groups && !prefetch_next_quad) break;
       for (int64_t l = 0; l < chunk_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T0);
     }
-    // Blocks of rows as even as kRowBlock allows: 8 rows run as 4 + 4, not 6 + 2,
-    // whose 2-row block is 8 dependent vdpbf16ps chains for 6 loads.
-    const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-    for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
-      mr = (rows - r + (blocks - b) - 1) / (blocks - b);
-#define LOOM_WIDE(MR)                                                                      \
-  wide_kernel<BITS, ASYM, MR>(buffer.data(), chunk_pairs, scales.data(), g0, gn, group_pairs, \
-                              x + r * ldx, ldx, xsum + r * groups, groups, acc + r * 64)
-      switch (mr) {
-        case 6: LOOM_WIDE(6); break;
-        case 5: LOOM_WIDE(5); break;
-        case 4: LOOM_WIDE(4); break;
-        case 3: LOOM_WIDE(3); break;
-        case 2: LOOM_WIDE(2); break;
-        default: LOOM_WIDE(1); break;
-      }
-#undef LOOM_WIDE
-    }
+    even_row_blocks(rows, kRowBlock, [&](int64_t r, int64_t mr) {
+      with_rows<kRowBlock>(mr, [&](auto m) {
+        wide_kernel<BITS, ASYM, decltype(m)::value>(buffer.data(), scales.data(), g0, gn,
+                                                    group_pairs, x + r * ldx, ldx,
+                                                    xsum + r * groups, groups, acc + r * 64);
+      });
+    });
     for (int64_t v = 0; v < kQuad; ++v) units[v] += chunk_bytes;
   }
   for (int64_t v = 0; v < kQuad; ++v) {
