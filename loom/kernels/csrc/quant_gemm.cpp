@@ -745,7 +745,7 @@ void wide_kernel(const __m512i* unpacked, const __m512* scales,
   }
 }
 
-// All `rows` rows (more than kRowBlock) times kQuad panels starting at `panel` (`count`
+// All `rows` rows (more than stream_rows) times kQuad panels starting at `panel` (`count`
 // of them real: a last, partial quad repeats its last panel, whose outputs are not
 // written), writing `cols` (<= 64) outputs per row.
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
