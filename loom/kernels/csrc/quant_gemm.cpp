@@ -11,7 +11,8 @@
 //                                                X = sum_{k in g} x[k]
 //
 // where q' is q as a bfloat16 integer, exact: 4-bit values decode to 16 + q, 5- and
-// 6-bit ones to 128 + q, 8-bit ones are stored q - 128 and converted through float32;
+// 6-bit ones to 128 + q (or all three to q - 2^(bits-1), "signed", where that measured
+// faster), 8-bit ones are stored q - 128 and converted through float32;
 // the bias comes back with X. S comes from vdpbf16ps: every product exact, float32 sums.
 // So the result differs from dequantize-then-matmul in float32 only by float32
 // rounding: no activation is quantized. (The first version quantized x per block of 32
@@ -379,10 +380,47 @@ inline void packed_to_bf16(const uint8_t* p, __m512i plane, __m512i& low, __m512
   high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), h1, nibble, 0xE4);
 }
 
+// 5- and 6-bit, signed: chunk C's two pair vectors as bf16 q - 2^(BITS-1), exact, by a
+// table lookup as nibbles_to_signed_bf16: the nibble selected into bits 0-3 of the
+// plane's bits for the vector shifted to bit 4 (one vpternlog; the bits above are left
+// as they come), then vpermw (5 bits of index, one table) or vpermt2w (6 bits, two
+// tables), which read only the low bits of each word. As many instructions as
+// packed_to_bf16, and a symmetric group's sums need no correction by its sum of x.
+template <int BITS, int C>
+inline void packed_to_signed_bf16(const uint8_t* p, __m512i plane, __m512i& low, __m512i& high) {
+  constexpr int kPlaneBits = BITS - 4, kHalf = BITS == 5 ? 8 : 4;
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  const __m512i i0 = _mm512_ternarylogic_epi32(
+      v, shift_words<4 - kPlaneBits * C>(plane), nibble, 0xE4);  // c ? a : b, bitwise
+  const __m512i i1 = _mm512_ternarylogic_epi32(
+      _mm512_srli_epi16(v, 4), shift_words<4 - kPlaneBits * (C + kHalf)>(plane), nibble, 0xE4);
+  // bf16 of q - 32 for q in [0, 64) (6-bit), and its half from 16 (-16 ... 15, 5-bit)
+  alignas(64) static constexpr uint16_t kTable[64] = {
+      0xC200, 0xC1F8, 0xC1F0, 0xC1E8, 0xC1E0, 0xC1D8, 0xC1D0, 0xC1C8, 0xC1C0, 0xC1B8, 0xC1B0,
+      0xC1A8, 0xC1A0, 0xC198, 0xC190, 0xC188, 0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130,
+      0xC120, 0xC110, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000,
+      0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130,
+      0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198, 0x41A0, 0x41A8, 0x41B0,
+      0x41B8, 0x41C0, 0x41C8, 0x41D0, 0x41D8, 0x41E0, 0x41E8, 0x41F0, 0x41F8};
+  if constexpr (BITS == 5) {
+    const __m512i table = _mm512_load_si512(kTable + 16);
+    low = _mm512_permutexvar_epi16(i0, table);
+    high = _mm512_permutexvar_epi16(i1, table);
+  } else {
+    const __m512i lo = _mm512_load_si512(kTable), hi = _mm512_load_si512(kTable + 32);
+    low = _mm512_permutex2var_epi16(lo, i0, hi);
+    high = _mm512_permutex2var_epi16(lo, i1, hi);
+  }
+}
+
 // The bias each width's decoding adds to q (taken back with the group's sum of x);
-// SIGNED: 4-bit values decoded as q - 8 (nibbles_to_signed_bf16).
+// SIGNED: 4-, 5- and 6-bit values decoded as q - 2^(BITS-1) (nibbles_to_signed_bf16,
+// packed_to_signed_bf16).
 template <int BITS, bool SIGNED = false>
-constexpr float kDecodeBias = BITS == 4 ? (SIGNED ? -8.f : 16.f) : BITS == 8 ? -128.f : 128.f;
+constexpr float kDecodeBias = BITS == 8 ? -128.f
+                              : SIGNED  ? -static_cast<float>(1 << (BITS - 1))
+                              : BITS == 4 ? 16.f : 128.f;
 
 // 32 int8 -> 32 bf16 (exact), in order.
 inline __m512bh int8x32_to_bf16(const uint8_t* p) {
@@ -412,6 +450,8 @@ inline void decode_block(const uint8_t* p, F&& f) {
         nibbles_to_signed_bf16(p + 32 * C, v0, v1);
       else if constexpr (BITS == 4)
         nibbles_to_bf16(p + 32 * C, v0, v1);
+      else if constexpr (SIGNED)
+        packed_to_signed_bf16<BITS, C>(p + 32 * C, plane, v0, v1);
       else
         packed_to_bf16<BITS, C>(p + 32 * C, plane, v0, v1);
       f(c, integral_constant<int, 2 * C>{}, (__m512bh)v0);
@@ -449,6 +489,11 @@ void micro_kernel(const Layout& layout, const uint8_t* panel, const __m512i* unp
                   const c10::BFloat16* x, int64_t ldx, const float* xsum, const float* bias,
                   OutT* y, int64_t ldy, int64_t cols) {
   constexpr int P = MR >= 4 ? 1 : MR >= 2 ? 2 : 4;  // partial sums per row
+  // Symmetric 5- and 6-bit values decode signed (packed_to_signed_bf16), dropping each
+  // group's correction by the sum of x: 0.90-0.97 of the time at 2-16 rows, 1B shapes,
+  // one thread. Not 6-bit at one row (vpermt2w's two tables: 1.02-1.05), nor asymmetric
+  // formats, whose offset takes the bias for free (0.96-1.03).
+  constexpr bool SIGNED = !UNPACKED && !ASYM && (BITS == 5 || (BITS == 6 && MR >= 2));
   constexpr int kPairs = block_features(BITS) / 2;  // pair vectors per block
   constexpr int64_t kBytes = block_bytes(BITS);
   const int64_t groups = layout.groups;
@@ -476,7 +521,7 @@ void micro_kernel(const Layout& layout, const uint8_t* panel, const __m512i* unp
         }
       } else {
         for (int l = 0; l < kBytes; l += 64) prefetch(p + kPrefetch + l);
-        decode_block<BITS>(p, [&](auto j, auto k, __m512bh w) {
+        decode_block<BITS, SIGNED>(p, [&](auto j, auto k, __m512bh w) {
           for (int r = 0; r < MR; ++r)
             part[r][k % P] = _mm512_dpbf16_ps(
                 part[r][k % P], (__m512bh)_mm512_set1_epi32(xr[r][pair + j]), w);
@@ -493,16 +538,16 @@ void micro_kernel(const Layout& layout, const uint8_t* panel, const __m512i* unp
     walk.scales(layout, d, m);
     if constexpr (ASYM) {
       // w = d q + m = d (q + B) + (m - B d), B the decoding's bias
-      m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS>), m);
+      m = _mm512_fnmadd_ps(d, _mm512_set1_ps(kDecodeBias<BITS, SIGNED>), m);
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]),
                                  _mm512_fmadd_ps(d, sum[r], acc[r]));
-    } else if constexpr (BITS != 8) {  // w = d (q - z) = d ((q + B) - (B + z))
+    } else if constexpr (BITS != 8 && !SIGNED) {  // w = d (q - z) = d ((q + B) - (B + z))
       constexpr float kShift = kDecodeBias<BITS> + (1 << (BITS - 1));
       for (int r = 0; r < MR; ++r)
         acc[r] = _mm512_fmadd_ps(
             d, _mm512_sub_ps(sum[r], _mm512_set1_ps(kShift * xsum[r * groups + g])), acc[r]);
-    } else {  // stored q - 128 already
+    } else {  // stored q - 128 already, or decoded signed
       for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(d, sum[r], acc[r]);
     }
   }
@@ -681,7 +726,8 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
 // into a 16 KB buffer, the 4 panels' pair vectors interleaved (one 256-byte stretch per
 // pair), that stays in L1 while every block of rows reads it (256 features, 32 KB,
 // beside 32 rows of x overflowed the 48 KB L1: 128 took 0.85 of the time at 16 and 32
-// rows). 4-bit values unpack signed (nibbles_to_signed_bf16). Per group, the 24 sums
+// rows). 4-, 5- and 6-bit values unpack signed (nibbles_to_signed_bf16,
+// packed_to_signed_bf16). Per group, the 24 sums
 // are scaled into float32 accumulators kept in a thread buffer by a multiply and an
 // add, not an FMA: beside the vdpbf16ps stream the FMA measured slower (a standalone
 // loop of 6 rows x 4 panels with a group of 16 pairs: 5.6 G vdpbf16ps/s with the FMA,
@@ -698,7 +744,7 @@ constexpr int64_t kWideMaxGroup = 512;       // larger groups (wint8's whole row
 // v's group gi at scales[2 * (v * chunk_groups + gi)], then m'), float32 once per chunk
 // (two-level ones multiplied out there, not again for every 6 rows); acc (MR x 64
 // floats, row stride 64) accumulates the scaled sums.
-template <int BITS, bool ASYM, int MR>
+template <int BITS, bool ASYM, bool SIGNED, int MR>
 void wide_kernel(const __m512i* unpacked, const __m512* scales,
                  int64_t g0, int64_t chunk_groups, int64_t group_pairs,
                  const c10::BFloat16* x, int64_t ldx, const float* xsum, int64_t groups,
@@ -727,13 +773,13 @@ void wide_kernel(const __m512i* unpacked, const __m512* scales,
     const int64_t g = g0 + gi;
     for (int v = 0; v < kQuad; ++v) {
       // as micro_kernel: w = d (q + B) + (m - B d), or d ((q + B) - (B + z)), where
-      // 4-bit values come signed (B = -8 = -z: no correction when symmetric)
+      // values come signed (B = -2^(BITS-1) = -z: no correction when symmetric)
       const __m512 d = scales[2 * (v * chunk_groups + gi)];
       const __m512 m = scales[2 * (v * chunk_groups + gi) + 1];
       for (int r = 0; r < MR; ++r) {
         float* a = acc + r * 64 + 16 * v;
         __m512 sum = part[r][v];
-        if constexpr (!ASYM && BITS != 8 && BITS != 4)
+        if constexpr (!ASYM && BITS != 8 && !SIGNED)
           sum = _mm512_sub_ps(
               sum, _mm512_set1_ps((kDecodeBias<BITS> + (1 << (BITS - 1))) * xsum[r * groups + g]));
         __m512 out = _mm512_add_ps(_mm512_mul_ps(d, sum), _mm512_load_ps(a));
@@ -755,7 +801,10 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
                      bool prefetch_next_quad) {
   const int64_t groups = layout.groups;
   const int64_t group_pairs = layout.blocks_per_group * block_features(BITS) / 2;
-  constexpr bool kSigned = BITS == 4;  // 4-bit values unpacked as q - 8
+  // 4-, 5- and 6-bit values unpack signed, q - 2^(BITS-1): a symmetric group's sums need
+  // no correction per row (Q6_K and Q5_0 at 32 and 64 rows, one thread: 0.75-0.85 of
+  // the time; asymmetric Q5_K, whose offset takes the bias, 0.93-0.96).
+  constexpr bool kSigned = BITS != 8;
   // whole units (super-blocks), so that each chunk's walks start at one
   const int64_t per_unit = layout.groups_per_unit;
   const int64_t chunk_groups =
@@ -801,7 +850,7 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
     }
     even_row_blocks(rows, kRowBlock, [&](int64_t r, int64_t mr) {
       with_rows<kRowBlock>(mr, [&](auto m) {
-        wide_kernel<BITS, ASYM, decltype(m)::value>(buffer.data(), scales.data(), g0, gn,
+        wide_kernel<BITS, ASYM, kSigned, decltype(m)::value>(buffer.data(), scales.data(), g0, gn,
                                                     group_pairs, x + r * ldx, ldx,
                                                     xsum + r * groups, groups, acc + r * 64);
       });
