@@ -23,7 +23,10 @@ beside its speed, and the batch-1 roofline: the bytes a decode step reads (every
 weight and the LM head, as stored) over the read bandwidth measured in the same run.
 llama.cpp comes from benchmarks/setup_baselines.sh (``$LOOM_BENCH_ENVS/llama.cpp/bin``);
 it is a benchmark tool, never a dependency. Results: ``--out`` (JSON) and a table on
-stdout, to be copied into benchmarks/quantized.md.
+stdout, to be copied into benchmarks/quantized.md: each engine's medians, and loom's
+ratios to llama.cpp taken within each repeat, then their median (``paired_ratios``: on
+a host whose speed drifts over minutes, neighbours compare better than whole-run
+medians).
 """
 
 from __future__ import annotations
@@ -142,6 +145,29 @@ def step_bytes(model: str) -> int:
     return total
 
 
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str, Any]:
+    """loom over llama.cpp per repeat (the two ran minutes apart, in one repeat) and the
+    median over repeats: on a shared host whose speed drifts over minutes, a ratio of
+    neighbours is steadier than a ratio of medians taken over the whole run."""
+    pairs = {"b1_decode": ("b1_decode_tokens_per_s", "tg128_tokens_per_s"),
+             "prompt": ("b1_prefill_tokens_per_s", "pp128_tokens_per_s")}
+    pairs.update({f"b{b}_decode": (f"b{b}_decode_tokens_per_s", f"b{b}_output_tokens_per_s")
+                  for b in batches})
+    ratios: dict[str, Any] = {}
+    for loom_name in ("loom-kept", "loom-bf16"):
+        for llama_name in ("llamacpp", "llamacpp-amx"):
+            rows = list(zip(runs.get(loom_name, []), runs.get(llama_name, [])))
+            if not rows:
+                continue
+            per_repeat = {key: [mine[a] / theirs[b] for mine, theirs in rows
+                                if a in mine and b in theirs]
+                          for key, (a, b) in pairs.items()}
+            ratios[f"{loom_name}/{llama_name}"] = {
+                key: {"median": statistics.median(values), "per_repeat": values}
+                for key, values in per_repeat.items() if values}
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
@@ -195,7 +221,8 @@ def main() -> None:
     bytes_per_step = step_bytes(args.model)
     read_gb_s = statistics.median(bandwidth)
     summary = {"model": args.model, "repeats": args.repeats, "threads": args.threads,
-               "medians": medians, "raw": runs, "step_bytes": bytes_per_step,
+               "medians": medians, "paired_ratios": paired_ratios(runs, args.batch),
+               "raw": runs, "step_bytes": bytes_per_step,
                "read_gb_s": read_gb_s,
                "roofline_tokens_per_s": read_gb_s * 1e9 / bytes_per_step}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
