@@ -156,6 +156,11 @@ struct Layout {
   int64_t super_bytes() const { return kLanes * 2 * (asymmetric ? 2 : 1); }
 };
 
+// xsum + offset, or null where no path reads the sums (run_gemm's `sums`).
+inline const float* offset_sums(const float* xsum, int64_t offset) {
+  return xsum ? xsum + offset : nullptr;
+}
+
 // x (M, K) bf16 -> xsum float (M, K / group_size): x summed over each group.
 void group_sums(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
                 int64_t group_size, float* xsum) {
@@ -603,7 +608,7 @@ void amx_rows_times_panel(const Layout& layout, const uint8_t* panel, const __m5
                    {64, 64, a_bytes, a_bytes, 64, 0, 0, 0});
     for (int64_t r = 0; r < m; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
     const c10::BFloat16* xb = x + r0 * ldx;
-    const float* xs = xsum + r0 * groups;
+    const float* xs = offset_sums(xsum, r0 * groups);
     PanelWalk<ASYM, ScaleT> walk{panel};
     for (int64_t g = 0; g < groups; ++g, walk.next(layout)) {
       if (!unpacked && g % chunk_groups == 0)
@@ -703,8 +708,8 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
     even_row_blocks(rows, kRowBlock, [&](int64_t r, int64_t mr) {
       with_rows<kRowBlock>(mr, [&](auto m) {
         micro_kernel<BITS, ASYM, ScaleT, decltype(m)::value, OutT, true>(
-            layout, panel, unpacked, x + r * ldx, ldx, xsum + r * groups, bias, y + r * ldy,
-            ldy, cols);
+            layout, panel, unpacked, x + r * ldx, ldx, offset_sums(xsum, r * groups), bias,
+            y + r * ldy, ldy, cols);
       });
     });
     return;
@@ -712,8 +717,8 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
   even_row_blocks(rows, kStreamBlock, [&](int64_t r, int64_t mr) {
     with_rows<kStreamBlock>(mr, [&](auto m) {
       micro_kernel<BITS, ASYM, ScaleT, decltype(m)::value, OutT, false>(
-          layout, panel, nullptr, x + r * ldx, ldx, xsum + r * groups, bias, y + r * ldy, ldy,
-          cols);
+          layout, panel, nullptr, x + r * ldx, ldx, offset_sums(xsum, r * groups), bias,
+          y + r * ldy, ldy, cols);
     });
   });
 }
@@ -850,9 +855,9 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
     }
     even_row_blocks(rows, kRowBlock, [&](int64_t r, int64_t mr) {
       with_rows<kRowBlock>(mr, [&](auto m) {
-        wide_kernel<BITS, ASYM, kSigned, decltype(m)::value>(buffer.data(), scales.data(), g0, gn,
-                                                    group_pairs, x + r * ldx, ldx,
-                                                    xsum + r * groups, groups, acc + r * 64);
+        wide_kernel<BITS, ASYM, kSigned, decltype(m)::value>(
+            buffer.data(), scales.data(), g0, gn, group_pairs, x + r * ldx, ldx,
+            offset_sums(xsum, r * groups), groups, acc + r * 64);
       });
     });
     for (int64_t v = 0; v < kQuad; ++v) units[v] += chunk_bytes;
@@ -873,8 +878,8 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
 }
 
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
-void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, const float* xsum,
-              int64_t rows, const float* bias, OutT* y, int64_t ldy) {
+void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
+              const float* bias, OutT* y, int64_t ldy) {
   const Layout layout(w);
   const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
   const int64_t groups = layout.groups;
@@ -887,7 +892,23 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
   const int64_t block = amx ? 32 : kRowBlock;
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
-  if (!amx && rows > stream_rows<BITS>() && w.group_size <= kWideMaxGroup) {
+  const bool wide = !amx && rows > stream_rows<BITS>() && w.group_size <= kWideMaxGroup;
+  // x's sums per group, where the chosen path reads them: asymmetric offsets, and values
+  // decoded with a bias (unsigned): 4-bit streamed, 6-bit one row at a time, 4- to 6-bit
+  // unpacked whole or on the tiles. The wide kernel's values come signed and 8-bit ones
+  // centred: for symmetric formats there it skips a pass over x and a parallel region
+  // per linear (4 a layer; ~2% of a 1B batch-32 step was its fork and join).
+  const bool unpacked = !wide && rows > kRowBlock && (amx || rows > stream_rows<BITS>());
+  const bool sums = ASYM || (BITS != 8 && !wide &&
+                             (amx || unpacked || BITS == 4 || (BITS == 6 && rows == 1)));
+  at::Tensor sums_tensor;
+  const float* xsum = nullptr;
+  if (sums) {
+    sums_tensor = at::empty({rows, groups}, at::TensorOptions().dtype(at::kFloat));
+    xsum = sums_tensor.data_ptr<float>();
+    group_sums(x, ldx, rows, w.in_features, w.group_size, sums_tensor.data_ptr<float>());
+  }
+  if (wide) {
     const int64_t quads = (panels + kQuad - 1) / kQuad;
     at::parallel_for(0, chunks * quads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
@@ -897,7 +918,8 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
         const int64_t p = q * kQuad;
         rows_times_quad<BITS, ASYM, ScaleT, OutT>(
             layout, data + p * stride, stride, std::min(kQuad, panels - p),
-            x + r0 * ldx, ldx, xsum + r0 * groups, nrows, bias ? bias + p * kLanes : nullptr,
+            x + r0 * ldx, ldx, offset_sums(xsum, r0 * groups), nrows,
+            bias ? bias + p * kLanes : nullptr,
             y + r0 * ldy + p * kLanes, ldy, std::min(kQuad * kLanes, n - p * kLanes),
             item + 1 < end && q + 1 < quads && p + 2 * kQuad <= panels);
       }
@@ -913,7 +935,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
       const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
       if (nrows <= 0) continue;
       rows_times_panel<BITS, ASYM, ScaleT, OutT>(
-          layout, data + p * stride, x + r0 * ldx, ldx, xsum + r0 * groups, nrows,
+          layout, data + p * stride, x + r0 * ldx, ldx, offset_sums(xsum, r0 * groups), nrows,
           bias ? bias + p * kLanes : nullptr, y + r0 * ldy + p * kLanes, ldy,
           std::min(kLanes, n - p * kLanes), amx, configured);
     }
@@ -927,9 +949,9 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, con
 // Q4_1/wint4, Q4_0, Q8_0, wint8, Q4_K, Q5_K, Q5_0, Q6_K.
 template <typename OutT>
 void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx,
-                   const float* xsum, int64_t rows, const float* bias, OutT* y, int64_t ldy) {
+                   int64_t rows, const float* bias, OutT* y, int64_t ldy) {
 #define LOOM_RUN(BITS, ASYM, SCALE) \
-  return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, xsum, rows, bias, y, ldy)
+  return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, rows, bias, y, ldy)
   const bool half = !w.float_scales && !w.two_level, single = w.float_scales;
   if (w.bits == 4 && w.asymmetric && half) LOOM_RUN(4, true, c10::Half);
   if (w.bits == 4 && !w.asymmetric && half) LOOM_RUN(4, false, c10::Half);
@@ -1208,18 +1230,13 @@ void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weigh
   }
   if (rows == 0) return;
 #if LOOM_HAVE_QUANT_GEMM
-  const int64_t groups = weight.in_features / weight.group_size;
-  auto xsum = at::empty({rows, groups}, x.options().dtype(at::kFloat));
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  group_sums(xp, x.stride(0), rows, weight.in_features, weight.group_size,
-             xsum.data_ptr<float>());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (out.scalar_type() == at::kFloat)
-    dispatch_gemm(weight, xp, x.stride(0), xsum.data_ptr<float>(), rows, bp,
-                  out.data_ptr<float>(), out.stride(0));
+    dispatch_gemm(weight, xp, x.stride(0), rows, bp, out.data_ptr<float>(), out.stride(0));
   else
-    dispatch_gemm(weight, xp, x.stride(0), xsum.data_ptr<float>(), rows, bp,
-                  out.data_ptr<c10::BFloat16>(), out.stride(0));
+    dispatch_gemm(weight, xp, x.stride(0), rows, bp, out.data_ptr<c10::BFloat16>(),
+                  out.stride(0));
 #endif
 }
 
