@@ -487,6 +487,14 @@ void unpack_panel(const Layout& layout, const uint8_t* panel, int64_t first, int
   }
 }
 
+// Whether MR rows streaming a panel (micro_kernel, not UNPACKED) decode its values
+// signed (packed_to_signed_bf16), dropping each group's correction by the sum of x:
+// symmetric 5- and 6-bit values, 0.90-0.97 of the time at 2-16 rows, 1B shapes, one
+// thread. Not 6-bit at one row (vpermt2w's two tables: 1.02-1.05), nor asymmetric
+// formats, whose offset takes the bias for free (0.96-1.03).
+template <int BITS, bool ASYM, int MR>
+constexpr bool kStreamSigned = !ASYM && (BITS == 5 || (BITS == 6 && MR >= 2));
+
 // Rows [0, MR) of x times one panel: `cols` (<= 16) outputs per row. UNPACKED: the
 // panel's values come from `unpacked` (unpack_panel), its scales from `panel`.
 template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT, bool UNPACKED>
@@ -494,11 +502,7 @@ void micro_kernel(const Layout& layout, const uint8_t* panel, const __m512i* unp
                   const c10::BFloat16* x, int64_t ldx, const float* xsum, const float* bias,
                   OutT* y, int64_t ldy, int64_t cols) {
   constexpr int P = MR >= 4 ? 1 : MR >= 2 ? 2 : 4;  // partial sums per row
-  // Symmetric 5- and 6-bit values decode signed (packed_to_signed_bf16), dropping each
-  // group's correction by the sum of x: 0.90-0.97 of the time at 2-16 rows, 1B shapes,
-  // one thread. Not 6-bit at one row (vpermt2w's two tables: 1.02-1.05), nor asymmetric
-  // formats, whose offset takes the bias for free (0.96-1.03).
-  constexpr bool SIGNED = !UNPACKED && !ASYM && (BITS == 5 || (BITS == 6 && MR >= 2));
+  constexpr bool SIGNED = !UNPACKED && kStreamSigned<BITS, ASYM, MR>;
   constexpr int kPairs = block_features(BITS) / 2;  // pair vectors per block
   constexpr int64_t kBytes = block_bytes(BITS);
   const int64_t groups = layout.groups;
@@ -894,13 +898,15 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
   const bool wide = !amx && rows > stream_rows<BITS>() && w.group_size <= kWideMaxGroup;
   // x's sums per group, where the chosen path reads them: asymmetric offsets, and values
-  // decoded with a bias (unsigned): 4-bit streamed, 6-bit one row at a time, 4- to 6-bit
-  // unpacked whole or on the tiles. The wide kernel's values come signed and 8-bit ones
-  // centred: for symmetric formats there it skips a pass over x and a parallel region
-  // per linear (4 a layer; ~2% of a 1B batch-32 step was its fork and join).
-  const bool unpacked = !wide && rows > kRowBlock && (amx || rows > stream_rows<BITS>());
+  // decoded with a bias (unsigned): on the tiles, unpacked whole (more rows than
+  // stream_rows, not wide), or streamed unsigned (kStreamSigned; a block has one row
+  // only when x has). The wide kernel's values come signed and 8-bit ones centred: for
+  // symmetric formats there it skips a pass over x and a parallel region per linear (4
+  // a layer; 3-7% of a 1B batch-32 step, benchmarks/quantized.md).
+  const bool streamed_signed =
+      rows == 1 ? kStreamSigned<BITS, ASYM, 1> : kStreamSigned<BITS, ASYM, 2>;
   const bool sums = ASYM || (BITS != 8 && !wide &&
-                             (amx || unpacked || BITS == 4 || (BITS == 6 && rows == 1)));
+                             (amx || rows > stream_rows<BITS>() || !streamed_signed));
   at::Tensor sums_tensor;
   const float* xsum = nullptr;
   if (sums) {
