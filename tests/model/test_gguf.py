@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import types
 
 import numpy as np
 import pytest
@@ -123,3 +124,44 @@ def test_gguf_weights_leave_the_resident_set_as_they_are_read():
     file_size = os.path.getsize(path)
     assert largest < file_size / 3
     assert 0 < most <= header + largest + 2**20, (most, header, largest, file_size)
+
+
+@pytest.mark.parametrize("key_length,from_metadata", [(64, True), (32, False)])
+def test_llama_key_lengths_read_from_metadata(tmp_path, monkeypatch, key_length,
+                                              from_metadata):
+    """Newer ``convert_hf_to_gguf.py`` files carry ``llama.attention.key_length`` and
+    ``value_length``: where they equal the head size (what transformers derives, reading
+    neither) the config comes from the metadata alone, not transformers' parse of the
+    whole file (seconds at start-up); where they differ, transformers decides."""
+    gguf = pytest.importorskip("gguf")
+    from loom.model.loader import hf_config
+
+    path = str(tmp_path / "keys.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(256)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_key_length(key_length)
+    writer.add_value_length(key_length)
+    writer.add_token_list(["<s>", "a", "b"])
+    writer.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    asked = []
+    theirs = types.SimpleNamespace(architectures=["LlamaForCausalLM"])
+    monkeypatch.setattr(hf_config, "_transformers_gguf_config",
+                        lambda p: asked.append(p) or theirs)
+    config = hf_config.load_gguf_config(path)
+    if from_metadata:
+        assert not asked
+        assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                config.vocab_size) == (256, 4, 2, 3)
+        assert getattr(config, "head_dim", 64) == 64
+    else:
+        assert asked == [path] and config == theirs

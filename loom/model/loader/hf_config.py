@@ -120,6 +120,7 @@ _LLAMA_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
+_LLAMA_HEAD_DIM_KEYS = ("attention.key_length", "attention.value_length")
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
     "tokenizer.ggml.eos_token_id": "eos_token_id",
@@ -137,7 +138,16 @@ def llama_config_from_metadata(gguf_file: GGUFFile) -> Any | None:
             "mistral" in str(metadata.get("general.name", "")).lower():
         return None
     arch_keys = {key[len("llama."):] for key in metadata if key.startswith("llama.")}
-    if not arch_keys <= set(_LLAMA_KEYS):
+    if not arch_keys <= set(_LLAMA_KEYS) | set(_LLAMA_HEAD_DIM_KEYS):
+        return None
+    # newer convert_hf_to_gguf.py writes the head size as key/value lengths, which
+    # transformers does not read for llama: the same file, if they say what it derives
+    head_dim = metadata.get("llama.rope.dimension_count")
+    if head_dim is None and "llama.attention.head_count" in metadata:
+        head_dim = (int(metadata["llama.embedding_length"])
+                    // int(metadata["llama.attention.head_count"]))
+    if any(int(metadata[f"llama.{key}"]) != head_dim
+           for key in _LLAMA_HEAD_DIM_KEYS if f"llama.{key}" in metadata):
         return None
     from transformers import LlamaConfig
 
