@@ -334,7 +334,7 @@ def test_layers_hold_no_full_precision_copy(method, dtype):
     for layer, seed in ((column, 1), (row, 2)):
         weight = random_weight(tuple(layer.weight.shape), seed, dtype)
         layer.weight.weight_loader(layer.weight, weight)
-        layer.bias.weight_loader(layer.bias, torch.randn(layer.weight.shape[0]).to(dtype))
+        layer.bias.weight_loader(layer.bias, torch.randn(layer.output_size).to(dtype))
         layer.process_weights_after_loading()
         quantized[id(layer)] = (quantize_wint8(weight) if method == "wint8"
                                 else quantize_wint4(weight, 32))

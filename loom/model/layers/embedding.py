@@ -90,11 +90,18 @@ class VocabParallelEmbedding(nn.Module):
         end = min(self.vocab_end, self.num_embeddings)
         rows = max(end - self.vocab_start, 0)
         mine = loaded_weight.narrow(0, self.vocab_start, rows)
-        if isinstance(loaded_weight, QuantizedTensor):  # kept quantized: staged whole
-            staged = QuantizedTensor.empty(loaded_weight, (self.num_embeddings_per_rank,
-                                                           self.embedding_dim))
-            staged.narrow(0, 0, rows).copy_(mine)
-            param.staged = staged  # process_weights_after_loading lays it out
+        if isinstance(loaded_weight, QuantizedTensor):  # kept quantized
+            if rows == self.num_embeddings_per_rank:
+                staged = mine  # the whole table (TP=1): no copy of it
+            else:
+                staged = QuantizedTensor.empty(loaded_weight, (self.num_embeddings_per_rank,
+                                                               self.embedding_dim))
+                staged.narrow(0, 0, rows).copy_(mine)
+            param.staged = staged
+            if not staged.values.is_meta:
+                # laid out now, not after the whole model: the table's values (a byte
+                # each) are not held beside every other layer's
+                VocabParallelEmbedding.process_weights_after_loading(self)
             return
         if getattr(param, "table", None) is not None:  # was quantized: full precision again
             param.data = torch.zeros(self.num_embeddings_per_rank, self.embedding_dim,

@@ -36,7 +36,8 @@ file's size, bits per weight (file -> held)::
 (Q4_K and Q5_K: the file packs 8 six-bit scales and mins in 12 bytes per 256 values,
 loom an int8 each. Before, with the two levels multiplied out into float32 and 5- and
 6-bit values held in 8 bits: Q4_K 6, Q5_K 10, Q6_K 10, Q5_0 8.5.) A ``QuantizedTensor``
-itself (loading, and the PyTorch path's weights) holds one byte per value. Either way
+itself (a layer's staging while it loads, and the PyTorch path's weights) holds one byte
+per value. Either way
 the values and scales are the file's (``loom/kernels/csrc/quant_gemm.cpp`` repacks them
 into panels), so a GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
 (``gguf.quants``) bit for bit. Quantizing at load (wint8, wint4) happens in the weight
