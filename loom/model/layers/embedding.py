@@ -33,7 +33,8 @@ class QuantizedTable:
             self.kernel = staged.pack(ops)
             self.reference, self._ops = None, ops
         else:
-            self.kernel, self.reference, self._ops = None, staged, None
+            # the PyTorch path: values bit-packed; rows gathered packed, then unpacked
+            self.kernel, self.reference, self._ops = None, staged.held(), None
 
     @property
     def data(self) -> torch.Tensor:

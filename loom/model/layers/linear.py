@@ -277,8 +277,9 @@ class LinearBase(nn.Module):
     shard. A weight that arrives quantized (a GGUF Q4_1 tensor under ``auto``) is kept
     in its format. Once loaded (``process_weights_after_loading``), a quantized layer
     holds either loom's kernel layout (``quant_weight``; ``weight`` is its bytes) or,
-    for the PyTorch path, the values (``weight``, uint8), ``weight_scale`` and
-    ``weight_offset``; no full-precision copy stays. A fused layer whose shards came in
+    for the PyTorch path, the values bit-packed at the format's bits (``weight``,
+    uint8; ``QuantizedTensor.held``), ``weight_scale`` and ``weight_offset``, unpacked
+    and dequantized per matmul; no full-precision copy stays. A fused layer whose shards came in
     different formats (``RowBlocks``) holds one weight per run of rows in one format
     (``weight_parts``: kernel layouts, or ``QuantizedTensor`` objects for the PyTorch path),
     all their bytes in the one ``weight`` parameter, and multiplies each into its
@@ -406,7 +407,7 @@ class LinearBase(nn.Module):
         blocks = []
         for part, fmt in zip(self.weight_parts, self._part_formats):
             if isinstance(part, QuantizedTensor):
-                blocks.append(part.clone())
+                blocks.append(part.expanded().clone())
             else:
                 blocks.append(QuantizedTensor.unpack(native_ops(), part, fmt))
         return RowBlocks(blocks)
@@ -417,7 +418,7 @@ class LinearBase(nn.Module):
             raise ValueError(f"a {self.weight_format} layer is held in several formats")
         if self.quant_weight is not None:
             return QuantizedTensor.unpack(native_ops(), self.quant_weight, self.weight_format)
-        return self.quantized().clone()
+        return self.quantized().expanded().clone()
 
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every weight is in place (and again after a reload):
@@ -446,10 +447,11 @@ class LinearBase(nn.Module):
             self.quant_weight = staged.pack(ops)
             self.weight = nn.Parameter(self.quant_weight.data, requires_grad=False)
             self._hold_scales(None)
-        else:
+        else:  # the PyTorch path: the values bit-packed, at the format's own size
+            held = staged.held()
             self.quant_weight = None
-            self.weight = nn.Parameter(staged.values, requires_grad=False)
-            self._hold_scales(staged)
+            self.weight = nn.Parameter(held.values, requires_grad=False)
+            self._hold_scales(held)
         self.weight.weight_loader = self._load_weight
 
     def _hold_scales(self, staged: QuantizedTensor | None) -> None:
@@ -475,6 +477,7 @@ class LinearBase(nn.Module):
             for part, view in zip(parts, views):
                 part.data = view
         else:
+            blocks = [block.held() for block in blocks]
             tensors = [block.tensors() for block in blocks]
             buffer, views = _one_buffer([t for group in tensors for t in group])
             parts, at = [], 0
@@ -500,7 +503,7 @@ class LinearBase(nn.Module):
             return None
         return QuantizedTensor(self.weight, self.weight_scale, self.weight_offset, self._bits,
                                self.weight_format, self.weight_super_scale,
-                               self.weight_super_offset)
+                               self.weight_super_offset, packed=True)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                float_output: bool = False) -> torch.Tensor:

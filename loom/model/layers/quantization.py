@@ -36,8 +36,8 @@ file's size, bits per weight (file -> held)::
 (Q4_K and Q5_K: the file packs 8 six-bit scales and mins in 12 bytes per 256 values,
 loom an int8 each. Before, with the two levels multiplied out into float32 and 5- and
 6-bit values held in 8 bits: Q4_K 6, Q5_K 10, Q6_K 10, Q5_0 8.5.) A ``QuantizedTensor``
-itself (a layer's staging while it loads, and the PyTorch path's weights) holds one byte
-per value. Either way
+holds one byte per value while a layer loads (its staging), and the PyTorch path keeps
+its values bit-packed (``held``: Q4_0 4.5, Q6_K 6.5625, as the kernel's layout). Either way
 the values and scales are the file's (``loom/kernels/csrc/quant_gemm.cpp`` repacks them
 into panels), so a GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
 (``gguf.quants``) bit for bit. Quantizing at load (wint8, wint4) happens in the weight
@@ -53,6 +53,7 @@ float32, then matmul), which float32 models, other CPUs and CUDA run: correct, n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,9 +119,13 @@ class QuantizedTensor:
     format: str
     super_scales: torch.Tensor | None = None
     super_offsets: torch.Tensor | None = None
+    # values bit-packed, (N, K * bits / 8) (``held``): how the PyTorch path keeps them
+    packed: bool = False
 
     @property
     def shape(self) -> torch.Size:
+        if self.packed:
+            return torch.Size((self.values.shape[0], self.values.shape[1] * 8 // self.bits))
         return self.values.shape
 
     def dim(self) -> int:
@@ -128,7 +133,21 @@ class QuantizedTensor:
 
     @property
     def group_size(self) -> int:
-        return self.values.shape[1] // self.scales.shape[1]
+        return self.shape[1] // self.scales.shape[1]
+
+    def held(self) -> QuantizedTensor:
+        """This weight with its values bit-packed (``pack_bits``): what the PyTorch path
+        keeps resident, at the format's own bits per value."""
+        if self.packed:
+            return self
+        return dataclasses.replace(self, values=pack_bits(self.values, self.bits), packed=True)
+
+    def expanded(self) -> QuantizedTensor:
+        """This weight with a byte per value (values unpacked if ``held``; else itself)."""
+        if not self.packed:
+            return self
+        return dataclasses.replace(self, values=unpack_bits(self.values, self.bits),
+                                   packed=False)
 
     @property
     def zero_point(self) -> int:
@@ -150,7 +169,8 @@ class QuantizedTensor:
         return QuantizedTensor(next(held), next(held),
                                None if self.offsets is None else next(held), self.bits,
                                self.format, None if self.super_scales is None else next(held),
-                               None if self.super_offsets is None else next(held))
+                               None if self.super_offsets is None else next(held),
+                               self.packed)
 
     def _map(self, fn) -> QuantizedTensor:
         """``fn`` applied to every tensor (row selections, copies)."""
@@ -159,6 +179,7 @@ class QuantizedTensor:
     def same_layout(self, other: QuantizedTensor) -> bool:
         """Whether ``other`` can be copied into this one (shape aside)."""
         return (self.bits == other.bits and (self.offsets is None) == (other.offsets is None)
+                and self.packed == other.packed
                 and self.two_level == other.two_level
                 and self.scales.dtype == other.scales.dtype
                 and (self.scales.shape[1] == 1) == (other.scales.shape[1] == 1)
@@ -167,6 +188,8 @@ class QuantizedTensor:
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         if dim == 0:
             return self._map(lambda t: t.narrow(0, start, length))
+        if self.packed:
+            return self.expanded().narrow(dim, start, length)
         if self.scales.shape[1] == 1:  # one scale per row
             return QuantizedTensor(self.values.narrow(1, start, length), self.scales,
                                    self.offsets, self.bits, self.format)
@@ -224,8 +247,10 @@ class QuantizedTensor:
         widths = [k, groups, groups, k // SUPER_BLOCK, k // SUPER_BLOCK]
         present = [like.values, like.scales, like.offsets, like.super_scales,
                    like.super_offsets]
-        return like.with_tensors([torch.zeros(n, width, dtype=t.dtype)
-                                  for width, t in zip(widths, present) if t is not None])
+        return dataclasses.replace(
+            like.with_tensors([torch.zeros(n, width, dtype=t.dtype)
+                               for width, t in zip(widths, present) if t is not None]),
+            packed=False)
 
     def scales_and_offsets(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each group's d and m (None if symmetric) in float32, (N, groups): two-level
@@ -242,12 +267,12 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) weights computed in float32 (``d * (q - z)`` or ``d * q + m``, each
         operation rounded once, as ``gguf.quants`` does) and rounded once to ``dtype``."""
-        n, k = self.values.shape
+        n, k = self.shape
         groups = self.scales.shape[1]
         d, m = self.scales_and_offsets()
         # (N, groups, group) values against (N, groups, 1) scales: the same elementwise
         # operations as on (N, K) copies of the scales, without materializing them
-        q = self.values.float().view(n, groups, k // groups)
+        q = self.expanded().values.float().view(n, groups, k // groups)
         if m is None:
             w = (q - self.zero_point) * d.unsqueeze(2)
         else:
@@ -260,8 +285,8 @@ class QuantizedTensor:
 
     def pack(self, ops):
         """Packed for loom's kernel (``ops``: ``native_ops()``): a ``QuantizedWeight``."""
-        return ops.pack_quantized_weight(self.values, self.scales, self.offsets, self.bits,
-                                         self.super_scales, self.super_offsets)
+        return ops.pack_quantized_weight(self.expanded().values, self.scales, self.offsets,
+                                         self.bits, self.super_scales, self.super_offsets)
 
     @classmethod
     def unpack(cls, ops, weight, format: str) -> QuantizedTensor:
@@ -269,6 +294,45 @@ class QuantizedTensor:
         values, scales, offsets, super_scales, super_offsets = \
             ops.unpack_quantized_weight(weight)
         return cls(values, scales, offsets, weight.bits, format, super_scales, super_offsets)
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """(N, K) ``bits``-wide values, a byte each, as (N, K * bits / 8) bytes: 8-bit as
+    they are; narrower ones as their low nibbles two to a byte (value 2j in byte j's low
+    half, 2j + 1 in its high half), then, for 5 and 6 bits, the bits above as a plane
+    (bits 4 and 5 of value (8 / (bits - 4)) j + i in bits (bits - 4) i .. of byte j).
+    Plain tensor operations, so any device packs its own (K a multiple of 8)."""
+    if bits == 8:
+        return values
+    n, k = values.shape
+    low = values & 0x0F
+    parts = [low[:, 0::2] | (low[:, 1::2] << 4)]
+    if bits > 4:
+        width = bits - 4
+        per_byte = 8 // width
+        high = (values >> 4).view(n, k // per_byte, per_byte)
+        plane = torch.zeros(n, k // per_byte, dtype=torch.uint8, device=values.device)
+        for i in range(per_byte):
+            plane |= high[:, :, i] << (width * i)
+        parts.append(plane)
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``pack_bits`` undone: (N, K) values, a byte each."""
+    if bits == 8:
+        return packed
+    n = packed.shape[0]
+    k = packed.shape[1] * 8 // bits
+    nibbles = packed[:, :k // 2]
+    values = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=2).view(n, k)
+    if bits > 4:
+        width = bits - 4
+        plane = packed[:, k // 2:]
+        shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
+        high = (plane.unsqueeze(2) >> shifts) & ((1 << width) - 1)
+        values = values | (high.view(n, k) << 4)
+    return values
 
 
 def quantize(weight: torch.Tensor, method: str, group_size: int = WINT4_GROUP_SIZE
