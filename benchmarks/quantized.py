@@ -4,6 +4,11 @@
     python benchmarks/quantized.py --model F.gguf --repeats 5 --llama-bin DIR
     python benchmarks/quantized.py --model F.gguf --engines llamacpp,llamacpp-amx,loom-kept
 
+``loom-wint8`` and ``loom-wint4`` run loom on ``--hf-model``, the same weights as a Hugging
+Face checkpoint (benchmarks/make_1b.py's directory), quantized at load by
+``--quantization wint8|wint4``; paired with llama.cpp on ``--model`` (its Q8_0 or Q4_0
+file of those weights: the issue's "Q8_0/wint8 and Q4_0/wint4").
+
 ``llamacpp-amx`` is a second llama.cpp build (``--llama-amx-bin``, by default
 ``$LOOM_BENCH_ENVS/llama.cpp-amx/bin``: benchmarks/setup_baselines.sh llamacpp-amx, built
 for this CPU with ggml's AMX kernels) measured like ``llamacpp``, so both builds sit
@@ -154,7 +159,7 @@ def paired_ratios(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> 
     pairs.update({f"b{b}_decode": (f"b{b}_decode_tokens_per_s", f"b{b}_output_tokens_per_s")
                   for b in batches})
     ratios: dict[str, Any] = {}
-    for loom_name in ("loom-kept", "loom-bf16"):
+    for loom_name in ("loom-kept", "loom-bf16", "loom-wint8", "loom-wint4"):
         for llama_name in ("llamacpp", "llamacpp-amx"):
             rows = list(zip(runs.get(loom_name, []), runs.get(llama_name, [])))
             if not rows:
@@ -180,7 +185,11 @@ def main() -> None:
     parser.add_argument("--llama-amx-bin", default=os.path.join(
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp-amx", "bin"))
     parser.add_argument("--engines", default="llamacpp,loom-kept,loom-bf16",
-                        help="comma-separated: llamacpp, llamacpp-amx, loom-kept, loom-bf16")
+                        help="comma-separated: llamacpp, llamacpp-amx, loom-kept, loom-bf16, "
+                             "loom-wint8, loom-wint4")
+    parser.add_argument("--hf-model", default=None,
+                        help="the same weights as a Hugging Face checkpoint directory "
+                             "(loom-wint8, loom-wint4)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "quantized.json"))
     args = parser.parse_args()
     if args.model is None:
@@ -190,9 +199,13 @@ def main() -> None:
     from benchmarks.roofline import measure_bandwidth
 
     engines = args.engines.split(",")
-    unknown = set(engines) - {"llamacpp", "llamacpp-amx", "loom-kept", "loom-bf16"}
+    loom_engines = {"loom-kept": "auto", "loom-bf16": "none", "loom-wint8": "wint8",
+                    "loom-wint4": "wint4"}
+    unknown = set(engines) - {"llamacpp", "llamacpp-amx", *loom_engines}
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}")
+    if {"loom-wint8", "loom-wint4"} & set(engines) and args.hf_model is None:
+        parser.error("loom-wint8 and loom-wint4 run on --hf-model (a checkpoint directory)")
     llama_bins = {"llamacpp": args.llama_bin, "llamacpp-amx": args.llama_amx_bin}
     for name, bin_dir in llama_bins.items():
         if name in engines and not os.path.exists(os.path.join(bin_dir, "llama-bench")):
@@ -211,8 +224,8 @@ def main() -> None:
                     result.update({f"b{batch}_{k}": v for k, v in run_llama_batched(
                         llama_bins[name], args.model, args.threads, batch).items()})
             else:
-                result = run_loom(args.model, "auto" if name == "loom-kept" else "none",
-                                  [1, *args.batch])
+                model = args.hf_model if name in ("loom-wint8", "loom-wint4") else args.model
+                result = run_loom(model, loom_engines[name], [1, *args.batch])
             runs[name].append(result)
             print(f"repeat {repeat} {name}: {json.dumps(result)}", flush=True)
         bandwidth.append(measure_bandwidth(512, 5)["read_gb_s"])

@@ -56,6 +56,11 @@ def moe_case(request, tmp_path_factory):
             elif name.endswith("_proj.weight"):  # attention, dense and shared MLPs
                 param.copy_(loom_quantize(param, method))
                 linears += 1
+        # the embedding table (tied to the LM head or not) in wint8 under either method
+        tables = {id(t): t for t in (model.get_input_embeddings().weight,
+                                     model.get_output_embeddings().weight)}
+        for table in tables.values():
+            table.copy_(loom_quantize(table, "wint8"))
     assert experts == 4 and linears == 4 * 3 + 3 + 3 * 2  # 2 MoE layers of 3; 1 dense
     dequantized = str(tmp_path_factory.mktemp(f"{method}-moe-dequantized"))
     model.save_pretrained(dequantized, safe_serialization=True)

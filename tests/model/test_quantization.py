@@ -665,7 +665,12 @@ def quantized_case(request, tmp_path_factory):
                 # equal loom's fused qkv_proj (gate_up_proj)
                 module.weight.copy_(loom_quantize(module.weight, method))
                 replaced += 1
-    assert replaced == len(DECODER_LINEARS) * model.config.num_hidden_layers
+        assert replaced == len(DECODER_LINEARS) * model.config.num_hidden_layers
+        # the embedding table (tied to the LM head or not) in wint8 under either method
+        tables = {id(t): t for t in (model.get_input_embeddings().weight,
+                                     model.get_output_embeddings().weight)}
+        for table in tables.values():
+            table.copy_(loom_quantize(table, "wint8"))
     dequantized = str(tmp_path_factory.mktemp(f"{method}-llama-dequantized"))
     model.save_pretrained(dequantized, safe_serialization=True)
     reference = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
@@ -735,7 +740,7 @@ def test_native_stack_runs_quantized_weights_as_the_modules_do(quantized_case, m
 def test_no_full_precision_decoder_weight_stays(quantized_case):
     """Resident bytes after a quantized load: one byte per weight (wint8) or half a byte
     (wint4, in loom's kernel layout and bit-packed on the PyTorch path) plus scales, the
-    embedding and norms."""
+    embedding table and LM head in wint8 (a byte per value) and the norms."""
     method, original = quantized_case[0], quantized_case[1]
     config = load_hf_config(original)
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -746,9 +751,11 @@ def test_no_full_precision_decoder_weight_stays(quantized_case):
     model = load_model(original, config, dtype=torch.float32, quantization=method,
                        quantization_group_size=GROUP)
     totals = weight_bytes_by_dtype(model)
-    # the PyTorch path: the values bit-packed, 8 or 4 bits each
-    assert totals["uint8"] == linear_weights * (8 if method == "wint8" else 4) // 8
-    assert totals["float32"] < plain["float32"] - 3 * linear_weights
+    # the PyTorch path: the values bit-packed, 8 or 4 bits each; the embedding table and
+    # the LM head in wint8 under either method
+    table = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    assert totals["uint8"] == linear_weights * (8 if method == "wint8" else 4) // 8 + table
+    assert totals["float32"] < plain["float32"] - 3 * (linear_weights + table)
     assert describe_weight_bytes({"uint8": 3 * 2**20, "bfloat16": 2**20}) == \
         "3.0 MiB uint8 + 1.0 MiB bfloat16"
     if native_ops() is None or not native_ops().quant_gemm_available():
@@ -757,8 +764,8 @@ def test_no_full_precision_decoder_weight_stays(quantized_case):
                                             quantization=method, quantization_group_size=GROUP))
     per_weight = 1.0 if method == "wint8" else 0.5
     scale_bytes = 4 / h if method == "wint8" else 4 / GROUP  # float32 per row; d, m float16
-    assert linear_weights * per_weight <= bf16["uint8"] <= \
-        linear_weights * (per_weight + scale_bytes) * 1.02
+    assert linear_weights * per_weight + table <= bf16["uint8"] <= \
+        (linear_weights * (per_weight + scale_bytes) + table * (1 + 4 / h)) * 1.02
     assert "packed" not in bf16 or bf16["packed"] < 2 * config.vocab_size * h + 1
 
 
@@ -789,6 +796,17 @@ def prompt_top1_and_nll(llm: LLM, token_ids: list[int]) -> tuple[list[int], list
         top1.append(max(logprobs.items(), key=lambda item: item[1].logprob)[0])
         nll.append(-logprobs[token].logprob)
     return top1, nll
+
+
+def test_tables_are_quantized_under_the_wint_methods():
+    """The embedding table and LM head go to wint8 under wint8 and wint4 (a 1B model's
+    tied bf16 table is a third of a wint4 step's bytes), stay as stored otherwise, and
+    stay full precision for ``--lm-head-fp32``'s float32 head."""
+    from loom.model.layers.quantization import table_quantization
+
+    assert table_quantization("wint8") == table_quantization("wint4") == "wint8"
+    assert table_quantization("auto") is None and table_quantization("none") is None
+    assert table_quantization("wint4", lm_head_fp32=True) is None
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])

@@ -4,7 +4,8 @@ The vocabulary is padded up to a multiple of the TP size and split into equal
 contiguous ranges, one per rank. Padded rows are zero and their logits are cut off.
 
 A table that arrives quantized (a GGUF file's Q8_0 ``token_embd`` under ``--quantization
-auto``) stays quantized: the embedding gathers and dequantizes the rows it looks up, and
+auto``) stays quantized, and under ``--quantization wint8|wint4`` a full-precision one is
+quantized as it loads (``table_quantization``): the embedding gathers and dequantizes the rows it looks up, and
 the LM head (often the same table, tied) multiplies with loom's quantized kernel, or in
 float32 with ``--lm-head-fp32`` (``ParallelLMHead.float32``). The quantized state hangs
 on the ``weight`` parameter itself (``QuantizedTable``), so a tied head shares it.
@@ -19,7 +20,8 @@ from torch import nn
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.kernels import native_ops_for
 from loom.model.layers.linear import PackedWeight, linear, pack_weight
-from loom.model.layers.quantization import QuantizedTensor, reference_linear
+from loom.model.layers.quantization import (QuantizedTensor, quantize_wint8,
+                                            reference_linear)
 
 
 class QuantizedTable:
@@ -67,6 +69,10 @@ class QuantizedTable:
 
 
 class VocabParallelEmbedding(nn.Module):
+    # "wint8": a full-precision table is quantized per row as it loads (load_model sets
+    # it under --quantization wint8/wint4, see table_quantization); None keeps it
+    table_quantization: str | None = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tp_group: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -91,12 +97,16 @@ class VocabParallelEmbedding(nn.Module):
         end = min(self.vocab_end, self.num_embeddings)
         rows = max(end - self.vocab_start, 0)
         mine = loaded_weight.narrow(0, self.vocab_start, rows)
-        if isinstance(loaded_weight, QuantizedTensor):  # kept quantized
+        if self.table_quantization == "wint8" and not isinstance(mine, QuantizedTensor) \
+                and not mine.is_meta:
+            # per row: this rank's rows alone give TP=1's values
+            mine = quantize_wint8(mine)
+        if isinstance(mine, QuantizedTensor):  # kept quantized
             if rows == self.num_embeddings_per_rank:
                 staged = mine  # the whole table (TP=1): no copy of it
             else:
-                staged = QuantizedTensor.empty(loaded_weight, (self.num_embeddings_per_rank,
-                                                               self.embedding_dim))
+                staged = QuantizedTensor.empty(mine, (self.num_embeddings_per_rank,
+                                                      self.embedding_dim))
                 staged.narrow(0, 0, rows).copy_(mine)
             param.staged = staged
             if not staged.values.is_meta:

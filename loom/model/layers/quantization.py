@@ -74,6 +74,16 @@ GGUF_KEPT = {_GGML_Q4_0: "Q4_0", _GGML_Q4_1: "Q4_1", _GGML_Q5_0: "Q5_0", _GGML_Q
 SUPER_BLOCK = 256  # values per K-quant block: their super scales'
 
 
+def table_quantization(name: str, lm_head_fp32: bool = False) -> str | None:
+    """What becomes of a full-precision embedding table and LM head under
+    ``--quantization name``: ``wint8`` (per vocabulary row, symmetric: a row is both an
+    embedding and an output channel) under wint8 and wint4, as llama.cpp keeps its output
+    tensor at 6 bits or more under its 4-bit types; None (kept as stored) otherwise, and
+    with ``--lm-head-fp32``, whose head multiplies in float32 from the table as loaded."""
+    check_quantization_name(name)
+    return "wint8" if name in ("wint8", "wint4") and not lm_head_fp32 else None
+
+
 def linear_weight_quantization(name: str, group_size: int = WINT4_GROUP_SIZE) -> str:
     """What the decoder's linear layers do with full-precision weights under
     ``--quantization name``, as ``LinearBase(quantization=...)`` takes it: ``none`` (keep
@@ -351,12 +361,19 @@ def quantize_wint8(weight: torch.Tensor) -> QuantizedTensor:
         scale[n] = max_k |W[n, k]| / 127   (float32; a zero row gets scale 1)
         q[n, k]  = round(W[n, k] / scale[n]) in [-127, 127], held as q + 128
     """
-    weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1) / INT8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(weight / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return QuantizedTensor((q + 128).to(torch.uint8), scale[:, None].contiguous(), None, 8,
-                           "wint8")
+    weight = weight.detach()
+    n, k = weight.shape
+    values = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(n, 1, dtype=torch.float32, device=weight.device)
+    step = max(1, (1 << 22) // max(k, 1))  # rows at a time: 16 MB of float32 (a 1B model's
+    for start in range(0, n, step):       # tied table is 0.4 GB of it at once)
+        rows = weight[start:start + step].float()
+        scale = rows.abs().amax(dim=1) / INT8_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(rows / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        values[start:start + step] = (q + 128).to(torch.uint8)
+        scales[start:start + step, 0] = scale
+    return QuantizedTensor(values, scales, None, 8, "wint8")
 
 
 def quantize_wint4(weight: torch.Tensor, group_size: int = WINT4_GROUP_SIZE) -> QuantizedTensor:

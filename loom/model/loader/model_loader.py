@@ -13,7 +13,8 @@ from torch import nn
 from loom.distributed.parallel_state import SINGLE, TPGroup, expert_parallel_group
 from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
-from loom.model.layers.quantization import linear_weight_quantization
+from loom.model.layers.embedding import VocabParallelEmbedding
+from loom.model.layers.quantization import linear_weight_quantization, table_quantization
 from loom.model.loader.gguf_loader import gguf_weights_iterator
 from loom.model.loader.hf_config import is_gguf, load_hf_config
 from loom.model.loader.hf_config_values import HFConfigView
@@ -69,6 +70,10 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                                                                 expert_parallel_size))
     if lm_head_fp32 and hasattr(model, "lm_head"):
         model.lm_head.float32 = True
+    tables = table_quantization(quantization, lm_head_fp32)
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.table_quantization = tables
     if is_gguf(model_path):
         weights = gguf_weights_iterator(model_path, hf_config,
                                         keep_quantized=quantization == "auto")
