@@ -5,10 +5,11 @@ contiguous ranges, one per rank. Padded rows are zero and their logits are cut o
 
 A table that arrives quantized (a GGUF file's Q8_0 ``token_embd`` under ``--quantization
 auto``) stays quantized, and under ``--quantization wint8|wint4`` a full-precision one is
-quantized as it loads (``table_quantization``): the embedding gathers and dequantizes the rows it looks up, and
-the LM head (often the same table, tied) multiplies with loom's quantized kernel, or in
-float32 with ``--lm-head-fp32`` (``ParallelLMHead.float32``). The quantized state hangs
-on the ``weight`` parameter itself (``QuantizedTable``), so a tied head shares it.
+quantized as it loads (``table_quantization``): the embedding gathers and dequantizes
+the rows it looks up, and the LM head (often the same table, tied) multiplies with
+loom's quantized kernel, or in float32 with ``--lm-head-fp32``
+(``ParallelLMHead.float32``). The quantized state hangs on the ``weight`` parameter
+itself (``QuantizedTable``), so a tied head shares it.
 """
 
 from __future__ import annotations

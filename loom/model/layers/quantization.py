@@ -365,8 +365,9 @@ def quantize_wint8(weight: torch.Tensor) -> QuantizedTensor:
     n, k = weight.shape
     values = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(n, 1, dtype=torch.float32, device=weight.device)
-    step = max(1, (1 << 22) // max(k, 1))  # rows at a time: 16 MB of float32 (a 1B model's
-    for start in range(0, n, step):       # tied table is 0.4 GB of it at once)
+    # 16 MB of float32 rows at a time (a 1B model's tied table is 0.4 GB of them)
+    step = max(1, (1 << 22) // max(k, 1))
+    for start in range(0, n, step):
         rows = weight[start:start + step].float()
         scale = rows.abs().amax(dim=1) / INT8_MAX
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
