@@ -1,6 +1,6 @@
 """The quantized and bf16 matmul kernels on a 1B Llama's layers: time and weight bandwidth.
 
-    python benchmarks/quant_gemm_shapes.py [--formats Q4_0,Q8_0,Q6_K,Q4_K,bf16]
+    python benchmarks/quant_gemm_shapes.py [--formats Q4_0,Q8_0,Q6_K,Q4_K,wint8,wint4,bf16]
         [--rows 1,8,32] [--threads 2] [--repeats 5] [--out FILE]
 
 For each format and each linear of Llama-3.2-1B's shapes (fused QKV 3072 x 2048, O 2048
@@ -53,6 +53,12 @@ def random_weight(fmt: str, n: int, k: int, ops):
     if fmt == "bf16":
         packed = ops.pack_bf16_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.02)
         return packed, packed.numel() * 2
+    if fmt.startswith("wint"):  # loom's own, quantized from bf16 (wint4 groups of 128)
+        from loom.model.layers.quantization import quantize
+
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.02
+        packed = quantize(weight, fmt).pack(ops)
+        return packed, packed.nbytes
     from loom.model.layers.quantization import gguf_quantized
 
     ggml_type, (values, size), scale_at = GGUF[fmt]
