@@ -487,6 +487,19 @@ void unpack_panel(const Layout& layout, const uint8_t* panel, int64_t first, int
   }
 }
 
+// Blocks [first, first + count) of group g of a one-level panel as bf16 pair vectors,
+// in feature order: a slice of a group longer than rows_times_quad's chunk.
+template <int BITS, bool SIGNED = false>
+void unpack_blocks(const Layout& layout, const uint8_t* panel, int64_t g, int64_t first,
+                   int64_t count, __m512i* out, int64_t stride) {
+  constexpr int kPairs = block_features(BITS) / 2;
+  const uint8_t* p = layout.values(panel, g) + first * block_bytes(BITS);
+  for (int64_t i = 0; i < count; ++i, out += kPairs * stride, p += block_bytes(BITS))
+    decode_block<BITS, SIGNED>(p, [&](auto j, auto, __m512bh w) {
+      out[j * stride] = (__m512i)w;
+    });
+}
+
 // Whether MR rows streaming a panel (micro_kernel, not UNPACKED) decode its values
 // signed (packed_to_signed_bf16), dropping each group's correction by the sum of x:
 // symmetric 5- and 6-bit values, 0.90-0.97 of the time at 2-16 rows, 1B shapes, one
@@ -745,7 +758,7 @@ void rows_times_panel(const Layout& layout, const uint8_t* panel, const c10::BFl
 // (AVX512-BF16, no AMX), a 1B Llama's shapes: see benchmarks/quantized.md.
 constexpr int64_t kQuad = 4;                 // panels per wide micro-kernel call
 constexpr int64_t kChunkFeatures = 128;      // features unpacked per chunk
-constexpr int64_t kWideMaxGroup = 512;       // larger groups (wint8's whole rows) stay per panel
+constexpr int64_t kWideMaxGroup = 512;  // larger asymmetric or two-level groups stay per panel
 
 // Rows [0, MR) times the chunk's `chunk_groups` groups (starting at group g0) of kQuad
 // panels: values from `unpacked` (pair j of panel v at unpacked[kQuad * j + v]), each
@@ -821,10 +834,21 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
       per_unit;
   const int64_t chunk_pairs = chunk_groups * group_pairs;
   const int64_t chunk_bytes = chunk_groups / per_unit * layout.unit_bytes;
+  // A symmetric one-level group longer than a chunk (wint8's whole rows) is taken a
+  // slice at a time, each slice's sums scaled by the group's d as it ends: d S1 + d S2
+  // for d (S1 + S2), a float32 rounding apart, and the slices stay in L1 (whole rows of
+  // 2,048 features unpacked per panel into L2 ran a 1B LM head at 32 rows in 22 ms, Q8_0's
+  // groups of 32 in 13).
+  constexpr int64_t kBlockPairs = block_features(BITS) / 2;
+  const bool sliced = !ASYM && !layout.two_level && group_pairs > kChunkFeatures / 2;
+  int64_t slice_pairs = kChunkFeatures / 2 / kBlockPairs * kBlockPairs;
+  while (sliced && group_pairs % slice_pairs) slice_pairs -= kBlockPairs;
+  const int64_t buffer_pairs = sliced ? slice_pairs : chunk_pairs;
   thread_local std::vector<__m512i> buffer;
   thread_local std::vector<__m512> sums;  // rows x 64 float32 accumulators
   thread_local std::vector<__m512> scales;  // the chunk's d and m' (wide_kernel)
-  if (static_cast<int64_t>(buffer.size()) < kQuad * chunk_pairs) buffer.resize(kQuad * chunk_pairs);
+  if (static_cast<int64_t>(buffer.size()) < kQuad * buffer_pairs)
+    buffer.resize(kQuad * buffer_pairs);
   if (static_cast<int64_t>(scales.size()) < 2 * kQuad * chunk_groups)
     scales.resize(2 * kQuad * chunk_groups);
   if (static_cast<int64_t>(sums.size()) < rows * kQuad) sums.resize(rows * kQuad);
@@ -833,7 +857,39 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
   const uint8_t* panels[kQuad];
   const uint8_t* units[kQuad];  // each panel's unit of the chunk's first group
   for (int64_t v = 0; v < kQuad; ++v) units[v] = panels[v] = panel + std::min(v, count - 1) * stride;
-  for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
+  const int64_t slices = sliced ? groups * (group_pairs / slice_pairs) : 0;
+  const int64_t slice_blocks = slice_pairs / kBlockPairs;
+  for (int64_t s = 0; s < slices; ++s) {
+    const int64_t g = s / (group_pairs / slice_pairs);
+    const int64_t b0 = s % (group_pairs / slice_pairs) * slice_blocks;
+    for (int64_t v = 0; v < kQuad; ++v) {
+      unpack_blocks<BITS, kSigned>(layout, panels[v], g, b0, slice_blocks, buffer.data() + v,
+                                   kQuad);
+      __m512 d, m = _mm512_setzero_ps();
+      unit_scales<ASYM, ScaleT>(layout, layout.unit(panels[v], g), 0, d, m);
+      scales[2 * v] = d;
+      scales[2 * v + 1] = m;
+    }
+    for (int64_t v = 0; v < kQuad; ++v) {  // the next slice (or the next quad's first)
+      const int64_t next_g = (s + 1) / (group_pairs / slice_pairs);
+      const int64_t next_b = (s + 1) % (group_pairs / slice_pairs) * slice_blocks;
+      if (s + 1 >= slices && !prefetch_next_quad) break;
+      const uint8_t* next = s + 1 < slices
+                                ? layout.values(panels[v], next_g) + next_b * block_bytes(BITS)
+                                : panel + (kQuad + v) * stride;
+      for (int64_t l = 0; l < slice_blocks * block_bytes(BITS); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T0);
+    }
+    // slice s is "group" s of slice_pairs pairs: x's pairs from s * slice_pairs
+    even_row_blocks(rows, kRowBlock, [&](int64_t r, int64_t mr) {
+      with_rows<kRowBlock>(mr, [&](auto m) {
+        wide_kernel<BITS, ASYM, kSigned, decltype(m)::value>(
+            buffer.data(), scales.data(), s, 1, slice_pairs, x + r * ldx, ldx,
+            offset_sums(xsum, r * groups), groups, acc + r * 64);
+      });
+    });
+  }
+  for (int64_t g0 = 0; g0 < (sliced ? 0 : groups); g0 += chunk_groups) {
     const int64_t gn = std::min(chunk_groups, groups - g0);
     for (int64_t v = 0; v < kQuad; ++v) {
       unpack_panel<BITS, kSigned>(layout, panels[v], g0, gn, buffer.data() + v, kQuad);
@@ -896,7 +952,8 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
   const int64_t block = amx ? 32 : kRowBlock;
   const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + block - 1) / block * block;
-  const bool wide = !amx && rows > stream_rows<BITS>() && w.group_size <= kWideMaxGroup;
+  const bool wide = !amx && rows > stream_rows<BITS>() &&
+                    (w.group_size <= kWideMaxGroup || (!ASYM && !w.two_level));
   // x's sums per group, where the chosen path reads them: asymmetric offsets, and values
   // decoded with a bias (unsigned): on the tiles, unpacked whole (more rows than
   // stream_rows, not wide), or streamed unsigned (kStreamSigned; a block has one row
