@@ -39,8 +39,9 @@
 // so do up to 12 rows of 4-bit values and 24 of wider ones, each block of up to 6 rows
 // unpacking the panel again (stream_rows). More rows, without the tiles, run 4 panels
 // at a time over a chunk of them unpacked into L1 (rows_times_quad), so the unpacking
-// is paid once per chunk, not per 6 rows; wint8's whole-row groups unpack each panel
-// once into a thread's buffer (in L2) instead. On the AMX tiles, up to 32 rows (one
+// is paid once per chunk, not per 6 rows (wint8's whole-row groups a slice of a row at
+// a time; large asymmetric or two-level groups unpack each panel once into a thread's
+// buffer, in L2, instead). On the AMX tiles, up to 32 rows (one
 // block) of 4-, 5- or 6-bit values unpack each panel 256 features at a time into L1,
 // each chunk right before its tile products.
 // No dequantized copy of the weights is kept anywhere.
