@@ -858,11 +858,11 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
   const uint8_t* panels[kQuad];
   const uint8_t* units[kQuad];  // each panel's unit of the chunk's first group
   for (int64_t v = 0; v < kQuad; ++v) units[v] = panels[v] = panel + std::min(v, count - 1) * stride;
-  const int64_t slices = sliced ? groups * (group_pairs / slice_pairs) : 0;
+  const int64_t per_group = group_pairs / slice_pairs;  // slices, when sliced
+  const int64_t slices = sliced ? groups * per_group : 0;
   const int64_t slice_blocks = slice_pairs / kBlockPairs;
   for (int64_t s = 0; s < slices; ++s) {
-    const int64_t g = s / (group_pairs / slice_pairs);
-    const int64_t b0 = s % (group_pairs / slice_pairs) * slice_blocks;
+    const int64_t g = s / per_group, b0 = s % per_group * slice_blocks;
     for (int64_t v = 0; v < kQuad; ++v) {
       unpack_blocks<BITS, kSigned>(layout, panels[v], g, b0, slice_blocks, buffer.data() + v,
                                    kQuad);
@@ -871,9 +871,9 @@ void rows_times_quad(const Layout& layout, const uint8_t* panel, int64_t stride,
       scales[2 * v] = d;
       scales[2 * v + 1] = m;
     }
-    for (int64_t v = 0; v < kQuad; ++v) {  // the next slice (or the next quad's first)
-      const int64_t next_g = (s + 1) / (group_pairs / slice_pairs);
-      const int64_t next_b = (s + 1) % (group_pairs / slice_pairs) * slice_blocks;
+    // the next slice (or the next quad's first), as the chunks below ask for theirs
+    const int64_t next_g = (s + 1) / per_group, next_b = (s + 1) % per_group * slice_blocks;
+    for (int64_t v = 0; v < kQuad; ++v) {
       if (s + 1 >= slices && !prefetch_next_quad) break;
       const uint8_t* next = s + 1 < slices
                                 ? layout.values(panels[v], next_g) + next_b * block_bytes(BITS)
