@@ -143,7 +143,8 @@ def llama_config_from_metadata(gguf_file: GGUFFile) -> Any | None:
     # newer convert_hf_to_gguf.py writes the head size as key/value lengths, which
     # transformers does not read for llama: the same file, if they say what it derives
     head_dim = metadata.get("llama.rope.dimension_count")
-    if head_dim is None and "llama.attention.head_count" in metadata:
+    if head_dim is None and "llama.attention.head_count" in metadata \
+            and "llama.embedding_length" in metadata:
         head_dim = (int(metadata["llama.embedding_length"])
                     // int(metadata["llama.attention.head_count"]))
     if any(int(metadata[f"llama.{key}"]) != head_dim
