@@ -21,7 +21,8 @@ Per repeat, in an order rotated each repeat:
   by default), 2 threads;
 - ``loom bench latency`` on the file as users have it (``--quantization auto``: its
   Q4_0/Q4_1/Q8_0 tensors kept quantized) and dequantized to bf16 (``--quantization
-  none``, loom before issue 15), batch 1 and `--batch`, 128 in, 128 out.
+  none``, loom before issue 15), batch 1 and `--batch`, 128 in, 128 out, its KV cache
+  sized to the tokens llama-batched-bench is given (``batched_context``).
 
 Each process's peak resident memory (its whole tree, sampled every 50 ms) is reported
 beside its speed, and the batch-1 roofline: the bytes a decode step reads (every linear
@@ -107,7 +108,7 @@ def run_llama_bench(bin_dir: str, model: str, threads: int) -> dict[str, Any]:
 
 def run_llama_batched(bin_dir: str, model: str, threads: int, batch: int) -> dict[str, Any]:
     out, rss, _ = run_measured([os.path.join(bin_dir, "llama-batched-bench"), "-m", model,
-                                "-c", str(batch * 256 + 256), "-b", "2048", "-ub", "512",
+                                "-c", str(batched_context(batch)), "-b", "2048", "-ub", "512",
                                 "-npp", "128", "-ntg", "128", "-npl", str(batch),
                                 "-t", str(threads), "--output-format", "jsonl"], 1800)
     for line in out.splitlines():
@@ -118,14 +119,30 @@ def run_llama_batched(bin_dir: str, model: str, threads: int, batch: int) -> dic
     raise RuntimeError(f"llama-batched-bench printed no result:\n{out[-2000:]}")
 
 
+def batched_context(batch: int) -> int:
+    """Tokens of KV cache ``llama-batched-bench`` is given for ``batch`` sequences of 128 + 128
+    tokens (its ``-c``); loom's KV cache is sized the same, so peak memory compares like for
+    like."""
+    return batch * 256 + 256
+
+
+def kv_cache_bytes(model: str, tokens: int) -> int:
+    """Bytes of a bf16 KV cache holding ``tokens`` tokens of ``model``, in loom's blocks of 16."""
+    from loom.model.loader.hf_config import kv_cache_bytes_per_block, load_hf_config
+
+    return -(-tokens // 16) * kv_cache_bytes_per_block(load_hf_config(model), 16, "bfloat16", 1)
+
+
 def run_loom(model: str, quantization: str, batches: list[int]) -> dict[str, Any]:
+    kv_bytes = kv_cache_bytes(model, batched_context(max(batches)))
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "latency.json")
         _, rss, _ = run_measured([sys.executable, "-m", "loom.cli", "bench", "latency",
                                   "--model", model, "--quantization", quantization,
                                   "--input-len", "128", "--output-len", "128",
                                   "--batch-size", *map(str, batches), "--num-iters", "2",
-                                  "--max-model-len", "512", "--result-file", result_file],
+                                  "--max-model-len", "512", "--kv-cache-memory", str(kv_bytes),
+                                  "--result-file", result_file],
                                  1800)
         with open(result_file) as f:
             record = json.load(f)

@@ -9,7 +9,8 @@ turn, in an order rotated every repeat, with `loom bench serve` (random 128-toke
 prompts, 128 output tokens, `ignore_eos`, streaming). Reported per engine and
 concurrency: medians over repeats of output tokens/s, TTFT and TPOT, and the peak
 resident memory of each server's whole process tree (loom: the API server, engine core
-and worker; llama-server: one process), sampled while it serves.
+and worker; llama-server: one process), sampled while it serves. loom's KV cache holds
+the tokens llama-server's ``-c`` gives its slots.
 
 llama.cpp comes from benchmarks/setup_baselines.sh (``$LOOM_BENCH_ENVS/llama.cpp/bin``).
 """
@@ -31,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from quantized import tree_rss  # noqa: E402
+from quantized import kv_cache_bytes, tree_rss  # noqa: E402
 from run_all import _free_port, _stop, wait_ready  # noqa: E402
 
 ENGINES = ("loom", "llamacpp")
@@ -39,14 +40,17 @@ ENGINES = ("loom", "llamacpp")
 
 def server_command(engine: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
     slots = max(args.concurrency)
+    context = slots * (args.input_len + args.output_len + 16)
     if engine == "loom":
+        # The KV cache llama-server is given (its -c), so the trees' memory compares like
+        # for like; loom's CPU default would be up to 512 MiB.
         return [sys.executable, "-m", "loom.cli", "serve", model, "--port", str(port),
                 "--served-model-name", "m", "--max-num-seqs", str(slots),
+                "--kv-cache-memory", str(kv_cache_bytes(model, context)),
                 "--disable-log-requests"]
     return [os.path.join(args.llama_bin, "llama-server"), "-m", model, "--port", str(port),
             "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots),
-            "-c", str(slots * (args.input_len + args.output_len + 16)), "--alias", "m",
-            "--no-webui"]
+            "-c", str(context), "--alias", "m", "--no-webui"]
 
 
 def serve_once(port: int, server_pid: int, model: str, concurrency: int, seed: int,
