@@ -51,7 +51,8 @@ class ModelConfig:
     # apply, else torch; resolved when the model is built.
     attention_backend: str = "auto"
     # Weight-only quantization (loom/model/layers/quantization.py): auto keeps the
-    # checkpoint's weights as stored (a GGUF file's Q4_0/Q4_1/Q8_0 linears quantized),
+    # checkpoint's weights as stored (a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0 and K-quant
+    # linears, embedding and LM head quantized; other GGUF formats dequantized),
     # none dequantizes everything, wint8/wint4 quantize the decoder's linears at load.
     quantization: str = "auto"
     # wint4's input features per scale and offset (32, 64 or 128; a layer whose shard of
@@ -72,7 +73,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         check_attn_backend_name(self.attention_backend)
         check_quantization_name(self.quantization)
-        if self.quantization_group_size not in (32, 64, 128):
+        if type(self.quantization_group_size) is not int \
+                or self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size!r}")
         if self.max_model_len < 1:
@@ -586,7 +588,7 @@ class EngineConfig:
         check_architecture_before_loading(model)
         hf_config = load_hf_config(model)
         get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
-        check_quantization(hf_config, quantization)
+        check_quantization(hf_config, quantization, model)
         if not skip_tokenizer_init:
             check_tokenizer_files(model, tokenizer)
         check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
@@ -758,6 +760,7 @@ def load_sampling_defaults(model: str, generation_config: str = "auto",
 
 def _check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
     """Check the draft checkpoint against the target; returns its config's plain values."""
+    from loom.config_checks import check_stored_quantization
     from loom.model.loader.hf_config import load_hf_config
     from loom.model.loader.hf_config_values import hf_config_values
 
@@ -765,6 +768,7 @@ def _check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
         raise ValueError(f"draft model {path!r} does not exist; give a Hugging Face directory "
                          "or a .gguf file")
     draft_config = load_hf_config(path)
+    check_stored_quantization(draft_config, path, what="the draft model")
     draft_vocab = getattr(draft_config, "vocab_size", None)
     target_vocab = getattr(target_hf_config, "vocab_size", None)
     if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:

@@ -42,20 +42,38 @@ def check_architecture_before_loading(model: str) -> None:
                          f"supported; supported: {', '.join(supported)}")
 
 
-def check_quantization(hf_config, quantization: str) -> None:
+def check_quantization(hf_config, quantization: str, path: str | None = None) -> None:
     """``--quantization`` must name a method loom runs, and the checkpoint must not be
     stored quantized (its config's ``quantization_config``): loom runs no pre-quantized
     Hugging Face format yet."""
     check_quantization_name(quantization)
-    stored = getattr(hf_config, "quantization_config", None)
+    check_stored_quantization(hf_config, path)
+
+
+def check_stored_quantization(hf_config, path: str | None = None,
+                              what: str = "the checkpoint") -> None:
+    """A ValueError naming the method if ``hf_config`` (a transformers config or
+    config.json's dict) says its weights are stored quantized, or the directory ``path``
+    holds AutoGPTQ's ``quantize_config.json``: loom runs no pre-quantized Hugging Face
+    format yet (its weights would be missing, not dequantized)."""
+    stored = (hf_config.get("quantization_config") if isinstance(hf_config, dict)
+              else getattr(hf_config, "quantization_config", None))
+    where = "config.json quantization_config.quant_method"
+    if stored is None and path is not None and os.path.isdir(path):
+        legacy = os.path.join(path, "quantize_config.json")
+        if os.path.isfile(legacy):
+            stored, where = {"quant_method": "gptq"}, "its quantize_config.json"
     if stored is None:
         return
     method = (stored.get("quant_method") if isinstance(stored, dict)
               else getattr(stored, "quant_method", None))
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-    raise ValueError(f"the checkpoint is stored quantized with {method or 'an unnamed method'} "
-                     "(config.json quantization_config.quant_method), which loom cannot run; "
-                     "use an unquantized checkpoint, with --quantization wint8 for int8 weights")
+    if method is None and isinstance(stored, dict) and (
+            stored.get("load_in_4bit") or stored.get("load_in_8bit")):
+        method = "bitsandbytes"  # transformers' older configs name it only by its flags
+    raise ValueError(f"{what} is stored quantized with {method or 'an unnamed method'} "
+                     f"({where}), which loom cannot run; use an unquantized checkpoint, with "
+                     f"--quantization wint8 or wint4 for quantized weights")
 
 
 def check_tokenizer_files(model: str, tokenizer: str | None) -> None:

@@ -73,6 +73,8 @@ def handshake_settings(config: EngineConfig) -> dict[str, Any]:
         "--dtype": model.dtype,
         "--max-model-len": model.max_model_len,
         "--quantization": model.quantization,
+        "--quantization-group-size": model.quantization_group_size,
+        "--lm-head-fp32": model.lm_head_fp32,
         "--seed": model.seed,
         "--block-size": config.cache.block_size,
         "--enable-prefix-caching": config.cache.enable_prefix_caching,

@@ -32,6 +32,7 @@ handed in by a caller in the same process.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import time
@@ -274,6 +275,23 @@ class WeightUpdater:
 # ----------------------------------------------------------------- sources
 
 
+def _check_not_stored_quantized(path: str) -> None:
+    """New weights stored quantized (AWQ, GPTQ, ...) fail naming the method, not as
+    parameters the checkpoint lacks."""
+    from loom.config_checks import check_stored_quantization
+
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        config = {}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {config_path}: {error}") from None
+    check_stored_quantization(config if isinstance(config, dict) else {}, path,
+                              what=f"the checkpoint at {path}")
+
+
 def open_source(path: str, hf_config: Any, stack: ExitStack, quantization: str = "auto"
                 ) -> tuple[Callable[[], Iterator], Callable[[], Iterator], str]:
     """(real tensors, meta tensors, kind) for the weights at ``path``: a directory of
@@ -290,6 +308,7 @@ def open_source(path: str, hf_config: Any, stack: ExitStack, quantization: str =
     if is_gguf(path):
         return _gguf_weights(path, hf_config, quantization), lambda: _gguf_meta(path), "gguf"
     if os.path.isdir(path) and glob.glob(os.path.join(path, "*.safetensors")):
+        _check_not_stored_quantized(path)
         return (lambda: safetensors_weights_iterator(path),
                 lambda: _safetensors_meta(path), "safetensors")
     if os.path.isdir(path):

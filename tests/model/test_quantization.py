@@ -300,9 +300,18 @@ def test_two_level_formats_split_at_super_blocks():
             weight.narrow(1, start, length)
     with pytest.raises(ValueError, match="super-blocks of 256"):
         QuantizedTensor.empty(weight, (16, 384))
-    layer = RowParallelLinear(768, 16, tp_group=TPGroup(rank=1, world_size=2))
-    with pytest.raises(ValueError, match="super-blocks"):
-        layer.weight.weight_loader(layer.weight, weight)
+    # a row-parallel rank's 384 features would cut a super-block: the layer runs it
+    # dequantized instead of refusing (Qwen2.5-0.5B's 4,864-wide MLP at TP=2)
+    layer = RowParallelLinear(768, 16, tp_group=TPGroup(rank=1, world_size=2),
+                              reduce_results=False)
+    layer.weight.weight_loader(layer.weight, weight)
+    layer.process_weights_after_loading()
+    assert layer.weight_format is None and layer.quantized() is None
+    assert torch.equal(layer.plain_weight(), weight.dequantize()[:, 384:])
+    x = torch.randn(3, 384)
+    torch.testing.assert_close(layer(x), x @ weight.dequantize()[:, 384:].T)
+    assert weight.splits_into(512) and not weight.splits_into(384)
+    assert weight.narrow(0, 0, 16).splits_into(768)
 
 
 def test_kernel_refuses_what_it_does_not_take():
@@ -930,6 +939,88 @@ def test_bad_quantization_flags(tmp_path):
         EngineConfig.from_args(path, quantization="Q4_1", device="cpu")
 
 
+@pytest.mark.parametrize("stored, named", [
+    ({"quant_method": "gptq", "bits": 4}, "gptq"),
+    ({"quant_method": "fp8"}, "fp8"),
+    ({"quant_method": "compressed-tensors"}, "compressed-tensors"),
+    ({"load_in_4bit": True}, "bitsandbytes"),  # transformers' older configs
+    ({"bits": 4}, "an unnamed method"),
+])
+def test_stored_quantization_is_named_wherever_weights_come_from(tmp_path, stored, named):
+    """The main checkpoint, a draft model and the weights of an update all fail naming
+    the method, not as parameters the checkpoint lacks."""
+    from contextlib import ExitStack
+
+    from loom.config import _check_draft_model
+    from loom.config_checks import check_stored_quantization
+    from loom.worker.weight_updates import open_source
+
+    with pytest.raises(ValueError, match=f"stored quantized with {named} "):
+        check_stored_quantization({"quantization_config": stored})
+    path = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = stored
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=f"the draft model is stored quantized with {named}"):
+        _check_draft_model(path, load_hf_config(path))
+    with pytest.raises(ValueError, match=f"at {path} is stored quantized with {named}"), \
+            ExitStack() as stack:
+        open_source(path, None, stack)
+
+
+def test_autogptq_quantize_config_is_named(tmp_path):
+    path = make_tiny_checkpoint("llama", tmp_path / "gptq")
+    with open(os.path.join(path, "quantize_config.json"), "w") as f:
+        json.dump({"bits": 4, "group_size": 128}, f)
+    with pytest.raises(ValueError, match="stored quantized with gptq .its quantize_config"):
+        EngineConfig.from_args(path, device="cpu", skip_tokenizer_init=True)
+
+
+def test_group_size_is_an_integer(tmp_path):
+    path = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    with pytest.raises(ValueError, match="quantization_group_size must be 32, 64 or 128, "
+                                         "got 64.0"):
+        EngineConfig.from_args(path, quantization="wint4", quantization_group_size=64.0,
+                               device="cpu", skip_tokenizer_init=True)
+
+
+def _patch_tensor_type(path: str, name: str, ggml_type: int) -> None:
+    """Rewrite the type id of ``name``'s tensor info (its name string, then the number
+    of dimensions, the dimensions, the type)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.index(name.encode()) + len(name)
+        dims = int.from_bytes(data[at:at + 4], "little")
+        f.seek(at + 4 + 8 * dims)
+        f.write(ggml_type.to_bytes(4, "little"))
+
+
+def test_gguf_types_loom_cannot_read_are_one_line(tmp_path):
+    """A type id the gguf package does not know (llama.cpp's retired Q4_0_4_4 is 31) fails
+    at open naming the tensor; one gguf-py has no decoder for (Q8_K), at load naming the
+    tensor and the fix, as a ValueError (the CLI's one line)."""
+    gguf = pytest.importorskip("gguf")
+    from loom.model.loader.hf_config import close_gguf_files, open_gguf
+
+    path = str(tmp_path / "odd.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((4, 256), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _patch_tensor_type(path, "blk.0.ffn_down.weight", 31)
+    with pytest.raises(ValueError, match="tensor blk.0.ffn_down.weight is GGML type 31, "
+                                         "which loom cannot read"):
+        open_gguf(path)
+    close_gguf_files()
+    q8_k = int(gguf.GGMLQuantizationType.Q8_K)
+    with pytest.raises(ValueError, match="GGML type Q8_K cannot be dequantized"):
+        dequantize(np.zeros((1, 292), np.uint8), q8_k, (1, 256))
+
+
 def test_k_quants_kept_follow_the_dequantized_file(tmp_path, caplog):
     """Q4_K, Q5_K and Q6_K linears kept quantized through the loaders and the layers give
     the tokens of the same file dequantized (float32: the reference path's weights are
@@ -1041,6 +1132,18 @@ def write_mixed_gguf(tmp_path) -> str:
     return path
 
 
+def test_wint_on_a_quantized_gguf_warns_it_rounds_twice(tmp_path, caplog):
+    path = write_mixed_gguf(tmp_path)
+    caplog.set_level(logging.INFO)
+    model = load_model(path, load_hf_config(path), dtype=torch.float32, quantization="wint8")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "--quantization wint8 dequantizes this file's Q4_K/Q5_K/Q6_K/Q8_0 weights and " \
+        "quantizes them again, rounding them twice; --quantization auto runs the file's " \
+        "own formats" in said, said
+    assert {m.weight_format for m in model.modules() if getattr(m, "weight_format", None)} \
+        == {"wint8"}
+
+
 def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplog,
                                                                  monkeypatch):
     """A GGUF file whose q/k/v and gate/up come in different formats (Q4_K with Q6_K,
@@ -1059,6 +1162,8 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
     said = [r.getMessage() for r in caplog.records]
     assert "4 fused linear layers hold their projections in their own formats " \
         "(Q4_K+Q6_K, Q6_K+Q4_K+Q5_K, Q8_0+Q4_K)" in said, said
+    assert any(line.startswith("8 quantized linear layers run the PyTorch reference path "
+                               "in float32") for line in said), said
     # every linear's weight is its file's values (the PyTorch path's scales beside them)
     from loom.model.layers.linear import LinearBase
 

@@ -29,6 +29,14 @@ from loom.model.layers.quantization import (QuantizedTensor, fitting_group_size,
 from loom.model.layers.scratch import scratch
 
 logger = logging.getLogger(__name__)
+_logged: set[tuple] = set()
+
+
+def _log_once(message: str, *args: object) -> None:
+    """Log a line once per process for what every layer of a kind would repeat."""
+    if (message, args) not in _logged:
+        _logged.add((message, args))
+        logger.info(message, *args)
 
 
 class PackedWeight:
@@ -327,9 +335,25 @@ class LinearBase(nn.Module):
         """The weight's loader: a full-precision tensor into a ``none`` layer goes to the
         subclass's loader as is; anything quantized (or to be quantized, from the whole
         tensor) goes into the quantized staging, shard by shard."""
+        if isinstance(loaded_weight, QuantizedTensor) \
+                and not loaded_weight.splits_into(self.input_size):
+            # this rank's input features would cut the file's blocks (a row-parallel
+            # shard): the layer goes to full precision rather than refuse to start
+            _log_once("%s weights of %d input features split over tensor-parallel ranks "
+                      "into %d, which cuts their %s: such layers are dequantized to the "
+                      "model's dtype (a tensor-parallel size that divides them keeps them "
+                      "quantized)", loaded_weight.format, loaded_weight.shape[1],
+                      self.input_size, "256-feature super-blocks" if loaded_weight.two_level
+                      else f"groups of {loaded_weight.group_size}")
+            loaded_weight = loaded_weight.dequantize()
         if not isinstance(loaded_weight, QuantizedTensor) and self.quantization != "none":
-            group = (fitting_group_size(self.group_size, self.input_size)
-                     if self.quantization == "wint4" else self.group_size)
+            group = self.group_size
+            if self.quantization == "wint4":
+                group = fitting_group_size(self.group_size, self.input_size)
+                if group != self.group_size:
+                    _log_once("wint4: groups of %d for layers of %d input features per rank "
+                              "(%d does not divide them)", group, self.input_size,
+                              self.group_size)
             loaded_weight = quantize(loaded_weight, self.quantization, group)
         if not isinstance(loaded_weight, QuantizedTensor):
             if self.weight_format is not None or self._staging is not None:

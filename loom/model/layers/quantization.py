@@ -42,7 +42,11 @@ the values and scales are the file's (``loom/kernels/csrc/quant_gemm.cpp`` repac
 into panels), so a GGUF block is repacked, never re-quantized: the dequantized weights equal llama.cpp's
 (``gguf.quants``) bit for bit. Quantizing at load (wint8, wint4) happens in the weight
 loader on the whole checkpoint tensor, before a rank takes its shard: a row's scale
-comes from the full row, and tensor parallel ranks hold exactly TP=1's values.
+comes from the full row, and tensor parallel ranks hold exactly TP=1's values wherever
+wint4's group divides each rank's shard (else the group halves until it does, logged:
+``fitting_group_size``). A file's block that a tensor-parallel row split would cut (a
+K-quant's 256-feature super-block over ranks of 2,432 features: Qwen2.5-0.5B's MLP at
+TP=2) makes that layer full precision, logged.
 
 Two ways to multiply: loom's kernel (bfloat16 models on AVX512-BF16 CPUs: the values
 unpacked in registers to exact bf16 integers, vdpbf16ps, the scale and offset applied
@@ -144,6 +148,14 @@ class QuantizedTensor:
     @property
     def group_size(self) -> int:
         return self.shape[1] // self.scales.shape[1]
+
+    def splits_into(self, in_features: int) -> bool:
+        """Whether a shard of ``in_features`` input features (a tensor-parallel rank's, at
+        a multiple of it) holds whole groups, and whole super-blocks if two-level."""
+        if self.scales.shape[1] == 1:
+            return True
+        return in_features % self.group_size == 0 and not (
+            self.two_level and in_features % SUPER_BLOCK)
 
     def held(self) -> QuantizedTensor:
         """This weight with its values bit-packed (``pack_bits``): what the PyTorch path

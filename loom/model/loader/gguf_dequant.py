@@ -172,9 +172,15 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torc
         half = torch.float16 if ggml_type == _F16 else torch.bfloat16
         return torch.from_numpy(raw.copy()).view(half).float().reshape(shape)
     if ggml_type not in _DECODERS:
+        from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
 
-        values = gguf_dequantize(raw.reshape(-1, data.shape[-1]), ggml_type)
+        kind = GGMLQuantizationType(ggml_type)
+        try:
+            values = gguf_dequantize(raw.reshape(-1, data.shape[-1]), kind)
+        except NotImplementedError:  # Q8_1, Q8_K, the integer types: not weights
+            raise ValueError(f"GGML type {kind.name} cannot be dequantized (gguf-py "
+                             f"has no decoder for it)") from None
         return torch.from_numpy(np.ascontiguousarray(values, np.float32).reshape(shape))
     block_values, block_bytes, decode = _DECODERS[ggml_type]
     blocks = raw.reshape(-1, block_bytes)

@@ -95,8 +95,17 @@ class GGUFFile:
         data_start = -(-self._pos // alignment) * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, ggml_type, shape, offset in raw_infos:
+            try:
+                num_bytes = _num_bytes(shape, ggml_type)
+            except ValueError:  # a type id the installed gguf package does not know
+                raise ValueError(
+                    f"{self.path}: tensor {name} is GGML type {ggml_type}, which loom "
+                    f"cannot read (retired or newer than the gguf package; type ids 31-33 "
+                    f"were llama.cpp's old Q4_0_4_4/Q4_0_4_8/Q4_0_8_8 layouts): convert the "
+                    f"file again with current llama.cpp (llama-quantize, e.g. to Q4_K_M)"
+                ) from None
             self.tensors[name] = GGUFTensorInfo(name, ggml_type, shape, data_start + offset,
-                                                _num_bytes(shape, ggml_type))
+                                                num_bytes)
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's raw bytes, (rows, bytes per row) uint8, a read-only view of the

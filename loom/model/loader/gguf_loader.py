@@ -125,6 +125,15 @@ _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
                  "ffn_down")
 
 
+def gguf_quantized_formats(path: str) -> list[str]:
+    """The quantized formats (Q4_K, Q6_K, ...) of ``path``'s 2-d tensors: what
+    ``--quantization wint8|wint4`` would round a second time."""
+    float_types = {"F32", "F16", "BF16", "F64"}
+    kinds = {_type_name(info.ggml_type) for info in open_gguf(path).tensors.values()
+             if len(info.shape) >= 2}
+    return sorted(kinds - float_types)
+
+
 def _stacked_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
                        ) -> list[QuantizedTensor] | None:
     """A stacked expert tensor's bytes ((E, out, in): each expert's rows one after
@@ -182,7 +191,12 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
             if keep_quantized and linear:
                 kind = _type_name(info.ggml_type)
                 dequantized[kind] = dequantized.get(kind, 0) + 1
-            weights = dequantize(raw, info.ggml_type, info.shape)
+            try:
+                weights = dequantize(raw, info.ggml_type, info.shape)
+            except ValueError as error:
+                raise ValueError(f"{path}: tensor {info.name}: {error}; convert the file "
+                                 f"again with llama.cpp's llama-quantize (e.g. to Q4_K_M "
+                                 f"or Q8_0)") from None
         if permute_qk and ".attn_q." in info.name:
             weights = _permute_rows(weights, num_heads)
         elif permute_qk and ".attn_k." in info.name:

@@ -15,7 +15,7 @@ from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.embedding import VocabParallelEmbedding
 from loom.model.layers.quantization import linear_weight_quantization, table_quantization
-from loom.model.loader.gguf_loader import gguf_weights_iterator
+from loom.model.loader.gguf_loader import gguf_quantized_formats, gguf_weights_iterator
 from loom.model.loader.hf_config import is_gguf, load_hf_config
 from loom.model.loader.hf_config_values import HFConfigView
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
@@ -75,6 +75,12 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
         if isinstance(module, VocabParallelEmbedding):
             module.table_quantization = tables
     if is_gguf(model_path):
+        rounded = (gguf_quantized_formats(model_path)
+                   if quantization in ("wint8", "wint4") and tp_group.rank == 0 else [])
+        if rounded:
+            logger.warning("--quantization %s dequantizes this file's %s weights and "
+                           "quantizes them again, rounding them twice; --quantization auto "
+                           "runs the file's own formats", quantization, "/".join(rounded))
         weights = gguf_weights_iterator(model_path, hf_config,
                                         keep_quantized=quantization == "auto")
     else:
@@ -94,7 +100,20 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
         if hook is not None:
             hook()
     if tp_group.rank == 0:
-        logger.info("weights: %s", describe_weight_bytes(weight_bytes_by_dtype(model)))
+        logger.info("weights%s: %s", " per rank" if tp_group.world_size > 1 else "",
+                    describe_weight_bytes(weight_bytes_by_dtype(model)))
+        reference = sum(getattr(module, "weight_format", None) is not None
+                        and module.quant_weight is None and not module.parts_on_kernel
+                        for module in model.modules())
+        if reference:
+            why = ("float32" if dtype == torch.float32 else str(dtype).removeprefix("torch."))
+            why = (f"on {torch.device(device).type}" if torch.device(device).type != "cpu"
+                   else f"in {why}" if dtype != torch.bfloat16
+                   else "without AVX512-BF16 on this CPU")
+            logger.warning("%d quantized linear layers run the PyTorch reference path %s "
+                           "(each matmul dequantizes its weight: correct, not fast); "
+                           "loom's kernels take bfloat16 models on AVX512-BF16 CPUs",
+                           reference, why)
         mixed = sorted({module.weight_format for module in model.modules()
                         if getattr(module, "weight_parts", None) is not None})
         if mixed:  # a GGUF file's fused projections in several formats (linear.RowBlocks)
