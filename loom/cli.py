@@ -99,10 +99,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "where the native kernels apply, else torch)")
     group.add_argument("--quantization", "-q", default="auto", metavar="auto|none|wint8|wint4",
                        help="weight-only quantization of the decoder's linear weights: auto "
-                            "(default) runs them as stored, a GGUF file's Q4_0/Q4_1/Q8_0 "
-                            "kept quantized; none dequantizes everything; wint8 makes them "
-                            "int8 per output channel at load, wint4 4-bit in groups of "
-                            "--quantization-group-size")
+                            "(default) runs them as stored, a GGUF file's Q4_0/Q4_1/Q5_0/"
+                            "Q8_0/Q4_K/Q5_K/Q6_K kept quantized; none dequantizes everything; "
+                            "wint8 makes them int8 per output channel at load, wint4 4-bit in "
+                            "groups of --quantization-group-size (both also make the "
+                            "embedding and LM head int8 per row)")
     group.add_argument("--quantization-group-size", type=int, default=128, metavar="32|64|128",
                        help="wint4: input features per scale and offset (default 128)")
     group.add_argument("--lm-head-fp32", action="store_true",

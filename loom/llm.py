@@ -36,7 +36,9 @@ class LLM:
     ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
     (or ``memory_utilization``), ``tensor_parallel_size``, ``seed``, ``chat_template``,
     ``device``, ``attention_backend`` ("auto", "cpu" or "torch"), ``quantization``
-    ("auto", "none" or "wint8": int8 decoder weights made at load), ``generation_config``
+    ("auto": a GGUF file's formats kept; "none": dequantized; "wint8": int8 weights per
+    output channel made at load; "wint4": 4-bit in groups of ``quantization_group_size``,
+    32, 64 or 128), ``lm_head_fp32``, ``generation_config``
     ("auto": the checkpoint's sampling defaults apply when ``generate`` gets no
     SamplingParams; "vllm": loom's; or a directory) and
     ``override_generation_config``; and for worker processes
