@@ -130,6 +130,17 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return TPGroup(rank, world_size, dist.group.WORLD)
 
 
+def rank0_value(key: str, value: str) -> str:
+    """Rank 0's ``value`` for ``key``, through the store the ranks met at (rank 0 writes
+    it, the others wait for it); ``value`` itself with one rank."""
+    if _store is None:
+        return value
+    if dist.get_rank() == 0:
+        _store.set(key, value)
+        return value
+    return _store.get(key).decode()
+
+
 def set_collective_timeout(timeout_s: float) -> None:
     """From now on a collective that waits longer than ``timeout_s`` fails. Start-up
     joins with the long start-up timeout (a peer may still be loading its shard); once

@@ -26,6 +26,7 @@ an endless kernel would, while the process lives.
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import shutil
@@ -35,6 +36,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 from loom.config import EngineConfig
 from loom.core.wire import (RemoteStatus, RPCResult, StepResult, WorkerFailure, WorkerRPC,
@@ -151,6 +153,7 @@ def run_worker(spec: WorkerSpec) -> int:
         status = StatusReporter(spec, queue)
         started = time.monotonic()
         tp_group = init_distributed(spec)
+        check_nodes_agree(spec)
         worker = init_device(spec, tp_group)
         # Each rank writes its own weights_status as an update moves it (weight_updates.py).
         worker.weights.on_status = lambda state: status.set(weights_status=int(state))
@@ -187,6 +190,42 @@ def init_distributed(spec: WorkerSpec):
     parallel = spec.config.parallel
     return join_group(spec.rank, parallel.world_size, spec.master_addr, spec.master_port,
                       spec.config.device, timeout_s=parallel.worker_start_timeout_s)
+
+
+def node_settings(config) -> dict[str, Any]:
+    """What every node's ranks must agree on, by the flag that sets it: what shapes the
+    weights a rank holds and the steps it runs."""
+    from loom.ipc.remote_engine_core import handshake_settings
+
+    settings = {name: value for name, value in handshake_settings(config).items()
+                if name not in _PER_REPLICA_SETTINGS}
+    settings["--expert-parallel-size"] = config.parallel.expert_parallel_size
+    return settings
+
+
+# handshake_settings' entries that ranks of one engine need not agree on (its scheduler
+# runs on node 0 alone)
+_PER_REPLICA_SETTINGS = ("--data-parallel-size", "--seed", "--enable-prefix-caching",
+                         "--max-num-seqs", "--max-num-batched-tokens")
+
+
+def check_nodes_agree(spec: WorkerSpec) -> None:
+    """A `loom worker` node builds its config from its own flags: a rank whose settings
+    differ from rank 0's (another --quantization, dtype or model) fails here, naming the
+    flags, instead of holding other weights than its peers expect."""
+    from loom.distributed.parallel_state import rank0_value
+
+    if spec.config.parallel.nnodes == 1:
+        return
+    mine = node_settings(spec.config)
+    head = json.loads(rank0_value("loom/node-settings", json.dumps(mine, default=str)))
+    mine = json.loads(json.dumps(mine, default=str))
+    differences = [f"{name} is {mine.get(name)!r} here, {value!r} on node 0"
+                   for name, value in head.items() if mine.get(name) != value]
+    if differences:
+        raise ValueError(f"node {spec.config.parallel.node_rank}'s settings differ from "
+                         f"node 0's: {'; '.join(differences)}; start `loom worker` with "
+                         f"node 0's flags")
 
 
 def init_device(spec: WorkerSpec, tp_group):
