@@ -103,7 +103,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "Q8_0/Q4_K/Q5_K/Q6_K kept quantized; none dequantizes everything; "
                             "wint8 makes them int8 per output channel at load, wint4 4-bit in "
                             "groups of --quantization-group-size (both also make the "
-                            "embedding and LM head int8 per row)")
+                            "embedding and LM head int8 per row, unless --lm-head-fp32)")
     group.add_argument("--quantization-group-size", type=int, default=128, metavar="32|64|128",
                        help="wint4: input features per scale and offset (default 128)")
     group.add_argument("--lm-head-fp32", action="store_true",

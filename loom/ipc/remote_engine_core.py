@@ -80,10 +80,21 @@ def handshake_settings(config: EngineConfig) -> dict[str, Any]:
         "--enable-prefix-caching": config.cache.enable_prefix_caching,
         "--max-num-seqs": config.scheduler.max_num_seqs,
         "--max-num-batched-tokens": config.scheduler.max_num_batched_tokens,
-        "--speculative-config": (None if config.speculative is None
-                                 else msgspec.to_builtins(config.speculative)),
+        "--speculative-config": speculative_settings(config),
         "--device": config.device,
     }
+
+
+def speculative_settings(config: EngineConfig) -> dict[str, Any] | None:
+    """The speculative config as the flag sets it: the draft by its file or directory
+    name (each host has its own path), without the draft's HF config as read there."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "prompt_lookup_min": spec.prompt_lookup_min,
+            "prompt_lookup_max": spec.prompt_lookup_max,
+            "model": None if spec.model is None else os.path.basename(spec.model.rstrip("/"))}
 
 
 def rank_list(ranks: range | list[int]) -> str:

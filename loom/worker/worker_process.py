@@ -198,15 +198,23 @@ def node_settings(config) -> dict[str, Any]:
     from loom.ipc.remote_engine_core import handshake_settings
 
     settings = {name: value for name, value in handshake_settings(config).items()
-                if name not in _PER_REPLICA_SETTINGS}
-    settings["--expert-parallel-size"] = config.parallel.expert_parallel_size
+                if name not in _SCHEDULER_ONLY_SETTINGS}
+    cache = config.cache
+    settings.update({
+        # the ranks' KV caches: each sizes and caps its own, and the profile run and the
+        # warm-up are forwards with collectives, whose batches these flags size
+        "--expert-parallel-size": config.parallel.expert_parallel_size,
+        "--num-gpu-blocks-override": cache.num_gpu_blocks_override,
+        "--kv-cache-memory": cache.kv_cache_memory_bytes,
+        "--memory-utilization": cache.memory_utilization,
+        "--enable-warm-up": config.model.enable_warm_up,
+    })
     return settings
 
 
-# handshake_settings' entries that ranks of one engine need not agree on (its scheduler
-# runs on node 0 alone)
-_PER_REPLICA_SETTINGS = ("--data-parallel-size", "--seed", "--enable-prefix-caching",
-                         "--max-num-seqs", "--max-num-batched-tokens")
+# handshake_settings' entries that ranks of one engine need not agree on: node 0's engine
+# alone reads them (the data-parallel layout, prefix caching's block reuse, sampling)
+_SCHEDULER_ONLY_SETTINGS = ("--data-parallel-size", "--seed", "--enable-prefix-caching")
 
 
 def check_nodes_agree(spec: WorkerSpec) -> None:

@@ -76,3 +76,23 @@ def test_control_failing_on_some_replicas_names_them_and_the_state_left():
     with pytest.raises(ControlError) as raised:
         merge_control_results("sleep", [ControlError("busy", "RuntimeError")] * 2)
     assert raised.value.exc_type == "RuntimeError"
+
+
+def test_a_draft_compares_by_its_name_not_its_path_or_hf_config():
+    """Each host has its own path to the draft and its own transformers: the speculative
+    flag compares as set (method, tokens, draft's name), not as read."""
+    from types import SimpleNamespace
+
+    from loom.config import SpeculativeConfig
+    from loom.ipc.remote_engine_core import speculative_settings
+
+    def settings(path, hf_config):
+        spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model=path,
+                                 hf_config=hf_config)
+        return speculative_settings(SimpleNamespace(speculative=spec))
+
+    here = settings("/models/draft-135m/", {"_name_or_path": "/models/draft-135m"})
+    assert here == settings("/mnt/other/draft-135m", {"_name_or_path": "/mnt/other/draft-135m"})
+    assert here["model"] == "draft-135m" and here["num_speculative_tokens"] == 2
+    assert here != settings("/models/draft-360m", None)
+    assert speculative_settings(SimpleNamespace(speculative=None)) is None

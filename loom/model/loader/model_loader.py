@@ -106,10 +106,14 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                         and module.quant_weight is None and not module.parts_on_kernel
                         for module in model.modules())
         if reference:
-            why = ("float32" if dtype == torch.float32 else str(dtype).removeprefix("torch."))
-            why = (f"on {torch.device(device).type}" if torch.device(device).type != "cpu"
-                   else f"in {why}" if dtype != torch.bfloat16
-                   else "without AVX512-BF16 on this CPU")
+            if torch.device(device).type != "cpu":
+                why = f"on {torch.device(device).type}"
+            elif dtype != torch.bfloat16:
+                why = f"in {str(dtype).removeprefix('torch.')}"
+            elif native_ops() is None:
+                why = "without loom's CPU kernels (they did not build)"
+            else:
+                why = "without AVX512-BF16 on this CPU"
             logger.warning("%d quantized linear layers run the PyTorch reference path %s "
                            "(each matmul dequantizes its weight: correct, not fast); "
                            "loom's kernels take bfloat16 models on AVX512-BF16 CPUs",
