@@ -63,7 +63,15 @@ class Worker:
             size = os.path.getsize(model) if os.path.isfile(model) else None
             progress(f"reading weights from {os.path.basename(model.rstrip('/'))}"
                      + (f" ({size / 1e6:,.0f} MB)" if size else "") + " ...")
+        started = time.monotonic()
         self.model_runner.load_model()
+        if self.rank == 0:
+            from loom.model.loader.model_loader import (describe_weight_bytes,
+                                                        weight_bytes_by_dtype)
+
+            held = describe_weight_bytes(weight_bytes_by_dtype(self.model_runner.model))
+            progress(f"weights read in {time.monotonic() - started:.1f} s; resident"
+                     f"{' per rank' if self.tp_group.world_size > 1 else ''}: {held}")
         if self.device.type == "cpu":
             memory.release_freed_memory()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import re
 import subprocess
 import sys
 
@@ -83,8 +84,11 @@ def test_cpu_default_is_sized_to_the_concurrency_without_profiling(model_dir, mo
         assert executor.worker.num_blocks == 4 * BLOCKS_PER_SEQ
     finally:
         executor.shutdown()
+    err = capfd.readouterr().err
     assert ("loom: KV cache 0.00 GiB, 512 tokens (32 blocks of 16); maximum concurrency for "
-            "128 tokens per request: 4.00x") in capfd.readouterr().err
+            "128 tokens per request: 4.00x") in err
+    # the resident weight bytes, on stderr whatever the log level
+    assert re.search(r"loom: weights read in [0-9.]+ s; resident: [0-9.]+ MiB float32", err), err
 
 
 def test_worker_processes_report_the_bytes_of_a_block_for_the_summary(model_dir, capfd):
