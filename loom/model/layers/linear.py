@@ -514,6 +514,12 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self._load_weight
 
     @property
+    def on_reference_path(self) -> bool:
+        """Quantized, and multiplied by the PyTorch reference (dequantized per matmul)."""
+        return (self.weight_format is not None and self.quant_weight is None
+                and not self.parts_on_kernel)
+
+    @property
     def parts_on_kernel(self) -> bool:
         """Held in several formats, each in loom's kernel layout."""
         return bool(self.weight_parts) and not isinstance(self.weight_parts[0],

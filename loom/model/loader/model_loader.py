@@ -14,6 +14,7 @@ from loom.distributed.parallel_state import SINGLE, TPGroup, expert_parallel_gro
 from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.embedding import VocabParallelEmbedding
+from loom.model.layers.linear import LinearBase
 from loom.model.layers.quantization import linear_weight_quantization, table_quantization
 from loom.model.loader.gguf_loader import gguf_quantized_formats, gguf_weights_iterator
 from loom.model.loader.hf_config import is_gguf, load_hf_config
@@ -102,8 +103,7 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
     if tp_group.rank == 0:
         logger.info("weights%s: %s", " per rank" if tp_group.world_size > 1 else "",
                     describe_weight_bytes(weight_bytes_by_dtype(model)))
-        reference = sum(getattr(module, "weight_format", None) is not None
-                        and module.quant_weight is None and not module.parts_on_kernel
+        reference = sum(isinstance(module, LinearBase) and module.on_reference_path
                         for module in model.modules())
         if reference:
             if torch.device(device).type != "cpu":
