@@ -236,8 +236,8 @@ class WeightUpdater:
     def _drop_derived_state(self) -> None:
         """What holds the weights' bytes beside the parameters, before they are freed: a
         layer's ``release_weight()`` (a quantized linear's kernel layout, packed copies),
-        else its packed and float32 copies, and a quantized embedding table hung on its
-        parameter; and the native stack's plan."""
+        else its packed and float32 copies, and a quantized embedding table or an LM
+        head's panels hung on its parameter; and the native stack's plan."""
         for module in self.model.modules():
             release = getattr(module, "release_weight", None)
             if release is not None:
@@ -248,6 +248,8 @@ class WeightUpdater:
         for param in self.model.parameters():
             if getattr(param, "table", None) is not None:  # embedding.py's QuantizedTable
                 param.table = None
+            if getattr(param, "panels", None) is not None:  # an LM head's bf16 panels
+                param.panels = None
         _invalidate_native_stack(self.model)
 
     def _derive_state(self) -> None:

@@ -148,6 +148,39 @@ def test_moe_experts_held_as_panels_update_in_part_and_sleep(tmp_path):
         assert generate(llm) == expected_a
 
 
+def test_tied_table_held_as_panels_updates_and_sleeps(tmp_path):
+    """A bf16 tied table is held once, as the LM head's panels, and the embedding
+    gathers its rows from them: an update of the table alone changes both (the tokens
+    of a fresh engine on A with B's table), sleep(2) frees it and wake_up reloads A."""
+    from safetensors.torch import load_file
+
+    from loom.model.loader.model_loader import weight_bytes_by_dtype
+
+    a = make_tiny_checkpoint("llama_tied_rope3", tmp_path / "a")
+    make_tiny_tokenizer(a)
+    a_tensors = load_file(os.path.join(a, "model.safetensors"))
+    table = {name: tensor for name, tensor in variant_tensors(a, SEED_B).items()
+             if name == "model.embed_tokens.weight"}
+    assert table and "lm_head.weight" not in a_tensors
+    c = make_variant(a, str(tmp_path / "c"), SEED_B,
+                     edit={name: t for name, t in a_tensors.items() if name not in table})
+    expected_a = fresh_outputs(a, dtype="bfloat16")
+    expected_c = fresh_outputs(c, dtype="bfloat16")
+    assert expected_a != expected_c, "the table changes nothing: the test tests nothing"
+    with LLM(a, **ENGINE, dtype="bfloat16") as llm:
+        model = llm.engine.engine_core.executor.worker.model_runner.model
+        head = model.lm_head
+        assert head.weight is model.model.embed_tokens.weight
+        if head.panels is not None:  # loom's bf16 kernel here: the panels alone
+            assert head.weight.dim() == 4 and "packed" not in weight_bytes_by_dtype(model)
+        llm.update_weights_from_tensors(table.items())
+        assert generate(llm) == expected_c
+        llm.sleep(level=2)
+        assert llm.collective_rpc("memory_usage")[0]["weight_bytes"] == 0
+        llm.wake_up()
+        assert generate(llm) == expected_a
+
+
 def test_update_from_tensors_equals_fresh_engine(checkpoints):
     a, b = checkpoints
     with LLM(a, dtype="float32", **ENGINE) as llm:

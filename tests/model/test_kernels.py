@@ -250,6 +250,23 @@ def test_bf16_linear_is_exact_on_exact_inputs(ops):
                         ops.pack_bf16_weight(torch.zeros(8, 4, dtype=torch.bfloat16)), None)
 
 
+def test_rows_gathered_from_bf16_panels(ops):
+    """An embedding table held only as its LM head's panels: rows gathered from them
+    (PackedWeight.rows) are the table's rows, for widths around the 64-row panels, and
+    the panels' inverse view (plain) is the table; an id past the table is refused."""
+    from loom.model.layers.linear import PackedWeight
+
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(1, 2), (64, 2), (65, 576), (127, 34), (200, 64)]:
+        weight = torch.randn(n, k, generator=gen).bfloat16()
+        panels = PackedWeight.loom_panels(ops.pack_bf16_weight(weight), n)
+        ids = torch.tensor([[0, n - 1, n // 2], [n - 1, 0, 0]])
+        assert torch.equal(panels.rows(ids), weight[ids]), (n, k)
+        assert torch.equal(panels.plain(), weight), (n, k)
+        with pytest.raises(RuntimeError, match="outside"):
+            panels.rows(torch.tensor([n]))
+
+
 def test_bf16_linear_group_equals_one_call_each(ops):
     """Several matmuls in one parallel region (a MoE layer's experts): each result is
     bit for bit bf16_linear's on it alone, for row counts on either side of the tiles'

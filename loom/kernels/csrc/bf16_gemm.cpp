@@ -29,6 +29,7 @@
 #include "bf16_gemm.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 
@@ -360,11 +361,48 @@ at::Tensor pack_bf16_weight(at::Tensor weight) {
               weight.dim() == 2, "pack_bf16_weight takes a 2-d bfloat16 CPU tensor");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(k % 2 == 0, "pack_bf16_weight needs an even number of input features, got ", k);
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  // (N, K) -> zero-pad N -> (panels, 64, K/2, 2) -> (panels, K/2, 64, 2)
-  auto padded = at::zeros({panels * kPanel, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({panels, kPanel, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  const int64_t panels = (n + kPanel - 1) / kPanel, full = n / kPanel;
+  // (N, K) -> (panels, 64, K/2, 2) -> (panels, K/2, 64, 2), the last panel zero-padded:
+  // written straight into the result (no padded copy of the whole weight beside it: a
+  // 1B model's 192 MiB table peaked at three copies)
+  const at::Tensor plain = weight.contiguous();
+  auto packed = at::empty({panels, k / 2, kPanel, 2}, weight.options());
+  if (full > 0)
+    packed.narrow(0, 0, full).copy_(
+        plain.narrow(0, 0, full * kPanel).view({full, kPanel, k / 2, 2}).permute({0, 2, 1, 3}));
+  if (panels > full) {
+    auto last = at::zeros({kPanel, k}, weight.options());
+    last.narrow(0, 0, n - full * kPanel).copy_(plain.narrow(0, full * kPanel, n - full * kPanel));
+    packed.select(0, full).copy_(last.view({kPanel, k / 2, 2}).permute({1, 0, 2}));
+  }
+  return packed;
+}
+
+void bf16_gather_rows(at::Tensor out, at::Tensor packed, at::Tensor ids, int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2,
+              "packed must come from pack_bf16_weight");
+  const int64_t pairs = packed.size(1), rows = ids.numel();
+  TORCH_CHECK(n > (packed.size(0) - 1) * kPanel && n <= packed.size(0) * kPanel,
+              "the packed weight has ", packed.size(0) * kPanel, " rows, not ", n);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.is_cpu(),
+              "ids must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+              out.size(0) == rows && out.size(1) == 2 * pairs,
+              "out must be a contiguous (", rows, ", ", 2 * pairs, ") bfloat16 tensor");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < n, "row id ", id[r], " is outside [0, ", n, ")");
+  // A row is one 4-byte pair every kPanel * 4 bytes of its panel.
+  const auto* src = reinterpret_cast<const int32_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<int32_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* from = src + (id[r] / kPanel) * pairs * kPanel + id[r] % kPanel;
+      int32_t* to = dst + r * pairs;
+      for (int64_t i = 0; i < pairs; ++i) to[i] = from[i * kPanel];
+    }
+  });
 }
 
 void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,

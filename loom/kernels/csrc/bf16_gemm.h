@@ -23,6 +23,10 @@ void set_bf16_amx(bool wanted);
 // weight (N, K) bf16, K even -> the panel layout bf16_linear reads.
 at::Tensor pack_bf16_weight(at::Tensor weight);
 
+// out (M, K) = rows `ids` (M, int64, each in [0, n)) of the weight (n, K) that `packed`
+// holds: an embedding table kept only as a tied LM head's panels.
+void bf16_gather_rows(at::Tensor out, at::Tensor packed, at::Tensor ids, int64_t n);
+
 // out (M, N) = x (M, K) @ weight^T (+ bias), weight given packed; out bf16 or float32.
 void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed,
                  c10::optional<at::Tensor> bias);

@@ -162,6 +162,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "allow (the default) or forbid the AMX tiles (LOOM_AMX, loom/envs.py)");
   m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout",
         release());
+  m.def("bf16_gather_rows", &loom::bf16_gather_rows,
+        "out = rows ids of the (n, K) weight held as pack_bf16_weight's panels",
+        py::arg("out"), py::arg("packed"), py::arg("ids"), py::arg("n"), release());
   m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
         release());

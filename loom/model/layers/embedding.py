@@ -10,6 +10,11 @@ the rows it looks up, and the LM head (often the same table, tied) multiplies wi
 loom's quantized kernel, or in float32 with ``--lm-head-fp32``
 (``ParallelLMHead.float32``). The quantized state hangs on the ``weight`` parameter
 itself (``QuantizedTable``), so a tied head shares it.
+
+A bf16 table on a CPU with loom's kernels is held once, as the LM head's ``bf16_linear``
+panels (the parameter's ``panels``): a tied embedding gathers its rows from them
+(``PackedWeight.rows``), so no plain copy stays beside them (192 MiB for a 1B model's
+49,152 x 2,048 table).
 """
 
 from __future__ import annotations
@@ -110,15 +115,18 @@ class VocabParallelEmbedding(nn.Module):
                                                       self.embedding_dim))
                 staged.narrow(0, 0, rows).copy_(mine)
             param.staged = staged
+            param.panels = None
             if not staged.values.is_meta:
                 # laid out now, not after the whole model: the table's values (a byte
                 # each) are not held beside every other layer's
                 VocabParallelEmbedding.process_weights_after_loading(self)
             return
-        if getattr(param, "table", None) is not None:  # was quantized: full precision again
-            param.data = torch.zeros(self.num_embeddings_per_rank, self.embedding_dim,
-                                     dtype=self._dtype)
+        plain = (self.num_embeddings_per_rank, self.embedding_dim)
+        if getattr(param, "table", None) is not None or tuple(param.shape) != plain:
+            # was quantized or the head's panels (or freed in their shape): plain again
+            param.data = torch.zeros(plain, dtype=self._dtype)
             param.table = None
+        param.panels = None
         param.data[:rows].copy_(mine)
         param.data[rows:].zero_()
 
@@ -134,9 +142,18 @@ class VocabParallelEmbedding(nn.Module):
         """The quantized table, None when the weight is full precision."""
         return getattr(self.weight, "table", None)
 
+    @property
+    def panels(self) -> PackedWeight | None:
+        """The table as loom's bf16 panels, when an LM head's matmul layout is the only
+        copy held (``ParallelLMHead.process_weights_after_loading``: the head's table, and
+        the embedding's when tied to it); else None."""
+        return getattr(self.weight, "panels", None)
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.table
-        return F.embedding(ids, self.weight) if table is None else table.rows(ids, self._dtype)
+        table, panels = self.table, self.panels
+        if table is not None:
+            return table.rows(ids, self._dtype)
+        return F.embedding(ids, self.weight) if panels is None else panels.rows(ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.is_single:
@@ -164,14 +181,22 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()  # a tied table: done already, a no-op
-        table = self.table
+        table, panels = self.table, self.panels
         self.packed_weight = None
         self.float32_weight = None
         if self.float32:
-            self.float32_weight = (self.weight.detach().float() if table is None
-                                   else table.dequantize(torch.float32))
+            self.float32_weight = (table.dequantize(torch.float32) if table is not None
+                                   else (self.weight if panels is None
+                                         else panels.plain()).detach().float())
+        elif panels is not None:  # packed before, and not reloaded since
+            self.packed_weight = panels
         elif table is None:
             self.packed_weight = pack_weight(self.weight)
+            if self.packed_weight is not None and self.packed_weight.is_loom_kernel:
+                # loom's panels become the table (a tied embedding gathers its rows from
+                # them, PackedWeight.rows): no second copy of it stays resident
+                self.weight.data = self.packed_weight.data
+                self.weight.panels = self.packed_weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # (N, vocab); float32 straight from the sums where the CPU kernel allows (bf16

@@ -56,6 +56,20 @@ class PackedWeight:
         expert's slice of a stack of them), for a weight of ``out_features`` rows."""
         return cls(data, out_features, native_ops_for(data.device, data.dtype))
 
+    def plain(self) -> torch.Tensor:
+        """The (N, K) weight loom's panels hold, as a view of them (not for oneDNN's)."""
+        panels, pairs, width = self.data.shape[:3]
+        return self.data.permute(0, 2, 1, 3).reshape(panels * width, 2 * pairs)[
+            :self.out_features]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the (N, K) weight, gathered from loom's panels:
+        an embedding lookup in a table held only as its tied LM head's panels."""
+        flat = ids.reshape(-1).long().contiguous()
+        out = torch.empty(flat.numel(), 2 * self.data.shape[1], dtype=self.data.dtype)
+        self._ops.bf16_gather_rows(out, self.data, flat, self.out_features)
+        return out.view(*ids.shape, out.shape[-1])
+
     @property
     def is_loom_kernel(self) -> bool:
         """Packed for loom's ``bf16_linear`` (else for oneDNN)."""
@@ -405,11 +419,7 @@ class LinearBase(nn.Module):
     def plain_weight(self) -> torch.Tensor:
         """This rank's (N, K) weight in full precision (a view of the panels' inverse
         if the weight is held as loom's bf16 panels)."""
-        if not self._weight_is_panels:
-            return self.weight
-        panels, pairs = self.packed_weight.data.shape[:2]
-        return self.packed_weight.data.permute(0, 2, 1, 3).reshape(
-            panels * self.packed_weight.data.shape[2], 2 * pairs)[:self.output_size]
+        return self.packed_weight.plain() if self._weight_is_panels else self.weight
 
     def _holds_weight(self) -> bool:
         """Whether the quantized weight is still here (``release_weight`` drops it)."""
