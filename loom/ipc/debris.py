@@ -59,13 +59,24 @@ def remove_debris(shm_dir: str = SHM_DIR, tmp_dir: str | None = None) -> list[st
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: killed, it holds nothing, but its PID
+    stays until its parent reaps it, and an orphan's new parent, PID 1, may reap late or
+    never (a container whose PID 1 is not an init), which kept the debris of a killed
+    group for the next engine to trip over."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, another user's
+    except PermissionError:  # another user's: alive unless a zombie
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # gone since, or no /proc (not Linux): as kill said then
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in ("Z", "X")
 
 
 def die_with_parent() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -60,6 +61,25 @@ def test_debris_of_dead_owners_is_removed_and_live_owners_kept(tmp_path):
     removed = remove_debris(str(shm), str(tmp))
     assert sorted(removed) == sorted(str(p) for p in left)
     assert not any(p.exists() for p in left) and all(p.exists() for p in kept)
+
+
+def test_debris_of_a_zombie_owner_is_removed(tmp_path):
+    """A killed process its parent has not reaped yet (a zombie: an orphan's PID 1 may
+    reap late or never) still answers kill(pid, 0), but runs nothing: its debris goes."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        with open(f"/proc/{zombie.pid}/stat") as f:
+            while f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                assert time.monotonic() < deadline, "the child never exited"
+                time.sleep(0.01)
+                f.seek(0)
+        os.kill(zombie.pid, 0)  # the PID still answers
+        left = tmp_path / f"loom-{zombie.pid}-0123456789ab-ready"
+        left.write_bytes(b"\0" * 8)
+        assert remove_debris(str(tmp_path), str(tmp_path / "none")) == [str(left)]
+    finally:
+        zombie.wait()
 
 
 def test_task_queue_round_trip():
