@@ -50,6 +50,8 @@ def remove_debris(shm_dir: str = SHM_DIR, tmp_dir: str | None = None) -> list[st
                     os.unlink(path)
             except FileNotFoundError:  # another new engine got there first
                 continue
+            except PermissionError:  # another user's, in a sticky directory: theirs to remove
+                continue
             removed.append(path)
     if removed:
         logger.warning("removed %d file(s) left by loom processes that no longer run (killed "
@@ -67,8 +69,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's: alive unless a zombie
-        pass
+    except PermissionError:  # another user's: kept (its /proc entry may be hidden)
+        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]

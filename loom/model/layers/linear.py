@@ -99,9 +99,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     against ATen's GEMV 5.4, 32 rows 9.1 against packed oneDNN 13.1, 128 rows 28.8
     against 34.2). Elsewhere oneDNN's blocked layout, which it would otherwise redo
     on every call (batch 8 40% faster packed). loom's panels replace a linear layer's
-    plain weight (``LinearBase``: one copy resident); oneDNN's layout is a second copy,
-    the plain one staying for its one-row path, as does an LM head's for the embedding
-    it may be tied to."""
+    plain weight (``LinearBase``: one copy resident), an LM head's too (the embedding
+    tied to it gathers its rows from them, ``PackedWeight.rows``); oneDNN's layout is a
+    second copy, the plain one staying for its one-row path."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 \
             or not settings().cpu_packed_weights:
         return None
