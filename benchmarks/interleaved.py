@@ -114,7 +114,7 @@ def main() -> None:
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "interleaved.json"))
     args = parser.parse_args()
-    from benchmarks.quantized import batched_context, kv_cache_bytes
+    from benchmarks.quantized import batched_context, kv_cache_bytes, write_summary
     from benchmarks.roofline import measure_bandwidth
     from loom import LLM
 
@@ -153,10 +153,7 @@ def main() -> None:
                "median_loom_tokens_per_s": statistics.median(p["loom"] for p in pairs),
                "median_llamacpp_tokens_per_s": statistics.median(p["llamacpp"] for p in pairs),
                "ratios_above_1": sum(r > 1 for r in ratios), "pairs": pairs}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps({k: v for k, v in summary.items() if k != "pairs"}, indent=2))
+    write_summary(summary, args.out, "pairs")
 
 
 if __name__ == "__main__":

@@ -255,10 +255,15 @@ def main() -> None:
                "raw": runs, "step_bytes": bytes_per_step,
                "read_gb_s": read_gb_s,
                "roofline_tokens_per_s": read_gb_s * 1e9 / bytes_per_step}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    write_summary(summary, args.out, "raw")
+
+
+def write_summary(summary: dict[str, Any], path: str, bulky: str) -> None:
+    """The run's JSON to ``path``, and on stdout without its ``bulky`` key."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(summary, f, indent=2)
-    print(json.dumps({k: v for k, v in summary.items() if k != "raw"}, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != bulky}, indent=2))
 
 
 if __name__ == "__main__":

@@ -118,67 +118,59 @@ def test_update_every_kind_of_family(family, tmp_path):
         assert generate(llm) == expected_b != expected_a
 
 
-def test_moe_experts_held_as_panels_update_in_part_and_sleep(tmp_path):
-    """bf16 MoE experts, held only as loom's packed panels: an update of one expert's
-    tensors keeps every other expert (the tokens of a fresh engine on A with that expert
-    from B), sleep(2) frees them all and wake_up reloads A."""
+def _update_part_then_sleep(tmp_path, family: str, part, check_held) -> None:
+    """An update of the tensors of B that ``part(name)`` selects keeps every other weight
+    (the tokens of a fresh engine on A with that part from B), sleep(2) frees them all
+    and wake_up reloads A; ``check_held(model)`` asserts how the weights are held first."""
     from safetensors.torch import load_file
 
-    a = make_tiny_checkpoint("qwen3_moe", tmp_path / "a")
+    a = make_tiny_checkpoint(family, tmp_path / "a")
     make_tiny_tokenizer(a)
     a_tensors = load_file(os.path.join(a, "model.safetensors"))
-    expert = {name: tensor for name, tensor in variant_tensors(a, SEED_B).items()
-              if ".mlp.experts.1." in name}
+    new = {name: tensor for name, tensor in variant_tensors(a, SEED_B).items() if part(name)}
+    assert new
     c = make_variant(a, str(tmp_path / "c"), SEED_B,
-                     edit={name: t for name, t in a_tensors.items() if name not in expert})
+                     edit={name: t for name, t in a_tensors.items() if name not in new})
     expected_a = fresh_outputs(a, dtype="bfloat16")
     expected_c = fresh_outputs(c, dtype="bfloat16")
-    assert expected_a != expected_c, "expert 1 changes nothing: the test tests nothing"
+    assert expected_a != expected_c, "the part changes nothing: the test tests nothing"
     with LLM(a, **ENGINE, dtype="bfloat16") as llm:
-        model = llm.engine.engine_core.executor.worker.model_runner.model
-        from loom.model.layers.fused_moe import FusedMoE
-
-        moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-        assert moes and all(m.w13_weight.dim() == 5 for m in moes)  # the panels alone
-        llm.update_weights_from_tensors(expert.items())
+        check_held(llm.engine.engine_core.executor.worker.model_runner.model)
+        llm.update_weights_from_tensors(new.items())
         assert generate(llm) == expected_c
         llm.sleep(level=2)
         assert llm.collective_rpc("memory_usage")[0]["weight_bytes"] == 0
         llm.wake_up()
         assert generate(llm) == expected_a
+
+
+def test_moe_experts_held_as_panels_update_in_part_and_sleep(tmp_path):
+    """bf16 MoE experts, held only as loom's packed panels: an update of one expert's
+    tensors keeps every other expert, sleep(2) frees them all and wake_up reloads A."""
+    from loom.model.layers.fused_moe import FusedMoE
+
+    def panels_alone(model) -> None:
+        moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(m.w13_weight.dim() == 5 for m in moes)
+
+    _update_part_then_sleep(tmp_path, "qwen3_moe", lambda name: ".mlp.experts.1." in name,
+                            panels_alone)
 
 
 def test_tied_table_held_as_panels_updates_and_sleeps(tmp_path):
     """A bf16 tied table is held once, as the LM head's panels, and the embedding
-    gathers its rows from them: an update of the table alone changes both (the tokens
-    of a fresh engine on A with B's table), sleep(2) frees it and wake_up reloads A."""
-    from safetensors.torch import load_file
-
+    gathers its rows from them: an update of the table alone changes both, sleep(2)
+    frees it and wake_up reloads A."""
     from loom.model.loader.model_loader import weight_bytes_by_dtype
 
-    a = make_tiny_checkpoint("llama_tied_rope3", tmp_path / "a")
-    make_tiny_tokenizer(a)
-    a_tensors = load_file(os.path.join(a, "model.safetensors"))
-    table = {name: tensor for name, tensor in variant_tensors(a, SEED_B).items()
-             if name == "model.embed_tokens.weight"}
-    assert table and "lm_head.weight" not in a_tensors
-    c = make_variant(a, str(tmp_path / "c"), SEED_B,
-                     edit={name: t for name, t in a_tensors.items() if name not in table})
-    expected_a = fresh_outputs(a, dtype="bfloat16")
-    expected_c = fresh_outputs(c, dtype="bfloat16")
-    assert expected_a != expected_c, "the table changes nothing: the test tests nothing"
-    with LLM(a, **ENGINE, dtype="bfloat16") as llm:
-        model = llm.engine.engine_core.executor.worker.model_runner.model
+    def table_once(model) -> None:
         head = model.lm_head
-        assert head.weight is model.model.embed_tokens.weight
+        assert head.weight is model.model.embed_tokens.weight  # tied
         if head.panels is not None:  # loom's bf16 kernel here: the panels alone
             assert head.weight.dim() == 4 and "packed" not in weight_bytes_by_dtype(model)
-        llm.update_weights_from_tensors(table.items())
-        assert generate(llm) == expected_c
-        llm.sleep(level=2)
-        assert llm.collective_rpc("memory_usage")[0]["weight_bytes"] == 0
-        llm.wake_up()
-        assert generate(llm) == expected_a
+
+    _update_part_then_sleep(tmp_path, "llama_tied_rope3",
+                            lambda name: name == "model.embed_tokens.weight", table_once)
 
 
 def test_update_from_tensors_equals_fresh_engine(checkpoints):
