@@ -42,26 +42,16 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its descendants so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
+    from benchmarks.quantized import tree_pids
+
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
         except OSError:
-            pass
-        todo.extend(children.get(p, []))
+            continue
     return total
 
 

@@ -52,18 +52,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants."""
-    total, stack = 0, [pid]
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants (those still running)."""
+    pids, stack = [], [pid]
     while stack:
         p = stack.pop()
+        pids.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack.extend(int(c) for c in f.read().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants."""
+    total = 0
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         total += int(line.split()[1]) * 1024
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                stack.extend(int(c) for c in f.read().split())
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return total
