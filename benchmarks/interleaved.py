@@ -13,7 +13,11 @@ llama.cpp burst back to back (order alternating between pairs), each decoding
 see the same phase. Both sides report the same statistic: tokens decoded over the time
 spent decoding them (loom: its decode steps' total; llama.cpp: ``llama-bench -p 0``'s
 ``avg_ts`` at batch 1, ``llama-batched-bench``'s ``speed_tg`` above it). A single
-read test before each pair records the phase.
+read test before each pair records the phase, and each side's weight reads are given as
+a share of it (``*_of_read_test``: weight bytes a step reads, times steps per second,
+over the read test's bytes per second). At batch 1, where a step is bound by those
+bytes, that share says how close each engine comes to the memory's speed, and so how
+far any ratio between them can go.
 
 loom is idle while llama.cpp runs; the CPU time its process tree takes meanwhile is
 reported (``loom_cpu_s_during_llamacpp``), so a loom that stole a core would show.
@@ -89,6 +93,23 @@ def loom_burst(llm, batch: int, prompt: int, tokens: int, tag: str) -> float:
     return decoded / sum(steps)
 
 
+def loom_step_bytes(llm) -> int:
+    """Bytes of weights a loom decode step reads (one rank, in this process): every
+    weight as held (a packed copy in place of its source, the LM head's float32 copy in
+    place of its table), but an untied embedding table, of which a step reads rows."""
+    from loom.model.loader.model_loader import weight_bytes_by_dtype
+
+    model = llm.engine.engine_core.executor.worker.model_runner.model
+    held = weight_bytes_by_dtype(model)
+    total = sum(size for name, size in held.items() if name != "packed")
+    head = model.lm_head
+    if getattr(head, "float32_weight", None) is not None:  # --lm-head-fp32: a copy read instead
+        total -= sum(p.numel() * p.element_size() for p in head.parameters())
+    if not getattr(model.config, "tie_word_embeddings", False):
+        total -= sum(p.numel() * p.element_size() for p in model.model.embed_tokens.parameters())
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="the GGUF file llama.cpp runs")
@@ -104,7 +125,7 @@ def main() -> None:
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "interleaved.json"))
     args = parser.parse_args()
-    from benchmarks.quantized import batched_context, kv_cache_bytes, write_summary
+    from benchmarks.quantized import batched_context, kv_cache_bytes, step_bytes, write_summary
     from benchmarks.roofline import measure_bandwidth
     from loom import LLM
 
@@ -114,6 +135,9 @@ def main() -> None:
               max_model_len=max(512, args.prompt + args.tokens + 16),
               kv_cache_memory_bytes=kv_cache_bytes(args.model, batched_context(args.batch)))
     load_s = time.perf_counter() - started
+    # what a step reads, for each side's share of the read test: weight bytes per step
+    # times steps per second (tokens per second / batch) over the read test's bytes/s
+    step_bytes_of = {"loom": loom_step_bytes(llm), "llamacpp": step_bytes(args.model)}
     pairs: list[dict[str, Any]] = []
     try:
         loom_burst(llm, args.batch, args.prompt, 8, "warm-up")
@@ -129,9 +153,13 @@ def main() -> None:
                                                      args.batch, args.prompt, args.tokens)
                     row["loom_cpu_s_during_llamacpp"] = tree_cpu_seconds(os.getpid()) - before
             row["ratio"] = row["loom"] / row["llamacpp"]
+            for side, size in step_bytes_of.items():
+                row[f"{side}_of_read_test"] = row[side] / args.batch * size / (read_gb_s * 1e9)
             pairs.append(row)
             print(f"pair {i}: loom {row['loom']:.1f} tok/s, llama.cpp {row['llamacpp']:.1f} "
-                  f"tok/s, ratio {row['ratio']:.2f} (read {read_gb_s:.0f} GB/s; loom idle CPU "
+                  f"tok/s, ratio {row['ratio']:.2f} (read {read_gb_s:.0f} GB/s, of which the "
+                  f"weights' reads: loom {row['loom_of_read_test']:.0%}, llama.cpp "
+                  f"{row['llamacpp_of_read_test']:.0%}; loom idle CPU "
                   f"{row['loom_cpu_s_during_llamacpp']:.2f} s)", flush=True)
     finally:
         llm.shutdown()
@@ -142,7 +170,13 @@ def main() -> None:
                "median_ratio": statistics.median(ratios),
                "median_loom_tokens_per_s": statistics.median(p["loom"] for p in pairs),
                "median_llamacpp_tokens_per_s": statistics.median(p["llamacpp"] for p in pairs),
-               "ratios_above_1": sum(r > 1 for r in ratios), "pairs": pairs}
+               "ratios_above_1": sum(r > 1 for r in ratios),
+               "step_bytes": step_bytes_of,
+               "median_loom_of_read_test": statistics.median(
+                   p["loom_of_read_test"] for p in pairs),
+               "median_llamacpp_of_read_test": statistics.median(
+                   p["llamacpp_of_read_test"] for p in pairs),
+               "pairs": pairs}
     write_summary(summary, args.out, "pairs")
 
 
