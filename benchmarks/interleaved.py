@@ -19,6 +19,10 @@ over the read test's bytes per second). At batch 1, where a step is bound by tho
 bytes, that share says how close each engine comes to the memory's speed, and so how
 far any ratio between them can go.
 
+loom's process keeps glibc's freed heap for reuse (``memory.keep_freed_memory``), as
+``loom bench latency`` and the served engine's process do: without it a batch-32 step's
+activations page-fault afresh every step.
+
 loom is idle while llama.cpp runs; the CPU time its process tree takes meanwhile is
 reported (``loom_cpu_s_during_llamacpp``), so a loom that stole a core would show.
 
@@ -128,7 +132,9 @@ def main() -> None:
     from benchmarks.quantized import batched_context, kv_cache_bytes, step_bytes, write_summary
     from benchmarks.roofline import measure_bandwidth
     from loom import LLM
+    from loom.worker.memory import keep_freed_memory
 
+    keep_freed_memory()  # as `loom bench latency` and the served engine's process do
     loom_model = args.hf_model or args.model
     started = time.perf_counter()
     llm = LLM(loom_model, quantization=args.quantization,

@@ -79,7 +79,9 @@ def main() -> None:
     import loom.kernels
     from loom import LLM
     from loom.bench.offline import _time_batch
+    from loom.worker.memory import keep_freed_memory
 
+    keep_freed_memory()  # as `loom bench latency` and the served engine's process do
     ops = loom.kernels.native_ops()
     llm = LLM(args.model, quantization=args.quantization, max_model_len=512,
               distributed_executor_backend="uni")
