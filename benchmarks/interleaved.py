@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="threads of both engines (loom: torch's, in this process)")
     parser.add_argument("--llama-bin", default=os.path.join(
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "interleaved.json"))
@@ -135,6 +136,9 @@ def main() -> None:
     from loom.worker.memory import keep_freed_memory
 
     keep_freed_memory()  # as `loom bench latency` and the served engine's process do
+    import torch
+
+    torch.set_num_threads(args.threads)
     loom_model = args.hf_model or args.model
     started = time.perf_counter()
     llm = LLM(loom_model, quantization=args.quantization,
