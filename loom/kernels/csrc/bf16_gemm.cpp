@@ -107,8 +107,13 @@ void micro_kernel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* pane
   }
 }
 
-// All `rows` rows times one panel; while they compute, the panel at `next` (or
-// null) is prefetched, a share per row block.
+// All `rows` rows times one panel, in blocks of kRowBlock rows and a last, smaller one,
+// or from three blocks on as even as kRowBlock allows (32 = 6 + 6 + 5 + 5 + 5 + 5, not
+// five 6s and a 2, whose 8 sums per pair wait out the vdpbf16ps latency for the same
+// loads: a 1B model's shapes, cold, on the 2-core Zen 5 VM 1.00-1.07x the speed at 32
+// rows, 1.05-1.16x at 20; at 7 and 8 rows, 4 + 3 and 4 + 4 measured 0.86-1.06x, so two
+// blocks stay 6 + the rest); while they compute, the panel at `next` (or null) is
+// prefetched, a share per row block.
 template <typename OutT>
 void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
                       const c10::BFloat16* panel, int64_t pairs, const float* bias,
@@ -117,13 +122,14 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
   const int64_t panel_lines = pairs * kPanel * 2 * 2 / 64;
   const int64_t lines = (panel_lines + blocks - 1) / blocks;
   const char* prefetch = reinterpret_cast<const char*>(next);
-  for (int64_t b = 0, r = 0; b < blocks; ++b, r += kRowBlock) {
+  for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
+    mr = blocks < 3 ? std::min(kRowBlock, rows - r) : rows / blocks + (b < rows % blocks ? 1 : 0);
     const c10::BFloat16* xb = x + r * ldx;
     OutT* yb = y + r * ldy;
     const char* pf = next ? prefetch + 64 * std::min(b * lines, panel_lines) : nullptr;
     const int64_t pf_lines =
         next ? std::max<int64_t>(std::min(lines, panel_lines - b * lines), 0) : 0;
-    switch (std::min(kRowBlock, rows - r)) {
+    switch (mr) {
       case 6: micro_kernel<6, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
       case 5: micro_kernel<5, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
       case 4: micro_kernel<4, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
