@@ -130,14 +130,14 @@ def main() -> None:
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "interleaved.json"))
     args = parser.parse_args()
+    import torch
+
     from benchmarks.quantized import batched_context, kv_cache_bytes, step_bytes, write_summary
     from benchmarks.roofline import measure_bandwidth
     from loom import LLM
     from loom.worker.memory import keep_freed_memory
 
     keep_freed_memory()  # as `loom bench latency` and the served engine's process do
-    import torch
-
     torch.set_num_threads(args.threads)
     loom_model = args.hf_model or args.model
     started = time.perf_counter()
