@@ -28,6 +28,8 @@
 
 #include "bf16_gemm.h"
 
+#include "common.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -122,8 +124,8 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
   const int64_t panel_lines = pairs * kPanel * 2 * 2 / 64;
   const int64_t lines = (panel_lines + blocks - 1) / blocks;
   const char* prefetch = reinterpret_cast<const char*>(next);
-  for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
-    mr = blocks < 3 ? std::min(kRowBlock, rows - r) : rows / blocks + (b < rows % blocks ? 1 : 0);
+  int64_t b = 0;  // the block's index: its share of the prefetch
+  const auto block = [&](int64_t r, int64_t mr) {
     const c10::BFloat16* xb = x + r * ldx;
     OutT* yb = y + r * ldy;
     const char* pf = next ? prefetch + 64 * std::min(b * lines, panel_lines) : nullptr;
@@ -137,6 +139,12 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
       case 2: micro_kernel<2, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
       default: micro_kernel<1, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
     }
+    ++b;
+  };
+  if (blocks < 3) {  // 6 + the rest
+    for (int64_t r = 0; r < rows; r += kRowBlock) block(r, std::min(kRowBlock, rows - r));
+  } else {
+    even_row_blocks(rows, kRowBlock, block);
   }
 }
 #endif

@@ -243,18 +243,6 @@ inline void with_rows(int64_t n, F&& f) {
   });
 }
 
-// Rows [0, rows) in blocks of at most `most`, as even as that allows (at most 6: 8 = 4 +
-// 4, not 6 + 2, whose 2-row block is 8 dependent vdpbf16ps chains for 6 loads; at most
-// 8: 12 = 6 + 6): f(first row, rows in the block).
-template <typename F>
-inline void even_row_blocks(int64_t rows, int64_t most, F&& f) {
-  const int64_t blocks = (rows + most - 1) / most;
-  for (int64_t b = 0, r = 0, mr = 0; b < blocks; ++b, r += mr) {
-    mr = (rows - r + (blocks - b) - 1) / (blocks - b);
-    f(r, mr);
-  }
-}
-
 template <typename ScaleT>
 inline __m512 load_scales(const uint8_t* p) {
   if constexpr (std::is_same_v<ScaleT, float>)
