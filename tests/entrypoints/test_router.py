@@ -154,10 +154,11 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
         assert missing.status_code == 404 and "error" in missing.json()
 
     # Kill one backend mid-run: its streams end with an error event, the others finish.
-    # The victim's engine is frozen while the streams open, thawed only until one of its
-    # streams has sent an event, and killed frozen, so it cannot finish them first
-    # (unfrozen, the tiny model writes 400 tokens in under a second: waiting for an
-    # event from each of its streams while it ran lost that race on a loaded CI host).
+    # The victim's engine is frozen while the streams open, thawed in slices of 20 ms
+    # until one of its streams has sent an event, and killed frozen, so it cannot finish
+    # them first (unfrozen, the tiny model writes 400 tokens in under a second: waiting
+    # for an event from each of its streams while it ran, and then for one while it ran,
+    # lost that race on a loaded CI host: the event's way through the router took longer).
     long_stream = {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True,
                    "stream": True}
     victim_port = second.url.rsplit(":", 1)[1]
@@ -175,9 +176,16 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
         on_second = [it for it, b in zip(lines, backends) if b == second.url]
         for line_iter in on_first:  # every stream is under way
             assert next(line for line in line_iter if line).startswith("data: {")
-        _signal_all(victim_engine, signal.SIGCONT)
-        assert next(line for line in on_second[0] if line).startswith("data: {")
-        _signal_all(victim_engine, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as reader:
+            first_event = reader.submit(lambda: next(line for line in on_second[0] if line))
+            deadline = time.monotonic() + 60
+            while not first_event.done():
+                assert time.monotonic() < deadline, "the victim's stream sent no event"
+                _signal_all(victim_engine, signal.SIGCONT)
+                time.sleep(0.02)
+                _signal_all(victim_engine, signal.SIGSTOP)
+                time.sleep(0.2)  # frozen: an event on its way through the router arrives
+            assert first_event.result().startswith("data: {")
         second.kill()
         endings = []
         for line_iter, response in zip(lines, opened):
