@@ -36,13 +36,19 @@ for item in $what; do
         pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d .
       [ -d llama_cpp_python-0.3.36 ] || tar xzf llama_cpp_python-0.3.36.tar.gz
       cd llama_cpp_python-0.3.36/vendor/llama.cpp
-      # Not -DGGML_NATIVE=ON: this VM's CPU lists AMX in /proc/cpuinfo but the kernel does
-      # not enable its tile state, so a native build dies on its first AMX instruction
-      # (SIGILL in llama-bench). The AVX-512 set it does run, named one by one:
-      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-        -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-        -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+      # On an AVX-512 CPU, not -DGGML_NATIVE=ON: one VM's CPU lists AMX in /proc/cpuinfo
+      # but the kernel does not enable its tile state, so a native build dies on its first
+      # AMX instruction (SIGILL in llama-bench). The AVX-512 set it does run, named one by
+      # one. A CPU without AVX-512 (AVX2 only, e.g. AMD Zen 3) builds for itself (native).
+      if grep -qw avx512f /proc/cpuinfo; then
+        isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+             -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+             -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+             -DGGML_AMX_BF16=OFF)
+      else
+        isa=(-DGGML_NATIVE=ON)
+      fi
+      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
       cmake --build build -j"$(nproc)" --target llama-server llama-bench \

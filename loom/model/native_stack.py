@@ -89,8 +89,8 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
         return f"the stack runs bfloat16 and this model runs {str(dtype).removeprefix('torch.')}"
     if not settings().native_layers:
         return "LOOM_NATIVE_LAYERS=0"
-    if not ops.bf16_gemm_available():
-        return "this CPU has no AVX512-BF16 for loom's bf16 matmul"
+    if not ops.bf16_gemm_available() and not ops.quant_gemm_available():
+        return "this CPU has neither AVX512-BF16 nor AVX2 with FMA for loom's matmuls"
     if num_ranks != 1:
         return f"tensor parallel over {num_ranks} ranks; the stack runs one rank"
     if any(layer.attention.kv_cache is None for layer in layers):
@@ -193,7 +193,8 @@ def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.M
             return (f"the {role} weight is {module.weight_format} on the PyTorch path (no "
                     "AVX512-BF16 kernel for it here)")
         elif module.packed_weight is None or not module.packed_weight.is_loom_kernel:
-            return f"the {role} weight is not packed for loom's bf16 matmul"
+            return (f"the {role} weight is not packed for loom's bf16 matmul (which needs "
+                    "AVX512-BF16)")
         else:
             setattr(weights, role, ops.LinearWeight.bf16(module.packed_weight.data))
         if module.bias is not None:

@@ -58,8 +58,26 @@ def random_weight(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 def kernel_ops():
     ops = native_ops()
     if ops is None or not ops.quant_gemm_available():
-        pytest.skip("no quantized matmul kernel here (needs AVX512-BF16)")
+        pytest.skip("no quantized matmul kernel here (needs AVX512-BF16, or AVX2 with FMA)")
     return ops
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_isa(request):
+    """The kernel this CPU takes, and its AVX2 one (quant_gemm.cpp's namespace avx2: CPUs
+    without AVX512-BF16) where the AVX-512 one is the default: set_isa("generic") makes an
+    AVX-512 build run it, so both are held to the same bounds on one machine."""
+    ops = kernel_ops()
+    if request.param == "native":
+        yield ops
+        return
+    if "avx512" not in ops.isas():
+        pytest.skip("this CPU takes the AVX2 kernel already (the 'native' case)")
+    previous = ops.set_isa("generic")
+    try:
+        yield ops
+    finally:
+        ops.set_isa(previous)
 
 
 # ---- (a) the formats ------------------------------------------------------------------
@@ -180,8 +198,8 @@ SHAPES = [(1, 256), (17, 256), (100, 512), (33, 1024)]  # (N, K): odd N, K in wh
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_kernel_equals_dequantize_then_matmul(fmt, shape):
-    ops = kernel_ops()
+def test_kernel_equals_dequantize_then_matmul(fmt, shape, kernel_isa):
+    ops = kernel_isa
     n, k = shape
     weight = make_format(fmt, n, k, seed=n + k)
     packed = weight.pack(ops)
@@ -215,7 +233,7 @@ def test_kernel_equals_dequantize_then_matmul(fmt, shape):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_many_rows_match_the_reference_and_one_row(fmt):
+def test_many_rows_match_the_reference_and_one_row(fmt, kernel_isa):
     """More rows take other paths (blocks of up to 8 rows unpacking in registers; past
     12 rows of 4-bit or 24 of wider values, 4 panels over chunks unpacked into L1; the
     AMX tiles where granted): their sums in another order, the same rounding steps. A symmetric format's
@@ -223,8 +241,9 @@ def test_many_rows_match_the_reference_and_one_row(fmt):
     nonzero input per row, a power of two, every output is dequantize()'s weight times
     it, bit for bit. Random rows: within kernel_error_bound of the reference, and of the
     one-row kernel (each row alone) within the two bounds together. Odd N (a partial
-    panel of 16), rows 8..256."""
-    ops = kernel_ops()
+    panel of 16), rows 8..256. (The AVX2 kernel past 2 rows multiplies dequantize()'s
+    float32 weights: the same bits with one input.)"""
+    ops = kernel_isa
     n, k = 37, {"wint4-g64": 576, "wint4-g128": 768, "Q4_K": 768, "Q5_K": 768,
                 "Q6_K": 768}.get(fmt, 352)
     weight = make_format(fmt, n, k, seed=11)

@@ -85,6 +85,14 @@
 #else
 #define LOOM_HAVE_QUANT_GEMM 0
 #endif
+// The AVX2 kernel (namespace avx2 below): CPUs without AVX512-BF16, and any AVX-512 one
+// under set_isa("generic").
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LOOM_HAVE_QUANT_GEMM_AVX2 1
+#else
+#define LOOM_HAVE_QUANT_GEMM_AVX2 0
+#endif
 
 namespace loom {
 namespace {
@@ -1020,9 +1028,327 @@ void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx
 }
 #endif
 
+
+#if LOOM_HAVE_QUANT_GEMM_AVX2
+// The kernel for CPUs with AVX2, FMA and F16C but not AVX512-BF16 (AMD Zen 2 and 3,
+// Intel before Sapphire Rapids' client parts): the same layout and the same arithmetic
+// as the AVX-512 kernel, in float32. Per group, S = sum q x over the group's features
+// with q a small integer and x a bfloat16 value converted to float32, each product
+// exact (at most 8 x 8 significant bits), summed in float32; then y += d S + m X. So it
+// differs from dequantize-then-matmul in float32 only by float32 rounding, as the
+// AVX-512 kernel does.
+//
+// A block's pair vector j (features 2j, 2j + 1 of 16 rows, word t = 2 i + c) is read a
+// quarter at a time: words 8 qt .. 8 qt + 7, rows 4 qt .. 4 qt + 3, both features, as 8
+// float32 lanes; each is multiplied by x's pair (x[2j], x[2j + 1]) repeated four times
+// (one vbroadcastsd), so each lane sums one parity of one row, and a vhaddps per 8 rows
+// at the group's end adds the two parities.
+//   One or two rows of x: the values decoded in registers, each byte read once per
+//   call (batch-1 decode is bound by the weight bytes).
+//   More rows: a slab of up to 256 features of the panel decoded into a 16 KB buffer
+//   (float32) once, then 3 rows at a time multiply it from L1.
+namespace avx2 {
+
+constexpr int64_t kSlabFeatures = 256;
+
+inline __m256 load8_scales_half(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 int8x8_to_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// x's pair (x[0], x[1]) in every pair of lanes.
+inline __m256 pair(const float* x) {
+  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x)));
+}
+
+// Group g's d and (asymmetric) m for the panel's 16 rows (lanes 0-7, 8-15).
+template <int BITS, bool ASYM, typename ScaleT>
+inline void group_scales(const Layout& layout, const uint8_t* panel, int64_t g, __m256 d[2],
+                         __m256 m[2]) {
+  const uint8_t* s = layout.scales(panel, g);
+  if constexpr (std::is_same_v<ScaleT, int8_t>) {  // two-level: exact products
+    const uint8_t* super = layout.unit(panel, g);
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_mul_ps(load8_scales_half(super + 16 * h), int8x8_to_ps(s + 8 * h));
+      if constexpr (ASYM)
+        m[h] = _mm256_mul_ps(load8_scales_half(super + 2 * kLanes + 16 * h),
+                             int8x8_to_ps(layout.sub_offsets(panel, g) + 8 * h));
+    }
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (std::is_same_v<ScaleT, float>) {
+        d[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(s) + 8 * h);
+        if constexpr (ASYM) m[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(s) + kLanes + 8 * h);
+      } else {
+        d[h] = load8_scales_half(s + 16 * h);
+        if constexpr (ASYM) m[h] = load8_scales_half(s + 2 * kLanes + 16 * h);
+      }
+    }
+  }
+}
+
+// f(j, qt, half, q): the block at p, pair vector j, quarter qt as 8 float32 values
+// (half: 0 or 1, alternating between the calls for one quarter, for callers that sum
+// into two sets of registers): q, or
+// q - 2^(bits-1) for a symmetric format (SIGNED), so that y = d S (8-bit values are
+// stored q - 128 and read signed).
+template <int BITS, bool SIGNED, typename F>
+inline void decode_block(const uint8_t* p, F&& f) {
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; j += 2) {
+#pragma GCC unroll 4
+      for (int qt = 0; qt < 4; ++qt) f(j, qt, 0, int8x8_to_ps(p + 32 * j + 8 * qt));
+#pragma GCC unroll 4
+      for (int qt = 0; qt < 4; ++qt) f(j + 1, qt, 1, int8x8_to_ps(p + 32 * j + 32 + 8 * qt));
+    }
+  } else {
+    constexpr int kChunks = BITS == 6 ? 4 : 8;
+    const __m256i low_bits = _mm256_set1_epi32(0x0F);
+    for (int c = 0; c < kChunks; ++c)
+#pragma GCC unroll 4
+      for (int qt = 0; qt < 4; ++qt) {
+        const __m256i v = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 * c + 8 * qt)));
+        __m256i lo = _mm256_and_si256(v, low_bits), hi = _mm256_srli_epi32(v, 4);
+        if constexpr (BITS == 5 || BITS == 6) {
+          const __m256i plane = _mm256_cvtepu16_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * kChunks + 16 * qt)));
+          constexpr int kHigh = BITS - 4;  // high bits per value in the plane
+          const __m256i mask = _mm256_set1_epi32(((1 << kHigh) - 1) << 4);
+          // vector j's bits at kHigh * j: shifted to bit 4
+          const int at_lo = kHigh * c, at_hi = kHigh * (c + kChunks);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(
+                                       at_lo >= 4 ? _mm256_srli_epi32(plane, at_lo - 4)
+                                                  : _mm256_slli_epi32(plane, 4 - at_lo), mask));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(
+                                       at_hi >= 4 ? _mm256_srli_epi32(plane, at_hi - 4)
+                                                  : _mm256_slli_epi32(plane, 4 - at_hi), mask));
+        }
+        if constexpr (SIGNED) {
+          const __m256i zero_point = _mm256_set1_epi32(1 << (BITS - 1));
+          lo = _mm256_sub_epi32(lo, zero_point);
+          hi = _mm256_sub_epi32(hi, zero_point);
+        }
+        f(c, qt, 0, _mm256_cvtepi32_ps(lo));
+        f(c + kChunks, qt, 1, _mm256_cvtepi32_ps(hi));
+      }
+  }
+}
+
+// Per-parity sums of 16 rows (4 quarters) -> the rows' sums, lanes 0-7 and 8-15.
+inline void pair_sums(const __m256 s[4], __m256& lo, __m256& hi) {
+  // hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67]: rows 0 1 4 5 | 2 3 6 7
+  lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(s[0], s[1])), 0xD8));
+  hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(s[2], s[3])), 0xD8));
+}
+
+template <typename OutT>
+inline void store_row(const __m256 y[2], const float* bias, OutT* out, int64_t n) {
+  alignas(32) float row[kLanes];
+  _mm256_store_ps(row, y[0]);
+  _mm256_store_ps(row + 8, y[1]);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<OutT>(bias ? row[i] + bias[i] : row[i]);
+}
+
+// R (1 or 2) rows of x times one panel, its values decoded in registers.
+template <int BITS, bool ASYM, typename ScaleT, int R, typename OutT>
+void stream_panel(const Layout& layout, const uint8_t* panel, const float* x, int64_t ldx,
+                  const float* xsum, const float* bias, OutT* y, int64_t ldy, int64_t n) {
+  constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
+  // one row: two sets of sums (8 chains of vfmadd231ps, whose latency 4 per set would
+  // bound the loop); two rows: one set each
+  constexpr int kSets = R == 1 ? 2 : 1;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < layout.groups; ++g) {
+    __m256 s[R][4 * kSets];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4 * kSets; ++i) s[r][i] = _mm256_setzero_ps();
+    const uint8_t* values = layout.values(panel, g);
+    _mm_prefetch(reinterpret_cast<const char*>(values + kPrefetch), _MM_HINT_T0);
+    for (int64_t b = 0; b < layout.blocks_per_group; ++b) {
+      const float* xb = x + (g * layout.blocks_per_group + b) * kFeatures;
+      const uint8_t* block = values + b * kBytes;
+      for (int64_t at = 64; at < kBytes; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch + at), _MM_HINT_T0);
+      decode_block<BITS, !ASYM>(block, [&](int j, int qt, int half, __m256 q) {
+        const int i = qt + 4 * (half % kSets);
+        for (int r = 0; r < R; ++r)
+          s[r][i] = _mm256_fmadd_ps(q, pair(xb + r * ldx + 2 * j), s[r][i]);
+      });
+    }
+    __m256 d[2], m[2];
+    group_scales<BITS, ASYM, ScaleT>(layout, panel, g, d, m);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kSets == 2)
+        for (int qt = 0; qt < 4; ++qt) s[r][qt] = _mm256_add_ps(s[r][qt], s[r][qt + 4]);
+      __m256 t[2];
+      pair_sums(s[r], t[0], t[1]);
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = _mm256_fmadd_ps(d[h], t[h], acc[r][h]);
+        if constexpr (ASYM)
+          acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xsum[r * layout.groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row(acc[r], bias, y + r * ldy, n);
+}
+
+// R (1..3) rows of x times a dequantized slab (w[pair j][word t], float32), adding into
+// the rows' per-parity sums s (R x 4 vectors in memory).
+template <int R>
+inline void rows_times_slab(const float* w, int64_t pairs, const float* x, int64_t ldx,
+                            float* s) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int qt = 0; qt < 4; ++qt) acc[r][qt] = _mm256_loadu_ps(s + (r * 4 + qt) * 8);
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m256 xp[R];
+    for (int r = 0; r < R; ++r) xp[r] = pair(x + r * ldx + 2 * j);
+#pragma GCC unroll 4
+    for (int qt = 0; qt < 4; ++qt) {
+      const __m256 q = _mm256_load_ps(w + 32 * j + 8 * qt);
+      for (int r = 0; r < R; ++r) acc[r][qt] = _mm256_fmadd_ps(q, xp[r], acc[r][qt]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int qt = 0; qt < 4; ++qt) _mm256_storeu_ps(s + (r * 4 + qt) * 8, acc[r][qt]);
+}
+
+// A group's d (and m) for 16 rows -> per quarter, each row's value in both its lanes.
+inline void per_parity(const __m256 v[2], __m256 out[4]) {
+  const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m256i second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  out[0] = _mm256_permutevar8x32_ps(v[0], first);
+  out[1] = _mm256_permutevar8x32_ps(v[0], second);
+  out[2] = _mm256_permutevar8x32_ps(v[1], first);
+  out[3] = _mm256_permutevar8x32_ps(v[1], second);
+}
+
+// Any number of rows times one panel, a slab of up to 256 features at a time: the
+// slab's values dequantized once into `buffer` as dequantize() makes them (d (q - z), or
+// d q + m: d q is exact, so one rounding, in float32), then 3 rows at a time multiply it
+// from L1, their sums kept across slabs in `sums` (rows x 32 per-parity sums).
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void slab_panel(const Layout& layout, const uint8_t* panel, const float* x, int64_t ldx,
+                int64_t rows, const float* bias, OutT* y, int64_t ldy, int64_t n,
+                float* buffer, float* sums) {
+  constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
+  constexpr int64_t kSlabBlocks = kSlabFeatures / kFeatures;
+  const int64_t per_group = layout.blocks_per_group, blocks = layout.groups * per_group;
+  std::fill(sums, sums + rows * 32, 0.f);
+  __m256 dq[4], mq[4];
+  for (int64_t b0 = 0; b0 < blocks; b0 += kSlabBlocks) {
+    const int64_t count = std::min(kSlabBlocks, blocks - b0);
+    for (int64_t b = b0; b < b0 + count; ++b) {
+      const int64_t g = b / per_group;
+      if (b == b0 || b % per_group == 0) {
+        __m256 d[2], m[2];
+        group_scales<BITS, ASYM, ScaleT>(layout, panel, g, d, m);
+        per_parity(d, dq);
+        if constexpr (ASYM) per_parity(m, mq);
+      }
+      float* out = buffer + (b - b0) * kFeatures * kLanes;
+      decode_block<BITS, !ASYM>(layout.values(panel, g) + (b % per_group) * kBytes,
+                                [&](int j, int qt, int, __m256 q) {
+        __m256 w;
+        if constexpr (ASYM)
+          w = _mm256_fmadd_ps(q, dq[qt], mq[qt]);  // d q exact: round(d q + m)
+        else
+          w = _mm256_mul_ps(q, dq[qt]);
+        _mm256_store_ps(out + 32 * j + 8 * qt, w);
+      });
+    }
+    const float* xs = x + b0 * kFeatures;
+    const int64_t pairs = count * kFeatures / 2;
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) rows_times_slab<3>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
+    if (rows - r == 2) rows_times_slab<2>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
+    if (rows - r == 1) rows_times_slab<1>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 s[4], t[2];
+    for (int qt = 0; qt < 4; ++qt) s[qt] = _mm256_loadu_ps(sums + r * 32 + 8 * qt);
+    pair_sums(s, t[0], t[1]);
+    store_row(t, bias, y + r * ldy, n);
+  }
+}
+
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
+              const float* bias, OutT* y, int64_t ldy) {
+  const Layout layout(w);
+  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
+  const int64_t k = w.in_features, groups = layout.groups;
+  const auto* data = w.data.data_ptr<uint8_t>();
+  // x in float32, once (the kernels broadcast its pairs)
+  auto xf_tensor = at::empty({rows, k}, at::TensorOptions().dtype(at::kFloat));
+  float* xf = xf_tensor.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = to_float(x[r * ldx + i]);
+  });
+  at::Tensor sums_tensor;
+  const float* xsum = nullptr;
+  if (ASYM && rows <= 2) {  // (symmetric values come signed; more rows fold m into w)
+    sums_tensor = at::empty({rows, groups}, at::TensorOptions().dtype(at::kFloat));
+    group_sums(x, ldx, rows, k, w.group_size, sums_tensor.data_ptr<float>());
+    xsum = sums_tensor.data_ptr<float>();
+  }
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    float *buffer = nullptr, *sums = nullptr;
+    if (rows > 2) {
+      const int64_t buffer_floats = kSlabFeatures * kLanes + 8;  // + 8: 32-byte alignment
+      scratch.resize(buffer_floats + rows * 32);
+      buffer = scratch.data() + (8 - reinterpret_cast<uintptr_t>(scratch.data()) / 4 % 8) % 8;
+      sums = scratch.data() + buffer_floats;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = data + p * stride;
+      const float* b = bias ? bias + p * kLanes : nullptr;
+      const int64_t valid = std::min(kLanes, n - p * kLanes);
+      OutT* out = y + p * kLanes;
+      if (rows == 1)
+        stream_panel<BITS, ASYM, ScaleT, 1>(layout, panel, xf, k, xsum, b, out, ldy, valid);
+      else if (rows == 2)
+        stream_panel<BITS, ASYM, ScaleT, 2>(layout, panel, xf, k, xsum, b, out, ldy, valid);
+      else
+        slab_panel<BITS, ASYM, ScaleT>(layout, panel, xf, k, rows, b, out, ldy, valid,
+                                       buffer, sums);
+    }
+  });
+}
+
+template <typename OutT>
+void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx,
+                   int64_t rows, const float* bias, OutT* y, int64_t ldy) {
+#define LOOM_RUN(BITS, ASYM, SCALE) \
+  return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, rows, bias, y, ldy)
+  const bool half = !w.float_scales && !w.two_level, single = w.float_scales;
+  if (w.bits == 4 && w.asymmetric && half) LOOM_RUN(4, true, c10::Half);
+  if (w.bits == 4 && !w.asymmetric && half) LOOM_RUN(4, false, c10::Half);
+  if (w.bits == 8 && !w.asymmetric && half) LOOM_RUN(8, false, c10::Half);
+  if (w.bits == 8 && !w.asymmetric && single) LOOM_RUN(8, false, float);
+  if (w.bits == 4 && w.asymmetric && w.two_level) LOOM_RUN(4, true, int8_t);
+  if (w.bits == 5 && w.asymmetric && w.two_level) LOOM_RUN(5, true, int8_t);
+  if (w.bits == 5 && !w.asymmetric && half) LOOM_RUN(5, false, c10::Half);
+  if (w.bits == 6 && !w.asymmetric && w.two_level) LOOM_RUN(6, false, int8_t);
+#undef LOOM_RUN
+  TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
+              w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
+              w.two_level ? "two-level" : w.float_scales ? "float32" : "float16", " scales");
+}
+
+}  // namespace avx2
+#endif
+
 }  // namespace
 
-bool quant_gemm_available() { return LOOM_HAVE_QUANT_GEMM; }
+bool quant_gemm_available() { return LOOM_HAVE_QUANT_GEMM || LOOM_HAVE_QUANT_GEMM_AVX2; }
 
 QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
                                       c10::optional<at::Tensor> offsets, int64_t bits,
@@ -1260,7 +1586,8 @@ void dequantize_rows(at::Tensor out, const QuantizedWeight& w, at::Tensor ids) {
 
 void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weight,
                       c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(LOOM_HAVE_QUANT_GEMM, "quantized_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(LOOM_HAVE_QUANT_GEMM || LOOM_HAVE_QUANT_GEMM_AVX2,
+              "quantized_linear needs a CPU with AVX512-BF16, or AVX2 with FMA and F16C");
   TORCH_CHECK(weight.data.defined(), "quantized_linear: the weight is empty");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.stride(1) == 1 && x.stride(0) % 2 == 0,
@@ -1281,14 +1608,22 @@ void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weigh
     bias_f.narrow(0, 0, n).copy_(bias->reshape({n}));
   }
   if (rows == 0) return;
-#if LOOM_HAVE_QUANT_GEMM
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (out.scalar_type() == at::kFloat)
-    dispatch_gemm(weight, xp, x.stride(0), rows, bp, out.data_ptr<float>(), out.stride(0));
-  else
-    dispatch_gemm(weight, xp, x.stride(0), rows, bp, out.data_ptr<c10::BFloat16>(),
-                  out.stride(0));
+  auto run = [&](auto dispatch) {
+    if (out.scalar_type() == at::kFloat)
+      dispatch(weight, xp, x.stride(0), rows, bp, out.data_ptr<float>(), out.stride(0));
+    else
+      dispatch(weight, xp, x.stride(0), rows, bp, out.data_ptr<c10::BFloat16>(), out.stride(0));
+  };
+#if LOOM_HAVE_QUANT_GEMM
+  if (use_avx512()) {
+    run([](auto&&... args) { dispatch_gemm(args...); });
+    return;
+  }
+#endif
+#if LOOM_HAVE_QUANT_GEMM_AVX2
+  run([](auto&&... args) { avx2::dispatch_gemm(args...); });
 #endif
 }
 

@@ -113,10 +113,11 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
             elif native_ops() is None:
                 why = "without loom's CPU kernels (they did not build)"
             else:
-                why = "without AVX512-BF16 on this CPU"
+                why = "without AVX512-BF16 or AVX2 (with FMA and F16C) on this CPU"
             logger.warning("%d quantized linear layers run the PyTorch reference path %s "
                            "(each matmul dequantizes its weight: correct, not fast); "
-                           "loom's kernels take bfloat16 models on AVX512-BF16 CPUs",
+                           "loom's kernels take bfloat16 models on CPUs with AVX512-BF16 "
+                           "or AVX2",
                            reference, why)
         mixed = sorted({module.weight_format for module in model.modules()
                         if getattr(module, "weight_parts", None) is not None})
