@@ -202,7 +202,13 @@ def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
     bias = torch.randn(200, dtype=torch.bfloat16)
     expected = F.linear(x, weight, bias)
     packed = pack_weight(weight)
-    assert packed is not None
+    if packed is None:
+        # a CPU without AVX512-BF16 (loom's kernel) where oneDNN packs no bf16 either (it
+        # needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: AMD Zen 3, say): ATen's paths
+        with pytest.raises(RuntimeError, match="bf16 path needs"):
+            torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        torch.testing.assert_close(linear(x, weight, bias), expected, atol=0.1, rtol=1e-2)
+        return
     # loom's kernel sums in another order than oneDNN: results differ by bf16 rounding
     torch.testing.assert_close(linear(x, weight, bias, packed), expected, atol=0.1, rtol=1e-2)
     torch.testing.assert_close(linear(x, weight, None, packed), F.linear(x, weight),

@@ -102,27 +102,39 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
   // the pool (KVCacheManager frees blocks every window has left behind).
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, past + j0 + 1 - window) : 0;
 
-  for (int64_t p = 0; p < num_keys; ++p) {
-    if (p < first_key) {
-      for (int64_t r = 0; r < rows; ++r)
-        scores[r * num_keys + p] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
-    const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
-    load_row(keys + slot * head_dim, row_f, head_dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = past + j0 + r / group + 1;
-      const bool seen = p < visible && (window <= 0 || p >= visible - window);
-      scores[r * num_keys + p] = seen ? dot(q + r * head_dim, row_f, head_dim) * scale
-                                      : -std::numeric_limits<float>::infinity();
-    }
+  // Row r sees keys [lo[r], hi[r]): its own position and the ones before, within the
+  // window. Keys are walked block by block (no division per key).
+  std::vector<int64_t> lo(rows), hi(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    hi[r] = past + j0 + r / group + 1;
+    lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window) : 0;
   }
+  auto for_each_key = [&](int64_t from, auto&& f) {
+    for (int64_t p = from; p < num_keys;) {
+      const int64_t block = p / block_size, end = std::min(num_keys, (block + 1) * block_size);
+      const T* base = nullptr;
+      const int64_t slot0 = static_cast<int64_t>(blocks[block]) * block_size - block * block_size;
+      for (; p < end; ++p) f(p, slot0 + p, base);
+    }
+  };
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < first_key; ++p) scores[r * num_keys + p] = kMinusInf;
+  for_each_key(first_key, [&](int64_t p, int64_t slot, const T*) {
+    load_row(keys + slot * head_dim, row_f, head_dim);
+    for (int64_t r = 0; r < rows; ++r)
+      scores[r * num_keys + p] = p >= lo[r] && p < hi[r]
+                                     ? dot(q + r * head_dim, row_f, head_dim) * scale
+                                     : kMinusInf;
+  });
   std::vector<float> inv_sum(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * num_keys;
-    float max = -std::numeric_limits<float>::infinity();
+    float max = kMinusInf;
+#pragma omp simd reduction(max : max)
     for (int64_t p = 0; p < num_keys; ++p) max = std::max(max, s[p]);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t p = 0; p < num_keys; ++p) {
       s[p] = fast_exp(s[p] - max);
       sum += s[p];
@@ -130,8 +142,7 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
     inv_sum[r] = 1.f / sum;
   }
   std::fill(acc, acc + rows * head_dim, 0.f);
-  for (int64_t p = first_key; p < num_keys; ++p) {
-    const int64_t slot = blocks[p / block_size] * block_size + p % block_size;
+  for_each_key(first_key, [&](int64_t p, int64_t slot, const T*) {
     load_row(values + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r) {
       const float w = scores[r * num_keys + p];
@@ -140,7 +151,7 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row_f[d];
     }
-  }
+  });
   const int64_t heads = kv_heads * group;
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t g = 0; g < group; ++g) {
@@ -389,8 +400,10 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
     // keys, plus a fixed cost per item): a prefill tile costs ~16x a decode item, and
     // equal counts left one thread waiting at the barrier in mixed steps. A batch-1
     // decode is a few microseconds of work: waking the pool costs more.
+    // (The generic path costs several times the AVX-512 one per key: it splits sooner.)
+    const int64_t serial = avx512 ? kSerialWork : kSerialWork / 4;
     const int64_t threads =
-        work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
+        work < serial ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
     std::vector<int64_t> bounds(threads + 1, num_items);
     bounds[0] = 0;
     if (threads > 1) {

@@ -1064,31 +1064,53 @@ inline __m256 pair(const float* x) {
   return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x)));
 }
 
-// Group g's d and (asymmetric) m for the panel's 16 rows (lanes 0-7, 8-15).
-template <int BITS, bool ASYM, typename ScaleT>
-inline void group_scales(const Layout& layout, const uint8_t* panel, int64_t g, __m256 d[2],
-                         __m256 m[2]) {
-  const uint8_t* s = layout.scales(panel, g);
-  if constexpr (std::is_same_v<ScaleT, int8_t>) {  // two-level: exact products
-    const uint8_t* super = layout.unit(panel, g);
-    for (int h = 0; h < 2; ++h) {
-      d[h] = _mm256_mul_ps(load8_scales_half(super + 16 * h), int8x8_to_ps(s + 8 * h));
-      if constexpr (ASYM)
-        m[h] = _mm256_mul_ps(load8_scales_half(super + 2 * kLanes + 16 * h),
-                             int8x8_to_ps(layout.sub_offsets(panel, g) + 8 * h));
-    }
-  } else {
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (std::is_same_v<ScaleT, float>) {
-        d[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(s) + 8 * h);
-        if constexpr (ASYM) m[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(s) + kLanes + 8 * h);
-      } else {
-        d[h] = load8_scales_half(s + 16 * h);
-        if constexpr (ASYM) m[h] = load8_scales_half(s + 2 * kLanes + 16 * h);
+// A panel, group after group, by pointer steps (a division per group, as Layout's
+// accessors take, cost the AVX-512 kernel 15-20% at batch 1): each group's blocks and
+// its d and (asymmetric) m for the 16 rows, lanes 0-7 and 8-15. ScaleT int8_t:
+// two-level, d = super scale x sub-scale, m = super offset x sub-offset (exact).
+template <bool ASYM, typename ScaleT>
+struct GroupWalk {
+  static constexpr bool kTwoLevel = std::is_same_v<ScaleT, int8_t>;
+  const Layout& layout;
+  const uint8_t* unit;  // this group's unit: its group (one-level), its super-block
+  int64_t in_unit = 0;  // two-level: the group's index in its super-block
+
+  GroupWalk(const Layout& l, const uint8_t* panel) : layout(l), unit(panel) {}
+  const uint8_t* values() const {
+    if constexpr (kTwoLevel) return unit + layout.header + in_unit * layout.group_values;
+    return unit;
+  }
+  void scales(__m256 d[2], __m256 m[2]) const {
+    if constexpr (kTwoLevel) {
+      const uint8_t* sub = unit + layout.super_bytes() + in_unit * kLanes;
+      for (int h = 0; h < 2; ++h) {
+        d[h] = _mm256_mul_ps(load8_scales_half(unit + 16 * h), int8x8_to_ps(sub + 8 * h));
+        if constexpr (ASYM)
+          m[h] = _mm256_mul_ps(load8_scales_half(unit + 2 * kLanes + 16 * h),
+                               int8x8_to_ps(sub + layout.groups_per_unit * kLanes + 8 * h));
+      }
+    } else {
+      const uint8_t* s = unit + layout.group_values;
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (std::is_same_v<ScaleT, float>) {
+          d[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(s) + 8 * h);
+          if constexpr (ASYM)
+            m[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(s) + kLanes + 8 * h);
+        } else {
+          d[h] = load8_scales_half(s + 16 * h);
+          if constexpr (ASYM) m[h] = load8_scales_half(s + 2 * kLanes + 16 * h);
+        }
       }
     }
   }
-}
+  void next() {
+    if constexpr (kTwoLevel) {
+      if (++in_unit < layout.groups_per_unit) return;
+      in_unit = 0;
+    }
+    unit += layout.unit_bytes;
+  }
+};
 
 // f(j, qt, half, q): the block at p, pair vector j, quarter qt as 8 float32 values
 // (half: 0 or 1, alternating between the calls for one quarter, for callers that sum
@@ -1163,11 +1185,12 @@ void stream_panel(const Layout& layout, const uint8_t* panel, const float* x, in
   constexpr int kSets = R == 1 ? 2 : 1;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < layout.groups; ++g) {
+  GroupWalk<ASYM, ScaleT> walk(layout, panel);
+  for (int64_t g = 0; g < layout.groups; ++g, walk.next()) {
     __m256 s[R][4 * kSets];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 4 * kSets; ++i) s[r][i] = _mm256_setzero_ps();
-    const uint8_t* values = layout.values(panel, g);
+    const uint8_t* values = walk.values();
     _mm_prefetch(reinterpret_cast<const char*>(values + kPrefetch), _MM_HINT_T0);
     for (int64_t b = 0; b < layout.blocks_per_group; ++b) {
       const float* xb = x + (g * layout.blocks_per_group + b) * kFeatures;
@@ -1181,7 +1204,7 @@ void stream_panel(const Layout& layout, const uint8_t* panel, const float* x, in
       });
     }
     __m256 d[2], m[2];
-    group_scales<BITS, ASYM, ScaleT>(layout, panel, g, d, m);
+    walk.scales(d, m);
     for (int r = 0; r < R; ++r) {
       if constexpr (kSets == 2)
         for (int qt = 0; qt < 4; ++qt) s[r][qt] = _mm256_add_ps(s[r][qt], s[r][qt + 4]);
@@ -1241,18 +1264,23 @@ void slab_panel(const Layout& layout, const uint8_t* panel, const float* x, int6
   const int64_t per_group = layout.blocks_per_group, blocks = layout.groups * per_group;
   std::fill(sums, sums + rows * 32, 0.f);
   __m256 dq[4], mq[4];
+  GroupWalk<ASYM, ScaleT> walk(layout, panel);
+  int64_t in_group = 0;  // block b's index in its group (walk's)
   for (int64_t b0 = 0; b0 < blocks; b0 += kSlabBlocks) {
     const int64_t count = std::min(kSlabBlocks, blocks - b0);
     for (int64_t b = b0; b < b0 + count; ++b) {
-      const int64_t g = b / per_group;
-      if (b == b0 || b % per_group == 0) {
+      if (in_group == per_group) {
+        walk.next();
+        in_group = 0;
+      }
+      if (b == b0 || in_group == 0) {
         __m256 d[2], m[2];
-        group_scales<BITS, ASYM, ScaleT>(layout, panel, g, d, m);
+        walk.scales(d, m);
         per_parity(d, dq);
         if constexpr (ASYM) per_parity(m, mq);
       }
       float* out = buffer + (b - b0) * kFeatures * kLanes;
-      decode_block<BITS, !ASYM>(layout.values(panel, g) + (b % per_group) * kBytes,
+      decode_block<BITS, !ASYM>(walk.values() + in_group++ * kBytes,
                                 [&](int j, int qt, int, __m256 q) {
         __m256 w;
         if constexpr (ASYM)
