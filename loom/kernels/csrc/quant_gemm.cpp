@@ -1,6 +1,7 @@
 // y = x W^T (+ bias) for weight-only quantized W (4-, 5-, 6- or 8-bit values in groups
 // with float16/float32 scales, or the K-quants' two-level ones) and bfloat16 x, on CPUs
-// with AVX512-BF16.
+// with AVX512-BF16; on CPUs with AVX2, FMA and F16C only, the same layout and sums in
+// float32 (namespace avx2, near the end).
 //
 // One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0,
 // Q4_1, Q5_0, Q4_K, Q5_K and Q6_K and loom's wint8 and wint4 all read as w = d * q + m
@@ -1045,8 +1046,9 @@ void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx
 // at the group's end adds the two parities.
 //   One or two rows of x: the values decoded in registers, each byte read once per
 //   call (batch-1 decode is bound by the weight bytes).
-//   More rows: a slab of up to 256 features of the panel decoded into a 16 KB buffer
-//   (float32) once, then 3 rows at a time multiply it from L1.
+//   More rows: a slab of up to 256 features of the panel dequantized into a 16 KB
+//   buffer (float32, as dequantize() computes each value: d q is exact, + m rounds
+//   once) once, then 2 rows at a time multiply it from L1 (8 sums in registers).
 namespace avx2 {
 
 constexpr int64_t kSlabFeatures = 256;
@@ -1220,7 +1222,7 @@ void stream_panel(const Layout& layout, const uint8_t* panel, const float* x, in
   for (int r = 0; r < R; ++r) store_row(acc[r], bias, y + r * ldy, n);
 }
 
-// R (1..3) rows of x times a dequantized slab (w[pair j][word t], float32), adding into
+// R (1 or 2) rows of x times a dequantized slab (w[pair j][word t], float32), adding into
 // the rows' per-parity sums s (R x 4 vectors in memory).
 template <int R>
 inline void rows_times_slab(const float* w, int64_t pairs, const float* x, int64_t ldx,
@@ -1292,10 +1294,11 @@ void slab_panel(const Layout& layout, const uint8_t* panel, const float* x, int6
     }
     const float* xs = x + b0 * kFeatures;
     const int64_t pairs = count * kFeatures / 2;
+    // 2 rows at a time: 8 sums and 2 broadcasts in registers (3 rows' 12 sums and 3
+    // broadcasts spilled a sum to the stack, a store-to-load chain each step)
     int64_t r = 0;
-    for (; r + 3 <= rows; r += 3) rows_times_slab<3>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
-    if (rows - r == 2) rows_times_slab<2>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
-    if (rows - r == 1) rows_times_slab<1>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
+    for (; r + 2 <= rows; r += 2) rows_times_slab<2>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
+    if (r < rows) rows_times_slab<1>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
   }
   for (int64_t r = 0; r < rows; ++r) {
     __m256 s[4], t[2];

@@ -1,4 +1,5 @@
-// Matmul with weight-only quantized weights on CPUs with AVX512-BF16 (quant_gemm.cpp).
+// Matmul with weight-only quantized weights on CPUs with AVX512-BF16, or AVX2 with FMA
+// and F16C (quant_gemm.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,7 +9,7 @@
 
 namespace loom {
 
-// Whether this build has the kernel (the compiler targeted AVX512-BF16).
+// Whether this build has a kernel (the compiler targeted AVX512-BF16, or AVX2 + FMA + F16C).
 bool quant_gemm_available();
 
 // A linear layer's quantized weight (N, K) in the kernel's layout, with what the kernel

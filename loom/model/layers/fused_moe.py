@@ -32,7 +32,7 @@ Quantized experts (``--quantization wint8|wint4``): each local expert is then a 
 linear layers (``QuantizedExpert``: ``w13`` (2I, H), ``w2`` (H, I), both ``LinearBase``,
 layers/linear.py), so an expert's weight is quantized in its loader from the whole
 checkpoint tensor before the rank takes its shard, laid out once for loom's
-``quantized_linear`` kernel (bf16 on AVX512-BF16) or held for the PyTorch reference
+``quantized_linear`` kernel (bf16 on AVX512-BF16 or AVX2) or held for the PyTorch reference
 (float32, other CPUs), exactly as the dense linears are; the grouped path runs each
 expert hit once on its segment, as above. A GGUF file's experts in a format loom keeps
 (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; ``--quantization auto``) arrive as one

@@ -50,8 +50,8 @@ TP=2) makes that layer full precision, logged.
 
 Two ways to multiply: loom's kernel (bfloat16 models on AVX512-BF16 CPUs: the values
 unpacked in registers to exact bf16 integers, vdpbf16ps, the scale and offset applied
-per group in float32; no activation is quantized, so it equals the reference up to
-float32 rounding) and the PyTorch reference (``reference_linear``: dequantize to
+per group in float32; on AVX2 CPUs the same sums in float32 vectors; no activation is
+quantized, so it equals the reference up to float32 rounding) and the PyTorch reference (``reference_linear``: dequantize to
 float32, then matmul), which float32 models, other CPUs and CUDA run: correct, not fast.
 """
 
@@ -507,7 +507,10 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor
     the magnitudes it adds, which |x| (|d| A + |m|) bounds term by term. Four such sums
     at most (S, d S + m X, the groups, the reference). A: the largest value the kernel
     sums (quant_gemm.cpp), 4-bit values as 16 + q or q - 8 (below 2^5), 5- and 6-bit ones as
-    128 + q and 8-bit ones as q - 128 (below 2^8), the bias taken back with d X."""
+    128 + q and 8-bit ones as q - 128 (below 2^8), the bias taken back with d X. The AVX2
+    kernel past two rows multiplies dequantize()'s float32 weights instead: one rounding
+    per weight and one per product, each below 2^-24 |x| (|d| A + |m|), within the same
+    allowance (one sum of K products instead of S and d S + m X)."""
     x = x.float()
     group = weight.group_size
     d, m = weight.scales_and_offsets()
