@@ -1240,3 +1240,40 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
     settings.cache_clear()
     run("modules", dtype="bfloat16")
     assert runs["native"][0] == runs["modules"][0]
+
+
+def test_bf16_linears_without_avx512_bf16_point_to_the_avx2_kernel(tmp_path, monkeypatch,
+                                                                   caplog):
+    """On a CPU with loom's AVX2 quantized kernel but no AVX512-BF16 (AMD Zen 3, say), a
+    bf16 model's plain linears run PyTorch's matmul: start-up says how many, and that
+    --quantization wint8 runs them on the kernel. Quantized, or on an AVX512-BF16 CPU,
+    nothing is said."""
+    import loom.model.loader.model_loader as model_loader
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    config = load_hf_config(path)
+
+    class AVX2Only:  # what native_ops() says on such a CPU
+        def bf16_gemm_available(self):
+            return False
+
+        def quant_gemm_available(self):
+            return True
+
+    def warnings(quantization, ops):
+        monkeypatch.setattr(model_loader, "native_ops", lambda: ops)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="loom.model.loader.model_loader"):
+            load_model(path, config, dtype=torch.bfloat16, quantization=quantization)
+        return [r.getMessage() for r in caplog.records if "bfloat16 linear" in r.getMessage()]
+
+    said = warnings("none", AVX2Only())
+    assert len(said) == 1 and "--quantization wint8" in said[0], said
+    layers = sum(isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                 for m in load_model(path, config, dtype=torch.bfloat16).modules())
+    assert said[0].startswith(f"{layers} bfloat16 linear layers"), (layers, said)
+    if native_ops() is not None and native_ops().quant_gemm_available():
+        assert warnings("wint8", AVX2Only()) == []  # every linear quantized
+    with_avx512 = AVX2Only()
+    with_avx512.bf16_gemm_available = lambda: True
+    assert warnings("none", with_avx512) == []

@@ -119,6 +119,16 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                            "loom's kernels take bfloat16 models on CPUs with AVX512-BF16 "
                            "or AVX2",
                            reference, why)
+        ops = native_ops() if torch.device(device).type == "cpu" else None
+        plain = sum(isinstance(module, LinearBase) and module.weight_format is None
+                    for module in model.modules())
+        if (plain and dtype == torch.bfloat16 and ops is not None
+                and not ops.bf16_gemm_available() and ops.quant_gemm_available()):
+            logger.warning("%d bfloat16 linear layers run PyTorch's matmul: this CPU has no "
+                           "AVX512-BF16 for loom's bf16 kernel; --quantization wint8 (or "
+                           "wint4; a GGUF file's own formats: auto) runs them on loom's "
+                           "AVX2 kernel, several times faster",
+                           plain)
         mixed = sorted({module.weight_format for module in model.modules()
                         if getattr(module, "weight_parts", None) is not None})
         if mixed:  # a GGUF file's fused projections in several formats (linear.RowBlocks)
