@@ -138,7 +138,7 @@ def test_native_stack_runs_quantized_experts_as_the_modules(checkpoints, family,
 
     ops = native_ops()
     if ops is None or not ops.quant_gemm_available():
-        pytest.skip("loom's quantized kernel needs the native kernels on AVX512-BF16")
+        pytest.skip("loom's quantized kernel needs the native kernels on AVX512-BF16 or AVX2")
     _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantization)
 
 
@@ -147,7 +147,7 @@ def _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantizat
     from loom.model.layers.fused_moe import FusedMoE
 
     ops = native_ops()
-    if ops is None or not ops.bf16_gemm_available():
+    if ops is None or not (ops.bf16_gemm_available() or quantization and ops.quant_gemm_available()):
         pytest.skip("no native bf16 kernels on this CPU")
     path = checkpoints[family]
     config = load_hf_config(path)
@@ -230,7 +230,7 @@ def test_native_stack_refuses_what_it_does_not_run(checkpoints, family, reason, 
     from loom.kernels import native_ops
 
     ops = native_ops()
-    if ops is None or not ops.bf16_gemm_available():
+    if ops is None or not (ops.bf16_gemm_available() or quantization and ops.quant_gemm_available()):
         pytest.skip("no native bf16 kernels on this CPU")
     path = checkpoints[family]
     model = load_model(path, load_hf_config(path), dtype=torch.bfloat16)
