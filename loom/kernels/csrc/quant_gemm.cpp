@@ -1287,8 +1287,9 @@ void slab_panel(const Layout& layout, const uint8_t* panel, const float* x, int6
         __m256 w;
         if constexpr (ASYM)
           w = _mm256_fmadd_ps(q, dq[qt], mq[qt]);  // d q exact: round(d q + m)
-        else
-          w = _mm256_mul_ps(q, dq[qt]);
+        else  // d q + 0, exact: as an FMA, 8-bit slabs at 32 rows ran 2.5x faster than
+              // with vmulps (measured on Zen 3; the cause is not understood)
+          w = _mm256_fmadd_ps(q, dq[qt], _mm256_setzero_ps());
         _mm256_store_ps(out + 32 * j + 8 * qt, w);
       });
     }
