@@ -7,7 +7,7 @@
 #   benchmarks/setup_baselines.sh llamacpp-amx   # (not in "all") llama.cpp with AMX
 #
 # llama.cpp: the llama.cpp vendored in the llama-cpp-python==0.3.36 sdist, built with
-#   cmake (Release, AVX-512 without AMX, static) for llama-server, llama-bench,
+#   cmake (Release, AVX-512 without AMX where the CPU has AVX-512, else native; static) for llama-server, llama-bench,
 #   llama-batched-bench, llama-quantize, llama-perplexity, llama-cli -> $ENVS/llama.cpp/bin
 #   (~15-25 min on 2 idle cores, 47 min beside other work; the Python binding itself is not
 #   needed; convert_hf_to_gguf.py stays in $ENVS/src/llama_cpp_python-0.3.36/vendor/llama.cpp).
