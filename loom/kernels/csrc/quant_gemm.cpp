@@ -226,6 +226,33 @@ void set_block_value(uint8_t* p, int64_t bits, int64_t lane, int64_t f, uint32_t
   if (bits == 8) p[32 * j + t] = static_cast<uint8_t>(q ^ 0x80);
 }
 
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// f(bits, asymmetric, Tag<scale type>), each a compile-time constant, for w's format:
+// the formats that exist, and only those (each combination is ~12 micro-kernels in the
+// AVX-512 kernel): Q4_1/wint4, Q4_0, Q8_0, wint8, Q4_K, Q5_K, Q5_0, Q6_K.
+template <typename F>
+void with_format(const QuantizedWeight& w, F&& f) {
+  using std::integral_constant;
+  const std::true_type asym;
+  const std::false_type sym;
+  const bool half = !w.float_scales && !w.two_level, single = w.float_scales;
+  if (w.bits == 4 && w.asymmetric && half) return f(integral_constant<int, 4>{}, asym, Tag<c10::Half>{});
+  if (w.bits == 4 && !w.asymmetric && half) return f(integral_constant<int, 4>{}, sym, Tag<c10::Half>{});
+  if (w.bits == 8 && !w.asymmetric && half) return f(integral_constant<int, 8>{}, sym, Tag<c10::Half>{});
+  if (w.bits == 8 && !w.asymmetric && single) return f(integral_constant<int, 8>{}, sym, Tag<float>{});
+  if (w.bits == 4 && w.asymmetric && w.two_level) return f(integral_constant<int, 4>{}, asym, Tag<int8_t>{});
+  if (w.bits == 5 && w.asymmetric && w.two_level) return f(integral_constant<int, 5>{}, asym, Tag<int8_t>{});
+  if (w.bits == 5 && !w.asymmetric && half) return f(integral_constant<int, 5>{}, sym, Tag<c10::Half>{});
+  if (w.bits == 6 && !w.asymmetric && w.two_level) return f(integral_constant<int, 6>{}, sym, Tag<int8_t>{});
+  TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
+              w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
+              w.two_level ? "two-level" : w.float_scales ? "float32" : "float16", " scales");
+}
+
 #if LOOM_HAVE_QUANT_GEMM
 inline void prefetch(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
@@ -1006,27 +1033,6 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
   });
 }
 
-// The formats that exist, and only those (each combination is ~12 micro-kernels):
-// Q4_1/wint4, Q4_0, Q8_0, wint8, Q4_K, Q5_K, Q5_0, Q6_K.
-template <typename OutT>
-void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx,
-                   int64_t rows, const float* bias, OutT* y, int64_t ldy) {
-#define LOOM_RUN(BITS, ASYM, SCALE) \
-  return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, rows, bias, y, ldy)
-  const bool half = !w.float_scales && !w.two_level, single = w.float_scales;
-  if (w.bits == 4 && w.asymmetric && half) LOOM_RUN(4, true, c10::Half);
-  if (w.bits == 4 && !w.asymmetric && half) LOOM_RUN(4, false, c10::Half);
-  if (w.bits == 8 && !w.asymmetric && half) LOOM_RUN(8, false, c10::Half);
-  if (w.bits == 8 && !w.asymmetric && single) LOOM_RUN(8, false, float);
-  if (w.bits == 4 && w.asymmetric && w.two_level) LOOM_RUN(4, true, int8_t);
-  if (w.bits == 5 && w.asymmetric && w.two_level) LOOM_RUN(5, true, int8_t);
-  if (w.bits == 5 && !w.asymmetric && half) LOOM_RUN(5, false, c10::Half);
-  if (w.bits == 6 && !w.asymmetric && w.two_level) LOOM_RUN(6, false, int8_t);
-#undef LOOM_RUN
-  TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
-              w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
-              w.two_level ? "two-level" : w.float_scales ? "float32" : "float16", " scales");
-}
 #endif
 
 
@@ -1355,25 +1361,6 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
   });
 }
 
-template <typename OutT>
-void dispatch_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx,
-                   int64_t rows, const float* bias, OutT* y, int64_t ldy) {
-#define LOOM_RUN(BITS, ASYM, SCALE) \
-  return run_gemm<BITS, ASYM, SCALE, OutT>(w, x, ldx, rows, bias, y, ldy)
-  const bool half = !w.float_scales && !w.two_level, single = w.float_scales;
-  if (w.bits == 4 && w.asymmetric && half) LOOM_RUN(4, true, c10::Half);
-  if (w.bits == 4 && !w.asymmetric && half) LOOM_RUN(4, false, c10::Half);
-  if (w.bits == 8 && !w.asymmetric && half) LOOM_RUN(8, false, c10::Half);
-  if (w.bits == 8 && !w.asymmetric && single) LOOM_RUN(8, false, float);
-  if (w.bits == 4 && w.asymmetric && w.two_level) LOOM_RUN(4, true, int8_t);
-  if (w.bits == 5 && w.asymmetric && w.two_level) LOOM_RUN(5, true, int8_t);
-  if (w.bits == 5 && !w.asymmetric && half) LOOM_RUN(5, false, c10::Half);
-  if (w.bits == 6 && !w.asymmetric && w.two_level) LOOM_RUN(6, false, int8_t);
-#undef LOOM_RUN
-  TORCH_CHECK(false, "quantized_linear: no kernel for ", w.bits, "-bit ",
-              w.asymmetric ? "asymmetric" : "symmetric", " weights with ",
-              w.two_level ? "two-level" : w.float_scales ? "float32" : "float16", " scales");
-}
 
 }  // namespace avx2
 #endif
@@ -1640,23 +1627,32 @@ void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weigh
     bias_f.narrow(0, 0, n).copy_(bias->reshape({n}));
   }
   if (rows == 0) return;
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  auto run = [&](auto dispatch) {
-    if (out.scalar_type() == at::kFloat)
-      dispatch(weight, xp, x.stride(0), rows, bp, out.data_ptr<float>(), out.stride(0));
-    else
-      dispatch(weight, xp, x.stride(0), rows, bp, out.data_ptr<c10::BFloat16>(), out.stride(0));
+  [[maybe_unused]] const auto* xp = x.data_ptr<c10::BFloat16>();
+  [[maybe_unused]] const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  // gemm(bits, asymmetric, Tag<scale type>, y): a kernel's run_gemm for w's format
+  [[maybe_unused]] auto run = [&](auto gemm) {  // (no kernel: the check above threw)
+    with_format(weight, [&](auto bits, auto asym, auto scale) {
+      if (out.scalar_type() == at::kFloat)
+        gemm(bits, asym, scale, out.data_ptr<float>());
+      else
+        gemm(bits, asym, scale, out.data_ptr<c10::BFloat16>());
+    });
   };
+#define LOOM_RUN_GEMM(KERNEL)                                                          \
+  run([&](auto bits, auto asym, auto scale, auto* y) {                                 \
+    KERNEL<decltype(bits)::value, decltype(asym)::value, typename decltype(scale)::type>( \
+        weight, xp, x.stride(0), rows, bp, y, out.stride(0));                          \
+  })
 #if LOOM_HAVE_QUANT_GEMM
   if (use_avx512()) {
-    run([](auto&&... args) { dispatch_gemm(args...); });
+    LOOM_RUN_GEMM(run_gemm);
     return;
   }
 #endif
 #if LOOM_HAVE_QUANT_GEMM_AVX2
-  run([](auto&&... args) { avx2::dispatch_gemm(args...); });
+  LOOM_RUN_GEMM(avx2::run_gemm);
 #endif
+#undef LOOM_RUN_GEMM
 }
 
 }  // namespace loom
