@@ -150,7 +150,7 @@ def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,
                 weight = _quantized_weight(ops, linear)
                 if weight is None:
                     return (f"its experts are {linear.weight_format} on the PyTorch path "
-                            "(no AVX512-BF16 kernel for it here)")
+                            "(no loom kernel for it on this CPU)")
                 if isinstance(weight, str):
                     return f"its experts' {weight}"
                 held.append(weight)
@@ -191,7 +191,7 @@ def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.M
             setattr(weights, role, quantized)
         elif module.weight_format is not None:
             return (f"the {role} weight is {module.weight_format} on the PyTorch path (no "
-                    "AVX512-BF16 kernel for it here)")
+                    "loom kernel for it on this CPU)")
         elif module.packed_weight is None or not module.packed_weight.is_loom_kernel:
             return (f"the {role} weight is not packed for loom's bf16 matmul (which needs "
                     "AVX512-BF16)")

@@ -112,15 +112,14 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
   auto for_each_key = [&](int64_t from, auto&& f) {
     for (int64_t p = from; p < num_keys;) {
       const int64_t block = p / block_size, end = std::min(num_keys, (block + 1) * block_size);
-      const T* base = nullptr;
       const int64_t slot0 = static_cast<int64_t>(blocks[block]) * block_size - block * block_size;
-      for (; p < end; ++p) f(p, slot0 + p, base);
+      for (; p < end; ++p) f(p, slot0 + p);
     }
   };
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t p = 0; p < first_key; ++p) scores[r * num_keys + p] = kMinusInf;
-  for_each_key(first_key, [&](int64_t p, int64_t slot, const T*) {
+  for_each_key(first_key, [&](int64_t p, int64_t slot) {
     load_row(keys + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r)
       scores[r * num_keys + p] = p >= lo[r] && p < hi[r]
@@ -142,7 +141,7 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
     inv_sum[r] = 1.f / sum;
   }
   std::fill(acc, acc + rows * head_dim, 0.f);
-  for_each_key(first_key, [&](int64_t p, int64_t slot, const T*) {
+  for_each_key(first_key, [&](int64_t p, int64_t slot) {
     load_row(values + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r) {
       const float w = scores[r * num_keys + p];
