@@ -241,8 +241,8 @@ def test_many_rows_match_the_reference_and_one_row(fmt, kernel_isa):
     nonzero input per row, a power of two, every output is dequantize()'s weight times
     it, bit for bit. Random rows: within kernel_error_bound of the reference, and of the
     one-row kernel (each row alone) within the two bounds together. Odd N (a partial
-    panel of 16), rows 8..256. (The AVX2 kernel past 2 rows multiplies dequantize()'s
-    float32 weights: the same bits with one input.)"""
+    panel of 16), rows 8..256. (The AVX2 kernel rounds x to int16 per block of 32: a
+    lone power of two is exact there, so its products are too.)"""
     ops = kernel_isa
     n, k = 37, {"wint4-g64": 576, "wint4-g128": 768, "Q4_K": 768, "Q5_K": 768,
                 "Q6_K": 768}.get(fmt, 352)
@@ -271,6 +271,35 @@ def test_many_rows_match_the_reference_and_one_row(fmt, kernel_isa):
         bound = kernel_error_bound(x, weight)
         assert bool(((out - reference_linear(x.float(), weight)).abs() <= bound).all())
         assert bool(((out - one).abs() <= 2 * bound).all())
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q6_K", "wint8"])
+def test_outliers_zero_blocks_and_nan_in_x(fmt, kernel_isa):
+    """Inputs as an LLM's MLP makes them: a few channels near 3,000 among values near 1
+    (SmolLM2's), whole blocks of zeros, values 2^-20 of their block's largest. The AVX2
+    kernel rounds those small values to its step (kernel_error_bound's x term); every
+    output stays within the bound. A NaN in x makes its row's outputs NaN, as the
+    reference's, and no other row's."""
+    ops = kernel_isa
+    n, k = 37, 768
+    weight = make_format(fmt, n, k, seed=5)
+    packed = weight.pack(ops)
+    gen = torch.Generator().manual_seed(9)
+    for rows in (1, 2, 9):
+        x = torch.randn(rows, k, generator=gen)
+        x[:, 37] = 3000.0
+        x[:, 100] = -2900.0
+        x[:, 64:96] = 0.0
+        x[:, 200:232] *= 2.0 ** -20
+        x[:, 201] = 1.5
+        x = x.bfloat16()
+        out = torch.empty(rows, n)
+        ops.quantized_linear(out, x, packed, None)
+        error = (out - reference_linear(x.float(), weight)).abs()
+        assert bool((error <= kernel_error_bound(x, weight)).all()), rows
+        x[0, 300] = float("nan")
+        ops.quantized_linear(out, x, packed, None)
+        assert bool(out[0].isnan().all()) and not bool(out[1:].isnan().any())
 
 
 @pytest.mark.parametrize("name", [name for name in GGUF_FORMATS])
@@ -381,9 +410,12 @@ def test_layers_hold_no_full_precision_copy(method, dtype):
     expected_row = reference_linear(hidden, quantized[id(row)]) + row.bias
     if dtype == torch.float32:  # the reference path itself
         assert torch.equal(hidden, expected) and torch.equal(y, expected_row)
-    else:
-        torch.testing.assert_close(hidden, expected, atol=0, rtol=2 ** -7)
-        torch.testing.assert_close(y, expected_row, atol=1e-2, rtol=2 ** -7)
+    else:  # the kernel: within its bound, and both sides rounded to bf16 (rtol)
+        for out, ref, inputs, layer, atol in ((hidden, expected, x, column, 0.0),
+                                             (y, expected_row, hidden, row, 1e-2)):
+            bound = kernel_error_bound(inputs, quantized[id(layer)])
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7,
+                                       atol=float(bound.max()) + atol)
 
 
 @pytest.mark.parametrize("method", ["wint8", "wint4:32", "Q4_K", "Q5_K", "Q6_K"])

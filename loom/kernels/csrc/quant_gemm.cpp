@@ -1,7 +1,8 @@
 // y = x W^T (+ bias) for weight-only quantized W (4-, 5-, 6- or 8-bit values in groups
 // with float16/float32 scales, or the K-quants' two-level ones) and bfloat16 x, on CPUs
-// with AVX512-BF16; on CPUs with AVX2, FMA and F16C only, the same layout and sums in
-// float32 (namespace avx2, near the end).
+// with AVX512-BF16; on CPUs with AVX2, FMA and F16C only, the same layout read as int16
+// and multiplied by x rounded to int16 per block of 32 features (namespace avx2, near
+// the end).
 //
 // One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0,
 // Q4_1, Q5_0, Q4_K, Q5_K and Q6_K and loom's wint8 and wint4 all read as w = d * q + m
@@ -1067,11 +1068,6 @@ inline __m256 int8x8_to_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// x's pair (x[0], x[1]) in every pair of lanes.
-inline __m256 pair(const float* x) {
-  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x)));
-}
-
 // A panel, group after group, by pointer steps (a division per group, as Layout's
 // accessors take, cost the AVX-512 kernel 15-20% at batch 1): each group's blocks and
 // its d and (asymmetric) m for the 16 rows, lanes 0-7 and 8-15. ScaleT int8_t:
@@ -1120,59 +1116,151 @@ struct GroupWalk {
   }
 };
 
-// f(j, qt, half, q): the block at p, pair vector j, quarter qt as 8 float32 values
-// (half: 0 or 1, alternating between the calls for one quarter, for callers that sum
-// into two sets of registers): q, or
-// q - 2^(bits-1) for a symmetric format (SIGNED), so that y = d S (8-bit values are
-// stored q - 128 and read signed).
-template <int BITS, bool SIGNED, typename F>
-inline void decode_block(const uint8_t* p, F&& f) {
-  if constexpr (BITS == 8) {
-    for (int j = 0; j < 8; j += 2) {
-#pragma GCC unroll 4
-      for (int qt = 0; qt < 4; ++qt) f(j, qt, 0, int8x8_to_ps(p + 32 * j + 8 * qt));
-#pragma GCC unroll 4
-      for (int qt = 0; qt < 4; ++qt) f(j + 1, qt, 1, int8x8_to_ps(p + 32 * j + 32 + 8 * qt));
-    }
-  } else {
-    constexpr int kChunks = BITS == 6 ? 4 : 8;
-    const __m256i low_bits = _mm256_set1_epi32(0x0F);
-    for (int c = 0; c < kChunks; ++c)
-#pragma GCC unroll 4
-      for (int qt = 0; qt < 4; ++qt) {
-        const __m256i v = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 * c + 8 * qt)));
-        __m256i lo = _mm256_and_si256(v, low_bits), hi = _mm256_srli_epi32(v, 4);
-        if constexpr (BITS == 5 || BITS == 6) {
-          const __m256i plane = _mm256_cvtepu16_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * kChunks + 16 * qt)));
-          constexpr int kHigh = BITS - 4;  // high bits per value in the plane
-          const __m256i mask = _mm256_set1_epi32(((1 << kHigh) - 1) << 4);
-          // vector j's bits at kHigh * j: shifted to bit 4
-          const int at_lo = kHigh * c, at_hi = kHigh * (c + kChunks);
-          lo = _mm256_or_si256(lo, _mm256_and_si256(
-                                       at_lo >= 4 ? _mm256_srli_epi32(plane, at_lo - 4)
-                                                  : _mm256_slli_epi32(plane, 4 - at_lo), mask));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(
-                                       at_hi >= 4 ? _mm256_srli_epi32(plane, at_hi - 4)
-                                                  : _mm256_slli_epi32(plane, 4 - at_hi), mask));
+// The AVX2 kernel multiplies integers: x is quantized per block of 32 features to int16
+// with a power-of-two step (quantize_x below), the weights' values are decoded to int16
+// words, and vpmaddwd sums two exact products into each int32 lane. The pair layout
+// above is what vpmaddwd reads: word 2i + c of a pair vector is feature 2j + c of row i,
+// so lane i of vpmaddwd(pair vector, x's pair broadcast) is row i's two products. Per
+// span of 32 features (16 where a group is 16: Q6_K, some 8-bit groups) the int32 sums
+// are exact, converted once and scaled by d * step (step a power of two: exact):
+//
+//     y[n] += d[n,g] * step[b] * (S - z X) + m[n,g] * Xf,   S = sum q[n,k] xq[k]
+//
+// (z the zero point of symmetric 4-, 5- and 6-bit values, X the span's sum of xq, Xf
+// its sum of x in float32). The only error besides float32 rounding is x's: xq = x /
+// step exactly for every value within 2^8 of its block's largest (bf16 has 8
+// significant bits and the step is 2^-14 of the largest's power of two), and within
+// half a step, 2^-15 of that largest, for the smaller ones (kernel_error_bound in
+// quantization.py). llama.cpp quantizes x to int8 per block of 32: half a step is 1/254
+// of the block's largest there. Why integers: the float32 version spent about 4
+// micro-ops per 8 weights at one row (decode to int32, convert, broadcast, FMA); the
+// int16 one 1.75 (vpmovzxbw, and, shift for 32 weights; vpmaddwd, vpaddd per 16), and
+// vpmaddwd does 16 multiply-adds where vfmadd231ps does 8, both 2 a cycle on Zen 3
+// (benchmarks/quantized.md, session 20).
+
+constexpr int64_t kXBlock = 32;  // input features per step of x
+
+// x quantized for one call (run_gemm): per row, k int16 values, a step per block of 32
+// features, and per span (32 features, or 16 where groups are 16) the sums of the int16
+// values (symmetric formats with a zero point, at most 2 rows) and of x in float32
+// (asymmetric formats).
+struct IntX {
+  const int16_t* q = nullptr;     // (rows, k)
+  const float* step = nullptr;    // (rows, blocks)
+  const int32_t* sums = nullptr;  // (rows, spans) or null
+  const float* fsums = nullptr;   // (rows, spans) or null
+  int64_t k = 0, blocks = 0, span = 0, spans = 0;
+};
+
+// x (rows, k) bf16 -> q (rows, k) int16 and step (rows, ceil(k / 32)): per block of 32
+// features, step = 2^(E - 14) for the block's largest |x| in [2^E, 2^(E+1)) and q = x /
+// step rounded to nearest even (exact for every x whose exponent is within 8 of E, so
+// for every bf16 value within 2^8 of the largest). An all-zero block has step 0; one
+// holding an infinity or NaN, step NaN (its outputs come out NaN, as the reference's).
+// `sums` (rows, k / span), where not null: each span's sum of q.
+void quantize_x(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k, int16_t* q,
+                float* step, int64_t span, int32_t* sums) {
+  const int64_t blocks = (k + kXBlock - 1) / kXBlock;
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const auto* src = reinterpret_cast<const uint16_t*>(x + r * ldx) + b * kXBlock;
+        int16_t* dst = q + r * k + b * kXBlock;
+        const int64_t len = std::min(kXBlock, k - b * kXBlock);  // a multiple of 16
+        uint16_t top = 0;
+        for (int64_t i = 0; i < len; ++i) top = std::max<uint16_t>(top, src[i] & 0x7FFF);
+        const int exponent = std::max(top >> 7, 1);  // bf16's biased exponent (subnormals: 1)
+        float& s = step[r * blocks + b];
+        if (top == 0 || exponent == 255) {
+          s = top == 0 ? 0.f : std::numeric_limits<float>::quiet_NaN();
+          std::fill(dst, dst + len, int16_t{0});
+          continue;
         }
-        if constexpr (SIGNED) {
-          const __m256i zero_point = _mm256_set1_epi32(1 << (BITS - 1));
-          lo = _mm256_sub_epi32(lo, zero_point);
-          hi = _mm256_sub_epi32(hi, zero_point);
+        s = std::ldexp(1.f, exponent - 141);  // 2^(E - 14), E = exponent - 127
+        if (exponent < 14) {  // 1 / step beyond float32: tiny x, in double
+          const double inv = std::ldexp(1.0, 141 - exponent);
+          for (int64_t i = 0; i < len; ++i)
+            dst[i] = static_cast<int16_t>(std::nearbyint(to_float(x[r * ldx + b * kXBlock + i]) * inv));
+          continue;
         }
-        f(c, qt, 0, _mm256_cvtepi32_ps(lo));
-        f(c + kChunks, qt, 1, _mm256_cvtepi32_ps(hi));
+        const __m256 inv = _mm256_set1_ps(std::ldexp(1.f, 141 - exponent));
+        for (int64_t i = 0; i < len; i += 16) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+          auto widen = [&](__m128i h) {  // 8 bf16 -> float32, times 1 / step, rounded
+            const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            return _mm256_cvtps_epi32(_mm256_mul_ps(f, inv));
+          };
+          const __m256i packed = _mm256_packs_epi32(widen(_mm256_castsi256_si128(raw)),
+                                                    widen(_mm256_extracti128_si256(raw, 1)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                              _mm256_permute4x64_epi64(packed, 0xD8));
+        }
       }
-  }
+      if (sums)
+        for (int64_t s = 0; s < k / span; ++s) {
+          const int16_t* src = q + r * k + s * span;
+          int32_t total = 0;
+#pragma omp simd reduction(+ : total)
+          for (int64_t i = 0; i < span; ++i) total += src[i];
+          sums[r * (k / span) + s] = total;
+        }
+    }
+  });
 }
 
-// Per-parity sums of 16 rows (4 quarters) -> the rows' sums, lanes 0-7 and 8-15.
-inline void pair_sums(const __m256 s[4], __m256& lo, __m256& hi) {
-  // hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67]: rows 0 1 4 5 | 2 3 6 7
-  lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(s[0], s[1])), 0xD8));
-  hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(s[2], s[3])), 0xD8));
+// The zero point a symmetric format's decoded values carry (decode_words gives 4-, 5-
+// and 6-bit values as stored, in [0, 2^BITS); 8-bit ones are stored q - 128, signed).
+template <int BITS, bool ASYM>
+constexpr int32_t zero_point() { return ASYM || BITS == 8 ? 0 : 1 << (BITS - 1); }
+
+inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// x's pair (xq[0], xq[1]) in every lane.
+inline __m256i pair(const int16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// f(j, h, set, q): the block at p, pair vector j, rows 8h..8h+7, as 16 int16 words
+// (word 2i + c: row 8h + i, feature 2j + c), values as stored (zero_point). `set`
+// alternates 0, 1 between consecutive calls of one h: callers that sum into two sets
+// of registers keep the chains short.
+template <int BITS, typename F>
+inline void decode_words(const uint8_t* p, F&& f) {
+  if constexpr (BITS == 8) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) f(j, h, j & 1, _mm256_cvtepi8_epi16(load16(p + 32 * j + 16 * h)));
+  } else {
+    constexpr int kChunks = BITS == 6 ? 4 : 8;
+    const __m256i nibble = _mm256_set1_epi16(0x0F);
+    __m256i plane[2];
+    if constexpr (BITS != 4)
+      for (int h = 0; h < 2; ++h)
+        plane[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * kChunks + 32 * h));
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_cvtepu8_epi16(load16(p + 32 * c + 16 * h));
+        __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
+        if constexpr (BITS != 4) {
+          constexpr int kHigh = BITS - 4;  // high bits per value in the plane
+          const __m256i mask = _mm256_set1_epi16(((1 << kHigh) - 1) << 4);
+          // vector j's bits at kHigh * j: shifted to bit 4
+          auto high_bits = [&](int at) {
+            return _mm256_and_si256(at >= 4 ? _mm256_srli_epi16(plane[h], at - 4)
+                                            : _mm256_slli_epi16(plane[h], 4 - at), mask);
+          };
+          lo = _mm256_or_si256(lo, high_bits(kHigh * c));
+          hi = _mm256_or_si256(hi, high_bits(kHigh * (c + kChunks)));
+        }
+        f(c, h, 0, lo);
+        f(c + kChunks, h, 1, hi);
+      }
+  }
 }
 
 template <typename OutT>
@@ -1183,95 +1271,113 @@ inline void store_row(const __m256 y[2], const float* bias, OutT* out, int64_t n
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<OutT>(bias ? row[i] + bias[i] : row[i]);
 }
 
+// y_h += d_h step (S_h - z X) (+ m_h Xf): one span's int32 sums of one row into its outputs.
+template <bool ASYM, int32_t ZERO>
+inline void add_span(__m256 y[2], const __m256i s[2], const __m256 d[2], const __m256 m[2],
+                     const IntX& x, int64_t row, int64_t span) {
+  const __m256 step = _mm256_set1_ps(x.step[row * x.blocks + span * x.span / kXBlock]);
+  for (int h = 0; h < 2; ++h) {
+    __m256i t = s[h];
+    if constexpr (ZERO != 0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(ZERO * x.sums[row * x.spans + span]));
+    y[h] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], step), _mm256_cvtepi32_ps(t), y[h]);
+    if constexpr (ASYM)
+      y[h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(x.fsums[row * x.spans + span]), y[h]);
+  }
+}
+
 // R (1 or 2) rows of x times one panel, its values decoded in registers.
 template <int BITS, bool ASYM, typename ScaleT, int R, typename OutT>
-void stream_panel(const Layout& layout, const uint8_t* panel, const float* x, int64_t ldx,
-                  const float* xsum, const float* bias, OutT* y, int64_t ldy, int64_t n) {
+void stream_panel(const Layout& layout, const uint8_t* panel, const IntX& x, const float* bias,
+                  OutT* y, int64_t ldy, int64_t n) {
   constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
-  // one row: two sets of sums (8 chains of vfmadd231ps, whose latency 4 per set would
-  // bound the loop); two rows: one set each
+  constexpr int32_t kZero = zero_point<BITS, ASYM>();
+  // one row: two sets of sums per half, so that a block's vpaddd chains stay short
   constexpr int kSets = R == 1 ? 2 : 1;
+  const int64_t blocks_per_span = x.span / kFeatures;
+  const int64_t spans_per_group = layout.blocks_per_group / blocks_per_span;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   GroupWalk<ASYM, ScaleT> walk(layout, panel);
+  int64_t span = 0;
   for (int64_t g = 0; g < layout.groups; ++g, walk.next()) {
-    __m256 s[R][4 * kSets];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4 * kSets; ++i) s[r][i] = _mm256_setzero_ps();
-    const uint8_t* values = walk.values();
-    _mm_prefetch(reinterpret_cast<const char*>(values + kPrefetch), _MM_HINT_T0);
-    for (int64_t b = 0; b < layout.blocks_per_group; ++b) {
-      const float* xb = x + (g * layout.blocks_per_group + b) * kFeatures;
-      const uint8_t* block = values + b * kBytes;
-      for (int64_t at = 64; at < kBytes; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch + at), _MM_HINT_T0);
-      decode_block<BITS, !ASYM>(block, [&](int j, int qt, int half, __m256 q) {
-        const int i = qt + 4 * (half % kSets);
-        for (int r = 0; r < R; ++r)
-          s[r][i] = _mm256_fmadd_ps(q, pair(xb + r * ldx + 2 * j), s[r][i]);
-      });
-    }
+    const uint8_t* block = walk.values();
     __m256 d[2], m[2];
     walk.scales(d, m);
-    for (int r = 0; r < R; ++r) {
-      if constexpr (kSets == 2)
-        for (int qt = 0; qt < 4; ++qt) s[r][qt] = _mm256_add_ps(s[r][qt], s[r][qt + 4]);
-      __m256 t[2];
-      pair_sums(s[r], t[0], t[1]);
-      for (int h = 0; h < 2; ++h) {
-        acc[r][h] = _mm256_fmadd_ps(d[h], t[h], acc[r][h]);
-        if constexpr (ASYM)
-          acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(xsum[r * layout.groups + g]), acc[r][h]);
+    for (int64_t i = 0; i < spans_per_group; ++i, ++span) {
+      __m256i s[R][2][kSets];
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          for (int t = 0; t < kSets; ++t) s[r][h][t] = _mm256_setzero_si256();
+      const int16_t* xs = x.q + span * x.span;
+      for (int64_t b = 0; b < blocks_per_span; ++b, block += kBytes, xs += kFeatures) {
+        for (int64_t at = 0; at < kBytes; at += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch + at), _MM_HINT_T0);
+        decode_words<BITS>(block, [&](int j, int h, int set, __m256i q) {
+          for (int r = 0; r < R; ++r) {
+            __m256i& sum = s[r][h][set % kSets];
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(q, pair(xs + r * x.k + 2 * j)));
+          }
+        });
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256i t[2];
+        for (int h = 0; h < 2; ++h)
+          t[h] = kSets == 2 ? _mm256_add_epi32(s[r][h][0], s[r][h][kSets - 1]) : s[r][h][0];
+        add_span<ASYM, kZero>(acc[r], t, d, m, x, r, span);
       }
     }
   }
   for (int r = 0; r < R; ++r) store_row(acc[r], bias, y + r * ldy, n);
 }
 
-// R (1 or 2) rows of x times a dequantized slab (w[pair j][word t], float32), adding into
-// the rows' per-parity sums s (R x 4 vectors in memory).
-template <int R>
-inline void rows_times_slab(const float* w, int64_t pairs, const float* x, int64_t ldx,
-                            float* s) {
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int qt = 0; qt < 4; ++qt) acc[r][qt] = _mm256_loadu_ps(s + (r * 4 + qt) * 8);
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m256 xp[R];
-    for (int r = 0; r < R; ++r) xp[r] = pair(x + r * ldx + 2 * j);
+// Rows [row, row + R) of x times spans [0, spans) of a decoded slab (pair vectors of
+// int16 words, zero point taken off; span sp's d and m in d[sp], m[sp]), adding into the
+// rows' outputs kept in `out` (16 floats a row).
+template <int R, bool ASYM>
+void rows_times_slab(const int16_t* slab, int64_t spans, int64_t first_span,
+                     const __m256 (*d)[2], const __m256 (*m)[2], const IntX& x, int64_t row,
+                     float* out) {
+  const int64_t pairs = x.span / 2;
+  for (int64_t sp = 0; sp < spans; ++sp) {
+    const int16_t* w = slab + sp * pairs * 32;
+    const int16_t* xs = x.q + row * x.k + (first_span + sp) * x.span;
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int qt = 0; qt < 4; ++qt) {
-      const __m256 q = _mm256_load_ps(w + 32 * j + 8 * qt);
-      for (int r = 0; r < R; ++r) acc[r][qt] = _mm256_fmadd_ps(q, xp[r], acc[r][qt]);
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * j + 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xp = pair(xs + r * x.k + 2 * j);
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xp));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xp));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* o = out + (row + r) * kLanes;
+      __m256 y[2] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8)};
+      add_span<ASYM, 0>(y, s[r], d[sp], m[sp], x, row + r, first_span + sp);
+      _mm256_storeu_ps(o, y[0]);
+      _mm256_storeu_ps(o + 8, y[1]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int qt = 0; qt < 4; ++qt) _mm256_storeu_ps(s + (r * 4 + qt) * 8, acc[r][qt]);
-}
-
-// A group's d (and m) for 16 rows -> per quarter, each row's value in both its lanes.
-inline void per_parity(const __m256 v[2], __m256 out[4]) {
-  const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  const __m256i second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  out[0] = _mm256_permutevar8x32_ps(v[0], first);
-  out[1] = _mm256_permutevar8x32_ps(v[0], second);
-  out[2] = _mm256_permutevar8x32_ps(v[1], first);
-  out[3] = _mm256_permutevar8x32_ps(v[1], second);
 }
 
 // Any number of rows times one panel, a slab of up to 256 features at a time: the
-// slab's values dequantized once into `buffer` as dequantize() makes them (d (q - z), or
-// d q + m: d q is exact, so one rounding, in float32), then 3 rows at a time multiply it
-// from L1, their sums kept across slabs in `sums` (rows x 32 per-parity sums).
+// slab's values decoded once into `buffer` (8 KB, in L1) as int16 words with the zero
+// point taken off, then 4 rows at a time multiply it, their outputs kept in `sums`
+// (rows x 16).
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
-void slab_panel(const Layout& layout, const uint8_t* panel, const float* x, int64_t ldx,
-                int64_t rows, const float* bias, OutT* y, int64_t ldy, int64_t n,
-                float* buffer, float* sums) {
+void slab_panel(const Layout& layout, const uint8_t* panel, const IntX& x, int64_t rows,
+                const float* bias, OutT* y, int64_t ldy, int64_t n, int16_t* buffer,
+                float* sums) {
   constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
   constexpr int64_t kSlabBlocks = kSlabFeatures / kFeatures;
+  constexpr int32_t kZero = zero_point<BITS, ASYM>();
   const int64_t per_group = layout.blocks_per_group, blocks = layout.groups * per_group;
-  std::fill(sums, sums + rows * 32, 0.f);
-  __m256 dq[4], mq[4];
+  std::fill(sums, sums + rows * kLanes, 0.f);
+  __m256 d[kSlabFeatures / 16][2], m[kSlabFeatures / 16][2];  // per span of the slab
+  __m256 dg[2], mg[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   GroupWalk<ASYM, ScaleT> walk(layout, panel);
   int64_t in_group = 0;  // block b's index in its group (walk's)
   for (int64_t b0 = 0; b0 < blocks; b0 += kSlabBlocks) {
@@ -1281,36 +1387,29 @@ void slab_panel(const Layout& layout, const uint8_t* panel, const float* x, int6
         walk.next();
         in_group = 0;
       }
-      if (b == b0 || in_group == 0) {
-        __m256 d[2], m[2];
-        walk.scales(d, m);
-        per_parity(d, dq);
-        if constexpr (ASYM) per_parity(m, mq);
-      }
-      float* out = buffer + (b - b0) * kFeatures * kLanes;
-      decode_block<BITS, !ASYM>(walk.values() + in_group++ * kBytes,
-                                [&](int j, int qt, int, __m256 q) {
-        __m256 w;
-        if constexpr (ASYM)
-          w = _mm256_fmadd_ps(q, dq[qt], mq[qt]);  // d q exact: round(d q + m)
-        else  // d q + 0, exact: as an FMA, 8-bit slabs at 32 rows ran 2.5x faster than
-              // with vmulps (measured on Zen 3; the cause is not understood)
-          w = _mm256_fmadd_ps(q, dq[qt], _mm256_setzero_ps());
-        _mm256_store_ps(out + 32 * j + 8 * qt, w);
+      if (b == b0 || in_group == 0) walk.scales(dg, mg);
+      const int64_t feature = (b - b0) * kFeatures;
+      if (feature % x.span == 0)
+        for (int h = 0; h < 2; ++h) {
+          d[feature / x.span][h] = dg[h];
+          m[feature / x.span][h] = mg[h];
+        }
+      int16_t* out = buffer + feature * kLanes;
+      decode_words<BITS>(walk.values() + in_group++ * kBytes, [&](int j, int h, int, __m256i q) {
+        if constexpr (kZero != 0) q = _mm256_sub_epi16(q, _mm256_set1_epi16(kZero));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * j + 16 * h), q);
       });
     }
-    const float* xs = x + b0 * kFeatures;
-    const int64_t pairs = count * kFeatures / 2;
-    // 2 rows at a time: 8 sums and 2 broadcasts in registers (3 rows' 12 sums and 3
-    // broadcasts spilled a sum to the stack, a store-to-load chain each step)
+    const int64_t spans = count * kFeatures / x.span, first = b0 * kFeatures / x.span;
     int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) rows_times_slab<2>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
-    if (r < rows) rows_times_slab<1>(buffer, pairs, xs + r * ldx, ldx, sums + r * 32);
+    for (; r + 4 <= rows; r += 4)
+      rows_times_slab<4, ASYM>(buffer, spans, first, d, m, x, r, sums);
+    if (rows - r == 3) rows_times_slab<3, ASYM>(buffer, spans, first, d, m, x, r, sums);
+    if (rows - r == 2) rows_times_slab<2, ASYM>(buffer, spans, first, d, m, x, r, sums);
+    if (rows - r == 1) rows_times_slab<1, ASYM>(buffer, spans, first, d, m, x, r, sums);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    __m256 s[4], t[2];
-    for (int qt = 0; qt < 4; ++qt) s[qt] = _mm256_loadu_ps(sums + r * 32 + 8 * qt);
-    pair_sums(s, t[0], t[1]);
+    const __m256 t[2] = {_mm256_loadu_ps(sums + r * kLanes), _mm256_loadu_ps(sums + r * kLanes + 8)};
     store_row(t, bias, y + r * ldy, n);
   }
 }
@@ -1320,30 +1419,40 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
               const float* bias, OutT* y, int64_t ldy) {
   const Layout layout(w);
   const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
-  const int64_t k = w.in_features, groups = layout.groups;
+  const int64_t k = w.in_features;
   const auto* data = w.data.data_ptr<uint8_t>();
-  // x in float32, once (the kernels broadcast its pairs)
-  auto xf_tensor = at::empty({rows, k}, at::TensorOptions().dtype(at::kFloat));
-  float* xf = xf_tensor.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = to_float(x[r * ldx + i]);
-  });
-  at::Tensor sums_tensor;
-  const float* xsum = nullptr;
-  if (ASYM && rows <= 2) {  // (symmetric values come signed; more rows fold m into w)
-    sums_tensor = at::empty({rows, groups}, at::TensorOptions().dtype(at::kFloat));
-    group_sums(x, ldx, rows, k, w.group_size, sums_tensor.data_ptr<float>());
-    xsum = sums_tensor.data_ptr<float>();
+  constexpr int32_t kZero = zero_point<BITS, ASYM>();
+  IntX xi;
+  xi.k = k;
+  xi.blocks = (k + kXBlock - 1) / kXBlock;
+  xi.span = w.group_size % kXBlock == 0 ? kXBlock : 16;
+  xi.spans = k / xi.span;
+  const auto options = at::TensorOptions();
+  auto q = at::empty({rows, k}, options.dtype(at::kShort));
+  auto step = at::empty({rows, xi.blocks}, options.dtype(at::kFloat));
+  at::Tensor sums, fsums;
+  if (kZero != 0 && rows <= 2) {  // (more rows take the zero point off the slab)
+    sums = at::empty({rows, xi.spans}, options.dtype(at::kInt));
+    xi.sums = sums.data_ptr<int32_t>();
+  }
+  quantize_x(x, ldx, rows, k, q.data_ptr<int16_t>(), step.data_ptr<float>(), xi.span,
+             const_cast<int32_t*>(xi.sums));
+  xi.q = q.data_ptr<int16_t>();
+  xi.step = step.data_ptr<float>();
+  if (ASYM) {
+    fsums = at::empty({rows, xi.spans}, options.dtype(at::kFloat));
+    group_sums(x, ldx, rows, k, xi.span, fsums.data_ptr<float>());
+    xi.fsums = fsums.data_ptr<float>();
   }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    float *buffer = nullptr, *sums = nullptr;
+    std::vector<int16_t> buffer_storage;
+    std::vector<float> sum_storage;
+    int16_t* buffer = nullptr;
     if (rows > 2) {
-      const int64_t buffer_floats = kSlabFeatures * kLanes + 8;  // + 8: 32-byte alignment
-      scratch.resize(buffer_floats + rows * 32);
-      buffer = scratch.data() + (8 - reinterpret_cast<uintptr_t>(scratch.data()) / 4 % 8) % 8;
-      sums = scratch.data() + buffer_floats;
+      buffer_storage.resize(kSlabFeatures * kLanes + 16);  // + 16: 32-byte alignment
+      buffer = buffer_storage.data() +
+               (16 - reinterpret_cast<uintptr_t>(buffer_storage.data()) / 2 % 16) % 16;
+      sum_storage.resize(rows * kLanes);
     }
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = data + p * stride;
@@ -1351,16 +1460,15 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
       const int64_t valid = std::min(kLanes, n - p * kLanes);
       OutT* out = y + p * kLanes;
       if (rows == 1)
-        stream_panel<BITS, ASYM, ScaleT, 1>(layout, panel, xf, k, xsum, b, out, ldy, valid);
+        stream_panel<BITS, ASYM, ScaleT, 1>(layout, panel, xi, b, out, ldy, valid);
       else if (rows == 2)
-        stream_panel<BITS, ASYM, ScaleT, 2>(layout, panel, xf, k, xsum, b, out, ldy, valid);
+        stream_panel<BITS, ASYM, ScaleT, 2>(layout, panel, xi, b, out, ldy, valid);
       else
-        slab_panel<BITS, ASYM, ScaleT>(layout, panel, xf, k, rows, b, out, ldy, valid,
-                                       buffer, sums);
+        slab_panel<BITS, ASYM, ScaleT>(layout, panel, xi, rows, b, out, ldy, valid, buffer,
+                                       sum_storage.data());
     }
   });
 }
-
 
 }  // namespace avx2
 #endif

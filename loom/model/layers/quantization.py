@@ -499,18 +499,26 @@ def reference_linear(x: torch.Tensor, weight: QuantizedTensor,
     return out.to(x.dtype)
 
 
-def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
+                       integer_x: bool | None = None) -> torch.Tensor:
     """An upper bound on |kernel - reference| for each output of ``x @ W^T``, from the
-    rounding steps both take: every product is exact (bf16 x times a small integer), and
-    each sum of at most K + 2 float32 terms per output (the kernel's per-group sums,
-    their scaling, the reference's matmul) rounds by at most (K + 2) 2^-24 of the sum of
-    the magnitudes it adds, which |x| (|d| A + |m|) bounds term by term. Four such sums
-    at most (S, d S + m X, the groups, the reference). A: the largest value the kernel
-    sums (quant_gemm.cpp), 4-bit values as 16 + q or q - 8 (below 2^5), 5- and 6-bit ones as
-    128 + q and 8-bit ones as q - 128 (below 2^8), the bias taken back with d X. The AVX2
-    kernel past two rows multiplies dequantize()'s float32 weights instead: one rounding
-    per weight and one per product, each below 2^-24 |x| (|d| A + |m|), within the same
-    allowance (one sum of K products instead of S and d S + m X)."""
+    rounding steps both take. Float32 sums: each sum of at most K + 2 float32 terms per
+    output (the kernel's per-group or per-span sums, their scaling, the reference's
+    matmul) rounds by at most (K + 2) 2^-24 of the sum of the magnitudes it adds, which
+    |x| (|d| A + |m|) bounds term by term; four such sums at most (S, d S + m X, the
+    groups, the reference). A: the largest value the kernel sums (quant_gemm.cpp), 4-bit
+    values as 16 + q or q - 8 (below 2^5), 5- and 6-bit ones as 128 + q and 8-bit ones
+    as q - 128 (below 2^8), the bias taken back with d X.
+
+    ``integer_x`` (default: whether the kernel ``quantized_linear`` takes now is the
+    AVX2 one, which multiplies integers): x is rounded to a step of 2^(E - 14) per block
+    of 32 features, E the exponent of the block's largest |x|; every product and sum of
+    products after that is exact. So each x moves by at most half its block's step, and
+    an output by that times |w| summed over the row."""
+    if integer_x is None:
+        from loom.kernels import native_ops  # (a cycle at import time otherwise)
+        ops = native_ops()
+        integer_x = ops is not None and ops.quant_gemm_available() and ops.isa() == "generic"
     x = x.float()
     group = weight.group_size
     d, m = weight.scales_and_offsets()
@@ -519,7 +527,16 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor
         amplitude = amplitude + m.abs()
     amplitude = amplitude.repeat_interleave(group, dim=1)  # (N, K)
     k = x.shape[1]
-    return 4 * (k + 2) * 2.0 ** -24 * (x.abs() @ amplitude.t()) + 1e-30
+    bound = 4 * (k + 2) * 2.0 ** -24 * (x.abs() @ amplitude.t()) + 1e-30
+    if integer_x:
+        blocks = torch.nn.functional.pad(x.abs(), (0, -k % 32)).view(x.shape[0], -1, 32)
+        largest = blocks.amax(dim=2)
+        exponent = torch.frexp(largest)[1] - 1  # largest in [2^E, 2^(E+1))
+        step = torch.where(largest > 0, torch.ldexp(torch.ones_like(largest),
+                                                    exponent.clamp(min=-126) - 14), 0.0)
+        half_step = (step / 2).repeat_interleave(32, dim=1)[:, :k]
+        bound = bound + half_step @ weight.dequantize(torch.float32).abs().t()
+    return bound
 
 
 def fitting_group_size(group_size: int, in_features: int) -> int:
