@@ -1208,6 +1208,17 @@ void quantize_x(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k, in
   });
 }
 
+// `bytes` of scratch for one call's quantized x: the calling thread's buffer, kept
+// between calls, up to 1 MB (a decode step's calls); a larger prompt chunk's in
+// `large`, freed with it.
+inline uint8_t* x_scratch(int64_t bytes, std::vector<uint8_t>& large) {
+  constexpr int64_t kKept = 1 << 20;
+  thread_local std::vector<uint8_t> kept;
+  std::vector<uint8_t>& buffer = bytes <= kKept ? kept : large;
+  if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(bytes <= kKept ? kKept : bytes);
+  return buffer.data();
+}
+
 // The zero point a symmetric format's decoded values carry (decode_words gives 4-, 5-
 // and 6-bit values as stored, in [0, 2^BITS); 8-bit ones are stored q - 128, signed).
 template <int BITS, bool ASYM>
@@ -1427,23 +1438,24 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
   xi.blocks = (k + kXBlock - 1) / kXBlock;
   xi.span = w.group_size % kXBlock == 0 ? kXBlock : 16;
   xi.spans = k / xi.span;
-  const auto options = at::TensorOptions();
-  auto q = at::empty({rows, k}, options.dtype(at::kShort));
-  auto step = at::empty({rows, xi.blocks}, options.dtype(at::kFloat));
-  at::Tensor sums, fsums;
-  if (kZero != 0 && rows <= 2) {  // (more rows take the zero point off the slab)
-    sums = at::empty({rows, xi.spans}, options.dtype(at::kInt));
-    xi.sums = sums.data_ptr<int32_t>();
-  }
-  quantize_x(x, ldx, rows, k, q.data_ptr<int16_t>(), step.data_ptr<float>(), xi.span,
-             const_cast<int32_t*>(xi.sums));
-  xi.q = q.data_ptr<int16_t>();
-  xi.step = step.data_ptr<float>();
-  if (ASYM) {
-    fsums = at::empty({rows, xi.spans}, options.dtype(at::kFloat));
-    group_sums(x, ldx, rows, k, xi.span, fsums.data_ptr<float>());
-    xi.fsums = fsums.data_ptr<float>();
-  }
+  // x's tables in one buffer of the calling thread, kept between calls (four
+  // at::empty a call were ~2 us of a batch-1 decode's 120 calls, each ~20-60 us)
+  const int64_t sum_count = kZero != 0 && rows <= 2 ? rows * xi.spans : 0;  // (more rows:
+  const int64_t fsum_count = ASYM ? rows * xi.spans : 0;  // the slab takes the zero point off)
+  const int64_t q_bytes = (rows * k * 2 + 31) / 32 * 32;
+  const int64_t bytes = q_bytes + 4 * (rows * xi.blocks + sum_count + fsum_count);
+  std::vector<uint8_t> large;
+  uint8_t* scratch = x_scratch(bytes, large);
+  auto* q = reinterpret_cast<int16_t*>(scratch);
+  auto* step = reinterpret_cast<float*>(scratch + q_bytes);
+  auto* sums = sum_count ? reinterpret_cast<int32_t*>(step + rows * xi.blocks) : nullptr;
+  auto* fsums = fsum_count ? reinterpret_cast<float*>(step + rows * xi.blocks) + sum_count : nullptr;
+  quantize_x(x, ldx, rows, k, q, step, xi.span, sums);
+  if (fsums) group_sums(x, ldx, rows, k, xi.span, fsums);
+  xi.q = q;
+  xi.step = step;
+  xi.sums = sums;
+  xi.fsums = fsums;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> buffer_storage;
     std::vector<float> sum_storage;
