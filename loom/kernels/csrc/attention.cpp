@@ -78,12 +78,47 @@ class BlockPrefetcher {
 constexpr int64_t kTile = 16;
 constexpr int64_t kSerialWork = 1 << 13;  // rows x keys below which one thread runs it all
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Lane i of the result is the sum of a[i]'s 8 lanes.
+inline __m256 reduce8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  // u0: keys 0-3's sums of lanes 0-3 | of lanes 4-7; u1: keys 4-7's
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// acc (rows R, D) += p (R rows of weights at stride ld) times v (n rows of D floats):
+// 16 columns at a time, the R x 16 sums in registers over the n rows.
+template <int R>
+inline void add_weighted_rows(float* acc, int64_t head_dim, const float* p, int64_t ld,
+                              const float* v, int64_t n) {
+  for (int64_t c = 0; c < head_dim; c += 16) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) a[r][h] = _mm256_loadu_ps(acc + r * head_dim + c + 8 * h);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 v0 = _mm256_loadu_ps(v + i * head_dim + c);
+      const __m256 v1 = _mm256_loadu_ps(v + i * head_dim + c + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(p + r * ld + i);
+        a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * head_dim + c + 8 * h, a[r][h]);
+  }
+}
+#endif
+
 template <typename T>
 void attention_item(T* out, const T* query, const T* cache, const int32_t* blocks,
                     int64_t q_stride0, int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
                     int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
                     int64_t first_token, int64_t q_len, int64_t context, int64_t j0, int64_t j1,
-                    float scale, int64_t window, std::vector<float>& buf) {
+                    float scale, int64_t window, std::vector<float>& buf,
+                    BlockPrefetcher& prefetcher) {
   const int64_t rows = (j1 - j0) * group;
   const int64_t past = context - q_len;  // keys before the first new token
   const int64_t num_keys = past + j1;    // the tile's last query sees keys [0, past + j1)
@@ -119,6 +154,99 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t p = 0; p < first_key; ++p) scores[r * num_keys + p] = kMinusInf;
+#if defined(__AVX2__) && defined(__FMA__)
+  // AVX2 (and what head sizes allow): a cache block's keys (then values) converted to
+  // float32 once into `block`, 8 keys' q.k at a time for a row (8 sums, one transpose
+  // and add), and the weighted sum of V with a 4-row x 16-column tile of sums in
+  // registers. A dot per key (its own horizontal sum) and a load-add-store per row and
+  // value made the per-key path 3-4x the arithmetic (benchmarks/quantized.md).
+  if (head_dim % 16 == 0) {
+    const int64_t padded = (block_size + 7) / 8 * 8;
+    std::vector<float> block_f(padded * head_dim);
+    float* kb = block_f.data();
+    // f(first key, keys, their first slot): the walk of for_each_key, a block at a time
+    auto for_each_block = [&](auto&& f) {
+      for (int64_t p = first_key; p < num_keys;) {
+        const int64_t block = p / block_size, end = std::min(num_keys, (block + 1) * block_size);
+        f(p, end - p, static_cast<int64_t>(blocks[block]) * block_size + p - block * block_size);
+        p = end;
+      }
+    };
+    for_each_block([&](int64_t p0, int64_t n, int64_t slot) {
+      for (int64_t i = 0; i < n; i += 16) prefetcher.step();  // (the next item's K/V)
+      for (int64_t i = 0; i < n; ++i) load_row(keys + (slot + i) * head_dim, kb + i * head_dim, head_dim);
+      std::fill(kb + n * head_dim, kb + (n + 7) / 8 * 8 * head_dim, 0.f);
+      const __m256 sc = _mm256_set1_ps(scale);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores + r * num_keys;
+        for (int64_t i0 = 0; i0 < n; i0 += 8) {
+          __m256 a[8];
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < head_dim; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + r * head_dim + c);
+            for (int i = 0; i < 8; ++i)
+              a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (i0 + i) * head_dim + c), a[i]);
+          }
+          const __m256 v = _mm256_mul_ps(reduce8(a), sc);
+          const int64_t p = p0 + i0, count = std::min<int64_t>(8, n - i0);
+          if (count == 8 && p >= lo[r] && p + 8 <= hi[r]) {
+            _mm256_storeu_ps(s + p, v);
+          } else {
+            alignas(32) float t[8];
+            _mm256_store_ps(t, v);
+            for (int64_t i = 0; i < count; ++i)
+              s[p + i] = p + i >= lo[r] && p + i < hi[r] ? t[i] : kMinusInf;
+          }
+        }
+      }
+    });
+    std::vector<float> inv(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores + r * num_keys;
+      float max = kMinusInf;
+#pragma omp simd reduction(max : max)
+      for (int64_t p = 0; p < num_keys; ++p) max = std::max(max, s[p]);
+      const __m256 top = _mm256_set1_ps(max);
+      __m256 total = _mm256_setzero_ps();
+      int64_t p = 0;
+      for (; p + 8 <= num_keys; p += 8) {
+        const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top));
+        _mm256_storeu_ps(s + p, e);
+        total = _mm256_add_ps(total, e);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, total);
+      float sum = 0.f;
+      for (int i = 0; i < 8; ++i) sum += lanes[i];
+      for (; p < num_keys; ++p) {
+        s[p] = fast_exp(s[p] - max);
+        sum += s[p];
+      }
+      inv[r] = 1.f / sum;
+    }
+    std::fill(acc, acc + rows * head_dim, 0.f);
+    for_each_block([&](int64_t p0, int64_t n, int64_t slot) {
+      for (int64_t i = 0; i < n; i += 16) prefetcher.step();
+      for (int64_t i = 0; i < n; ++i) load_row(values + (slot + i) * head_dim, kb + i * head_dim, head_dim);
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4)
+        add_weighted_rows<4>(acc + r * head_dim, head_dim, scores + r * num_keys + p0, num_keys, kb, n);
+      const float* pr = scores + r * num_keys + p0;
+      if (rows - r == 3) add_weighted_rows<3>(acc + r * head_dim, head_dim, pr, num_keys, kb, n);
+      if (rows - r == 2) add_weighted_rows<2>(acc + r * head_dim, head_dim, pr, num_keys, kb, n);
+      if (rows - r == 1) add_weighted_rows<1>(acc + r * head_dim, head_dim, pr, num_keys, kb, n);
+    });
+    const int64_t heads = kv_heads * group;
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (j - j0) * group + g;
+        T* o = out + ((first_token + j) * heads + kv_head * group + g) * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(acc[r * head_dim + d] * inv[r]);
+      }
+    return;
+  }
+#endif
   for_each_key(first_key, [&](int64_t p, int64_t slot) {
     load_row(keys + slot * head_dim, row_f, head_dim);
     for (int64_t r = 0; r < rows; ++r)
@@ -464,7 +592,7 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
           attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
                          kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
                          starts[it.req], q_len, lens[it.req], it.j0, it.j1,
-                         static_cast<float>(scale), sliding_window, buf);
+                         static_cast<float>(scale), sliding_window, buf, prefetcher);
         }
       }
     });

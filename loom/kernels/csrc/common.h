@@ -154,6 +154,55 @@ inline void even_row_blocks(int64_t rows, int64_t most, F&& f) {
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------- 8-lane helpers (AVX2)
+
+// fast_exp on 8 lanes, operation for operation (the same bits).
+inline __m256 fast_exp8(__m256 x) {
+  const __m256 clamped =
+      _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f),
+                                   _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), clamped));
+  __m256 p = _mm256_set1_ps(1.3888889e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline __m256 bf16x8_to_float(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// 8 floats -> 8 bf16 as from_float rounds them (to nearest even; NaN -> 0x7fc0), as
+// float32 lanes holding the bf16 bits in their high half.
+inline __m256i float_to_bf16_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+      _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan));
+}
+
+inline void store_bf16x8(c10::BFloat16* p, __m256i high_halves) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(high_halves, 16), _mm256_setzero_si256());
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+#endif
+
 #if LOOM_HAVE_AVX512_BF16
 // ---------------------------------------------------------------- 16-lane helpers
 
