@@ -1176,14 +1176,17 @@ void quantize_x(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k, in
           std::fill(dst, dst + len, int16_t{0});
           continue;
         }
-        s = std::ldexp(1.f, exponent - 141);  // 2^(E - 14), E = exponent - 127
+        // 2^(E - 14), E = exponent - 127: from its exponent bits, or a float32 subnormal
+        const uint32_t bits = static_cast<uint32_t>(exponent - 14) << 23;
+        if (exponent > 14) std::memcpy(&s, &bits, 4); else s = std::ldexp(1.f, exponent - 141);
         if (exponent < 14) {  // 1 / step beyond float32: tiny x, in double
           const double inv = std::ldexp(1.0, 141 - exponent);
           for (int64_t i = 0; i < len; ++i)
             dst[i] = static_cast<int16_t>(std::nearbyint(to_float(x[r * ldx + b * kXBlock + i]) * inv));
           continue;
         }
-        const __m256 inv = _mm256_set1_ps(std::ldexp(1.f, 141 - exponent));
+        // 1 / step = 2^(141 - exponent), in [2^-114, 2^127]: built from its exponent bits
+        const __m256 inv = _mm256_castsi256_ps(_mm256_set1_epi32((268 - exponent) << 23));
         for (int64_t i = 0; i < len; i += 16) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
           auto widen = [&](__m128i h) {  // 8 bf16 -> float32, times 1 / step, rounded
