@@ -115,6 +115,33 @@ inline void add_weighted_rows(float* acc, int64_t head_dim, const float* p, int6
 }
 #endif
 
+// One row of scores -> exp(s - max) in place; returns 1 / their sum (8 lanes at a time
+// with AVX2: the scalar exp's bits, the sum in another order).
+inline float softmax_row(float* s, int64_t n) {
+  float max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max)
+  for (int64_t p = 0; p < n; ++p) max = std::max(max, s[p]);
+  float sum = 0.f;
+  int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 top = _mm256_set1_ps(max);
+  __m256 total = _mm256_setzero_ps();
+  for (; p + 8 <= n; p += 8) {
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top));
+    _mm256_storeu_ps(s + p, e);
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  for (int i = 0; i < 8; ++i) sum += lanes[i];
+#endif
+  for (; p < n; ++p) {
+    s[p] = fast_exp(s[p] - max);
+    sum += s[p];
+  }
+  return 1.f / sum;
+}
+
 template <typename T>
 void attention_item(T* out, const T* query, const T* cache, const int32_t* blocks,
                     int64_t q_stride0, int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
@@ -157,24 +184,25 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t p = 0; p < first_key; ++p) scores[r * num_keys + p] = kMinusInf;
-#if defined(__AVX2__) && defined(__FMA__)
   // AVX2 (and what head sizes allow): a cache block's keys (then values) converted to
-  // float32 once into `block`, 8 keys' q.k at a time for a row (8 sums, one transpose
+  // float32 once into `block_f`, 8 keys' q.k at a time for a row (8 sums, one transpose
   // and add), and the weighted sum of V with a 4-row x 16-column tile of sums in
   // registers. A dot per key (its own horizontal sum) and a load-add-store per row and
   // value made the per-key path 3-4x the arithmetic (benchmarks/quantized.md).
-  if (head_dim % 16 == 0) {
-    const int64_t padded = (block_size + 7) / 8 * 8;
-    std::vector<float> block_f(padded * head_dim);
-    float* kb = block_f.data();
-    // f(first key, keys, their first slot): the walk of for_each_key, a block at a time
-    auto for_each_block = [&](auto&& f) {
-      for (int64_t p = first_key; p < num_keys;) {
-        const int64_t block = p / block_size, end = std::min(num_keys, (block + 1) * block_size);
-        f(p, end - p, static_cast<int64_t>(blocks[block]) * block_size + p - block * block_size);
-        p = end;
-      }
-    };
+  [[maybe_unused]] bool blocked = false;
+#if defined(__AVX2__) && defined(__FMA__)
+  blocked = head_dim % 16 == 0;
+  std::vector<float> block_f(blocked ? (block_size + 7) / 8 * 8 * head_dim : 0);
+  float* kb = block_f.data();
+  // f(first key, keys, their first slot): the walk of for_each_key, a block at a time
+  auto for_each_block = [&](auto&& f) {
+    for (int64_t p = first_key; p < num_keys;) {
+      const int64_t block = p / block_size, end = std::min(num_keys, (block + 1) * block_size);
+      f(p, end - p, static_cast<int64_t>(blocks[block]) * block_size + p - block * block_size);
+      p = end;
+    }
+  };
+  if (blocked)
     for_each_block([&](int64_t p0, int64_t n, int64_t slot) {
       for (int64_t i = 0; i < n; i += 16) prefetcher.step();  // (the next item's K/V)
       for (int64_t i = 0; i < n; ++i) load_row(keys + (slot + i) * head_dim, kb + i * head_dim, head_dim);
@@ -203,31 +231,20 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
         }
       }
     });
-    std::vector<float> inv(rows);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores + r * num_keys;
-      float max = kMinusInf;
-#pragma omp simd reduction(max : max)
-      for (int64_t p = 0; p < num_keys; ++p) max = std::max(max, s[p]);
-      const __m256 top = _mm256_set1_ps(max);
-      __m256 total = _mm256_setzero_ps();
-      int64_t p = 0;
-      for (; p + 8 <= num_keys; p += 8) {
-        const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top));
-        _mm256_storeu_ps(s + p, e);
-        total = _mm256_add_ps(total, e);
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, total);
-      float sum = 0.f;
-      for (int i = 0; i < 8; ++i) sum += lanes[i];
-      for (; p < num_keys; ++p) {
-        s[p] = fast_exp(s[p] - max);
-        sum += s[p];
-      }
-      inv[r] = 1.f / sum;
-    }
-    std::fill(acc, acc + rows * head_dim, 0.f);
+#endif
+  if (!blocked)
+    for_each_key(first_key, [&](int64_t p, int64_t slot) {
+      load_row(keys + slot * head_dim, row_f, head_dim);
+      for (int64_t r = 0; r < rows; ++r)
+        scores[r * num_keys + p] = p >= lo[r] && p < hi[r]
+                                       ? dot(q + r * head_dim, row_f, head_dim) * scale
+                                       : kMinusInf;
+    });
+  std::vector<float> inv_sum(rows);
+  for (int64_t r = 0; r < rows; ++r) inv_sum[r] = softmax_row(scores + r * num_keys, num_keys);
+  std::fill(acc, acc + rows * head_dim, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (blocked)
     for_each_block([&](int64_t p0, int64_t n, int64_t slot) {
       for (int64_t i = 0; i < n; i += 16) prefetcher.step();
       for (int64_t i = 0; i < n; ++i) load_row(values + (slot + i) * head_dim, kb + i * head_dim, head_dim);
@@ -239,49 +256,18 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
       if (rows - r == 2) add_weighted_rows<2>(acc + r * head_dim, head_dim, pr, num_keys, kb, n);
       if (rows - r == 1) add_weighted_rows<1>(acc + r * head_dim, head_dim, pr, num_keys, kb, n);
     });
-    const int64_t heads = kv_heads * group;
-    for (int64_t j = j0; j < j1; ++j)
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = (j - j0) * group + g;
-        T* o = out + ((first_token + j) * heads + kv_head * group + g) * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(acc[r * head_dim + d] * inv[r]);
-      }
-    return;
-  }
 #endif
-  for_each_key(first_key, [&](int64_t p, int64_t slot) {
-    load_row(keys + slot * head_dim, row_f, head_dim);
-    for (int64_t r = 0; r < rows; ++r)
-      scores[r * num_keys + p] = p >= lo[r] && p < hi[r]
-                                     ? dot(q + r * head_dim, row_f, head_dim) * scale
-                                     : kMinusInf;
-  });
-  std::vector<float> inv_sum(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * num_keys;
-    float max = kMinusInf;
-#pragma omp simd reduction(max : max)
-    for (int64_t p = 0; p < num_keys; ++p) max = std::max(max, s[p]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < num_keys; ++p) {
-      s[p] = fast_exp(s[p] - max);
-      sum += s[p];
-    }
-    inv_sum[r] = 1.f / sum;
-  }
-  std::fill(acc, acc + rows * head_dim, 0.f);
-  for_each_key(first_key, [&](int64_t p, int64_t slot) {
-    load_row(values + slot * head_dim, row_f, head_dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float w = scores[r * num_keys + p];
-      if (w == 0.f) continue;
-      float* a = acc + r * head_dim;
+  if (!blocked)
+    for_each_key(first_key, [&](int64_t p, int64_t slot) {
+      load_row(values + slot * head_dim, row_f, head_dim);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float w = scores[r * num_keys + p];
+        if (w == 0.f) continue;
+        float* a = acc + r * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row_f[d];
-    }
-  });
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += w * row_f[d];
+      }
+    });
   const int64_t heads = kv_heads * group;
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t g = 0; g < group; ++g) {
