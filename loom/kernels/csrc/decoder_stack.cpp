@@ -116,12 +116,20 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
   // row-parallel layer's, added after its all-reduce) is a separate bf16 add
   // (a layer's last linears, o and down, write their float32 sums: they join the
   // float32 residual stream unrounded, as the modules' RowParallelLinear(float_output))
+  // `reuse`, where given: an output allocated by the first layer and written again by
+  // every later one (its last value is read before the next layer writes it). An
+  // at::empty per activation per layer was 240 a batch-1 step of the default model.
   auto linear = [&](const at::Tensor& x, const c10::optional<LinearWeight>& weight,
                     const c10::optional<at::Tensor>& bias_in_sum,
                     const c10::optional<at::Tensor>& bias_after, int64_t out_features,
-                    bool float_output = false) {
-    auto out = at::empty({tokens, out_features},
-                         float_output ? x.options().dtype(at::kFloat) : x.options());
+                    bool float_output = false, at::Tensor* reuse = nullptr) {
+    const auto options = float_output ? x.options().dtype(at::kFloat) : x.options();
+    at::Tensor out;
+    if (reuse && reuse->defined() && reuse->dtype() == options.dtype())
+      out = *reuse;
+    else
+      out = at::empty({tokens, out_features}, options);
+    if (reuse) *reuse = out;
     weight->matmul(out, x, bias_in_sum);
     if (bias_after) out.add_(*bias_after);
     return out;
@@ -129,16 +137,23 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
   const c10::optional<at::Tensor> none;
   at::Tensor residual = hidden.to(at::kFloat);  // the stream in float32 (a copy for bf16)
   at::Tensor x;
+  at::Tensor qkv_out, o_out, gate_up_out, down_out;  // reused by every layer (`linear`)
+  at::Tensor normed_buf, attn_buf, out_buf;
+  auto reused = [&](at::Tensor& buf, at::IntArrayRef sizes) {
+    if (!buf.defined()) buf = at::empty(sizes, hidden.options());
+    return buf;
+  };
   for (size_t l = 0; l < layers_.size(); ++l) {
     const DecoderLayerWeights& w = layers_[l];
     if (l == 0) {
       x = rms_norm(hidden, w.input_norm, o.rms_norm_eps);
     } else {
-      auto normed = x.scalar_type() == hidden.scalar_type() ? x : at::empty({tokens, width}, hidden.options());
+      auto normed = x.scalar_type() == hidden.scalar_type() ? x : reused(normed_buf, {tokens, width});
       add_rms_norm(normed, x, residual, w.input_norm, o.rms_norm_eps);
       x = normed;
     }
-    auto qkv = linear(x, w.qkv, w.qkv_bias, none, q_size + 2 * kv_size);  // | q | k | v |
+    auto qkv = linear(x, w.qkv, w.qkv_bias, none, q_size + 2 * kv_size, false,
+                      &qkv_out);  // | q | k | v |
     at::Tensor q, k;
     if (w.q_norm) {  // per-head RMSNorm on q and k (new tensors), then rope on each
       q = rms_norm(qkv.narrow(1, 0, q_size).view({tokens, o.num_heads, o.head_dim}), *w.q_norm,
@@ -156,16 +171,16 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
     }
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, o.num_kv_heads, o.head_dim});
     write_kv_cache(k, v, kv_caches_[l], slot_mapping);
-    auto attn = at::empty({tokens, o.num_heads, o.head_dim}, x.options());
+    auto attn = reused(attn_buf, {tokens, o.num_heads, o.head_dim});
     paged_attention(attn, q, kv_caches_[l], block_table, seq_lens, query_start_loc,
                     o.attention_scale, std::numeric_limits<int64_t>::max());
-    auto attn_out = linear(attn.view({tokens, q_size}), w.o, none, w.o_bias, width, true);
-    auto out = at::empty({tokens, width}, hidden.options());
+    auto attn_out = linear(attn.view({tokens, q_size}), w.o, none, w.o_bias, width, true, &o_out);
+    auto out = reused(out_buf, {tokens, width});
     add_rms_norm(out, attn_out, residual, w.post_attention_norm, o.rms_norm_eps);
     if (w.expert_w13.empty()) {
-      auto act =
-          silu_and_mul(linear(out, w.gate_up, w.gate_up_bias, none, 2 * o.intermediate_size));
-      x = linear(act, w.down, none, w.down_bias, width, true);
+      auto act = silu_and_mul(linear(out, w.gate_up, w.gate_up_bias, none,
+                                     2 * o.intermediate_size, false, &gate_up_out));
+      x = linear(act, w.down, none, w.down_bias, width, true, &down_out);
     } else {
       x = mixture_of_experts(w, out);
       if (w.shared_gate_up) {  // out + shared_experts(out): a new tensor, as the modules
