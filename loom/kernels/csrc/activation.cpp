@@ -37,7 +37,6 @@ void silu_and_mul_row_avx512(c10::BFloat16* out, const c10::BFloat16* gate, int6
 }
 #endif
 
-// The generic row: float32 everywhere, bf16 without AVX512-BF16 or under set_isa("generic").
 #if defined(__AVX2__) && defined(__FMA__)
 // silu_and_mul_row_avx512 on 8 lanes (CPUs without AVX512-BF16), the same bits.
 void silu_and_mul_row_avx2(c10::BFloat16* out, const c10::BFloat16* gate, int64_t width) {
@@ -53,6 +52,8 @@ void silu_and_mul_row_avx2(c10::BFloat16* out, const c10::BFloat16* gate, int64_
 }
 #endif
 
+// The generic row: float32 everywhere, and bf16 on CPUs with neither AVX512-BF16 nor
+// AVX2 (with AVX2, silu_and_mul_row_avx2 above; under set_isa("generic") too).
 template <typename T>
 void silu_and_mul_row(T* out, const T* gate, int64_t width) {
   const T* up = gate + width;

@@ -125,7 +125,8 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
                     bool float_output = false, at::Tensor* reuse = nullptr) {
     const auto options = float_output ? x.options().dtype(at::kFloat) : x.options();
     at::Tensor out;
-    if (reuse && reuse->defined() && reuse->dtype() == options.dtype())
+    if (reuse && reuse->defined() && reuse->dtype() == options.dtype() &&
+        reuse->size(1) == out_features)
       out = *reuse;
     else
       out = at::empty({tokens, out_features}, options);
