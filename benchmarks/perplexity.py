@@ -7,10 +7,12 @@ and each engine's top-1 agreement with the same file dequantized to float32.
 
 The text ships offline: Python standard library docstrings (tests/model/
 test_quantization.py's, repeated to ``--tokens``). llama-perplexity splits the tokens
-into chunks of ``--ctx``, puts BOS first in each chunk, and scores each chunk's second
-half given everything before it in the chunk; loom is scored the same way, on the same
-token ids (llama.cpp's tokenizer is given the text; loom's tokens are checked to be the
-same count). llama.cpp comes from benchmarks/setup_baselines.sh; a benchmark tool only.
+into chunks of ``--ctx``, puts BOS in place of each chunk's first token where the file's
+tokenizer adds BOS (``tokenizer.ggml.add_bos_token``; SmolLM2's does not), and scores the
+tokens at positions ctx/2 + 1 .. ctx - 1 of each chunk (255 of 512), each given
+everything before it in the chunk; loom is scored the same way, on the same token ids
+(llama.cpp's tokenizer is given the text loom's ids decode to, which encodes back to
+the same ids). llama.cpp comes from benchmarks/setup_baselines.sh; a benchmark tool only.
 
 Top-1 agreement, over the same scored positions: loom's kept file (bf16, the default)
 against loom's float32 run of the dequantized file; llama.cpp's file against its own
@@ -43,9 +45,17 @@ def text(min_tokens: int, tokenizer) -> str:
     return out
 
 
-def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int,
+def adds_bos(tokenizer) -> bool:
+    """Whether the file's tokenizer puts BOS first (llama-perplexity then replaces each
+    chunk's first token with it)."""
+    bos = tokenizer.hf.bos_token_id
+    return bos is not None and tokenizer.hf("a")["input_ids"][:1] == [bos]
+
+
+def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int | None,
                     **kwargs) -> tuple[float, list[int]]:
-    """(perplexity, the top-1 token at every scored position)."""
+    """(perplexity, the top-1 token at every scored position); ``bos``: put in place of
+    each chunk's first token (None: the chunk as it is)."""
     from loom import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=ctx + 8, enable_warm_up=False, **kwargs)
@@ -53,9 +63,11 @@ def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int,
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
         for start in range(0, len(token_ids) - ctx + 1, ctx):
-            chunk = [bos] + token_ids[start + 1:start + ctx]
+            chunk = token_ids[start:start + ctx]
+            if bos is not None:
+                chunk[0] = bos
             out = llm.generate([{"prompt_token_ids": chunk}], params, use_tqdm=False)[0]
-            for position in range(ctx // 2, ctx):
+            for position in range(ctx // 2 + 1, ctx):  # as llama-perplexity's process_logits
                 logprobs = out.prompt_logprobs[position]
                 nll -= logprobs[chunk[position]].logprob
                 top1.append(max(logprobs.items(), key=lambda item: item[1].logprob)[0])
@@ -75,8 +87,10 @@ def llama_perplexity(bin_dir: str, model: str, path: str, ctx: int, threads: int
     return float(found.group(1))
 
 
-def llama_same_top1(bin_dir: str, model: str, path: str, ctx: int, threads: int) -> float:
-    """llama-perplexity's "Same top p" of ``model`` against its own float32 copy."""
+def llama_float32(bin_dir: str, model: str, path: str, ctx: int,
+                  threads: int) -> tuple[float, float]:
+    """(perplexity of llama.cpp's own float32 copy of ``model``, llama-perplexity's "Same
+    top p" of ``model`` against that copy)."""
     with tempfile.TemporaryDirectory() as tmp:
         f32, base = os.path.join(tmp, "f32.gguf"), os.path.join(tmp, "base.kld")
         subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--allow-requantize", model,
@@ -84,13 +98,15 @@ def llama_same_top1(bin_dir: str, model: str, path: str, ctx: int, threads: int)
         common = ["-f", path, "-c", str(ctx), "-b", str(ctx), "-t", str(threads),
                   "--kl-divergence-base", base]
         perplexity = os.path.join(bin_dir, "llama-perplexity")
-        subprocess.run([perplexity, "-m", f32, *common], capture_output=True, check=True)
+        base_run = subprocess.run([perplexity, "-m", f32, *common], capture_output=True,
+                                  text=True, check=True)
         out = subprocess.run([perplexity, "-m", model, *common, "--kl-divergence"],
                              capture_output=True, text=True, check=True)
+    ppl = re.search(r"Final estimate: PPL = ([\d.]+)", base_run.stdout + base_run.stderr)
     found = re.search(r"Same top p:\s*([\d.]+)", out.stdout + out.stderr)
-    if not found:
-        raise RuntimeError((out.stdout + out.stderr)[-2000:])
-    return float(found.group(1)) / 100
+    if not found or not ppl:
+        raise RuntimeError((base_run.stderr + out.stdout + out.stderr)[-2000:])
+    return float(ppl.group(1)), float(found.group(1)) / 100
 
 
 def main() -> None:
@@ -111,7 +127,10 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     body = text(args.tokens, tokenizer)
     token_ids = tokenizer.encode(body)[:args.tokens]
-    bos = tokenizer.hf.bos_token_id if tokenizer.hf.bos_token_id is not None else token_ids[0]
+    bos = tokenizer.hf.bos_token_id if adds_bos(tokenizer) else None
+    if tokenizer.encode(tokenizer.decode(token_ids)) != token_ids:
+        raise SystemExit("the text's token ids do not survive decode and encode: llama.cpp "
+                         "would score other tokens")
     kept, kept_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos)
     dequantized, reference_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos,
                                                   dtype="float32", quantization="none")
@@ -126,8 +145,10 @@ def main() -> None:
             f.write(tokenizer.decode(token_ids))
         results["llama.cpp llama-perplexity"] = llama_perplexity(
             args.llama_bin, args.model, f.name, args.ctx, args.threads)
-        results["llama.cpp: top-1 agreement with its own float32 copy"] = llama_same_top1(
-            args.llama_bin, args.model, f.name, args.ctx, args.threads)
+        float32, same_top1 = llama_float32(args.llama_bin, args.model, f.name, args.ctx,
+                                           args.threads)
+        results["llama.cpp llama-perplexity, its float32 copy of the file"] = float32
+        results["llama.cpp: top-1 agreement with its own float32 copy"] = same_top1
     else:
         print(f"no llama-perplexity in {args.llama_bin}: loom only", file=sys.stderr)
     for name, value in results.items():
