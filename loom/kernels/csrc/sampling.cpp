@@ -58,11 +58,52 @@ int64_t argmax_row_avx512(const float* x, int64_t width) {
 }
 #endif
 
+#if defined(__AVX2__)
+// argmax_row_avx512's walk on 8 lanes (CPUs without AVX-512): each lane the generic
+// row over the positions i = lane (mod 8), NaNs only noted; the answer is the smallest
+// index among the lanes holding the largest value, then the tail. A row with a NaN
+// takes the generic row. (The generic row took ~50 us of a batch-1 step's 49,152
+// logits on a Zen 3 core.)
+int64_t argmax_row_avx2(const float* x, int64_t width) {
+  if (width < 16) return argmax_row(x, width);
+  __m256 best = _mm256_loadu_ps(x);
+  __m256i best_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i index = best_index;
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  int64_t i = 8;
+  for (; i + 8 <= width; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    index = _mm256_add_epi32(index, eight);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, greater);
+    best_index = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(best_index), _mm256_castsi256_ps(index), greater));
+  }
+  if (_mm256_movemask_ps(nan)) return argmax_row(x, width);
+  alignas(32) float values[8];
+  alignas(32) int32_t indices[8];
+  _mm256_store_ps(values, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(indices), best_index);
+  float value = values[0];
+  for (int lane = 1; lane < 8; ++lane) value = std::max(value, values[lane]);
+  int64_t result = width;
+  for (int lane = 0; lane < 8; ++lane)
+    if (values[lane] == value) result = std::min<int64_t>(result, indices[lane]);
+  for (; i < width; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > value) value = x[i], result = i;
+  }
+  return result;
+}
+#endif
+
 }  // namespace
 
 // logits (R, V) float32, last dim contiguous -> (R,) int64: each row's index of its
 // first largest value, or of its first NaN; torch.argmax(logits, -1), read in one pass
-// of 16 lanes (ATen's CPU argmax compares one element at a time).
+// of 16 lanes, or 8 with AVX2 (ATen's CPU argmax compares one element at a time).
 at::Tensor argmax_rows(at::Tensor logits) {
   check_cpu(logits, "logits");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1 &&
@@ -81,7 +122,11 @@ at::Tensor argmax_rows(at::Tensor logits) {
         continue;
       }
 #endif
+#if defined(__AVX2__)
+      y[r] = argmax_row_avx2(x + r * ld, width);
+#else
       y[r] = argmax_row(x + r * ld, width);
+#endif
     }
   });
   return out;
