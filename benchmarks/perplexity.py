@@ -45,11 +45,11 @@ def text(min_tokens: int, tokenizer) -> str:
     return out
 
 
-def adds_bos(tokenizer) -> bool:
-    """Whether the file's tokenizer puts BOS first (llama-perplexity then replaces each
-    chunk's first token with it)."""
+def chunk_bos(tokenizer) -> int | None:
+    """BOS where the file's tokenizer puts it first (llama-perplexity then replaces each
+    chunk's first token with it), else None."""
     bos = tokenizer.hf.bos_token_id
-    return bos is not None and tokenizer.hf("a")["input_ids"][:1] == [bos]
+    return bos if bos is not None and tokenizer.hf("a")["input_ids"][:1] == [bos] else None
 
 
 def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int | None,
@@ -127,7 +127,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     body = text(args.tokens, tokenizer)
     token_ids = tokenizer.encode(body)[:args.tokens]
-    bos = tokenizer.hf.bos_token_id if adds_bos(tokenizer) else None
+    bos = chunk_bos(tokenizer)
     if tokenizer.encode(tokenizer.decode(token_ids)) != token_ids:
         raise SystemExit("the text's token ids do not survive decode and encode: llama.cpp "
                          "would score other tokens")
