@@ -1346,33 +1346,47 @@ void stream_panel(const Layout& layout, const uint8_t* panel, const IntX& x, con
 
 // Rows [row, row + R) of x times spans [0, spans) of a decoded slab (pair vectors of
 // int16 words, zero point taken off; span sp's d and m in d[sp], m[sp]), adding into the
-// rows' outputs kept in `out` (16 floats a row).
-template <int R, bool ASYM>
+// rows' outputs kept in `out` (16 floats a row). SPAN: x.span, 32 or 16 (a compile-time
+// trip count and step index: the per-span tail was near half the time with both read
+// from x at run time).
+template <int R, bool ASYM, int SPAN>
 void rows_times_slab(const int16_t* slab, int64_t spans, int64_t first_span,
                      const __m256 (*d)[2], const __m256 (*m)[2], const IntX& x, int64_t row,
                      float* out) {
-  const int64_t pairs = x.span / 2;
+  constexpr int kPairs = SPAN / 2;
+  const int16_t* xr[R];
+  const float* step[R];
+  const float* fsum[R];
+  float* o[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x.q + (row + r) * x.k + first_span * SPAN;
+    step[r] = x.step + (row + r) * x.blocks + first_span * SPAN / kXBlock;
+    fsum[r] = ASYM ? x.fsums + (row + r) * x.spans + first_span : nullptr;
+    o[r] = out + (row + r) * kLanes;
+  }
   for (int64_t sp = 0; sp < spans; ++sp) {
-    const int16_t* w = slab + sp * pairs * 32;
-    const int16_t* xs = x.q + row * x.k + (first_span + sp) * x.span;
+    const int16_t* w = slab + sp * kPairs * 32;
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int64_t j = 0; j < pairs; ++j) {
+    for (int j = 0; j < kPairs; ++j) {
       const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
       const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * j + 16));
       for (int r = 0; r < R; ++r) {
-        const __m256i xp = pair(xs + r * x.k + 2 * j);
+        const __m256i xp = pair(xr[r] + 2 * j);
         s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xp));
         s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xp));
       }
     }
     for (int r = 0; r < R; ++r) {
-      float* o = out + (row + r) * kLanes;
-      __m256 y[2] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8)};
-      add_span<ASYM, 0>(y, s[r], d[sp], m[sp], x, row + r, first_span + sp);
-      _mm256_storeu_ps(o, y[0]);
-      _mm256_storeu_ps(o + 8, y[1]);
+      const __m256 st = _mm256_set1_ps(step[r][sp * SPAN / kXBlock]);
+      for (int h = 0; h < 2; ++h) {
+        __m256 y = _mm256_loadu_ps(o[r] + 8 * h);
+        y = _mm256_fmadd_ps(_mm256_mul_ps(d[sp][h], st), _mm256_cvtepi32_ps(s[r][h]), y);
+        if constexpr (ASYM) y = _mm256_fmadd_ps(m[sp][h], _mm256_set1_ps(fsum[r][sp]), y);
+        _mm256_storeu_ps(o[r] + 8 * h, y);
+      }
+      xr[r] += SPAN;
     }
   }
 }
@@ -1415,12 +1429,24 @@ void slab_panel(const Layout& layout, const uint8_t* panel, const IntX& x, int64
       });
     }
     const int64_t spans = count * kFeatures / x.span, first = b0 * kFeatures / x.span;
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      rows_times_slab<4, ASYM>(buffer, spans, first, d, m, x, r, sums);
-    if (rows - r == 3) rows_times_slab<3, ASYM>(buffer, spans, first, d, m, x, r, sums);
-    if (rows - r == 2) rows_times_slab<2, ASYM>(buffer, spans, first, d, m, x, r, sums);
-    if (rows - r == 1) rows_times_slab<1, ASYM>(buffer, spans, first, d, m, x, r, sums);
+    // the next slab's bytes (and its scales) on their way into L2 while this one
+    // multiplies: decoding waited on memory for a third of the time at 8 rows without
+    const uint8_t* next = walk.values() + in_group * kBytes;
+    for (int64_t at = 0; at < kSlabBlocks * kBytes * 9 / 8; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T1);
+    auto multiply = [&](auto span) {
+      constexpr int kSpan = decltype(span)::value;
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4)
+        rows_times_slab<4, ASYM, kSpan>(buffer, spans, first, d, m, x, r, sums);
+      if (rows - r == 3) rows_times_slab<3, ASYM, kSpan>(buffer, spans, first, d, m, x, r, sums);
+      if (rows - r == 2) rows_times_slab<2, ASYM, kSpan>(buffer, spans, first, d, m, x, r, sums);
+      if (rows - r == 1) rows_times_slab<1, ASYM, kSpan>(buffer, spans, first, d, m, x, r, sums);
+    };
+    if (x.span == kXBlock)
+      multiply(std::integral_constant<int, kXBlock>{});
+    else
+      multiply(std::integral_constant<int, 16>{});
   }
   for (int64_t r = 0; r < rows; ++r) {
     const __m256 t[2] = {_mm256_loadu_ps(sums + r * kLanes), _mm256_loadu_ps(sums + r * kLanes + 8)};
