@@ -1285,17 +1285,18 @@ inline void store_row(const __m256 y[2], const float* bias, OutT* out, int64_t n
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<OutT>(bias ? row[i] + bias[i] : row[i]);
 }
 
-// y_h += d_h step (S_h - z X) (+ m_h Xf): one span's int32 sums of one row into its outputs.
+// y_h += d_h step (S_h - z X) (+ m_h Xf): one span's int32 sums of one row into its
+// outputs, given the row's step for the span, its sum X of x's int16 values (read where
+// ZERO != 0) and its float32 sum Xf (read where ASYM).
 template <bool ASYM, int32_t ZERO>
 inline void add_span(__m256 y[2], const __m256i s[2], const __m256 d[2], const __m256 m[2],
-                     const IntX& x, int64_t row, int64_t span) {
-  const __m256 step = _mm256_set1_ps(x.step[row * x.blocks + span * x.span / kXBlock]);
+                     float step, int32_t sum, float fsum) {
+  const __m256 st = _mm256_set1_ps(step);
   for (int h = 0; h < 2; ++h) {
     __m256i t = s[h];
-    if constexpr (ZERO != 0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(ZERO * x.sums[row * x.spans + span]));
-    y[h] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], step), _mm256_cvtepi32_ps(t), y[h]);
-    if constexpr (ASYM)
-      y[h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(x.fsums[row * x.spans + span]), y[h]);
+    if constexpr (ZERO != 0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(ZERO * sum));
+    y[h] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], st), _mm256_cvtepi32_ps(t), y[h]);
+    if constexpr (ASYM) y[h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(fsum), y[h]);
   }
 }
 
@@ -1337,7 +1338,9 @@ void stream_panel(const Layout& layout, const uint8_t* panel, const IntX& x, con
         __m256i t[2];
         for (int h = 0; h < 2; ++h)
           t[h] = kSets == 2 ? _mm256_add_epi32(s[r][h][0], s[r][h][kSets - 1]) : s[r][h][0];
-        add_span<ASYM, kZero>(acc[r], t, d, m, x, r, span);
+        add_span<ASYM, kZero>(acc[r], t, d, m, x.step[r * x.blocks + span * x.span / kXBlock],
+                              kZero != 0 ? x.sums[r * x.spans + span] : 0,
+                              ASYM ? x.fsums[r * x.spans + span] : 0.f);
       }
     }
   }
@@ -1379,13 +1382,11 @@ void rows_times_slab(const int16_t* slab, int64_t spans, int64_t first_span,
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 st = _mm256_set1_ps(step[r][sp * SPAN / kXBlock]);
-      for (int h = 0; h < 2; ++h) {
-        __m256 y = _mm256_loadu_ps(o[r] + 8 * h);
-        y = _mm256_fmadd_ps(_mm256_mul_ps(d[sp][h], st), _mm256_cvtepi32_ps(s[r][h]), y);
-        if constexpr (ASYM) y = _mm256_fmadd_ps(m[sp][h], _mm256_set1_ps(fsum[r][sp]), y);
-        _mm256_storeu_ps(o[r] + 8 * h, y);
-      }
+      __m256 y[2] = {_mm256_loadu_ps(o[r]), _mm256_loadu_ps(o[r] + 8)};
+      add_span<ASYM, 0>(y, s[r], d[sp], m[sp], step[r][sp * SPAN / kXBlock], 0,
+                        ASYM ? fsum[r][sp] : 0.f);
+      _mm256_storeu_ps(o[r], y[0]);
+      _mm256_storeu_ps(o[r] + 8, y[1]);
       xr[r] += SPAN;
     }
   }
