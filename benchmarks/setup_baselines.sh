@@ -40,11 +40,14 @@ for item in $what; do
       # but the kernel does not enable its tile state, so a native build dies on its first
       # AMX instruction (SIGILL in llama-bench). The AVX-512 set it does run, named one by
       # one. A CPU without AVX-512 (AVX2 only, e.g. AMD Zen 3) builds for itself (native).
+      # AVX-VNNI (the VEX form) only where the CPU lists it: AMD Zen 4 has AVX512_VNNI
+      # but not AVX-VNNI, and a build with it dies there (SIGILL in llama-bench).
       if grep -qw avx512f /proc/cpuinfo; then
+        avx_vnni=OFF; grep -qw avx_vnni /proc/cpuinfo && avx_vnni=ON
         isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
              -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
-             -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
-             -DGGML_AMX_BF16=OFF)
+             -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=$avx_vnni -DGGML_AMX_TILE=OFF
+             -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
       else
         isa=(-DGGML_NATIVE=ON)
       fi

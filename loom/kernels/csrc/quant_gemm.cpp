@@ -12,8 +12,8 @@
 //     y[n] += d[n,g] * S[n,g] + m[n,g] * X[g],   S = sum_{k in g} q'[n,k] x[k],
 //                                                X = sum_{k in g} x[k]
 //
-// where q' is q as a bfloat16 integer, exact: 4-bit values decode to 16 + q, 5- and
-// 6-bit ones to 128 + q (or all three to q - 2^(bits-1), "signed", where that measured
+// where q' is q as a bfloat16 integer, exact: 4-, 5- and 6-bit values decode to
+// 128 + q (or all three to q - 2^(bits-1), "signed", where that measured
 // faster), 8-bit ones are stored q - 128 and converted through float32;
 // the bias comes back with X. S comes from vdpbf16ps: every product exact, float32 sums.
 // So the result differs from dequantize-then-matmul in float32 only by float32
@@ -351,23 +351,26 @@ struct PanelWalk {
   }
 };
 
-// A 4-bit chunk's 32 bytes -> its two pair vectors as bf16 16 + q (exact): each byte
-// widened to a word, a nibble shifted into mantissa bits 3-6 of bf16 16.0 (0x4180, whose
-// mantissa step is 1/8, so 8 q there adds q) and the rest masked off in one vpternlog.
-// Five instructions, one of them on port 5, for 64 values (a table lookup through
-// vpermw took seven, four on port 5). The 16 is taken back with the group's sum of x.
+// A 4-bit chunk's 32 bytes -> its two pair vectors as bf16 128 + q (exact): each byte
+// widened to a word and a nibble put into mantissa bits 0-3 of bf16 128.0 (0x4300, whose
+// mantissa step is 1): the low one masked in by one vpternlog, the high one shifted
+// down and or-ed in. Four instructions for 64 values. (16 + q, the nibble shifted into
+// bits 3-6 of 16.0, took five: one more shift. On the Zen 4 VM, one thread, a 1B
+// gate/up's shape in L2, 128 + q streamed 30 GB/s where 16 + q streamed 26, in a
+// standalone loop; the larger bias costs three bits of the float32 sums' rounding,
+// kernel_error_bound's 2^8.) The 128 is taken back with the group's sum of x.
 inline void nibbles_to_bf16(const uint8_t* p, __m512i& low, __m512i& high) {
   const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i mask = _mm512_set1_epi16(0x0078), bias = _mm512_set1_epi16(0x4180);
-  low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, bias, 0xEA);  // (a & b) | c
-  high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, bias, 0xEA);
+  const __m512i nibble = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  low = _mm512_ternarylogic_epi32(v, nibble, bias, 0xEA);  // (a & b) | c
+  high = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);  // a byte's high nibble alone
 }
 
 // A 4-bit chunk's 32 bytes -> its two pair vectors as bf16 q - 8 (exact), by a table
 // lookup: vpermw reads the low 5 bits of each word, so the low nibble indexes a table
 // of 16 entries written twice, and the high one, shifted down, its first half. Four
 // instructions for 64 values, and the values come out signed: a group's sums need no
-// correction by its sum of x (nibbles_to_bf16 gives 16 + q, whose bias of 24 costs a
+// correction by its sum of x (nibbles_to_bf16 gives 128 + q, whose bias of 136 costs a
 // broadcast and a subtraction per row and panel and group; with 6 rows of 4 panels on
 // a group of 32, dropping it took the wide kernel to 0.92-0.94 of its time at 32 rows,
 // benchmarks/quantized.md). The wide kernel's unpacking uses it; micro_kernel's
@@ -451,7 +454,7 @@ inline void packed_to_signed_bf16(const uint8_t* p, __m512i plane, __m512i& low,
 template <int BITS, bool SIGNED = false>
 constexpr float kDecodeBias = BITS == 8 ? -128.f
                               : SIGNED  ? -static_cast<float>(1 << (BITS - 1))
-                              : BITS == 4 ? 16.f : 128.f;
+                              : 128.f;
 
 // 32 int8 -> 32 bf16 (exact), in order.
 inline __m512bh int8x32_to_bf16(const uint8_t* p) {

@@ -506,9 +506,9 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
     output (the kernel's per-group or per-span sums, their scaling, the reference's
     matmul) rounds by at most (K + 2) 2^-24 of the sum of the magnitudes it adds, which
     |x| (|d| A + |m|) bounds term by term; four such sums at most (S, d S + m X, the
-    groups, the reference). A: the largest value the kernel sums (quant_gemm.cpp), 4-bit
-    values as 16 + q or q - 8 (below 2^5), 5- and 6-bit ones as 128 + q and 8-bit ones
-    as q - 128 (below 2^8), the bias taken back with d X.
+    groups, the reference). A: the largest value the kernel sums (quant_gemm.cpp), 4-,
+    5- and 6-bit values as 128 + q or q - 2^(bits-1), 8-bit ones as q - 128: below 2^8,
+    the bias taken back with d X.
 
     ``integer_x`` (default: whether the kernel ``quantized_linear`` takes now is the
     AVX2 one, which multiplies integers): x is rounded to a step of 2^(E - 14) per block
@@ -522,7 +522,8 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
     x = x.float()
     group = weight.group_size
     d, m = weight.scales_and_offsets()
-    amplitude = d.abs() * (2 ** 5 if weight.bits == 4 else 2 ** 8)
+    # (the AVX2 kernel's 4-bit values below 2^5, as its integer products take them)
+    amplitude = d.abs() * (2 ** 5 if weight.bits == 4 and integer_x else 2 ** 8)
     if m is not None:
         amplitude = amplitude + m.abs()
     amplitude = amplitude.repeat_interleave(group, dim=1)  # (N, K)
