@@ -522,7 +522,7 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
     x = x.float()
     group = weight.group_size
     d, m = weight.scales_and_offsets()
-    # (the AVX2 kernel's 4-bit values below 2^5, as its integer products take them)
+    # (the AVX2 kernel sums 4-bit values as stored, q below 2^4, under the old 2^5)
     amplitude = d.abs() * (2 ** 5 if weight.bits == 4 and integer_x else 2 ** 8)
     if m is not None:
         amplitude = amplitude + m.abs()
