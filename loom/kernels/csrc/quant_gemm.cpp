@@ -96,6 +96,13 @@
 #define LOOM_HAVE_QUANT_GEMM_AVX2 0
 #endif
 
+// 4- and 8-bit weights at 1-8 rows on AVX-512 with VNNI: int16 products (int16_stream).
+#if LOOM_HAVE_QUANT_GEMM && LOOM_HAVE_QUANT_GEMM_AVX2 && defined(__AVX512VNNI__)
+#define LOOM_HAVE_INT16_STREAM 1
+#else
+#define LOOM_HAVE_INT16_STREAM 0
+#endif
+
 namespace loom {
 namespace {
 
@@ -1458,26 +1465,23 @@ void slab_panel(const Layout& layout, const uint8_t* panel, const IntX& x, int64
   }
 }
 
-template <int BITS, bool ASYM, typename ScaleT, typename OutT>
-void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
-              const float* bias, OutT* y, int64_t ldy) {
-  const Layout layout(w);
-  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
+// x quantized for one call of w's kernel (quantize_x), its tables in one buffer of the
+// calling thread kept between calls (four at::empty a call were ~2 us of a batch-1
+// decode's 120 calls, each ~20-60 us), or in `large` where they are too big to keep.
+template <int BITS, bool ASYM>
+IntX integer_x(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
+               bool zero_sums, std::vector<uint8_t>& large) {
   const int64_t k = w.in_features;
-  const auto* data = w.data.data_ptr<uint8_t>();
   constexpr int32_t kZero = zero_point<BITS, ASYM>();
   IntX xi;
   xi.k = k;
   xi.blocks = (k + kXBlock - 1) / kXBlock;
   xi.span = w.group_size % kXBlock == 0 ? kXBlock : 16;
   xi.spans = k / xi.span;
-  // x's tables in one buffer of the calling thread, kept between calls (four
-  // at::empty a call were ~2 us of a batch-1 decode's 120 calls, each ~20-60 us)
-  const int64_t sum_count = kZero != 0 && rows <= 2 ? rows * xi.spans : 0;  // (more rows:
-  const int64_t fsum_count = ASYM ? rows * xi.spans : 0;  // the slab takes the zero point off)
+  const int64_t sum_count = kZero != 0 && zero_sums ? rows * xi.spans : 0;
+  const int64_t fsum_count = ASYM ? rows * xi.spans : 0;
   const int64_t q_bytes = (rows * k * 2 + 31) / 32 * 32;
   const int64_t bytes = q_bytes + 4 * (rows * xi.blocks + sum_count + fsum_count);
-  std::vector<uint8_t> large;
   uint8_t* scratch = x_scratch(bytes, large);
   auto* q = reinterpret_cast<int16_t*>(scratch);
   auto* step = reinterpret_cast<float*>(scratch + q_bytes);
@@ -1489,6 +1493,18 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
   xi.step = step;
   xi.sums = sums;
   xi.fsums = fsums;
+  return xi;
+}
+
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
+              const float* bias, OutT* y, int64_t ldy) {
+  const Layout layout(w);
+  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
+  const auto* data = w.data.data_ptr<uint8_t>();
+  std::vector<uint8_t> large;
+  // (more than 2 rows: the slab takes the zero point off, without x's sums)
+  const IntX xi = integer_x<BITS, ASYM>(w, x, ldx, rows, rows <= 2, large);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> buffer_storage;
     std::vector<float> sum_storage;
@@ -1518,9 +1534,155 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 }  // namespace avx2
 #endif
 
+#if LOOM_HAVE_INT16_STREAM
+// 4- and 8-bit weights times 1 to 8 rows on AVX-512 with VNNI: integer products, as
+// the AVX2 kernel takes them. x is rounded to int16 per block of 32 features as the AVX2
+// kernel rounds it (avx2::integer_x); each pair vector's 32 values are widened to words
+// (8-bit: one vpmovsxbw; 4-bit: one vpmovzxbw gives two vectors' bytes, and an and and a
+// shift their nibbles) and multiplied with x's pair by one vpdpwssd per row (lane i: row
+// i's two exact products, summed in int32); per span of 32 features (16 where a group
+// is 16) the int32 sums are converted once and scaled by d * step, as avx2::add_span
+// does, so the two kernels give the same bits. The bf16 path's decoding costs more per
+// pair vector: 8-bit values take two widenings to int32, two conversions to float32 and
+// one to bf16 before each vdpbf16ps; 4-bit ones 128 + q by three instructions per two
+// vectors. On the Intel VM of 2026-12-04 (benchmarks/quantized.md, session 24), where a
+// 1B model's batch-1 decode read its weights at 45-55% of the read test (bound by
+// instructions), per call, against the bf16 path: 1-2 rows 0.41-0.91 of the time with
+// the weights in cache, 0.67-0.94 from memory; 3-4 rows 0.30-0.73 and 0.50-0.93; 8
+// rows of 8-bit 0.58-0.79 (against the AMX tiles). The tiles stay ahead from 16 rows
+// of 8-bit values (1.3-2x), and 4-bit ones at 8 rows in cache (1.15-1.2x; from memory
+// 0.89-0.94: taken here). The cost is x's rounding: exact for every value within 2^8
+// of its block's largest, within half a step of 2^-14 of it for the rest
+// (kernel_error_bound's x term, which quant_gemm_rounds_x tells it to add).
+namespace int16_stream {
+
+constexpr int64_t kMaxRows = 8;
+
+template <int BITS, bool ASYM, typename ScaleT, int R, typename OutT>
+void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::IntX& x,
+                      const float* bias, OutT* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
+  constexpr int kPairs = kFeatures / 2;   // pair vectors per block
+  constexpr int kSets = R == 1 ? 4 : R == 2 ? 2 : 1;  // vpdpwssd chains per row
+  constexpr int32_t kZero = avx2::zero_point<BITS, ASYM>();
+  const int64_t blocks_per_span = x.span / kFeatures;
+  const int64_t spans_per_group = layout.blocks_per_group / blocks_per_span;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  PanelWalk<ASYM, ScaleT> walk{panel};
+  int64_t span = 0;
+  for (int64_t g = 0; g < layout.groups; ++g, walk.next(layout)) {
+    const uint8_t* block = walk.values(layout);
+    __m512 d, m;
+    walk.scales(layout, d, m);
+    for (int64_t i = 0; i < spans_per_group; ++i, ++span) {
+      __m512i s[R][kSets];
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < kSets; ++t) s[r][t] = _mm512_setzero_si512();
+      const int32_t* xs[R];  // the span's pairs of x, per row
+      for (int r = 0; r < R; ++r)
+        xs[r] = reinterpret_cast<const int32_t*>(x.q + r * x.k + span * x.span);
+      // pair vector j of the block (its k-th: the chain it joins) times x's pair j
+      auto product = [&](int64_t first, int j, auto k, __m512i q) {
+        for (int r = 0; r < R; ++r) {
+          __m512i& sum = s[r][decltype(k)::value % kSets];
+          sum = _mm512_dpwssd_epi32(sum, q, _mm512_set1_epi32(xs[r][first + j]));
+        }
+      };
+      for (int64_t b = 0; b < blocks_per_span; ++b, block += kBytes) {
+        for (int64_t at = 0; at < kBytes; at += 64) prefetch(block + kPrefetch + at);
+        const int64_t first = b * kPairs;
+        if constexpr (BITS == 8) {
+          unrolled<kPairs>([&](auto j) {
+            product(first, j, j, _mm512_cvtepi8_epi16(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j))));
+          });
+        } else {  // chunk c: pair vectors c (low nibbles) and c + 8 (high), as stored
+          unrolled<kPairs / 2>([&](auto c) {
+            constexpr int C = decltype(c)::value;
+            const __m512i v = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * C)));
+            product(first, C, std::integral_constant<int, 2 * C>{},
+                    _mm512_and_si512(v, _mm512_set1_epi16(0x000F)));
+            product(first, C + kPairs / 2, std::integral_constant<int, 2 * C + 1>{},
+                    _mm512_srli_epi16(v, 4));
+          });
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int q = kSets / 2; q > 0; q /= 2)  // a fixed tree (integers: exact anyway)
+          for (int t = 0; t < q; ++t) s[r][t] = _mm512_add_epi32(s[r][t], s[r][t + q]);
+        __m512i t = s[r][0];  // as avx2::add_span: d step (S - z X) (+ m Xf)
+        if constexpr (kZero != 0)
+          t = _mm512_sub_epi32(t, _mm512_set1_epi32(kZero * x.sums[r * x.spans + span]));
+        const __m512 step = _mm512_set1_ps(x.step[r * x.blocks + span * x.span / avx2::kXBlock]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, step), _mm512_cvtepi32_ps(t), acc[r]);
+        if constexpr (ASYM)
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.fsums[r * x.spans + span]), acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 add = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = _mm512_add_ps(acc[r], add);
+    if constexpr (std::is_same_v<OutT, float>)
+      _mm512_mask_storeu_ps(y + r * ldy, mask, v);
+    else
+      _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// Whether this kernel takes a call: 1 to 8 rows of 8-bit (Q8_0, wint8) or 4-bit (Q4_0,
+// Q4_1, wint4, Q4_K) weights. (5- and 6-bit values, whose high bits come from a plane,
+// are not measured this way yet.)
+inline bool takes(int64_t bits, bool asymmetric, bool two_level, int64_t rows) {
+  return (bits == 8 || bits == 4) && rows <= kMaxRows;
+}
+
+template <int BITS, bool ASYM, typename ScaleT, typename OutT>
+void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
+              const float* bias, OutT* y, int64_t ldy) {
+  if constexpr (BITS != 8 && BITS != 4) {
+    TORCH_CHECK(false, "int16_stream::run_gemm: 4- and 8-bit weights only");
+  } else {
+    const Layout layout(w);
+    const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
+    const auto* data = w.data.data_ptr<uint8_t>();
+    std::vector<uint8_t> large;
+    const avx2::IntX xi = avx2::integer_x<BITS, ASYM>(w, x, ldx, rows, true, large);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* b = bias ? bias + p * kLanes : nullptr;
+        const int64_t cols = std::min(kLanes, n - p * kLanes);
+        with_rows<kMaxRows>(rows, [&](auto r) {
+          panel_times_rows<BITS, ASYM, ScaleT, decltype(r)::value>(
+              layout, data + p * stride, xi, b, y + p * kLanes, ldy, cols);
+        });
+      }
+    });
+  }
+}
+
+}  // namespace int16_stream
+#endif
+
 }  // namespace
 
 bool quant_gemm_available() { return LOOM_HAVE_QUANT_GEMM || LOOM_HAVE_QUANT_GEMM_AVX2; }
+
+bool quant_gemm_rounds_x(int64_t bits, bool asymmetric, bool two_level, int64_t rows) {
+#if LOOM_HAVE_QUANT_GEMM
+  if (use_avx512()) {
+#if LOOM_HAVE_INT16_STREAM
+    return int16_stream::takes(bits, asymmetric, two_level, rows);
+#else
+    return false;
+#endif
+  }
+#endif
+  return LOOM_HAVE_QUANT_GEMM_AVX2;
+}
 
 QuantizedWeight pack_quantized_weight(at::Tensor values, at::Tensor scales,
                                       c10::optional<at::Tensor> offsets, int64_t bits,
@@ -1796,6 +1958,13 @@ void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weigh
     KERNEL<decltype(bits)::value, decltype(asym)::value, typename decltype(scale)::type>( \
         weight, xp, x.stride(0), rows, bp, y, out.stride(0));                          \
   })
+#if LOOM_HAVE_INT16_STREAM
+  if (use_avx512() &&
+      int16_stream::takes(weight.bits, weight.asymmetric, weight.two_level, rows)) {
+    LOOM_RUN_GEMM(int16_stream::run_gemm);
+    return;
+  }
+#endif
 #if LOOM_HAVE_QUANT_GEMM
   if (use_avx512()) {
     LOOM_RUN_GEMM(run_gemm);
