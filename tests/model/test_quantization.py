@@ -275,24 +275,24 @@ def test_many_rows_match_the_reference_and_one_row(fmt, kernel_isa):
         assert bool(((out - one).abs() <= bound + one_bound).all())
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "wint8", "Q4_0", "Q4_1", "Q4_K", "wint4-g128"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_few_rows_on_vnni_multiply_integers_as_the_avx2_kernel_does(fmt):
-    """On AVX-512 with VNNI, 1 to 8 rows of 4- or 8-bit weights take int16 products
+    """On AVX-512 with VNNI, 1 to 8 rows of every format take int16 products
     (quant_gemm.cpp's int16_stream): x rounded as the AVX2 kernel rounds it, exact int32
     sums per span, each span scaled as the AVX2 kernel scales it. So the two kernels give
     the same bits there (x's values 2^-12 of their block's largest are rounded: the bf16
     products would not give them), and kernel_error_bound counts x's rounding for it;
-    from 9 rows, and for 5- and 6-bit weights, the AVX-512 kernel's bf16 products."""
+    from 9 rows the AVX-512 kernel's bf16 products (or the AMX tiles')."""
     ops = kernel_ops()
     if "avx512" not in ops.isas() or "avx512_vnni" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX-512 VNNI: these rows take the bf16 or the AVX2 kernel")
     assert ops.isa() == "avx512"
     for bits, asymmetric, two_level in ((8, False, False), (4, False, False), (4, True, False),
-                                        (4, True, True)):
+                                        (4, True, True), (5, False, False), (5, True, True),
+                                        (6, False, True)):
         assert ops.quant_gemm_rounds_x(bits, asymmetric, two_level, 1)
         assert ops.quant_gemm_rounds_x(bits, asymmetric, two_level, 8)
         assert not ops.quant_gemm_rounds_x(bits, asymmetric, two_level, 9)
-    assert not ops.quant_gemm_rounds_x(6, False, True, 1)
     n, k = 37, 2304  # a partial panel; 72 spans of 32, 9 super-blocks
     weight = make_format(fmt, n, k, seed=21)
     packed = weight.pack(ops)

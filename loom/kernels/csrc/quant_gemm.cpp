@@ -96,7 +96,7 @@
 #define LOOM_HAVE_QUANT_GEMM_AVX2 0
 #endif
 
-// 4- and 8-bit weights at 1-8 rows on AVX-512 with VNNI: int16 products (int16_stream).
+// 1-8 rows on AVX-512 with VNNI: int16 products (int16_stream below).
 #if LOOM_HAVE_QUANT_GEMM && LOOM_HAVE_QUANT_GEMM_AVX2 && defined(__AVX512VNNI__)
 #define LOOM_HAVE_INT16_STREAM 1
 #else
@@ -1535,25 +1535,27 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 #endif
 
 #if LOOM_HAVE_INT16_STREAM
-// 4- and 8-bit weights times 1 to 8 rows on AVX-512 with VNNI: integer products, as
-// the AVX2 kernel takes them. x is rounded to int16 per block of 32 features as the AVX2
-// kernel rounds it (avx2::integer_x); each pair vector's 32 values are widened to words
-// (8-bit: one vpmovsxbw; 4-bit: one vpmovzxbw gives two vectors' bytes, and an and and a
-// shift their nibbles) and multiplied with x's pair by one vpdpwssd per row (lane i: row
-// i's two exact products, summed in int32); per span of 32 features (16 where a group
-// is 16) the int32 sums are converted once and scaled by d * step, as avx2::add_span
-// does, so the two kernels give the same bits. The bf16 path's decoding costs more per
-// pair vector: 8-bit values take two widenings to int32, two conversions to float32 and
-// one to bf16 before each vdpbf16ps; 4-bit ones 128 + q by three instructions per two
-// vectors. On the Intel VM of 2026-12-04 (benchmarks/quantized.md, session 24), where a
-// 1B model's batch-1 decode read its weights at 45-55% of the read test (bound by
-// instructions), per call, against the bf16 path: 1-2 rows 0.41-0.91 of the time with
-// the weights in cache, 0.67-0.94 from memory; 3-4 rows 0.30-0.73 and 0.50-0.93; 8
-// rows of 8-bit 0.58-0.79 (against the AMX tiles). The tiles stay ahead from 16 rows
-// of 8-bit values (1.3-2x), and 4-bit ones at 8 rows in cache (1.15-1.2x; from memory
-// 0.89-0.94: taken here). The cost is x's rounding: exact for every value within 2^8
-// of its block's largest, within half a step of 2^-14 of it for the rest
-// (kernel_error_bound's x term, which quant_gemm_rounds_x tells it to add).
+// 1 to 8 rows of every format on AVX-512 with VNNI: integer products, as the AVX2
+// kernel takes them. x is rounded to int16 per block of 32 features as the AVX2 kernel
+// rounds it (avx2::integer_x); each pair vector's 32 values are widened to words (8-bit:
+// one vpmovsxbw; 4-bit: one vpmovzxbw gives two vectors' bytes, an and and a shift
+// their nibbles; 5- and 6-bit: the plane's high bits or-ed in, as avx2::decode_words
+// does) and multiplied with x's pair by one vpdpwssd per row (lane i: row i's two exact
+// products, summed in int32); per span of 32 features (16 where a group is 16) the
+// int32 sums are converted once and scaled by d * step, as avx2::add_span does, so the
+// two kernels give the same bits. The bf16 path's decoding costs more per pair vector:
+// 8-bit values take two widenings to int32, two conversions to float32 and one to bf16
+// before each vdpbf16ps; 4-bit ones 128 + q by three instructions per two vectors. On
+// the Intel VM of 2026-12-04 (benchmarks/quantized.md, session 24), where a 1B model's
+// batch-1 decode read its weights at 45-55% of the read test (bound by instructions),
+// per call against the bf16 path: 4- and 8-bit, 1-2 rows 0.41-0.91 of the time with the
+// weights in cache, 0.67-0.94 from memory; 3-4 rows 0.30-0.73 and 0.50-0.93; 8 rows of
+// 8-bit 0.58-0.79 (against the AMX tiles); 5- and 6-bit (Q5_0, Q5_K, Q6_K) 1 row
+// 0.63-1.0, 2-8 rows 0.42-0.94 but for 0.9-1.07 at 8 rows in cache. The tiles stay
+// ahead from 16 rows of 8-bit values (1.3-2x), and 4-bit ones at 8 rows in cache
+// (1.15-1.2x; from memory 0.89-0.94: taken here). The cost is x's rounding: exact for
+// every value within 2^8 of its block's largest, within half a step of 2^-14 of it for
+// the rest (kernel_error_bound's x term, which quant_gemm_rounds_x tells it to add).
 namespace int16_stream {
 
 constexpr int64_t kMaxRows = 8;
@@ -1597,15 +1599,34 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
             product(first, j, j, _mm512_cvtepi8_epi16(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j))));
           });
-        } else {  // chunk c: pair vectors c (low nibbles) and c + 8 (high), as stored
-          unrolled<kPairs / 2>([&](auto c) {
+        } else {  // chunk c: pair vectors c (low nibbles) and c + kChunks (high), as
+                  // stored; 5- and 6-bit values' high bits from the plane, as
+                  // avx2::decode_words takes them
+          constexpr int kChunks = kPairs / 2, kHigh = BITS - 4;
+          __m512i plane = _mm512_setzero_si512();
+          if constexpr (BITS != 4) plane = _mm512_loadu_si512(block + 32 * kChunks);
+          // the plane's bits for the vector at `at` (kHigh a vector), moved to bit 4
+          auto high_bits = [&](auto at) {
+            constexpr int A = decltype(at)::value;
+            const __m512i mask = _mm512_set1_epi16(((1 << kHigh) - 1) << 4);
+            if constexpr (A >= 4)
+              return _mm512_and_si512(_mm512_srli_epi16(plane, A - 4), mask);
+            else
+              return _mm512_and_si512(_mm512_slli_epi16(plane, 4 - A), mask);
+          };
+          unrolled<kChunks>([&](auto c) {
             constexpr int C = decltype(c)::value;
             const __m512i v = _mm512_cvtepu8_epi16(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * C)));
-            product(first, C, std::integral_constant<int, 2 * C>{},
-                    _mm512_and_si512(v, _mm512_set1_epi16(0x000F)));
-            product(first, C + kPairs / 2, std::integral_constant<int, 2 * C + 1>{},
-                    _mm512_srli_epi16(v, 4));
+            __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x000F));
+            __m512i hi = _mm512_srli_epi16(v, 4);
+            if constexpr (BITS != 4) {
+              lo = _mm512_or_si512(lo, high_bits(std::integral_constant<int, kHigh * C>{}));
+              hi = _mm512_or_si512(
+                  hi, high_bits(std::integral_constant<int, kHigh * (C + kChunks)>{}));
+            }
+            product(first, C, std::integral_constant<int, 2 * C>{}, lo);
+            product(first, C + kChunks, std::integral_constant<int, 2 * C + 1>{}, hi);
           });
         }
       }
@@ -1633,35 +1654,31 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
   }
 }
 
-// Whether this kernel takes a call: 1 to 8 rows of 8-bit (Q8_0, wint8) or 4-bit (Q4_0,
-// Q4_1, wint4, Q4_K) weights. (5- and 6-bit values, whose high bits come from a plane,
-// are not measured this way yet.)
-inline bool takes(int64_t bits, bool asymmetric, bool two_level, int64_t rows) {
-  return (bits == 8 || bits == 4) && rows <= kMaxRows;
+// Whether this kernel takes a call: 1 to 8 rows, of every format the kernels have
+// (the format's arguments: where a later measurement says otherwise for one).
+inline bool takes([[maybe_unused]] int64_t bits, [[maybe_unused]] bool asymmetric,
+                  [[maybe_unused]] bool two_level, int64_t rows) {
+  return rows <= kMaxRows;
 }
 
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
               const float* bias, OutT* y, int64_t ldy) {
-  if constexpr (BITS != 8 && BITS != 4) {
-    TORCH_CHECK(false, "int16_stream::run_gemm: 4- and 8-bit weights only");
-  } else {
-    const Layout layout(w);
-    const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
-    const auto* data = w.data.data_ptr<uint8_t>();
-    std::vector<uint8_t> large;
-    const avx2::IntX xi = avx2::integer_x<BITS, ASYM>(w, x, ldx, rows, true, large);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const float* b = bias ? bias + p * kLanes : nullptr;
-        const int64_t cols = std::min(kLanes, n - p * kLanes);
-        with_rows<kMaxRows>(rows, [&](auto r) {
-          panel_times_rows<BITS, ASYM, ScaleT, decltype(r)::value>(
-              layout, data + p * stride, xi, b, y + p * kLanes, ldy, cols);
-        });
-      }
-    });
-  }
+  const Layout layout(w);
+  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
+  const auto* data = w.data.data_ptr<uint8_t>();
+  std::vector<uint8_t> large;
+  const avx2::IntX xi = avx2::integer_x<BITS, ASYM>(w, x, ldx, rows, true, large);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* b = bias ? bias + p * kLanes : nullptr;
+      const int64_t cols = std::min(kLanes, n - p * kLanes);
+      with_rows<kMaxRows>(rows, [&](auto r) {
+        panel_times_rows<BITS, ASYM, ScaleT, decltype(r)::value>(
+            layout, data + p * stride, xi, b, y + p * kLanes, ldy, cols);
+      });
+    }
+  });
 }
 
 }  // namespace int16_stream

@@ -14,8 +14,7 @@ bool quant_gemm_available();
 
 // Whether quantized_linear, on `rows` rows of weights of this format, rounds x to int16
 // per block of 32 features and multiplies integers (the AVX2 kernel always; on AVX-512,
-// 4- and 8-bit weights at 1-8 rows where the CPU has VNNI): kernel_error_bound adds x's
-// rounding where it does.
+// 1-8 rows where the CPU has VNNI): kernel_error_bound adds x's rounding where it does.
 bool quant_gemm_rounds_x(int64_t bits, bool asymmetric, bool two_level, int64_t rows);
 
 // A linear layer's quantized weight (N, K) in the kernel's layout, with what the kernel
