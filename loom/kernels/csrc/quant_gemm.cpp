@@ -551,6 +551,22 @@ void unpack_blocks(const Layout& layout, const uint8_t* panel, int64_t g, int64_
 template <int BITS, bool ASYM, int MR>
 constexpr bool kStreamSigned = !ASYM && (BITS == 5 || (BITS == 6 && MR >= 2));
 
+// R rows of a panel's sums (+ the panel's 16 biases, or none) to y: `cols` (<= 16)
+// outputs a row, float32 or rounded to bf16.
+template <int R, typename OutT>
+inline void store_rows(const __m512 (&acc)[R], const float* bias, OutT* y, int64_t ldy,
+                       int64_t cols) {
+  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 add = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = _mm512_add_ps(acc[r], add);
+    if constexpr (std::is_same_v<OutT, float>)
+      _mm512_mask_storeu_ps(y + r * ldy, mask, v);
+    else
+      _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
 // Rows [0, MR) of x times one panel: `cols` (<= 16) outputs per row. UNPACKED: the
 // panel's values come from `unpacked` (unpack_panel), its scales from `panel`.
 template <int BITS, bool ASYM, typename ScaleT, int MR, typename OutT, bool UNPACKED>
@@ -616,15 +632,7 @@ void micro_kernel(const Layout& layout, const uint8_t* panel, const __m512i* unp
       for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(d, sum[r], acc[r]);
     }
   }
-  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 add = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < MR; ++r) {
-    const __m512 v = _mm512_add_ps(acc[r], add);
-    if constexpr (std::is_same_v<OutT, float>)
-      _mm512_mask_storeu_ps(y + r * ldy, mask, v);
-    else
-      _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  }
+  store_rows<MR>(acc, bias, y, ldy, cols);
 }
 
 #if LOOM_HAVE_AMX
@@ -1650,15 +1658,7 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
       }
     }
   }
-  const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 add = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    const __m512 v = _mm512_add_ps(acc[r], add);
-    if constexpr (std::is_same_v<OutT, float>)
-      _mm512_mask_storeu_ps(y + r * ldy, mask, v);
-    else
-      _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  }
+  store_rows<R>(acc, bias, y, ldy, cols);
 }
 
 // Whether this kernel takes a call: 1 to 8 rows, of every format the kernels have
@@ -1671,11 +1671,11 @@ inline bool takes([[maybe_unused]] int64_t bits, [[maybe_unused]] bool asymmetri
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
               const float* bias, OutT* y, int64_t ldy) {
-  const Layout layout(w);
-  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
-  const auto* data = w.data.data_ptr<uint8_t>();
-  std::vector<uint8_t> large;
+  std::vector<uint8_t> large;  // x's tables where too big for the thread's buffer
   const avx2::IntX xi = avx2::integer_x<BITS, ASYM>(w, x, ldx, rows, true, large);
+  const Layout layout(w);
+  const auto* data = w.data.data_ptr<uint8_t>();
+  const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* b = bias ? bias + p * kLanes : nullptr;
