@@ -43,6 +43,8 @@
 // (before: the two-level scales multiplied out into float32, and 5- and 6-bit values
 // held in 8 bits: Q4_K 6, Q5_K 10, Q6_K 10, Q5_0 8.5.)
 //
+// (On CPUs with AVX512-VNNI, 1 to 8 rows take int16_stream instead; what follows is the
+// bf16 path, theirs from 9 rows and every row's on a CPU without VNNI.)
 // One row streams each weight byte once and unpacks it in registers (a block of 32
 // features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
 // so do up to 12 rows of 4-bit values and 24 of wider ones, each block of up to 6 rows
@@ -1569,8 +1571,9 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 // 0.63-1.0, 2-8 rows 0.42-0.94 but for 0.9-1.07 at 8 rows in cache. The tiles stay
 // ahead from 16 rows of 8-bit values (1.3-2x), and 4-bit ones at 8 rows in cache
 // (1.15-1.2x; from memory 0.89-0.94: taken here). The cost is x's rounding: exact for
-// every value within 2^8 of its block's largest, within half a step of 2^-14 of it for
-// the rest (kernel_error_bound's x term, which quant_gemm_rounds_x tells it to add).
+// every value within 2^8 of its block's largest, within half a step (2^-15 of the
+// largest's power of two) for the rest (kernel_error_bound's x term, which
+// quant_gemm_rounds_x tells it to add).
 namespace int16_stream {
 
 constexpr int64_t kMaxRows = 8;
@@ -1661,12 +1664,8 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
   store_rows<R>(acc, bias, y, ldy, cols);
 }
 
-// Whether this kernel takes a call: 1 to 8 rows, of every format the kernels have
-// (the format's arguments: where a later measurement says otherwise for one).
-inline bool takes([[maybe_unused]] int64_t bits, [[maybe_unused]] bool asymmetric,
-                  [[maybe_unused]] bool two_level, int64_t rows) {
-  return rows <= kMaxRows;
-}
+// Whether this kernel takes a call: 1 to 8 rows, of every format the kernels have.
+inline bool takes(int64_t rows) { return rows <= kMaxRows; }
 
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
@@ -1695,11 +1694,11 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 
 bool quant_gemm_available() { return LOOM_HAVE_QUANT_GEMM || LOOM_HAVE_QUANT_GEMM_AVX2; }
 
-bool quant_gemm_rounds_x(int64_t bits, bool asymmetric, bool two_level, int64_t rows) {
+bool quant_gemm_rounds_x(int64_t rows) {
 #if LOOM_HAVE_QUANT_GEMM
   if (use_avx512()) {
 #if LOOM_HAVE_INT16_STREAM
-    return int16_stream::takes(bits, asymmetric, two_level, rows);
+    return int16_stream::takes(rows);
 #else
     return false;
 #endif
@@ -1983,8 +1982,7 @@ void quantized_linear(at::Tensor out, at::Tensor x, const QuantizedWeight& weigh
         weight, xp, x.stride(0), rows, bp, y, out.stride(0));                          \
   })
 #if LOOM_HAVE_INT16_STREAM
-  if (use_avx512() &&
-      int16_stream::takes(weight.bits, weight.asymmetric, weight.two_level, rows)) {
+  if (use_avx512() && int16_stream::takes(rows)) {
     LOOM_RUN_GEMM(int16_stream::run_gemm);
     return;
   }

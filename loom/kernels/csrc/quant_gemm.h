@@ -12,10 +12,10 @@ namespace loom {
 // Whether this build has a kernel (the compiler targeted AVX512-BF16, or AVX2 + FMA + F16C).
 bool quant_gemm_available();
 
-// Whether quantized_linear, on `rows` rows of weights of this format, rounds x to int16
-// per block of 32 features and multiplies integers (the AVX2 kernel always; on AVX-512,
-// 1-8 rows where the CPU has VNNI): kernel_error_bound adds x's rounding where it does.
-bool quant_gemm_rounds_x(int64_t bits, bool asymmetric, bool two_level, int64_t rows);
+// Whether quantized_linear, on `rows` rows (of any format), rounds x to int16 per block
+// of 32 features and multiplies integers (the AVX2 kernel always; on AVX-512, 1-8 rows
+// where the CPU has VNNI): kernel_error_bound adds x's rounding where it does.
+bool quant_gemm_rounds_x(int64_t rows);
 
 // A linear layer's quantized weight (N, K) in the kernel's layout, with what the kernel
 // needs to read it. Every format loom keeps quantized is one of these: `bits`-wide

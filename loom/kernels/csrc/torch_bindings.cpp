@@ -54,8 +54,7 @@ void bind_quant_gemm(py::module& m) {
   m.def("quant_gemm_available", &loom::quant_gemm_available,
         "whether quantized_linear runs here (AVX512-BF16)");
   m.def("quant_gemm_rounds_x", &loom::quant_gemm_rounds_x,
-        "whether quantized_linear rounds x to int16 for this format and row count now",
-        py::arg("bits"), py::arg("asymmetric"), py::arg("two_level"), py::arg("rows"));
+        "whether quantized_linear rounds x to int16 for this many rows now", py::arg("rows"));
   m.def("pack_quantized_weight", &loom::pack_quantized_weight,
         "values (N, K) uint8, scales (N, groups) [, offsets] [, two-level super_scales "
         "[, super_offsets] (N, K / 256)] -> QuantizedWeight",

@@ -510,8 +510,8 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
     5- and 6-bit values as 128 + q or q - 2^(bits-1), 8-bit ones as q - 128: below 2^8,
     the bias taken back with d X.
 
-    ``integer_x`` (default: whether the path ``quantized_linear`` takes now for this
-    format and x's rows multiplies integers: the AVX2 kernel, and 1-8 rows on AVX-512
+    ``integer_x`` (default: whether the path ``quantized_linear`` takes now for x's
+    rows multiplies integers: the AVX2 kernel, and 1-8 rows on AVX-512
     with VNNI, ``quant_gemm_rounds_x``): x is rounded to a step of
     2^(E - 14) per block of 32 features, E the exponent of the block's largest |x|; every
     product and sum of products after that is exact. So each x moves by at most half its
@@ -519,8 +519,8 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
     if integer_x is None:
         from loom.kernels import native_ops  # (a cycle at import time otherwise)
         ops = native_ops()
-        integer_x = ops is not None and ops.quant_gemm_available() and ops.quant_gemm_rounds_x(
-            weight.bits, weight.offsets is not None, weight.two_level, x.shape[0])
+        integer_x = (ops is not None and ops.quant_gemm_available()
+                     and ops.quant_gemm_rounds_x(x.shape[0]))
     x = x.float()
     group = weight.group_size
     d, m = weight.scales_and_offsets()
