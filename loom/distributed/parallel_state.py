@@ -114,16 +114,29 @@ def expert_parallel_group(tp_group: TPGroup, expert_parallel_size: int) -> EPGro
 _store: dist.Store | None = None
 
 
+def host_store(master_addr: str, world_size: int, timeout_s: float = 600.0) -> int:
+    """Start rank 0's store now, in this process, on a port the OS picks, and return the
+    port; ``init_distributed`` in this process then joins through it. A port found free
+    and bound only later, by rank 0's start-up, can be taken in between (a Ray node's
+    processes open ports all the while: EADDRINUSE at start-up)."""
+    global _store
+    _store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    return _store.port
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
                      device: str, timeout_s: float = 600.0) -> TPGroup:
     """Join the ranks' process group (TCP store at master_addr:master_port, hosted by
-    rank 0; gloo on CPU, NCCL on CUDA) and return this rank's TP group over all of them."""
+    rank 0, or already hosted here by ``host_store``; gloo on CPU, NCCL on CUDA) and
+    return this rank's TP group over all of them."""
     global _store
     if world_size == 1:
         return SINGLE
     timeout = datetime.timedelta(seconds=timeout_s)
-    _store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
-                           timeout=timeout)
+    if not (rank == 0 and _store is not None and _store.port == master_port):
+        _store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                               timeout=timeout)
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size,
                             timeout=timeout)

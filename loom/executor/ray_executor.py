@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -70,18 +69,19 @@ class RankPlacement:
 
 
 class RayWorker:
-    """The actor behind one rank. ``placement`` and ``free_port`` answer before ``run``,
+    """The actor behind one rank. ``placement`` and ``host_store`` answer before ``run``,
     which then holds the actor for the engine's whole life (the rank's event loop)."""
 
     def placement(self) -> RankPlacement:
         return RankPlacement(node_id=ray.get_runtime_context().get_node_id(),
                              node_ip=ray.util.get_node_ip_address(), pid=os.getpid())
 
-    def free_port(self) -> int:
-        """A free port on this node, for the TCP store rank 0 hosts."""
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+    def host_store(self, world_size: int, timeout_s: float) -> int:
+        """Rank 0's actor: start the ranks' TCP store in this process now, on a port the
+        OS picks, and return it (``run`` joins through it)."""
+        from loom.distributed.parallel_state import host_store
+
+        return host_store(ray.util.get_node_ip_address(), world_size, timeout_s)
 
     def run(self, spec: WorkerSpec) -> int:
         configure_process(spec)  # a Ray worker runs actor calls in its main thread
@@ -201,7 +201,8 @@ class RayExecutor(MultiProcExecutor):
             ipc_dir = None
         resources.queue = self.queue = TaskQueue(addresses, ipc_dir)
         master_addr = placements[0].node_ip
-        [master_port] = _get([actors[0].free_port.remote()], deadline, "choosing a port")
+        [master_port] = _get([actors[0].host_store.remote(
+            parallel.world_size, parallel.worker_start_timeout_s)], deadline, "starting the store")
         ranks_on_ip = Counter(p.node_ip for p in placements)  # ranks sharing a host's cores
         log_level = logging.getLevelName(logging.getLogger("loom").getEffectiveLevel())
         for rank, (actor, where) in enumerate(zip(actors, placements)):
