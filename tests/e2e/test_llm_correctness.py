@@ -5,10 +5,14 @@ long prefixes) must give, for each prompt, exactly the tokens transformers' gree
 ``generate`` gives for that prompt alone (float32). Again with a token budget small
 enough to chunk prefills, with few enough blocks to force preemption, and with
 prefix caching off.
+
+``LOOM_TEST_DEVICE=cuda`` runs the same matrix on a GPU, transformers there too
+(``benchmarks/cuda_check.sh``); CI runs it on the CPU.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -19,6 +23,7 @@ from tokenizer_fixtures import make_tiny_tokenizer
 from loom import LLM, SamplingParams
 
 MAX_NEW_TOKENS = 8
+DEVICE = os.environ.get("LOOM_TEST_DEVICE", "cpu")
 
 CONFIGS = {
     "default": dict(),
@@ -48,7 +53,7 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     """Plain argmax over the full sequence each step: no logits processors, no cache."""
     ids = list(prompt)
     for _ in range(num_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
@@ -59,7 +64,7 @@ def family_case(request, tmp_path_factory):
 
     path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     make_tiny_tokenizer(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     prompts = make_prompts(hf_model.config.vocab_size)
     with torch.no_grad():
         expected = [hf_greedy(hf_model, prompt, MAX_NEW_TOKENS) for prompt in prompts]
@@ -70,7 +75,7 @@ def family_case(request, tmp_path_factory):
 def test_greedy_matches_transformers(family_case, config_name):
     path, prompts, expected, family = family_case
     config = FAMILY_CONFIGS.get(family, {}).get(config_name, CONFIGS[config_name])
-    llm = LLM(path, dtype="float32", max_model_len=256, seed=0, **config)
+    llm = LLM(path, device=DEVICE, dtype="float32", max_model_len=256, seed=0, **config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from e2e.test_llm_correctness import hf_greedy, make_prompts
+from e2e.test_llm_correctness import DEVICE, hf_greedy, make_prompts
 from tokenizer_fixtures import make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
@@ -71,7 +71,7 @@ def moe_case(request, tmp_path_factory):
 
 
 def run_greedy(path, prompts, **kwargs):
-    llm = LLM(path, max_model_len=256, enable_warm_up=False, dtype="float32",
+    llm = LLM(path, device=DEVICE, max_model_len=256, enable_warm_up=False, dtype="float32",
               quantization_group_size=GROUP, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)

@@ -92,7 +92,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_rank, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self._dtype = self.weight.dtype
+        # the model's device: a table loaded from the file (on the CPU) is held there
+        self._dtype, self._device = self.weight.dtype, self.weight.device
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedTensor,
                       shard_id: object = None) -> None:
@@ -109,10 +110,10 @@ class VocabParallelEmbedding(nn.Module):
             mine = quantize_wint8(mine)
         if isinstance(mine, QuantizedTensor):  # kept quantized
             if rows == self.num_embeddings_per_rank:
-                staged = mine  # the whole table (TP=1): no copy of it
+                staged = mine.to(self._device)  # the whole table (TP=1): no copy on a CPU
             else:
                 staged = QuantizedTensor.empty(mine, (self.num_embeddings_per_rank,
-                                                      self.embedding_dim))
+                                                      self.embedding_dim), self._device)
                 staged.narrow(0, 0, rows).copy_(mine)
             param.staged = staged
             param.panels = None
@@ -124,7 +125,7 @@ class VocabParallelEmbedding(nn.Module):
         plain = (self.num_embeddings_per_rank, self.embedding_dim)
         if getattr(param, "table", None) is not None or tuple(param.shape) != plain:
             # was quantized or the head's panels (or freed in their shape): plain again
-            param.data = torch.zeros(plain, dtype=self._dtype)
+            param.data = torch.zeros(plain, dtype=self._dtype, device=self._device)
             param.table = None
         param.panels = None
         param.data[:rows].copy_(mine)

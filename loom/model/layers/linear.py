@@ -220,7 +220,9 @@ class RowBlocks:
                 skip = max(0, end - first)
                 below.append(block if skip == 0 else block.narrow(0, skip, rows - skip).clone())
             first += rows
-        self.blocks = above + [src.clone()] + below
+        device = self.blocks[0].values.device  # the layer's (src may come from the file)
+        self.blocks = above + [src.to(device) if src.values.device != device else src.clone()]\
+            + below
 
     def merged(self) -> list[QuantizedTensor]:
         """The blocks with neighbours of one layout stacked into one."""
@@ -320,7 +322,9 @@ class LinearBase(nn.Module):
         self.quantization, self.group_size = parse_weight_quantization(quantization)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self._load_weight
-        self._params_dtype = self.weight.dtype
+        # the model's device: a weight loaded from the file (on the CPU) is staged,
+        # quantized or not, and held there
+        self._params_dtype, self._device = self.weight.dtype, self.weight.device
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -381,7 +385,7 @@ class LinearBase(nn.Module):
                 self._staging = self._unpack_blocks()  # loaded before: reload into it
             else:
                 self._staging = RowBlocks([QuantizedTensor.empty(
-                    loaded_weight, (self.output_size, self.input_size))])
+                    loaded_weight, (self.output_size, self.input_size), self._device)])
         # a shard in another layout than the rows it lands on (one projection of a fused
         # layer in another format: a GGUF file mixing them) becomes a block of its own
         self.weight_loader(_Staging(self._staging), loaded_weight, shard_id)
@@ -397,7 +401,8 @@ class LinearBase(nn.Module):
         held = self._staging if self._staging is not None else (
             self._unpack_blocks() if self.weight_format is not None and self._holds_weight()
             else None)
-        weight = torch.empty(self.output_size, self.input_size, dtype=self._params_dtype)
+        weight = torch.empty(self.output_size, self.input_size, dtype=self._params_dtype,
+                             device=self._device)
         if held is not None:
             weight.copy_(held.dequantize())
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -469,7 +474,7 @@ class LinearBase(nn.Module):
             return
         blocks = staged.merged()
         self.packed_weight = self.weight_parts = None
-        ops = native_ops_for(self.weight.device, self._params_dtype)
+        ops = native_ops_for(self._device, self._params_dtype)
         kernel = (ops is not None and self._params_dtype == torch.bfloat16
                   and ops.quant_gemm_available())
         if len(blocks) > 1:

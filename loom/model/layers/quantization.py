@@ -185,6 +185,12 @@ class QuantizedTensor:
         return [t for t in (self.values, self.scales, self.offsets, self.super_scales,
                              self.super_offsets) if t is not None]
 
+    def to(self, device: torch.device) -> QuantizedTensor:
+        """This weight on ``device`` (itself when it is there)."""
+        if self.values.device == device:
+            return self
+        return self.with_tensors([t.to(device) for t in self.tensors()])
+
     def with_tensors(self, tensors: list[torch.Tensor]) -> QuantizedTensor:
         """This layout over other tensors (``tensors()``'s order): views, copies."""
         held = iter(tensors)
@@ -258,8 +264,10 @@ class QuantizedTensor:
                                    zip(*(block.tensors() for block in blocks))])
 
     @classmethod
-    def empty(cls, like: QuantizedTensor, shape: tuple[int, int]) -> QuantizedTensor:
-        """Zeros of ``like``'s layout in ``shape`` (a layer's shard of it)."""
+    def empty(cls, like: QuantizedTensor, shape: tuple[int, int],
+              device: torch.device | None = None) -> QuantizedTensor:
+        """Zeros of ``like``'s layout in ``shape`` (a layer's shard of it), on ``device``
+        (default: ``like``'s)."""
         n, k = shape
         groups = 1 if like.scales.shape[1] == 1 else k // like.group_size
         if groups != 1 and k % like.group_size or like.two_level and k % SUPER_BLOCK:
@@ -270,7 +278,9 @@ class QuantizedTensor:
         present = [like.values, like.scales, like.offsets, like.super_scales,
                    like.super_offsets]
         return dataclasses.replace(
-            like.with_tensors([torch.zeros(n, width, dtype=t.dtype)
+            like.with_tensors([torch.zeros(n, width, dtype=t.dtype,
+                                           device=like.values.device if device is None
+                                           else device)
                                for width, t in zip(widths, present) if t is not None]),
             packed=False)
 
