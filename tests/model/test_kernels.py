@@ -235,10 +235,11 @@ def test_bf16_linear_is_exact_on_exact_inputs(ops):
         pytest.skip("no AVX512-BF16 on this CPU")
     gen = torch.Generator().manual_seed(0)
     # with AMX (ops.bf16_amx_available()), 8 rows or more and K a multiple of 32 take
-    # the tile path: 32-row blocks and their partial last block, 32-output halves
+    # the tile path: 8-16 rows one block of a panel's 64 outputs, more 32-row blocks
+    # (and their partial last block) of 32-output halves
     for rows, n, k in [(1, 64, 2), (5, 65, 576), (6, 127, 64), (13, 960, 34), (97, 200, 1536),
-                       (200, 64, 576), (8, 64, 32), (16, 127, 64), (17, 100, 96),
-                       (33, 65, 2048)]:
+                       (200, 64, 576), (8, 64, 32), (16, 127, 64), (12, 200, 96),
+                       (17, 100, 96), (33, 65, 2048)]:
         x = torch.randint(-4, 5, (rows, k), generator=gen).bfloat16()
         weight = torch.randint(-4, 5, (n, k), generator=gen).bfloat16()
         bias = torch.randint(-8, 9, (n,), generator=gen).bfloat16()

@@ -15,7 +15,9 @@
 // More rows run on the AMX tile units where the CPU has them and the OS grants them
 // (amx_permitted; LOOM_AMX=0, loom/envs.py, turns them off): the same panels are the tiles' B operand
 // as they are (16 pairs x 16 outputs, rows 256 bytes apart), so one copy of the weights
-// serves both paths. 32 x 32 blocks, 4 tile products per 4 tile loads. Measured on the
+// serves both paths. 8-16 rows (decode) in one block of all 64 outputs, so a panel
+// streams once, in order (a 1B model's matmuls at 8 rows 107 -> 93 ms a step, 1 row 86);
+// more in 32 x 32 blocks, 4 tile products per 4 tile loads. Measured on the
 // 2-core AVX512-BF16 + AMX VM (benchmarks/cpu_kernels.md): the default model's prefill
 // of 128 tokens 585 -> 1,648 tok/s, batch-32 decode 375 -> 786 tok/s; a 16,384 x 2,048
 // layer at 32 rows 16.4 -> 4.3 ms (oneDNN, which also uses AMX here, 6.4 ms).
@@ -61,15 +63,24 @@ namespace {
 constexpr int64_t kPanel = 64;    // output features per panel: 4 vectors of 16
 constexpr int64_t kRowBlock = 6;  // rows per micro-kernel call
 constexpr int64_t kMaxRowChunk = 96;  // rows that share one pass over a panel
+// How far ahead a single pass over a panel prefetches (micro_kernel with one row block,
+// amx_block_wide). A whole panel ahead, as before, is 1 MB for K = 8,192: a 1B model's
+// 2,048 x 8,192 layer streamed at 18-20 GB/s against 25-27 for its other shapes, and at
+// 25-27 with 64 KB (16 KB 0.9-1.0x, 256 KB 1.0-1.03x the time of 64 KB over its shapes;
+// the 2-core Intel AMX VM, 2026-12-04).
+constexpr int64_t kStreamAhead = 64 * 1024;
 
 #if LOOM_HAVE_BF16_GEMM
 // Rows [0, MR) of x times one panel, over the whole K; writes `cols` (<= 64) outputs.
 // `prefetch` (or null) is the next stretch of weights the thread will read: its
-// `prefetch_lines` cache lines are requested into L2 a few per pair of features.
+// `prefetch_lines` cache lines are requested into L2 a few per pair of features. With
+// `stream_ahead`, each pair asks for the line `stream_ahead` bytes on instead, in this
+// panel or past its end in `stream_next` (or null).
 template <int MR, typename OutT>
 void micro_kernel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel,
                   int64_t pairs, const float* bias, OutT* y, int64_t ldy,
-                  int64_t cols, const char* prefetch, int64_t prefetch_lines) {
+                  int64_t cols, const char* prefetch, int64_t prefetch_lines,
+                  int64_t stream_ahead = 0, const char* stream_next = nullptr) {
   __m512 acc[MR][4];
   for (int v = 0; v < 4; ++v) {
     const __m512 init = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
@@ -80,7 +91,15 @@ void micro_kernel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* pane
   const auto* w = reinterpret_cast<const __m512i*>(panel);
   const int64_t per_pair = prefetch ? (prefetch_lines + pairs - 1) / pairs : 0;
   const char* prefetch_end = prefetch ? prefetch + 64 * prefetch_lines : nullptr;
+  const int64_t panel_bytes = pairs * kPanel * 4;
   for (int64_t i = 0; i < pairs; ++i, w += 4) {
+    if (stream_ahead) {
+      const int64_t at = i * kPanel * 4 + stream_ahead;
+      const char* ahead = at < panel_bytes ? reinterpret_cast<const char*>(panel) + at
+                          : stream_next ? stream_next + (at - panel_bytes) : nullptr;
+      if (ahead)
+        for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);
+    }
     for (int64_t l = 0; l < per_pair && prefetch < prefetch_end; ++l, prefetch += 64)
       __builtin_prefetch(prefetch, 0, 2);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
@@ -125,19 +144,23 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
   const int64_t lines = (panel_lines + blocks - 1) / blocks;
   const char* prefetch = reinterpret_cast<const char*>(next);
   int64_t b = 0;  // the block's index: its share of the prefetch
+  // One block (1-6 rows) reads the panel once: it streams kStreamAhead bytes ahead of
+  // itself, into the next panel near its end; more blocks re-read it from L2, so each
+  // prefetches its share of the next panel.
+  const int64_t ahead = blocks == 1 ? kStreamAhead : 0;
   const auto block = [&](int64_t r, int64_t mr) {
     const c10::BFloat16* xb = x + r * ldx;
     OutT* yb = y + r * ldy;
-    const char* pf = next ? prefetch + 64 * std::min(b * lines, panel_lines) : nullptr;
+    const char* pf = next && !ahead ? prefetch + 64 * std::min(b * lines, panel_lines) : nullptr;
     const int64_t pf_lines =
-        next ? std::max<int64_t>(std::min(lines, panel_lines - b * lines), 0) : 0;
+        pf ? std::max<int64_t>(std::min(lines, panel_lines - b * lines), 0) : 0;
     switch (mr) {
-      case 6: micro_kernel<6, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
-      case 5: micro_kernel<5, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
-      case 4: micro_kernel<4, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
-      case 3: micro_kernel<3, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
-      case 2: micro_kernel<2, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
-      default: micro_kernel<1, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines); break;
+      case 6: micro_kernel<6, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines, ahead, prefetch); break;
+      case 5: micro_kernel<5, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines, ahead, prefetch); break;
+      case 4: micro_kernel<4, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines, ahead, prefetch); break;
+      case 3: micro_kernel<3, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines, ahead, prefetch); break;
+      case 2: micro_kernel<2, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines, ahead, prefetch); break;
+      default: micro_kernel<1, OutT>(xb, ldx, panel, pairs, bias, yb, ldy, cols, pf, pf_lines, ahead, prefetch); break;
     }
     ++b;
   };
@@ -155,7 +178,8 @@ void rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
 // side by side), so loom's layout serves both kernels and no second copy is kept.
 // One block is up to 32 rows x 32 outputs: C tiles 0-3 (rows 0-15 / 16-31 x outputs
 // 0-15 / 16-31, float32), A tiles 4-5 (the rows' 32 input features), B tiles 6-7; each
-// A and B tile loaded feeds two tile products.
+// A and B tile loaded feeds two tile products. Up to 16 rows take one wide block
+// (amx_block_wide) of all 64 outputs instead.
 constexpr int64_t kAmxRows = 32;
 constexpr int64_t kAmxCols = 32;
 
@@ -249,7 +273,75 @@ void amx_block(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat
   }
 }
 
-// All `rows` rows times one panel through the tiles, 32 rows x 32 outputs at a time;
+// Rows [0, m) (m <= 16) of x times all 64 outputs of one panel, over all of K: C tiles
+// 0-3 (outputs 0-15 .. 48-63), A tile 4, B tiles 5-7 (the fourth B reuses 5). Each
+// 16-pair step reads its panel rows' 256 bytes whole, so the panel streams from memory
+// once, in order; two 32-output blocks read every other half of each row, in two passes
+// (8 rows, a 1B model's layers: 22 GB/s against 26 at 1 row, on the 2-core AMX VM).
+// Each step asks for the 4 KB kStreamAhead bytes ahead into L2, in this panel or the
+// next (`next`, or null).
+template <typename OutT>
+void amx_block_wide(const c10::BFloat16* x, int64_t ldx, int64_t m,
+                    const c10::BFloat16* panel, int64_t pairs, const float* bias, OutT* y,
+                    int64_t ldy, int64_t cols, int64_t& configured, const char* next) {
+  const uint8_t rows = static_cast<uint8_t>(m);
+  const int64_t panel_bytes = pairs * kPanel * 4;
+  amx::configure(64 + m, configured, {rows, rows, rows, rows, rows, 16, 16, 16},
+                 {64, 64, 64, 64, 64, 64, 64, 64});
+  alignas(64) float sums[16][kPanel];
+  if (bias) {
+    for (int64_t r = 0; r < 16; ++r) std::memcpy(sums[r], bias, sizeof(sums[r]));
+    _tile_loadd(0, sums[0], sizeof(sums[0]));
+    _tile_loadd(1, sums[0] + 16, sizeof(sums[0]));
+    _tile_loadd(2, sums[0] + 32, sizeof(sums[0]));
+    _tile_loadd(3, sums[0] + 48, sizeof(sums[0]));
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = ldx * 2;
+  for (int64_t i = 0; i < pairs; i += 16) {
+    const c10::BFloat16* b = panel + i * kPanel * 2;
+    // the 4 KB kStreamAhead bytes on in the thread's stream: in this panel, or past its end
+    // in the next one
+    const int64_t at = i * kPanel * 4 + kStreamAhead;
+    const char* ahead = at < panel_bytes ? reinterpret_cast<const char*>(panel) + at
+                        : next ? next + (at - panel_bytes) : nullptr;
+    if (ahead) {
+      for (int64_t line = 0; line < 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    }
+    _tile_loadd(4, x + 2 * i, x_stride);
+    _tile_loadd(5, b, kPanel * 4);
+    _tile_loadd(6, b + 32, kPanel * 4);
+    _tile_loadd(7, b + 64, kPanel * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b + 96, kPanel * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, sums[0], sizeof(sums[0]));
+  _tile_stored(1, sums[0] + 16, sizeof(sums[0]));
+  _tile_stored(2, sums[0] + 32, sizeof(sums[0]));
+  _tile_stored(3, sums[0] + 48, sizeof(sums[0]));
+  for (int v = 0; v < 4; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    for (int64_t r = 0; r < m; ++r) {
+      const __m512 acc = _mm512_load_ps(sums[r] + 16 * v);
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, acc);
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+    }
+  }
+}
+
+// All `rows` rows times one panel through the tiles: up to 16 rows in one wide block,
+// more 32 rows x 32 outputs at a time;
 // the first block prefetches the panel at `next` (or null). (Blocking K as well, to
 // keep a block's weights in L1 across row blocks, measured slower: its sums must leave
 // the tiles between K blocks.)
@@ -258,6 +350,11 @@ void amx_rows_times_panel(const c10::BFloat16* x, int64_t ldx, int64_t rows,
                           const c10::BFloat16* panel, int64_t pairs, const float* bias,
                           OutT* y, int64_t ldy, int64_t cols, int64_t& configured,
                           const c10::BFloat16* next) {
+  if (rows <= 16) {  // (17-32 rows as two such blocks measured 5-10% slower than 32 x 32)
+    amx_block_wide(x, ldx, rows, panel, pairs, bias, y, ldy, std::min(cols, kPanel),
+                   configured, reinterpret_cast<const char*>(next));
+    return;
+  }
   for (int64_t c0 = 0; c0 < std::min(cols, kPanel); c0 += kAmxCols)
     for (int64_t r = 0; r < rows; r += kAmxRows)
       amx_block(x + r * ldx, ldx, std::min(kAmxRows, rows - r), panel, pairs, c0, bias,
