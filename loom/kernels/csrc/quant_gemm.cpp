@@ -121,10 +121,15 @@ constexpr int64_t kRowBlock = 6;     // rows per micro-kernel call
 constexpr int64_t kStreamBlock = 8;  // rows per micro-kernel call unpacking in registers
 constexpr int64_t kMaxRowChunk = 96;
 // Bytes ahead of the block being read that a streaming row (no unpacked panel) asks the
-// cache for. The hardware prefetcher alone left one thread at ~5 GB/s from memory (the
-// default model's Q8_0 LM head at batch 1: 2.95 ms for 30 MB on 2 threads); 4-8 KB ahead
-// gave 1.8 ms. (benchmarks/quantized.md, 2026-12-02.)
-constexpr int64_t kPrefetch = 8192;
+// cache for, into L2 (`prefetch`). The hardware prefetcher alone left one thread at ~5
+// GB/s from memory (the default model's Q8_0 LM head at batch 1: 2.95 ms for 30 MB on 2
+// threads); 4-8 KB ahead, into L1, gave 1.8 ms (benchmarks/quantized.md, 2026-12-02).
+// Into L2 rather than L1: a 1B model's matmuls at one row on the 2-core Intel AMX VM,
+// 16 layers' weights from memory, wint8 53 -> 40 ms a step, Q8_0 50 -> 41, Q4_0 28 ->
+// 23 (8, 16 and 64 KB ahead alike into L2; into L1, 64 KB ahead 49, 51, 27); 4-bit
+// rows from 4 on, bound by their instructions, unchanged. 16 KB stays within an L1 for
+// CPUs whose hints fill it too (2026-12-04).
+constexpr int64_t kPrefetch = 16 * 1024;
 
 // Input features and bytes per block of 16 rows (see the layout above).
 constexpr int64_t block_features(int64_t bits) { return bits == 4 || bits == 5 ? 32 : 16; }
@@ -272,7 +277,7 @@ void with_format(const QuantizedWeight& w, F&& f) {
 
 #if LOOM_HAVE_QUANT_GEMM
 inline void prefetch(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }
 
 // f(integral_constant<int, 0>) ... f(integral_constant<int, N - 1>): an unrolled loop
@@ -1353,7 +1358,7 @@ void stream_panel(const Layout& layout, const uint8_t* panel, const IntX& x, con
       const int16_t* xs = x.q + span * x.span;
       for (int64_t b = 0; b < blocks_per_span; ++b, block += kBytes, xs += kFeatures) {
         for (int64_t at = 0; at < kBytes; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch + at), _MM_HINT_T0);
+          prefetch(block + kPrefetch + at);
         decode_words<BITS>(block, [&](int j, int h, int set, __m256i q) {
           for (int r = 0; r < R; ++r) {
             __m256i& sum = s[r][h][set % kSets];
