@@ -207,6 +207,24 @@ void configure_tiles(int64_t m, int64_t& configured) {
                  {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
+// Rows [0, m) of the tiles' float32 sums (rows `ld` floats apart) into y's first `cols`
+// outputs, rounded to bf16 as the AVX-512 kernel rounds them, or kept in float32.
+template <typename OutT>
+void store_tile_sums(const float* sums, int64_t ld, int64_t m, int64_t cols, OutT* y,
+                     int64_t ldy) {
+  for (int64_t v = 0; 16 * v < cols; ++v) {
+    const int64_t left = cols - 16 * v;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    for (int64_t r = 0; r < m; ++r) {
+      const __m512 acc = _mm512_load_ps(sums + r * ld + 16 * v);
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, acc);
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+    }
+  }
+}
+
 // Rows [0, m) (m <= 32) of x times outputs [c0, c0 + 32) of one panel, over all of K
 // (pairs a multiple of 16): sums start from the bias, as the AVX-512 kernel's do, and
 // are rounded as it rounds them. `prefetch` (or null): the next panel, requested into
@@ -259,18 +277,7 @@ void amx_block(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat
     _tile_stored(2, sums[16], sizeof(sums[0]));
     _tile_stored(3, sums[16] + 16, sizeof(sums[0]));
   }
-  for (int v = 0; v < 2; ++v) {
-    const int64_t left = cols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    for (int64_t r = 0; r < m; ++r) {
-      const __m512 acc = _mm512_load_ps(sums[r] + 16 * v);
-      if constexpr (std::is_same_v<OutT, float>)
-        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, acc);
-      else
-        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-    }
-  }
+  store_tile_sums(sums[0], kAmxCols, m, cols, y, ldy);
 }
 
 // Rows [0, m) (m <= 16) of x times all 64 outputs of one panel, over all of K: C tiles
@@ -326,18 +333,7 @@ void amx_block_wide(const c10::BFloat16* x, int64_t ldx, int64_t m,
   _tile_stored(1, sums[0] + 16, sizeof(sums[0]));
   _tile_stored(2, sums[0] + 32, sizeof(sums[0]));
   _tile_stored(3, sums[0] + 48, sizeof(sums[0]));
-  for (int v = 0; v < 4; ++v) {
-    const int64_t left = cols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    for (int64_t r = 0; r < m; ++r) {
-      const __m512 acc = _mm512_load_ps(sums[r] + 16 * v);
-      if constexpr (std::is_same_v<OutT, float>)
-        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, acc);
-      else
-        _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-    }
-  }
+  store_tile_sums(sums[0], kPanel, m, cols, y, ldy);
 }
 
 // All `rows` rows times one panel through the tiles: up to 16 rows in one wide block,
