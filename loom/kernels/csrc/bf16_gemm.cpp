@@ -71,6 +71,14 @@ constexpr int64_t kMaxRowChunk = 96;  // rows that share one pass over a panel
 constexpr int64_t kStreamAhead = 64 * 1024;
 
 #if LOOM_HAVE_BF16_GEMM
+// The byte `at` bytes on from the start of `panel` (`panel_bytes` long) in the thread's
+// stream of weights: in the panel, or past its end in `next` (or null: nothing to ask for).
+inline const char* stream_at(const c10::BFloat16* panel, int64_t panel_bytes, int64_t at,
+                             const char* next) {
+  return at < panel_bytes ? reinterpret_cast<const char*>(panel) + at
+         : next ? next + (at - panel_bytes) : nullptr;
+}
+
 // Rows [0, MR) of x times one panel, over the whole K; writes `cols` (<= 64) outputs.
 // `prefetch` (or null) is the next stretch of weights the thread will read: its
 // `prefetch_lines` cache lines are requested into L2 a few per pair of features. With
@@ -94,9 +102,8 @@ void micro_kernel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* pane
   const int64_t panel_bytes = pairs * kPanel * 4;
   for (int64_t i = 0; i < pairs; ++i, w += 4) {
     if (stream_ahead) {
-      const int64_t at = i * kPanel * 4 + stream_ahead;
-      const char* ahead = at < panel_bytes ? reinterpret_cast<const char*>(panel) + at
-                          : stream_next ? stream_next + (at - panel_bytes) : nullptr;
+      const char* ahead = stream_at(panel, panel_bytes, i * kPanel * 4 + stream_ahead,
+                                    stream_next);
       if (ahead)
         for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);
     }
@@ -311,11 +318,8 @@ void amx_block_wide(const c10::BFloat16* x, int64_t ldx, int64_t m,
   const int64_t x_stride = ldx * 2;
   for (int64_t i = 0; i < pairs; i += 16) {
     const c10::BFloat16* b = panel + i * kPanel * 2;
-    // the 4 KB kStreamAhead bytes on in the thread's stream: in this panel, or past its end
-    // in the next one
-    const int64_t at = i * kPanel * 4 + kStreamAhead;
-    const char* ahead = at < panel_bytes ? reinterpret_cast<const char*>(panel) + at
-                        : next ? next + (at - panel_bytes) : nullptr;
+    // the 4 KB kStreamAhead bytes on in the thread's stream
+    const char* ahead = stream_at(panel, panel_bytes, i * kPanel * 4 + kStreamAhead, next);
     if (ahead) {
       for (int64_t line = 0; line < 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
     }

@@ -220,9 +220,9 @@ class RowBlocks:
                 skip = max(0, end - first)
                 below.append(block if skip == 0 else block.narrow(0, skip, rows - skip).clone())
             first += rows
-        device = self.blocks[0].values.device  # the layer's (src may come from the file)
-        self.blocks = above + [src.to(device) if src.values.device != device else src.clone()]\
-            + below
+        # a copy of src on the layer's device (src may come from the file, on the CPU)
+        held = src.to(self.blocks[0].values.device)
+        self.blocks = above + [held if held is not src else src.clone()] + below
 
     def merged(self) -> list[QuantizedTensor]:
         """The blocks with neighbours of one layout stacked into one."""
