@@ -10,6 +10,8 @@ in this process, one after the other: ``--input-len`` prompt tokens, exactly
 decode rate is the rest. Medians over ``--rounds``. Beside them the roofline: the
 weights' bytes over the device's copy bandwidth measured here (bytes read and written),
 the fastest a batch-1 step can be. Peak device memory of each is reported too.
+loom runs twice, one engine after the other, each interleaved with transformers: as
+it runs by default (decode steps replayed from CUDA graphs) and with ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, vocab_size=49152,
                      rope_theta=10000.0),
 }
+
+
+# loom as it runs by default (decode steps as CUDA graphs: loom/worker/cuda_graphs.py),
+# and with every step eager
+ENGINES = {"loom": {}, "loom_eager": {"enforce_eager": True}}
 
 
 def sync(device: str) -> None:
@@ -102,54 +109,65 @@ def rates(full: list[float], prefill: list[float], batch: int, output_len: int) 
             "decode_step_ms": round(1000 * (full_s - prefill_s) / (output_len - 1), 3)}
 
 
-def bench_shape(shape: str, args, bandwidth: float) -> dict:
+def bench_engine(shape: str, name: str, options: dict, hf, directory: str, args) -> dict:
+    """One loom engine (``options``: CUDA graphs on, or ``enforce_eager``) against
+    transformers, interleaved round by round, at each batch size."""
     from loom import LLM
 
+    device = args.device
+    started = time.perf_counter()
+    llm = LLM(directory, device=device, dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=args.input_len + args.output_len + 8,
+              enable_prefix_caching=False, seed=0,
+              **({"memory_utilization": 0.3} if device == "cuda" else {}), **options)
+    start_s = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in args.batch_sizes:
+        times = {name: ([], []), "transformers": ([], [])}
+        for round_ in range(args.warmup + args.rounds):
+            prompts = torch.randint(3, 49152, (batch, args.input_len),
+                                    generator=generator).tolist()
+            for engine_name, timer, engine in ((name, time_loom, llm),
+                                               ("transformers", time_hf, hf)):
+                if round_ < args.warmup:
+                    timer(engine, prompts, 4, device)
+                    continue
+                times[engine_name][1].append(timer(engine, prompts, 1, device))
+                times[engine_name][0].append(timer(engine, prompts, args.output_len, device))
+        row = {"batch_size": batch}
+        for engine_name, (full, prefill) in times.items():
+            row[engine_name] = rates(full, prefill, batch, args.output_len)
+        row[f"{name}_over_transformers_decode"] = round(
+            row[name]["decode_tokens_per_s"] / row["transformers"]["decode_tokens_per_s"], 2)
+        print(json.dumps({"shape": shape, **row}), flush=True)
+        rows.append(row)
+    graphs = llm.collective_rpc("cuda_graph_stats")[0] if device == "cuda" else None
+    llm.shutdown()
+    return {"start_s": round(start_s, 1), "cuda_graphs": graphs, "results": rows}
+
+
+def bench_shape(shape: str, args, bandwidth: float) -> dict:
     device = args.device
     with tempfile.TemporaryDirectory() as directory:
         hf = make_model(shape, directory, device)
         weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
-        llm = LLM(directory, device=device, dtype="bfloat16", skip_tokenizer_init=True,
-                  max_model_len=args.input_len + args.output_len + 8,
-                  enable_prefix_caching=False, seed=0,
-                  **({"memory_utilization": 0.3} if device == "cuda" else {}))
-        start_s = time.perf_counter() - started
-        generator = torch.Generator().manual_seed(0)
-        rows = []
-        for batch in args.batch_sizes:
-            times = {"loom": ([], []), "transformers": ([], [])}
-            for round_ in range(args.warmup + args.rounds):
-                prompts = torch.randint(3, 49152, (batch, args.input_len),
-                                        generator=generator).tolist()
-                for name, timer, engine in (("loom", time_loom, llm),
-                                            ("transformers", time_hf, hf)):
-                    if round_ < args.warmup:
-                        timer(engine, prompts, 4, device)
-                        continue
-                    times[name][1].append(timer(engine, prompts, 1, device))
-                    times[name][0].append(timer(engine, prompts, args.output_len, device))
-            row = {"batch_size": batch}
-            for name, (full, prefill) in times.items():
-                row[name] = rates(full, prefill, batch, args.output_len)
-            row["loom_over_transformers_decode"] = round(
-                row["loom"]["decode_tokens_per_s"] / row["transformers"]["decode_tokens_per_s"], 2)
-            print(json.dumps({"shape": shape, **row}), flush=True)
-            rows.append(row)
+        engines = {name: bench_engine(shape, name, options, hf, directory, args)
+                   for name, options in ENGINES.items() if name in args.engines}
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        llm.shutdown()
     roofline_ms = 1000 * weight_bytes / bandwidth
-    return {"shape": shape, "weight_bytes": weight_bytes, "loom_start_s": round(start_s, 1),
+    return {"shape": shape, "weight_bytes": weight_bytes,
             "roofline_step_ms_at_copy_bandwidth": round(roofline_ms, 4),
-            "peak_device_bytes_both": peak, "results": rows}
+            "peak_device_bytes_all": peak, "engines": engines}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

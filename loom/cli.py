@@ -149,8 +149,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM's sake: loom never runs code from a checkpoint")
     group.add_argument("--enforce-eager", action="store_true",
-                       help="accepted for vLLM's sake: loom captures no CUDA graphs yet, so "
-                            "every step runs eagerly anyway")
+                       help="on CUDA, capture no CUDA graphs: every decode step runs "
+                            "eagerly (no effect on the CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -61,6 +61,9 @@ class ModelConfig:
     # The seed's --lm-head-fp32: logits from a float32 copy of the LM head's weight
     # (dequantized if it is quantized) and float32 hidden states.
     lm_head_fp32: bool = False
+    # On CUDA, no decode step is captured as a CUDA graph (worker/cuda_graphs.py): every
+    # step runs eagerly. Changes nothing elsewhere.
+    enforce_eager: bool = False
     # The checkpoint's Hugging Face config as plain values (loom/model/loader/
     # hf_config_values.py), read once by from_args, so that the engine core and the ranks
     # build the model without importing transformers; None: each rank reads it itself.
@@ -565,8 +568,8 @@ class EngineConfig:
         Everything that can be checked without loading weights is checked here, cheapest
         first, so a bad argument fails before any process starts: the device, the
         architecture, the tokenizer files, the tensor-parallel split, the KV budget.
-        ``trust_remote_code`` and ``enforce_eager`` are accepted for vLLM's sake: loom
-        never runs a checkpoint's code, and captures no CUDA graphs yet.
+        ``trust_remote_code`` is accepted for vLLM's sake: loom never runs a checkpoint's
+        code. ``enforce_eager`` turns CUDA graphs off (worker/cuda_graphs.py).
         """
         from loom.config_checks import (check_architecture_before_loading, check_kv_budget,
                                         check_quantization, check_ray_installed,
@@ -582,9 +585,6 @@ class EngineConfig:
         if trust_remote_code:
             logger.warning("--trust-remote-code: loom never runs code from a checkpoint; its "
                            "own implementations serve the architectures it supports")
-        if enforce_eager:
-            logger.info("--enforce-eager: loom captures no CUDA graphs yet, so every step "
-                        "already runs eagerly")
         check_architecture_before_loading(model)
         hf_config = load_hf_config(model)
         get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
@@ -636,7 +636,7 @@ class EngineConfig:
                               attention_backend=attention_backend,
                               quantization=quantization,
                               quantization_group_size=quantization_group_size,
-                              lm_head_fp32=lm_head_fp32,
+                              lm_head_fp32=lm_head_fp32, enforce_eager=enforce_eager,
                               hf_config=hf_config_values(hf_config)),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -45,9 +45,9 @@ class LLM:
     ``distributed_executor_backend`` ("mp" or "uni"), ``nnodes``, ``node_rank``,
     ``master_addr``, ``master_port``, ``worker_health_timeout_s`` (see
     docs/multi_node.md). ``speculative_config`` and ``early_stop_config`` take a dict
-    (or JSON text), see docs/speculative_decoding.md. ``trust_remote_code``,
-    ``enforce_eager`` and ``disable_log_stats`` are accepted and change nothing (loom
-    runs no checkpoint code and captures no CUDA graphs yet). Any other name is a
+    (or JSON text), see docs/speculative_decoding.md. ``trust_remote_code``
+    and ``disable_log_stats`` are accepted and change nothing (loom runs no checkpoint
+    code); ``enforce_eager`` keeps every CUDA step eager (no CUDA graphs). Any other name is a
     ``TypeError`` that suggests the closest valid one. If a worker dies, ``generate``
     raises ``WorkerDiedError`` and every later call fails at once.
 

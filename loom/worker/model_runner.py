@@ -32,6 +32,7 @@ from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
 from loom.spec_decode.rejection_sampler import RejectionSampler
+from loom.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class ModelRunner:
         # Where the KV cache's one allocation comes from: (shape, dtype) -> tensor;
         # None: torch.empty on the device (a KV connector may put it in shared memory).
         self.kv_cache_allocator = None
+        # Pure decode steps replayed from CUDA graphs (cuda_graphs.py); made with each
+        # real KV cache where they apply, dropped when the cache or the weights change.
+        self.cuda_graphs: DecodeGraphs | None = None
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
         # Proposers run on rank 0 only, after sampling.
         spec = config.speculative
@@ -170,6 +174,7 @@ class ModelRunner:
         return len(windows), windows.count(None)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.cuda_graphs = None  # graphs and their inputs, made again for this cache
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)  # see kv_layout.py
         # Not zeroed: attention never reads a slot before writing it (padding repeats a
         # request's last key). One allocation for all layers: on the CPU a large one is
@@ -188,6 +193,39 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         if self.draft_proposer is not None:
             self.draft_proposer.initialize_kv_cache(num_blocks)
+        if num_blocks > 0 and self.device.type == "cuda":
+            refusal = self._cuda_graphs_refusal()
+            if refusal is None:
+                scheduler = self.config.scheduler
+                self.cuda_graphs = DecodeGraphs(self.model, scheduler.max_num_seqs,
+                                                self.config.model.max_model_len,
+                                                self.block_size, self.device)
+            if self.tp_group.rank == 0 and refusal != self._graphs_said:
+                logger.info("CUDA graphs: %s", refusal or (
+                    f"decode steps of up to {self.cuda_graphs.batch_buckets[-1]} requests "
+                    f"and contexts of up to {self.cuda_graphs.context_buckets[-1]} tokens "
+                    "are captured as they first run, then replayed"))
+                self._graphs_said = refusal
+
+    _graphs_said: str | None = ""  # what was last logged of CUDA graphs: said once
+
+    def _cuda_graphs_refusal(self) -> str | None:
+        """Why this model's decode steps run eagerly on CUDA, or None: graphs apply."""
+        if self.config.model.enforce_eager:
+            return "off (--enforce-eager)"
+        if self.tp_group.world_size > 1:
+            return "off under tensor parallel (NCCL inside a graph is not proven here)"
+        if self.expert_step_tokens is not None:
+            return "off for MoE models (their routing counts are read on the host)"
+        if len(self.kv_cache_groups.windows) > 1:
+            return "off for a hybrid KV cache (several block tables a step)"
+        return None
+
+    def drop_cuda_graphs(self) -> None:
+        """Forget every captured graph (the KV cache or the weights they read moved);
+        later decode steps capture them again."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.graphs.clear()
 
     def profile_run(self) -> int:
         """Run the largest step the scheduler can send, for the memory profiler.
@@ -246,7 +284,11 @@ class ModelRunner:
         if self.expert_step_tokens is not None:
             self.expert_step_tokens.zero_()
         with set_forward_context(metadata):
-            hidden_states = self.model(input_ids, positions)
+            hidden_states = None
+            if self.cuda_graphs is not None:
+                hidden_states = self.cuda_graphs.run(input_ids, positions, metadata)
+            if hidden_states is None:
+                hidden_states = self.model(input_ids, positions)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[SampleLogprobs | None] = [None] * len(req_ids)
         probs: list[list[float]] | None = None

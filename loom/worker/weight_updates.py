@@ -124,7 +124,7 @@ class WeightUpdater:
             # In place: the weights stay allocated; what was planned on them goes. Packed
             # copies are replaced layer by layer after the load (a peak of one layer's).
             self._set(WeightsStatus.CLEARING)
-            _invalidate_native_stack(self.model)
+            self._invalidate_plans()
             self._set(WeightsStatus.CLEARED)
         self._set(WeightsStatus.UPDATING)
         if refill:
@@ -207,7 +207,7 @@ class WeightUpdater:
         runner.kv_caches = []
         for attention in self.model.attention_layers:
             attention.kv_cache = None
-        _invalidate_native_stack(self.model)
+        self._invalidate_plans()
         del storage
         self.kv_cache_freed = True
         self._release_memory()
@@ -250,7 +250,7 @@ class WeightUpdater:
                 param.table = None
             if getattr(param, "panels", None) is not None:  # an LM head's bf16 panels
                 param.panels = None
-        _invalidate_native_stack(self.model)
+        self._invalidate_plans()
 
     def _derive_state(self) -> None:
         """The loader's post-load pass again (model_loader.load_model): pack, re-plan."""
@@ -258,8 +258,14 @@ class WeightUpdater:
             hook = getattr(module, "process_weights_after_loading", None)
             if hook is not None:
                 hook()
-        _invalidate_native_stack(self.model)
+        self._invalidate_plans()
         self._release_memory()
+
+    def _invalidate_plans(self) -> None:
+        """Drop what was planned on the weights and the KV cache: the native stack's
+        plan, and CUDA graphs (which hold their addresses)."""
+        _invalidate_native_stack(self.model)
+        self.runner.drop_cuda_graphs()
 
     def _reallocate_params(self) -> None:
         params = dict(_unique_params(self.model))

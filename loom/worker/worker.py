@@ -194,10 +194,12 @@ class Worker:
         max_num_batched_tokens may come, and there it is lost in the step. Batch sizes
         go up to max_num_seqs, at most WARM_UP_MAX_BATCH, and stop once
         WARM_UP_BUDGET_S has passed on any rank (every rank runs the same steps, so
-        collectives stay in step). Nothing on CUDA yet (no CUDA graphs). Off with
-        ``enable_warm_up=False``.
+        collectives stay in step). On CUDA it runs where decode steps become CUDA graphs
+        (cuda_graphs.py): it captures the shortest contexts' graphs before any request.
+        Off with ``enable_warm_up=False``.
         """
-        if not self.config.model.enable_warm_up or self.device.type != "cpu":
+        if not self.config.model.enable_warm_up or (
+                self.device.type != "cpu" and self.model_runner.cuda_graphs is None):
             return
         block_ids = self._warm_up_block_ids()
         if len(block_ids) > self.num_blocks:
@@ -295,6 +297,15 @@ class Worker:
     def weights_status(self) -> dict:
         """The rank's WeightsStatus now and every state it has entered."""
         return {"status": int(self.weights.status), "history": list(self.weights.history)}
+
+    def cuda_graph_stats(self) -> dict:
+        """CUDA graphs on this rank (worker/cuda_graphs.py): the (batch, context) buckets
+        captured, the steps replayed, why graphs are off (None while on or never made)."""
+        graphs = self.model_runner.cuda_graphs
+        if graphs is None:
+            return {"captured": [], "replays": 0, "disabled": None, "made": False}
+        return {"captured": sorted(map(list, graphs.graphs)), "replays": graphs.replays,
+                "disabled": graphs.disabled, "made": True}
 
     def memory_usage(self) -> dict:
         """This rank's resident bytes (CPU: the process's RSS), and the bytes of its KV

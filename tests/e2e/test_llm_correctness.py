@@ -96,4 +96,10 @@ def test_greedy_matches_transformers(family_case, config_name):
     if config_name == "no_prefix_caching":
         assert stats.prefix_cache_hits == 0
     assert not llm.engine.engine_core.has_unfinished_requests()
+    if DEVICE == "cuda":  # decode steps ran as CUDA graphs where they apply
+        graphs = llm.collective_rpc("cuda_graph_stats")[0]
+        print(f"{family} {config_name}: CUDA graphs {graphs}")
+        assert graphs["disabled"] is None, graphs
+        if family not in ("gemma3", "qwen3_moe", "mixtral", "ernie4_5_moe"):
+            assert graphs["replays"] > 0, graphs
     llm.shutdown()

@@ -126,8 +126,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     oneDNN's 9.2 unpacked, 7.1 packed), chosen by shape, not by switching oneDNN off
     process-wide around the call. ``float_output``: the result may
     be float32 where the kernel has it unrounded (an LM head's logits); ``out_owner``:
-    the result may live in that owner's scratch buffer, valid until its next call."""
+    the result may live in that owner's scratch buffer, valid until its next call.
+    On CUDA, ``float_output`` takes cuBLAS's float32 sums of a bf16 or float16 matmul
+    unrounded (``cuda_float_sums``)."""
     if x.dtype != torch.bfloat16 or not x.is_cpu:
+        if float_output and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return cuda_float_sums(x, weight, bias)
         return F.linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
     if packed is not None and (packed.is_loom_kernel or rows > 1):
@@ -141,6 +145,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.mv(weight, vector) if bias is None else torch.addmv(bias, weight, vector)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def cuda_float_sums(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for bf16/float16 operands on CUDA, as float32: the
+    matmul's float32 accumulators, not rounded to the operands' dtype on the way out
+    (``torch.mm``'s ``out_dtype``). A layer's last linears feed the float32 residual
+    stream with them, as the CPU kernels do (layernorm.py): rounding them to bf16
+    cost the default model's Q4_1 file a point of top-1 agreement with its float32
+    self on the module path (tests/model/test_quantization.py)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+    if bias is not None:
+        out += bias.float()
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
@@ -563,29 +582,32 @@ class LinearBase(nn.Module):
             native_ops().quantized_linear(out, flat, self.quant_weight, bias)
             return out.view(*x.shape[:-1], self.output_size)
         if self.weight_parts is not None:
-            out = self._matmul_parts(x, bias)
+            out = self._matmul_parts(x, bias, float_output)
         elif self.weight_format is not None:
-            out = reference_linear(x, self.quantized(), bias)
+            out = reference_linear(x, self.quantized(), bias,
+                                   torch.float32 if float_output else None)
         elif self._weight_is_panels and x.dtype != torch.bfloat16:  # a rare caller
             out = F.linear(x, self.plain_weight().to(x.dtype), bias)
         else:
             out = linear(x, self.weight, bias, self.packed_weight, float_output=float_output)
         return out.float() if float_output else out
 
-    def _matmul_parts(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul_parts(self, x: torch.Tensor, bias: torch.Tensor | None,
+                      float_output: bool) -> torch.Tensor:
         """``matmul`` of a layer held in several formats: each part's rows of the
         weight into its columns of the output (its own kernel call)."""
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = torch.empty(flat.shape[0], self.output_size, dtype=x.dtype, device=x.device)
+        out = torch.empty(flat.shape[0], self.output_size,
+                          dtype=torch.float32 if float_output else x.dtype, device=x.device)
         first = 0
         for part in self.weight_parts:
             rows = part.shape[0] if isinstance(part, QuantizedTensor) else part.out_features
             part_bias = None if bias is None else bias.narrow(0, first, rows)
             columns = out.narrow(1, first, rows)
             if isinstance(part, QuantizedTensor):
-                columns.copy_(reference_linear(flat, part, part_bias))
+                columns.copy_(reference_linear(flat, part, part_bias, out.dtype))
             else:
                 native_ops().quantized_linear(columns, flat, part, part_bias)
             first += rows

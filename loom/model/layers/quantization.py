@@ -501,12 +501,14 @@ def _k_quantized(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedTe
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedTensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, weight dequantized, bias)`` with sums in float32 and one rounding to
-    ``x.dtype`` at the end: the PyTorch path, and what the kernel is compared with."""
+    ``out_dtype`` (``x.dtype`` by default) at the end: the PyTorch path, and what the
+    kernel is compared with."""
     out = F.linear(x.float(), weight.dequantize(torch.float32),
                    None if bias is None else bias.float())
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,

@@ -1,0 +1,224 @@
+"""Decode steps replayed from CUDA graphs.
+
+Eager PyTorch on a GPU is bound by the host: every kernel of a step is launched from
+Python, ~0.5 ms a decoder layer whatever the batch (benchmarks/cuda.md: a 1B model's
+step 8.7 ms against a roofline of 0.5). A step that only decodes (one new token per
+request) is captured once as a CUDA graph and from then on replayed: one launch.
+
+A graph fixes every shape and every address it reads:
+
+- **Batch.** The step's requests are padded up to the next batch bucket
+  (``batch_buckets``). A padding row repeats the first request: its token, position,
+  slot, block table row and length. It writes that request's own K/V, computed from the
+  same inputs, to the same slot, so the write changes nothing; its output is dropped.
+- **Context.** The torch attention backend's decode gathers the same number of
+  positions for every request and masks those past each one's length
+  (attention/torch_backend.py). In a graph that number is the step's context bucket,
+  a power of two at least the longest context, so each (batch, context) pair of
+  buckets has its own graph. Contexts past the largest bucket run eagerly.
+- **Inputs.** The graph reads static buffers (token ids, positions, slots, lengths,
+  block tables); each step copies its own into them, then replays. Block table
+  columns past a step's own stay as an earlier step left them: they index only
+  positions past every length, which attention masks and never gathers.
+
+Graphs are captured the first time their buckets run (a capture runs the step once
+eagerly first, for real, as the graph then will again), share one memory pool, and are
+dropped whenever what they captured moves: the KV cache is re-allocated, or the
+weights are updated, freed or re-derived (``ModelRunner.drop_cuda_graphs``).
+
+Steps that run eagerly, as before: any with a prefill or draft tokens; models with MoE
+layers (routing counts are read on the host), several KV cache groups (Gemma 3's
+hybrid layout), or tensor parallel (NCCL inside a graph is not proven here); and every
+step under ``enforce_eager``. A capture that fails is logged once and turns graphs off
+for the process: the step, and every later one, runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+MAX_CONTEXT = 8192  # the longest context a graph gathers (vLLM's max_seq_len_to_capture)
+# A graph's attention gathers batch * context positions of K and V per layer: past this
+# many, the step runs eagerly rather than hold the gather's memory in the graphs' pool.
+MAX_GATHERED_POSITIONS = 1 << 17
+MIN_CONTEXT = 256
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to max_num_seqs (itself the last)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
+    sizes += range(8, max_num_seqs, 8)
+    return sizes + [max_num_seqs]
+
+
+def context_buckets(max_context: int, block_size: int) -> list[int]:
+    """Powers of two from MIN_CONTEXT (or a block) up to ``max_context``, itself last,
+    each a whole number of blocks."""
+    def whole_blocks(n: int) -> int:
+        return -(-n // block_size) * block_size
+    top = whole_blocks(max_context)
+    sizes, size = [], max(MIN_CONTEXT, block_size)
+    while size < top:
+        sizes.append(whole_blocks(size))
+        size *= 2
+    return sizes + [top]
+
+
+def _bucket(buckets: list[int], n: int) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass
+class _StaticInputs:
+    """The buffers every graph reads, sized for the largest batch bucket."""
+
+    input_ids: torch.Tensor  # (B,) int64
+    positions: torch.Tensor  # (B,) int64
+    slot_mapping: torch.Tensor  # (B,) int64
+    seq_lens: torch.Tensor  # (B,) int32
+    block_table: torch.Tensor  # (B, max_blocks_per_seq) int32
+    query_start_loc: torch.Tensor  # (B + 1,) int32: 0, 1, 2, ... (one token each)
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> _StaticInputs:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch),
+                   zeros(max_batch, dtype=torch.int32),
+                   zeros(max_batch, max_blocks, dtype=torch.int32),
+                   torch.arange(max_batch + 1, dtype=torch.int32, device=device))
+
+
+class _Graph:
+    """One captured step; ``replay`` runs it on what the static inputs hold."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph, self.output = graph, output
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class _Uncaptured:
+    """The same padded step on the same static inputs, run eagerly (``capture=False``):
+    what a graph replays, on a device without graphs, for tests."""
+
+    def __init__(self, forward) -> None:
+        self.forward = forward
+
+    def replay(self) -> torch.Tensor:
+        return self.forward()
+
+
+class DecodeGraphs:
+    """A model's pure-decode steps replayed from CUDA graphs, one per (batch, context)
+    pair of buckets; ``run`` returns a step's hidden states, or None where the step
+    runs eagerly."""
+
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device, capture: bool = True) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.capture = capture
+        self.batch_buckets = batch_buckets(max_num_seqs)
+        self.context_buckets = context_buckets(min(max_model_len, MAX_CONTEXT), block_size)
+        max_blocks = -(-self.context_buckets[-1] // block_size)
+        self.inputs = _StaticInputs.allocate(self.batch_buckets[-1], max_blocks, device)
+        self.graphs: dict[tuple[int, int], _Graph | _Uncaptured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.disabled: str | None = None  # why graphs were turned off, once they are
+        self.replays = 0
+
+    def buckets_for(self, metadata: AttentionMetadata) -> tuple[int, int] | None:
+        """The (batch, context) buckets a step runs in, or None: it runs eagerly."""
+        if self.disabled or not metadata.is_pure_decode or metadata.group_metadata:
+            return None
+        batch = _bucket(self.batch_buckets, metadata.num_reqs)
+        context = _bucket(self.context_buckets, metadata.max_seq_len)
+        if batch is None or context is None or batch * context > MAX_GATHERED_POSITIONS:
+            return None
+        if metadata.block_table.shape[1] > self.inputs.block_table.shape[1]:
+            return None
+        return batch, context
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            metadata: AttentionMetadata) -> torch.Tensor | None:
+        """The step's hidden states (num_reqs, hidden), replayed; None: run it eagerly.
+        The result is the graph's own output buffer: read it before the next step."""
+        buckets = self.buckets_for(metadata)
+        if buckets is None:
+            return None
+        batch, context = buckets
+        n = metadata.num_reqs
+        self._stage(n, batch, input_ids, positions, metadata)
+        graph = self.graphs.get(buckets)
+        if graph is None:
+            graph = self._capture(batch, context)
+            if graph is None:
+                return None
+            self.graphs[buckets] = graph
+        self.replays += 1
+        return graph.replay()[:n]
+
+    def _stage(self, n: int, batch: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               metadata: AttentionMetadata) -> None:
+        """Copy the step into the static inputs; rows n..batch repeat row 0."""
+        s = self.inputs
+        width = metadata.block_table.shape[1]
+        for buffer, values in ((s.input_ids, input_ids), (s.positions, positions),
+                               (s.slot_mapping, metadata.slot_mapping),
+                               (s.seq_lens, metadata.seq_lens)):
+            buffer[:n].copy_(values)
+            if batch > n:
+                buffer[n:batch].copy_(buffer[:1].expand(batch - n))
+        s.block_table[:n, :width].copy_(metadata.block_table)
+        if batch > n:
+            s.block_table[n:batch].copy_(s.block_table[:1].expand(batch - n, -1))
+
+    def _metadata(self, batch: int, context: int) -> AttentionMetadata:
+        """A step of ``batch`` one-token requests over the static inputs whose longest
+        context is taken as ``context``: a fresh object each time, since the backend
+        caches what it derives on it (those derivations must be captured too)."""
+        s = self.inputs
+        return AttentionMetadata(
+            slot_mapping=s.slot_mapping[:batch], query_start_loc=s.query_start_loc[:batch + 1],
+            seq_lens=s.seq_lens[:batch], block_table=s.block_table[:batch],
+            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
+            max_query_len=1, max_seq_len=context, block_size=self.block_size)
+
+    def _forward(self, batch: int, context: int) -> torch.Tensor:
+        with set_forward_context(self._metadata(batch, context)):
+            return self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch])
+
+    def _capture(self, batch: int, context: int) -> _Graph | _Uncaptured | None:
+        if not self.capture:
+            return _Uncaptured(lambda: self._forward(batch, context))
+        try:
+            # Once eagerly on a side stream first (lazy initialisation, cuBLAS's
+            # workspace), as torch.cuda.graph asks; it computes this very step, writing
+            # the K/V the replay will write again.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(batch, context)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                output = self._forward(batch, context)
+        except Exception as exc:  # noqa: BLE001 - any failure: eager from now on
+            self.disabled = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            logger.warning("CUDA graphs off for this process, every step runs eagerly: "
+                           "capturing a decode step of batch %d, context %d failed (%s)",
+                           batch, context, self.disabled)
+            self.graphs.clear()
+            return None
+        logger.debug("captured a decode step: batch %d, context %d", batch, context)
+        return _Graph(graph, output)
