@@ -9,8 +9,9 @@
 #          (carry .whl .devcarry/part-a)
 #          every family token-for-token against transformers on the GPU (float32:
 #          batched, mixed lengths, chunked prefill, forced preemption, prefix caching
-#          on and off), the quantized paths against their dequantized weights, and
-#          benchmarks/cuda_speed.py (loom against transformers, interleaved)
+#          on and off; decode steps as CUDA graphs), the quantized paths against their
+#          dequantized weights, and benchmarks/cuda_speed.py [SPEED_ARGS] (loom with
+#          CUDA graphs and with --enforce-eager, each against transformers, interleaved)
 #   there: [STEPS='checks q4_1_kept'] bash benchmarks/cuda_check.sh b
 #          (carry .whl .devcarry/part-b .devcarry/sha256)
 #          benchmarks/cuda_check.py on the default model: Paris, Q4_1 kept against the
@@ -74,7 +75,9 @@ if [ "$stage" = a ]; then
             -k "greedy_matches_transformers_on_dequantized or k_quants_kept or fused_layers_mixing_formats_follow"
     fi
     if [[ " $steps " == *" speed "* ]]; then
-        step speed 240 python3 benchmarks/cuda_speed.py --rounds 2 --out "$out/cuda_speed.json"
+        # shellcheck disable=SC2086
+        step speed 300 python3 benchmarks/cuda_speed.py ${SPEED_ARGS:---rounds 2} \
+            --out "$out/cuda_speed.json"
     fi
 elif [ "$stage" = b ]; then
     [ -f /tmp/part-a ] || { echo "no /tmp/part-a: stage a did not run on this machine"; exit 1; }

@@ -156,7 +156,10 @@ def cuda_float_sums(x: torch.Tensor, weight: torch.Tensor,
     cost the default model's Q4_1 file a point of top-1 agreement with its float32
     self on the module path (tests/model/test_quantization.py)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+    if hasattr(torch.ops.aten.mm, "dtype"):  # torch.mm's out_dtype (PyTorch 2.8 on)
+        out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+    else:
+        out = torch.mm(flat.float(), weight.t().float())
     if bias is not None:
         out += bias.float()
     return out.view(*x.shape[:-1], weight.shape[0])
