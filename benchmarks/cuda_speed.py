@@ -1,6 +1,7 @@
 """loom against transformers on one GPU, interleaved, bf16, greedy, random weights.
 
     python benchmarks/cuda_speed.py [--device cuda] [--rounds 3] [--out FILE]
+    python benchmarks/cuda_speed.py --model-file F.gguf   # loom alone on a file
 
 Two shapes, random weights (speed does not depend on their values): SmolLM2-135M's
 (the default model's) and the 1B Llama ``make_1b.py`` makes. For each batch size, a
@@ -163,6 +164,39 @@ def bench_shape(shape: str, args, bandwidth: float) -> dict:
             "peak_device_bytes_all": peak, "engines": engines}
 
 
+def bench_file(path: str, args) -> dict:
+    """A model file as users have it (the default GGUF), loom only: kept as stored
+    (``auto``: the PyTorch reference path on CUDA) and dequantized (``none``), each
+    with CUDA graphs and with ``enforce_eager``; decode rates at each batch size."""
+    from loom import LLM
+
+    device = args.device
+    results = []
+    generator = torch.Generator().manual_seed(0)
+    for quantization in ("auto", "none"):
+        for name, options in ENGINES.items():
+            llm = LLM(path, device=device, dtype="bfloat16", quantization=quantization,
+                      max_model_len=args.input_len + args.output_len + 8,
+                      enable_prefix_caching=False, seed=0,
+                      **({"memory_utilization": 0.3} if device == "cuda" else {}), **options)
+            for batch in args.batch_sizes:
+                full, prefill = [], []
+                for round_ in range(args.warmup + args.rounds):
+                    prompts = torch.randint(3, 49152, (batch, args.input_len),
+                                            generator=generator).tolist()
+                    if round_ < args.warmup:
+                        time_loom(llm, prompts, 4, device)
+                        continue
+                    prefill.append(time_loom(llm, prompts, 1, device))
+                    full.append(time_loom(llm, prompts, args.output_len, device))
+                row = {"quantization": quantization, "engine": name, "batch_size": batch,
+                       **rates(full, prefill, batch, args.output_len)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+            llm.shutdown()
+    return {"file": os.path.basename(path), "results": results}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -174,7 +208,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--model-file", default=None,
+                        help="time loom alone on this file (e.g. the default GGUF) instead")
     args = parser.parse_args()
+    if args.model_file:
+        record = bench_file(args.model_file, args)
+        print(json.dumps(record), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+        return 0
     bandwidth = copy_bandwidth(args.device)
     record = {"device": (torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"),
               "torch": torch.__version__, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),

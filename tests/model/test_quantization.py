@@ -457,6 +457,35 @@ def test_layers_hold_no_full_precision_copy(method, dtype):
                                        atol=float(bound.max()) + atol)
 
 
+def test_pytorch_path_hands_the_residual_stream_its_float32_sums(monkeypatch):
+    """On the PyTorch path (CUDA; CPUs without loom's kernels), a bf16 layer's last linear
+    (``float_output``: into the float32 residual stream) returns the reference's float32
+    result itself, not rounded to bf16 first, as loom's kernels do. That rounding cost
+    the default Q4_1 file a point of top-1 agreement with its float32 self on CUDA and
+    on the CPU's module path (benchmarks/cuda.md, session 26); a fused layer mixing
+    formats does the same per part."""
+    from loom.model.layers import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "native_ops_for", lambda device, dtype: None)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        row = RowParallelLinear(96, 32, bias=True, quantization="wint8", float_output=True)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    weight = random_weight((32, 96), 5, torch.bfloat16)
+    row.weight.weight_loader(row.weight, weight)
+    row.bias.weight_loader(row.bias, torch.randn(32).bfloat16())
+    row.process_weights_after_loading()
+    assert row.quant_weight is None and row.weight_format == "wint8"  # the PyTorch path
+    x = torch.randn(5, 96).bfloat16()
+    y = row(x)
+    exact = reference_linear(x, quantize_wint8(weight), out_dtype=torch.float32) \
+        + row.bias.float()
+    assert y.dtype == torch.float32
+    assert torch.equal(y, exact)
+    assert not torch.equal(y, exact.bfloat16().float())  # not merely bf16 values
+
+
 @pytest.mark.parametrize("method", ["wint8", "wint4:32", "Q4_K", "Q5_K", "Q6_K"])
 def test_tensor_parallel_shards_are_slices_of_the_whole(method):
     """Each rank quantizes the whole checkpoint tensor and keeps its shard: row-parallel
