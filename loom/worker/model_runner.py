@@ -85,6 +85,7 @@ class ModelRunner:
         # Pure decode steps replayed from CUDA graphs (cuda_graphs.py); made with each
         # real KV cache where they apply, dropped when the cache or the weights change.
         self.cuda_graphs: DecodeGraphs | None = None
+        self._graphs_said: str | None = ""  # what was last logged of them: said once
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
         # Proposers run on rank 0 only, after sampling.
         spec = config.speculative
@@ -206,8 +207,6 @@ class ModelRunner:
                     f"and contexts of up to {self.cuda_graphs.context_buckets[-1]} tokens "
                     "are captured as they first run, then replayed"))
                 self._graphs_said = refusal
-
-    _graphs_said: str | None = ""  # what was last logged of CUDA graphs: said once
 
     def _cuda_graphs_refusal(self) -> str | None:
         """Why this model's decode steps run eagerly on CUDA, or None: graphs apply."""
