@@ -21,16 +21,19 @@ A graph fixes every shape and every address it reads:
   columns past a step's own stay as an earlier step left them: they index only
   positions past every length, which attention masks and never gathers.
 
-Graphs are captured the first time their buckets run (a capture runs the step once
-eagerly first, for real, as the graph then will again), share one memory pool, and are
-dropped whenever what they captured moves: the KV cache is re-allocated, or the
-weights are updated, freed or re-derived (``ModelRunner.drop_cuda_graphs``).
+Graphs are captured the first time their buckets run, on one stream of their own (a
+capture runs the step once eagerly on it first, for real, as the graph then will
+again), share one memory pool, and are dropped with it whenever what they captured
+moves: the KV cache is re-allocated, or the weights are updated, freed or re-derived
+(``ModelRunner.drop_cuda_graphs``). The KV cache's sizing leaves the pool
+``graphs_memory_estimate``.
 
 Steps that run eagerly, as before: any with a prefill or draft tokens; models with MoE
 layers (routing counts are read on the host), several KV cache groups (Gemma 3's
 hybrid layout), or tensor parallel (NCCL inside a graph is not proven here); and every
 step under ``enforce_eager``. A capture that fails is logged once and turns graphs off
-for the process: the step, and every later one, runs eagerly.
+for the process (the runner makes none for a later KV cache): the step, and every
+later one, runs eagerly.
 """
 
 from __future__ import annotations
@@ -69,6 +72,37 @@ def context_buckets(max_context: int, block_size: int) -> list[int]:
         sizes.append(whole_blocks(size))
         size *= 2
     return sizes + [top]
+
+
+def largest_gather(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most positions (requests x context) one captured step's attention gathers."""
+    contexts = context_buckets(min(max_model_len, MAX_CONTEXT), block_size)
+    return max((b * c for b in batch_buckets(max_num_seqs) for c in contexts
+                if b * c <= MAX_GATHERED_POSITIONS), default=0)
+
+
+CUBLAS_WORKSPACE_BYTES = 64 << 20  # the capture stream's (32 MiB on Hopper), with room
+
+
+def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
+                           block_size: int, dtype: torch.dtype) -> int:
+    """An upper estimate of the bytes the graphs' memory pool keeps: one layer's decode
+    attention at the largest captured step (K and V gathered; scores, softmax in
+    float32 and probabilities; the mask; the gather's int64 indices and their
+    intermediates), the largest linear on the PyTorch quantized path dequantized (its
+    float32 weight and the two float32 temporaries that make it), and the capture
+    stream's cuBLAS workspace. Activations between layers are a few rows: ignored."""
+    from loom.model.layers.linear import LinearBase
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_position = max(2 * a.num_kv_heads * a.head_dim * elt + a.num_heads * (2 * elt + 8)
+                       + elt + 6 * 8 for a in model.attention_layers)
+    dequantized = max((m.output_size * m.input_size for m in model.modules()
+                       if isinstance(m, LinearBase) and m.quant_weight is None
+                       and (m.weight_format is not None or m.weight_parts is not None)),
+                      default=0)
+    return (largest_gather(max_num_seqs, max_model_len, block_size) * per_position
+            + 3 * 4 * dequantized + CUBLAS_WORKSPACE_BYTES)
 
 
 def _bucket(buckets: list[int], n: int) -> int | None:
@@ -133,9 +167,20 @@ class DecodeGraphs:
         max_blocks = -(-self.context_buckets[-1] // block_size)
         self.inputs = _StaticInputs.allocate(self.batch_buckets[-1], max_blocks, device)
         self.graphs: dict[tuple[int, int], _Graph | _Uncaptured] = {}
+        # One stream for every warm-up and capture: cuBLAS keeps a workspace per
+        # (handle, stream), made by the eager warm-up outside the graphs' pool; a fresh
+        # stream per capture would leave one behind each time (32 MiB on Hopper).
+        self.stream = torch.cuda.Stream(device) if capture else None
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None  # why graphs were turned off, once they are
         self.replays = 0
+
+    def clear(self) -> None:
+        """Drop every graph (what they read moved); later steps capture them again, in
+        a fresh pool."""
+        self.graphs.clear()
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def buckets_for(self, metadata: AttentionMetadata) -> tuple[int, int] | None:
         """The (batch, context) buckets a step runs in, or None: it runs eagerly."""
@@ -201,24 +246,31 @@ class DecodeGraphs:
     def _capture(self, batch: int, context: int) -> _Graph | _Uncaptured | None:
         if not self.capture:
             return _Uncaptured(lambda: self._forward(batch, context))
+        previous = torch.cuda.current_stream()
         try:
-            # Once eagerly on a side stream first (lazy initialisation, cuBLAS's
+            # Once eagerly on the capture stream first (lazy initialisation, cuBLAS's
             # workspace), as torch.cuda.graph asks; it computes this very step, writing
             # the K/V the replay will write again.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(batch, context)
-            torch.cuda.current_stream().wait_stream(side)
+            self.stream.wait_stream(previous)
+            try:
+                with torch.cuda.stream(self.stream):
+                    self._forward(batch, context)
+            finally:
+                previous.wait_stream(self.stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                  capture_error_mode="thread_local"):
                 output = self._forward(batch, context)
         except Exception as exc:  # noqa: BLE001 - any failure: eager from now on
+            # a capture that failed may leave its stream current: every later step,
+            # and what other threads order after it, runs on the step's own stream
+            torch.cuda.set_stream(previous)
+            torch.cuda.synchronize()
             self.disabled = f"{type(exc).__name__}: {exc}".splitlines()[0]
             logger.warning("CUDA graphs off for this process, every step runs eagerly: "
                            "capturing a decode step of batch %d, context %d failed (%s)",
                            batch, context, self.disabled)
-            self.graphs.clear()
+            self.clear()
             return None
         logger.debug("captured a decode step: batch %d, context %d", batch, context)
         return _Graph(graph, output)

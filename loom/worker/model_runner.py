@@ -32,7 +32,7 @@ from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
 from loom.spec_decode.rejection_sampler import RejectionSampler
-from loom.worker.cuda_graphs import DecodeGraphs
+from loom.worker.cuda_graphs import DecodeGraphs, graphs_memory_estimate
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class ModelRunner:
         # real KV cache where they apply, dropped when the cache or the weights change.
         self.cuda_graphs: DecodeGraphs | None = None
         self._graphs_said: str | None = ""  # what was last logged of them: said once
+        self._graphs_failed: str | None = None  # a capture's failure: none again
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
         # Proposers run on rank 0 only, after sampling.
         spec = config.speculative
@@ -175,6 +176,8 @@ class ModelRunner:
         return len(windows), windows.count(None)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.cuda_graphs is not None and self.cuda_graphs.disabled:
+            self._graphs_failed = self.cuda_graphs.disabled  # off for the process
         self.cuda_graphs = None  # graphs and their inputs, made again for this cache
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)  # see kv_layout.py
         # Not zeroed: attention never reads a slot before writing it (padding repeats a
@@ -212,6 +215,8 @@ class ModelRunner:
         """Why this model's decode steps run eagerly on CUDA, or None: graphs apply."""
         if self.config.model.enforce_eager:
             return "off (--enforce-eager)"
+        if self._graphs_failed:
+            return f"off after a capture failed ({self._graphs_failed})"
         if self.tp_group.world_size > 1:
             return "off under tensor parallel (NCCL inside a graph is not proven here)"
         if self.expert_step_tokens is not None:
@@ -224,7 +229,18 @@ class ModelRunner:
         """Forget every captured graph (the KV cache or the weights they read moved);
         later decode steps capture them again."""
         if self.cuda_graphs is not None:
-            self.cuda_graphs.graphs.clear()
+            self.cuda_graphs.clear()
+
+    def cuda_graphs_memory_reserve(self) -> int:
+        """Bytes the KV cache sizing leaves for CUDA graphs (0 where none are made):
+        their memory pool holds the largest captured step's activations for good,
+        where the profiled eager steps cannot reuse them (``graphs_memory_estimate``)."""
+        if self.device.type != "cuda" or self._cuda_graphs_refusal() is not None:
+            return 0
+        scheduler = self.config.scheduler
+        return graphs_memory_estimate(self.model, scheduler.max_num_seqs,
+                                      self.config.model.max_model_len, self.block_size,
+                                      self.dtype)
 
     def profile_run(self) -> int:
         """Run the largest step the scheduler can send, for the memory profiler.

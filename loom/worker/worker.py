@@ -84,6 +84,7 @@ class Worker:
 
             total_memory * memory_utilization - memory after loading - activation peak
 
+        (on CUDA, less what CUDA graphs will hold: ``cuda_graphs_memory_reserve``)
         where total_memory is the device's (CUDA) or this rank's share of the memory
         available to the process when it started (CPU). None of them given: on CUDA
         the same with DEFAULT_GPU_MEMORY_UTILIZATION; on the CPU the lean default
@@ -152,8 +153,11 @@ class Worker:
             # Memory outside torch's allocator (CUDA context, NCCL buffers, other processes).
             non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)  # weights + activations
-            self.profile = {"total": total, "peak": peak, "non_torch": non_torch}
-            return int(total * utilization) - peak - non_torch
+            # CUDA graphs are captured after the cache is made: their pool's share
+            graphs = self.model_runner.cuda_graphs_memory_reserve()
+            self.profile = {"total": total, "peak": peak, "non_torch": non_torch,
+                            "cuda_graphs": graphs}
+            return int(total * utilization) - peak - non_torch - graphs
         used_after_load = memory.process_rss()
         exact = memory.reset_peak_rss()
         before = memory.process_rss() if exact else memory.peak_rss()

@@ -129,3 +129,21 @@ def test_steps_graphs_do_not_take_run_eagerly(runner):
         assert graphs.replays == 2
     finally:
         runner.cuda_graphs = None
+
+
+def test_a_failed_capture_keeps_graphs_off_when_the_cache_is_made_again(runner):
+    """A capture that failed turned graphs off for the process: a new KV cache (wake_up
+    after sleep) makes no new ones, and the reason is what the runner says."""
+    graphs = DecodeGraphs(runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False)
+    graphs.disabled = "RuntimeError: operation not permitted when stream is capturing"
+    runner.cuda_graphs = graphs
+    try:
+        runner.initialize_kv_cache(6 * BLOCKS_PER_REQ + 1)
+        assert runner.cuda_graphs is None
+        assert runner._cuda_graphs_refusal() == (
+            "off after a capture failed (RuntimeError: operation not permitted when "
+            "stream is capturing)")
+    finally:
+        runner._graphs_failed = None
+    assert runner._cuda_graphs_refusal() is None
+    assert runner.cuda_graphs_memory_reserve() == 0  # the CPU captures none
