@@ -103,3 +103,34 @@ def test_greedy_matches_transformers(family_case, config_name):
         if family not in ("gemma3", "qwen3_moe", "mixtral", "ernie4_5_moe"):
             assert graphs["replays"] > 0, graphs
     llm.shutdown()
+
+
+def test_decode_after_weight_updates_and_sleep_gives_the_same_tokens(tmp_path):
+    """The same weights loaded again (``update_weights``), then the KV cache and the
+    weights freed and brought back (``sleep(2)``, ``wake_up``): the same greedy tokens
+    each time. On CUDA, decode steps are replayed from CUDA graphs again after each
+    (the graphs were dropped with what they read, and captured anew)."""
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    make_tiny_tokenizer(path)
+    prompts = make_prompts(256)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    with LLM(path, device=DEVICE, dtype="float32", max_model_len=256, seed=0) as llm:
+        def run() -> list[list[int]]:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outputs]
+
+        def replays() -> int:
+            stats = llm.collective_rpc("cuda_graph_stats")[0]
+            assert stats["disabled"] is None, stats
+            return stats["replays"]
+
+        first, replayed = run(), replays()
+        llm.update_weights()
+        assert run() == first
+        after_update = replays()
+        llm.sleep(2)
+        llm.wake_up()
+        assert run() == first
+        if DEVICE == "cuda":  # (wake_up's new KV cache makes new graphs: counted anew)
+            assert replayed > 0 and after_update > replayed and replays() > 0
