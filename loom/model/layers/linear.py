@@ -147,6 +147,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+_MM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm's out_dtype (2.8 on)
+
+
 def cuda_float_sums(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for bf16/float16 operands on CUDA, as float32: the
@@ -156,7 +159,7 @@ def cuda_float_sums(x: torch.Tensor, weight: torch.Tensor,
     cost the default model's Q4_1 file a point of top-1 agreement with its float32
     self on the module path (tests/model/test_quantization.py)."""
     flat = x.reshape(-1, x.shape[-1])
-    if hasattr(torch.ops.aten.mm, "dtype"):  # torch.mm's out_dtype (PyTorch 2.8 on)
+    if _MM_HAS_OUT_DTYPE:
         out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
     else:
         out = torch.mm(flat.float(), weight.t().float())
