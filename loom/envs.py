@@ -51,6 +51,14 @@ class Settings:
     """Run matmuls of 8 rows or more on the CPU's AMX tiles where it has them and Linux
     grants them (``kernels/csrc/bf16_gemm.cpp``). 0 keeps them on the AVX-512 kernels."""
 
+    batch_invariant: bool = field(default=True, metadata={"env": "LOOM_BATCH_INVARIANT"})
+    """A request's greedy tokens do not depend on what else is in its step: every native
+    CPU kernel gives a row the same bits whatever the other rows are (quantized matmuls
+    take the integer path at every row count; bf16 matmuls stay off the AMX tiles, whose
+    sums round in another order than the AVX-512 kernel's). 0 lets calls of 9 rows or
+    more take the bf16 path and the tiles, faster on CPUs with AMX (vLLM's
+    ``VLLM_BATCH_INVARIANT``, the other way round; README, "Greedy is greedy")."""
+
     native_kernels: bool = field(default=True, metadata={"env": "LOOM_NATIVE_KERNELS"})
     """Build and use the native CPU kernels (``loom/kernels``). 0: ``native_ops()`` is
     None and every caller takes its PyTorch path."""

@@ -184,6 +184,7 @@ def _load() -> ModuleType | None:
         if first_use:
             progress(f"native CPU kernels compiled in {time.monotonic() - started:.0f} s")
         module.set_bf16_amx(settings().amx)
+        module.set_batch_invariant(settings().batch_invariant)
         return module
     except Exception as exc:  # no compiler, build error: fall back to PyTorch ops
         lines = [line for line in str(exc).splitlines() if line.strip()]

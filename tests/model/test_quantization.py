@@ -276,40 +276,72 @@ def test_many_rows_match_the_reference_and_one_row(fmt, kernel_isa):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_few_rows_on_vnni_multiply_integers_as_the_avx2_kernel_does(fmt):
-    """On AVX-512 with VNNI, 1 to 8 rows of every format take int16 products
-    (quant_gemm.cpp's int16_stream): x rounded as the AVX2 kernel rounds it, exact int32
-    sums per span, each span scaled as the AVX2 kernel scales it. So the two kernels give
-    the same bits there (x's values 2^-12 of their block's largest are rounded: the bf16
-    products would not give them), and kernel_error_bound counts x's rounding for it;
-    from 9 rows the AVX-512 kernel's bf16 products (or the AMX tiles')."""
-    ops = kernel_ops()
-    if "avx512" not in ops.isas() or "avx512_vnni" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX-512 VNNI: these rows take the bf16 or the AVX2 kernel")
-    assert ops.isa() == "avx512"
-    assert ops.quant_gemm_rounds_x(1) and ops.quant_gemm_rounds_x(8)
-    assert not ops.quant_gemm_rounds_x(9)
+def test_every_row_count_gives_a_row_the_bits_it_has_alone(fmt, kernel_isa):
+    """Batch invariance (on by default): a row's outputs do not depend on how many other
+    rows share its call. Every row count takes integer products (x rounded to int16 per
+    block of 32, exact int32 sums per span, each span scaled in the same order): on
+    AVX-512 with VNNI 1 to 8 rows stream the weights (quant_gemm.cpp's int16_stream)
+    and more rows multiply a slab decoded into L1, with the same integers and the same
+    epilogue; the AVX2 kernel does the same. So a row gives the same bits alone and
+    among 1..256 rows, on either kernel, and both kernels agree (x's values 2^-12 of
+    their block's largest are rounded: bf16 products would not give them)."""
+    ops = kernel_isa
     n, k = 37, 2304  # a partial panel; 72 spans of 32, 9 super-blocks
     weight = make_format(fmt, n, k, seed=21)
     packed = weight.pack(ops)
     gen = torch.Generator().manual_seed(4)
     bias = torch.randn(n, generator=gen)
-    for rows in (1, 2, 3, 5, 8):
-        x = torch.randn(rows, k, generator=gen)
-        x[:, 40:72] *= 2.0 ** -12  # values the rounding moves
-        x[:, 7] = 900.0
-        x = x.bfloat16()
+    x = torch.randn(256, k, generator=gen)
+    x[:, 40:72] *= 2.0 ** -12  # values the rounding moves
+    x[:, 7] = 900.0
+    x = x.bfloat16()
+    alone = torch.empty(256, n)
+    for r in range(256):
+        ops.quantized_linear(alone[r:r + 1], x[r:r + 1], packed, bias)
+    for rows in (1, 2, 3, 5, 8, 9, 13, 17, 33, 100, 256):
+        assert ops.quant_gemm_rounds_x(rows)
         out = torch.empty(rows, n)
-        ops.quantized_linear(out, x, packed, bias)
+        ops.quantized_linear(out, x[:rows], packed, bias)
+        assert torch.equal(out, alone[:rows]), (rows, int((out != alone[:rows]).sum()))
+        # bf16 outputs: the same sums rounded once
+        out16 = torch.empty(rows, n, dtype=torch.bfloat16)
+        ops.quantized_linear(out16, x[:rows], packed, bias)
+        assert torch.equal(out16, alone[:rows].bfloat16()), rows
+    error = (alone - reference_linear(x.float(), weight, bias)).abs()
+    assert bool((error <= kernel_error_bound(x, weight) + bias.abs() * 2 * U32).all())
+    if "avx512" in ops.isas() and ops.isa() == "avx512":  # the two kernels agree
         previous = ops.set_isa("generic")
         try:
-            avx2 = torch.empty(rows, n)
+            avx2 = torch.empty(256, n)
             ops.quantized_linear(avx2, x, packed, bias)
         finally:
             ops.set_isa(previous)
-        assert torch.equal(out, avx2), rows
-        error = (out - reference_linear(x.float(), weight, bias)).abs()
-        assert bool((error <= kernel_error_bound(x, weight) + bias.abs() * 2 * U32).all())
+        assert torch.equal(alone, avx2)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "wint8"])
+def test_without_batch_invariance_more_rows_take_the_bf16_path(fmt):
+    """LOOM_BATCH_INVARIANT=0 (the faster variant on CPUs with AMX): from 9 rows the
+    AVX-512 kernel multiplies bf16 x as it comes (or the AMX tiles do), so a row's bits
+    may differ from its bits alone, within the two kernels' bounds together; 1 to 8 rows
+    still round x where the CPU has VNNI."""
+    ops = kernel_ops()
+    if "avx512" not in ops.isas() or "avx512_vnni" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX-512 VNNI: every row count takes the AVX2 kernel's integers")
+    n, k = 37, 768
+    weight = make_format(fmt, n, k, seed=5)
+    packed = weight.pack(ops)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    previous = ops.set_batch_invariant(False)
+    try:
+        assert ops.quant_gemm_rounds_x(8) and not ops.quant_gemm_rounds_x(9)
+        out = torch.empty(33, n)
+        ops.quantized_linear(out, x, packed, None)
+    finally:
+        ops.set_batch_invariant(previous)
+    assert ops.batch_invariant() and ops.quant_gemm_rounds_x(9)
+    assert bool(((out - reference_linear(x.float(), weight)).abs()
+                 <= kernel_error_bound(x, weight, integer_x=False)).all())
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q6_K", "wint8"])

@@ -459,7 +459,9 @@ bool bf16_gemm_available() { return LOOM_HAVE_BF16_GEMM; }
 
 bool bf16_amx_available() {
 #if LOOM_HAVE_AMX
-  return amx_wanted.load(std::memory_order_relaxed) && amx_permitted();
+  // (batch invariance: the tiles round sums in another order than the AVX-512
+  // micro-kernel, which 1-7 rows take)
+  return amx_wanted.load(std::memory_order_relaxed) && !batch_invariant() && amx_permitted();
 #else
   return false;
 #endif

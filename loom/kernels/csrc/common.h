@@ -55,6 +55,15 @@ inline bool use_avx512() {
   return LOOM_HAVE_AVX512_BF16 && !force_generic_isa.load(std::memory_order_relaxed);
 }
 
+// Batch invariance (loom/envs.py's LOOM_BATCH_INVARIANT, set once when the module loads;
+// on by default): every kernel gives a row the same bits whatever the other rows of its
+// call are. quantized_linear then takes its integer path at every row count and
+// bf16_linear keeps off the AMX tiles. Off, calls of more rows take faster paths whose
+// sums round differently (the bf16 quantized path, the tiles).
+inline std::atomic<bool> batch_invariance{true};
+
+inline bool batch_invariant() { return batch_invariance.load(std::memory_order_relaxed); }
+
 // ---------------------------------------------------------------- scalar helpers
 
 // Scalar helpers written so that `#pragma omp simd` loops over them vectorize:

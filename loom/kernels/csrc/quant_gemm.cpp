@@ -2,12 +2,16 @@
 // with float16/float32 scales, or the K-quants' two-level ones) and bfloat16 x, on CPUs
 // with AVX512-BF16; on CPUs with AVX2, FMA and F16C only, the same layout read as int16
 // and multiplied by x rounded to int16 per block of 32 features (namespace avx2, near
-// the end), as 1 to 8 rows are on AVX-512 CPUs with VNNI (namespace int16_stream, last).
+// the end), as every row count is on AVX-512 CPUs with VNNI (namespace int16_stream,
+// last) while batch invariance is on (the default, common.h): the same integers and
+// the same float epilogue at every row count, so a row's outputs do not depend on the
+// other rows of its call.
 //
 // One kernel for every format loom keeps quantized (quant_gemm.h): GGUF's Q8_0, Q4_0,
 // Q4_1, Q5_0, Q4_K, Q5_K and Q6_K and loom's wint8 and wint4 all read as w = d * q + m
 // per group, with the offset m stored (asymmetric) or fixed at -d * 2^(bits-1)
-// (symmetric). Per group g of each output row, with bfloat16 x as it comes:
+// (symmetric). The bf16 path below (CPUs without VNNI, and 9 rows or more with batch
+// invariance off), per group g of each output row, with bfloat16 x as it comes:
 //
 //     y[n] += d[n,g] * S[n,g] + m[n,g] * X[g],   S = sum_{k in g} q'[n,k] x[k],
 //                                                X = sum_{k in g} x[k]
@@ -17,8 +21,8 @@
 // faster), 8-bit ones are stored q - 128 and converted through float32;
 // the bias comes back with X. S comes from vdpbf16ps: every product exact, float32 sums.
 // So the result differs from dequantize-then-matmul in float32 only by float32
-// rounding: no activation is quantized. (From 1 to 8 rows with VNNI, int16_stream
-// rounds x to int16 with a power-of-two step per block of 32, as the AVX2 kernel does:
+// rounding: no activation is quantized. (The integer paths round x to int16 with a
+// power-of-two step per block of 32, as the AVX2 kernel does:
 // exact for every value within 2^8 of the block's largest, within half a step, 2^-15
 // of the largest's power of two, for the rest; beside SmolLM2's outliers of 3,000 a
 // value near 1 moves by up to 1/16 where bf16 holds it to 1/256. On the Zen 3 VM,
@@ -43,8 +47,9 @@
 // (before: the two-level scales multiplied out into float32, and 5- and 6-bit values
 // held in 8 bits: Q4_K 6, Q5_K 10, Q6_K 10, Q5_0 8.5.)
 //
-// (On CPUs with AVX512-VNNI, 1 to 8 rows take int16_stream instead; what follows is the
-// bf16 path, theirs from 9 rows and every row's on a CPU without VNNI.)
+// (On CPUs with AVX512-VNNI every row count takes int16_stream instead, 1 to 8 rows with
+// batch invariance off; what follows is the bf16 path, theirs from 9 rows then, and
+// every row's on a CPU without VNNI.)
 // One row streams each weight byte once and unpacks it in registers (a block of 32
 // features of 16 outputs: 4-bit 8 loads, 56 unpacking instructions, 16 vdpbf16ps);
 // so do up to 12 rows of 4-bit values and 24 of wider ones, each block of up to 6 rows
@@ -105,7 +110,7 @@
 #define LOOM_HAVE_QUANT_GEMM_AVX2 0
 #endif
 
-// 1-8 rows on AVX-512 with VNNI: int16 products (int16_stream below).
+// AVX-512 with VNNI: int16 products (int16_stream below), every row count or 1-8 rows.
 #if LOOM_HAVE_QUANT_GEMM && LOOM_HAVE_QUANT_GEMM_AVX2 && defined(__AVX512VNNI__)
 #define LOOM_HAVE_INT16_STREAM 1
 #else
@@ -1090,7 +1095,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 //   once) once, then 2 rows at a time multiply it from L1 (8 sums in registers).
 namespace avx2 {
 
-constexpr int64_t kSlabFeatures = 256;
+constexpr int64_t kSlabFeatures = 128;
 
 inline __m256 load8_scales_half(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -1557,8 +1562,8 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 #endif
 
 #if LOOM_HAVE_INT16_STREAM
-// 1 to 8 rows of every format on AVX-512 with VNNI: integer products, as the AVX2
-// kernel takes them. x is rounded to int16 per block of 32 features as the AVX2 kernel
+// Every row count of every format on AVX-512 with VNNI (1 to 8 rows with batch
+// invariance off): integer products, as the AVX2 kernel takes them. x is rounded to int16 per block of 32 features as the AVX2 kernel
 // rounds it (avx2::integer_x); each pair vector's 32 values are widened to words (8-bit:
 // one vpmovsxbw; 4-bit: one vpmovzxbw gives two vectors' bytes, an and and a shift
 // their nibbles; 5- and 6-bit: the plane's high bits or-ed in, as avx2::decode_words
@@ -1582,6 +1587,67 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 namespace int16_stream {
 
 constexpr int64_t kMaxRows = 8;
+
+// acc += vpdpwssd(a, b), in place. GCC 12 compiles _mm512_dpwssd_epi32 into a copy of
+// the accumulator to a fresh register beside each product (a vmovdqa64 per vpdpwssd in
+// the slab's inner loop, and spills past 16 accumulators): 1.5x the time at 32 rows.
+inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// f(j, k, words): pair vector j of the block at p (its k-th in order: the chain a
+// one-row caller adds it to) as 32 int16 words, word 2i + c feature 2j + c of row i;
+// 8-bit values signed as stored (q - 128), 4-, 5- and 6-bit ones as stored, in
+// [0, 2^BITS) (the zero point is the caller's). 8-bit: one vpmovsxbw a vector; 4-bit:
+// one vpmovzxbw gives two vectors' bytes, an and and a shift their nibbles; 5- and
+// 6-bit: the plane's high bits or-ed in, as avx2::decode_words does.
+template <int BITS, typename F>
+inline void decode_pairs(const uint8_t* block, F&& f) {
+  constexpr int kPairs = block_features(BITS) / 2;
+  if constexpr (BITS == 8) {
+    unrolled<kPairs>([&](auto j) {
+      f(decltype(j)::value, j, _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j))));
+    });
+  } else {  // chunk c: pair vectors c (low nibbles) and c + kChunks (high), as stored
+    constexpr int kChunks = kPairs / 2, kHigh = BITS - 4;
+    __m512i plane = _mm512_setzero_si512();
+    if constexpr (BITS != 4) plane = _mm512_loadu_si512(block + 32 * kChunks);
+    // the plane's bits for the vector at `at` (kHigh a vector), moved to bit 4
+    auto high_bits = [&](auto at) {
+      constexpr int A = decltype(at)::value;
+      const __m512i mask = _mm512_set1_epi16(((1 << kHigh) - 1) << 4);
+      if constexpr (A >= 4)
+        return _mm512_and_si512(_mm512_srli_epi16(plane, A - 4), mask);
+      else
+        return _mm512_and_si512(_mm512_slli_epi16(plane, 4 - A), mask);
+    };
+    unrolled<kChunks>([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      const __m512i v = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * C)));
+      __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x000F));
+      __m512i hi = _mm512_srli_epi16(v, 4);
+      if constexpr (BITS != 4) {
+        lo = _mm512_or_si512(lo, high_bits(std::integral_constant<int, kHigh * C>{}));
+        hi = _mm512_or_si512(hi, high_bits(std::integral_constant<int, kHigh * (C + kChunks)>{}));
+      }
+      f(C, std::integral_constant<int, 2 * C>{}, lo);
+      f(C + kChunks, std::integral_constant<int, 2 * C + 1>{}, hi);
+    });
+  }
+}
+
+// One span's exact int32 sums t (zero point taken off) of a row into its 16 outputs'
+// float32 sums: acc += d step t (+ m Xf), as avx2::add_span. Every path of this
+// namespace ends a span here, in span order, so a row's bits are the same whichever
+// path (and however many other rows) a call takes.
+template <bool ASYM>
+inline __m512 add_span(__m512 acc, __m512i t, __m512 d, __m512 m, float step, float fsum) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(step)), _mm512_cvtepi32_ps(t), acc);
+  if constexpr (ASYM) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(fsum), acc);
+  return acc;
+}
 
 template <int BITS, bool ASYM, typename ScaleT, int R, typename OutT>
 void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::IntX& x,
@@ -1607,87 +1673,243 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
       const int32_t* xs[R];  // the span's pairs of x, per row
       for (int r = 0; r < R; ++r)
         xs[r] = reinterpret_cast<const int32_t*>(x.q + r * x.k + span * x.span);
-      // pair vector j of the block (its k-th: the chain it joins) times x's pair j
-      auto product = [&](int64_t first, int j, auto k, __m512i q) {
-        for (int r = 0; r < R; ++r) {
-          __m512i& sum = s[r][decltype(k)::value % kSets];
-          sum = _mm512_dpwssd_epi32(sum, q, _mm512_set1_epi32(xs[r][first + j]));
-        }
-      };
       for (int64_t b = 0; b < blocks_per_span; ++b, block += kBytes) {
         for (int64_t at = 0; at < kBytes; at += 64) prefetch(block + kPrefetch + at);
         const int64_t first = b * kPairs;
-        if constexpr (BITS == 8) {
-          unrolled<kPairs>([&](auto j) {
-            product(first, j, j, _mm512_cvtepi8_epi16(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j))));
-          });
-        } else {  // chunk c: pair vectors c (low nibbles) and c + kChunks (high), as
-                  // stored; 5- and 6-bit values' high bits from the plane, as
-                  // avx2::decode_words takes them
-          constexpr int kChunks = kPairs / 2, kHigh = BITS - 4;
-          __m512i plane = _mm512_setzero_si512();
-          if constexpr (BITS != 4) plane = _mm512_loadu_si512(block + 32 * kChunks);
-          // the plane's bits for the vector at `at` (kHigh a vector), moved to bit 4
-          auto high_bits = [&](auto at) {
-            constexpr int A = decltype(at)::value;
-            const __m512i mask = _mm512_set1_epi16(((1 << kHigh) - 1) << 4);
-            if constexpr (A >= 4)
-              return _mm512_and_si512(_mm512_srli_epi16(plane, A - 4), mask);
-            else
-              return _mm512_and_si512(_mm512_slli_epi16(plane, 4 - A), mask);
-          };
-          unrolled<kChunks>([&](auto c) {
-            constexpr int C = decltype(c)::value;
-            const __m512i v = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * C)));
-            __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x000F));
-            __m512i hi = _mm512_srli_epi16(v, 4);
-            if constexpr (BITS != 4) {
-              lo = _mm512_or_si512(lo, high_bits(std::integral_constant<int, kHigh * C>{}));
-              hi = _mm512_or_si512(
-                  hi, high_bits(std::integral_constant<int, kHigh * (C + kChunks)>{}));
-            }
-            product(first, C, std::integral_constant<int, 2 * C>{}, lo);
-            product(first, C + kChunks, std::integral_constant<int, 2 * C + 1>{}, hi);
-          });
-        }
+        // pair vector j of the block (its k-th: the chain it joins) times x's pair j
+        decode_pairs<BITS>(block, [&](int j, auto k, __m512i q) {
+          for (int r = 0; r < R; ++r) {
+            __m512i& sum = s[r][decltype(k)::value % kSets];
+            sum = _mm512_dpwssd_epi32(sum, q, _mm512_set1_epi32(xs[r][first + j]));
+          }
+        });
       }
       for (int r = 0; r < R; ++r) {
         for (int q = kSets / 2; q > 0; q /= 2)  // a fixed tree (integers: exact anyway)
           for (int t = 0; t < q; ++t) s[r][t] = _mm512_add_epi32(s[r][t], s[r][t + q]);
-        __m512i t = s[r][0];  // as avx2::add_span: d step (S - z X) (+ m Xf)
+        __m512i t = s[r][0];  // S - z X, as the slab's values come with z taken off
         if constexpr (kZero != 0)
           t = _mm512_sub_epi32(t, _mm512_set1_epi32(kZero * x.sums[r * x.spans + span]));
-        const __m512 step = _mm512_set1_ps(x.step[r * x.blocks + span * x.span / avx2::kXBlock]);
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, step), _mm512_cvtepi32_ps(t), acc[r]);
-        if constexpr (ASYM)
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.fsums[r * x.spans + span]), acc[r]);
+        acc[r] = add_span<ASYM>(acc[r], t, d, m,
+                                x.step[r * x.blocks + span * x.span / avx2::kXBlock],
+                                ASYM ? x.fsums[r * x.spans + span] : 0.f);
       }
     }
   }
   store_rows<R>(acc, bias, y, ldy, cols);
 }
 
-// Whether this kernel takes a call: 1 to 8 rows, of every format the kernels have.
-inline bool takes(int64_t rows) { return rows <= kMaxRows; }
+// More than 8 rows: kSlabPanels panels at a time, a slab of up to kSlabFeatures
+// features of each decoded once into `buffer` (2 x 8 KB, in L1) as int16 words with the
+// zero point taken off, then kSlabRows rows at a time multiply it, one vpdpwssd per row,
+// pair and panel (a pair of x broadcast once for both panels), their float32 sums kept
+// in `sums` (rows x 32) between slabs. A span's int32 sums are the very integers
+// panel_times_rows sums and they end in the same add_span, so each row's outputs carry
+// the same bits as they do with 1 to 8 rows, and as the AVX2 kernel's.
+constexpr int64_t kSlabFeatures = 128;
+constexpr int kSlabPanels = 4;
+constexpr int kSlabRows = 4;
+constexpr int64_t kSlabPairs = kSlabFeatures / 2;
+
+// Rows [row, row + R) times spans [first, first + spans) of the slab (pair j of panel v
+// at buffer + (v * kSlabPairs + j) * 32 words; span sp's d and m at d[sp][v], m[sp][v]),
+// in two passes: each span's R x P int32 sums (R x P registers, one broadcast of a row's
+// x pair for the P panels) into `spans_sums`, then row by row, panel by panel, the spans'
+// add_span into the float32 sums kept in `sums`. (One pass holding both the int32 and
+// the float32 sums in registers spilled them: 1.5x the time.)
+template <int R, bool ASYM, int SPAN, int P>
+void rows_times_slab(const int16_t* buffer, int64_t spans, int64_t first,
+                     const __m512 (*d)[kSlabPanels], const __m512 (*m)[kSlabPanels],
+                     const avx2::IntX& x, int64_t row, float* sums, __m512i* span_sums) {
+  static_assert(R >= 1 && R <= 6 && (P == 1 || P == 4), "rows_times_slab: 1-6 rows, 1 or 4 panels");
+  constexpr int kPairs = SPAN / 2;
+  const int32_t* xs[R];
+  for (int r = 0; r < R; ++r)
+    xs[r] = reinterpret_cast<const int32_t*>(x.q + (row + r) * x.k + first * SPAN);
+  for (int64_t sp = 0; sp < spans; ++sp) {
+    // the sums of row r, panel v: named, not an array, so that they stay in registers
+    __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00;
+    __m512i s10 = s00, s11 = s00, s12 = s00, s13 = s00, s20 = s00, s21 = s00, s22 = s00;
+    __m512i s23 = s00, s30 = s00, s31 = s00, s32 = s00, s33 = s00, s40 = s00, s41 = s00;
+    __m512i s42 = s00, s43 = s00, s50 = s00, s51 = s00, s52 = s00, s53 = s00;
+    const int16_t* w = buffer + sp * kPairs * 32;
+    for (int j = 0; j < kPairs; ++j) {
+      const __m512i w0 = _mm512_load_si512(w + j * 32);
+      __m512i w1, w2, w3;
+      if constexpr (P == 4) {
+        w1 = _mm512_load_si512(w + (kSlabPairs + j) * 32);
+        w2 = _mm512_load_si512(w + (2 * kSlabPairs + j) * 32);
+        w3 = _mm512_load_si512(w + (3 * kSlabPairs + j) * 32);
+      }
+      auto row_times = [&](int r, __m512i& a0, __m512i& a1, __m512i& a2, __m512i& a3) {
+        const __m512i xp = _mm512_set1_epi32(xs[r][sp * kPairs + j]);
+        dpwssd(a0, w0, xp);
+        if constexpr (P == 4) {
+          dpwssd(a1, w1, xp);
+          dpwssd(a2, w2, xp);
+          dpwssd(a3, w3, xp);
+        }
+      };
+      row_times(0, s00, s01, s02, s03);
+      if constexpr (R > 1) row_times(1, s10, s11, s12, s13);
+      if constexpr (R > 2) row_times(2, s20, s21, s22, s23);
+      if constexpr (R > 3) row_times(3, s30, s31, s32, s33);
+      if constexpr (R > 4) row_times(4, s40, s41, s42, s43);
+      if constexpr (R > 5) row_times(5, s50, s51, s52, s53);
+    }
+    const __m512i all[6][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13},
+                               {s20, s21, s22, s23}, {s30, s31, s32, s33},
+                               {s40, s41, s42, s43}, {s50, s51, s52, s53}};
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < P; ++v) span_sums[(sp * R + r) * P + v] = all[r][v];
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* step = x.step + (row + r) * x.blocks;
+    const float* fsum = ASYM ? x.fsums + (row + r) * x.spans : nullptr;
+    for (int v = 0; v < P; ++v) {
+      float* out = sums + ((row + r) * kSlabPanels + v) * kLanes;
+      __m512 acc = _mm512_loadu_ps(out);
+      for (int64_t sp = 0; sp < spans; ++sp) {
+        const int64_t span = first + sp;
+        acc = add_span<ASYM>(acc, span_sums[(sp * R + r) * P + v], d[sp][v], m[sp][v],
+                             step[span * SPAN / avx2::kXBlock], ASYM ? fsum[span] : 0.f);
+      }
+      _mm512_storeu_ps(out, acc);
+    }
+  }
+}
+
+// `rows` rows of x times P (1 or kSlabPanels) consecutive panels.
+template <int BITS, bool ASYM, typename ScaleT, typename OutT, int P>
+void panels_times_slabs(const Layout& layout, const uint8_t* first_panel, int64_t stride,
+                        const avx2::IntX& x, int64_t rows, const float* bias, OutT* y,
+                        int64_t ldy, int64_t cols, int16_t* buffer, float* sums) {
+  constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
+  constexpr int64_t kSlabBlocks = kSlabFeatures / kFeatures;
+  constexpr int kPairs = kFeatures / 2;
+  constexpr int32_t kZero = avx2::zero_point<BITS, ASYM>();
+  const int64_t per_group = layout.blocks_per_group, blocks = layout.groups * per_group;
+  std::fill(sums, sums + rows * kSlabPanels * kLanes, 0.f);
+  __m512 d[kSlabFeatures / 16][kSlabPanels], m[kSlabFeatures / 16][kSlabPanels];
+  __m512i span_sums[kSlabFeatures / 16 * kSlabRows * kSlabPanels];
+  PanelWalk<ASYM, ScaleT> walks[P];
+  __m512 dg[P], mg[P];
+  for (int v = 0; v < P; ++v) {
+    walks[v] = PanelWalk<ASYM, ScaleT>{first_panel + v * stride};
+    mg[v] = _mm512_setzero_ps();
+  }
+  int64_t in_group = 0;  // block b's index in its group
+  for (int64_t b0 = 0; b0 < blocks; b0 += kSlabBlocks) {
+    const int64_t count = std::min(kSlabBlocks, blocks - b0);
+    for (int64_t b = b0; b < b0 + count; ++b) {
+      if (in_group == per_group) {
+        for (int v = 0; v < P; ++v) walks[v].next(layout);
+        in_group = 0;
+      }
+      if (in_group == 0)
+        for (int v = 0; v < P; ++v) walks[v].scales(layout, dg[v], mg[v]);
+      const int64_t feature = (b - b0) * kFeatures;
+      if (feature % x.span == 0)
+        for (int v = 0; v < P; ++v) {
+          d[feature / x.span][v] = dg[v];
+          m[feature / x.span][v] = mg[v];
+        }
+      for (int v = 0; v < P; ++v) {
+        const uint8_t* block = walks[v].values(layout) + in_group * kBytes;
+        for (int64_t at = 0; at < kBytes; at += 64) prefetch(block + kSlabBlocks * kBytes + at);
+        int16_t* out = buffer + (v * kSlabPairs + (b - b0) * kPairs) * 32;
+        decode_pairs<BITS>(block, [&](int j, auto, __m512i q) {
+          if constexpr (kZero != 0) q = _mm512_sub_epi16(q, _mm512_set1_epi16(kZero));
+          _mm512_store_si512(out + 32 * j, q);
+        });
+      }
+      ++in_group;
+    }
+    const int64_t spans = count * kFeatures / x.span, first = b0 * kFeatures / x.span;
+    auto multiply = [&](auto span) {
+      constexpr int kSpan = decltype(span)::value;
+      int64_t r = 0;
+      for (; r + kSlabRows <= rows; r += kSlabRows)
+        rows_times_slab<kSlabRows, ASYM, kSpan, P>(buffer, spans, first, d, m, x, r, sums,
+                                                   span_sums);
+      if (r < rows)
+        with_rows<kSlabRows - 1>(rows - r, [&](auto n) {
+          rows_times_slab<decltype(n)::value, ASYM, kSpan, P>(buffer, spans, first, d, m, x, r,
+                                                              sums, span_sums);
+        });
+    };
+    if (x.span == avx2::kXBlock)
+      multiply(std::integral_constant<int, avx2::kXBlock>{});
+    else
+      multiply(std::integral_constant<int, 16>{});
+  }
+  for (int v = 0; v < P; ++v) {
+    const int64_t valid = std::min<int64_t>(kLanes, cols - v * kLanes);
+    if (valid <= 0) break;
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 acc[1] = {_mm512_loadu_ps(sums + (r * kSlabPanels + v) * kLanes)};
+      store_rows<1>(acc, bias ? bias + v * kLanes : nullptr, y + r * ldy + v * kLanes, ldy,
+                    valid);
+    }
+  }
+}
+
+// Whether this kernel takes a call: every row count where batch invariance is on (the
+// default), else 1 to 8 rows (more take the bf16 path and the tiles, faster on CPUs with
+// AMX; quantized_linear's note).
+inline bool takes(int64_t rows) { return rows <= kMaxRows || batch_invariant(); }
 
 template <int BITS, bool ASYM, typename ScaleT, typename OutT>
 void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int64_t rows,
               const float* bias, OutT* y, int64_t ldy) {
   std::vector<uint8_t> large;  // x's tables where too big for the thread's buffer
-  const avx2::IntX xi = avx2::integer_x<BITS, ASYM>(w, x, ldx, rows, true, large);
+  // (more than 8 rows: the slab takes the zero point off, without x's sums)
+  const avx2::IntX xi =
+      avx2::integer_x<BITS, ASYM>(w, x, ldx, rows, rows <= kMaxRows, large);
   const Layout layout(w);
   const auto* data = w.data.data_ptr<uint8_t>();
   const int64_t n = w.out_features, panels = w.data.size(0), stride = w.data.size(1);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* b = bias ? bias + p * kLanes : nullptr;
-      const int64_t cols = std::min(kLanes, n - p * kLanes);
-      with_rows<kMaxRows>(rows, [&](auto r) {
-        panel_times_rows<BITS, ASYM, ScaleT, decltype(r)::value>(
-            layout, data + p * stride, xi, b, y + p * kLanes, ldy, cols);
-      });
+  if (rows <= kMaxRows) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* b = bias ? bias + p * kLanes : nullptr;
+        const int64_t cols = std::min(kLanes, n - p * kLanes);
+        with_rows<kMaxRows>(rows, [&](auto r) {
+          panel_times_rows<BITS, ASYM, ScaleT, decltype(r)::value>(
+              layout, data + p * stride, xi, b, y + p * kLanes, ldy, cols);
+        });
+      }
+    });
+    return;
+  }
+  // Work items (chunk of rows, pair of panels), panels inner; a chunk's x (up to 96 rows
+  // of a slab: 48 KB) stays in L2 while the thread's panels pass.
+  const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
+  const int64_t chunk_rows = (rows + chunks - 1) / chunks;
+  const int64_t pairs = (panels + kSlabPanels - 1) / kSlabPanels;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) int16_t buffer[kSlabPanels * kSlabPairs * 32];
+    std::vector<float> sums(chunk_rows * kSlabPanels * kLanes);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / pairs, p = item % pairs * kSlabPanels;
+      const int64_t r0 = chunk * chunk_rows, nrows = std::min(chunk_rows, rows - r0);
+      if (nrows <= 0) continue;
+      avx2::IntX part = xi;  // the chunk's rows
+      part.q += r0 * xi.k;
+      part.step += r0 * xi.blocks;
+      if (part.fsums) part.fsums += r0 * xi.spans;
+      if (p + kSlabPanels <= panels) {
+        panels_times_slabs<BITS, ASYM, ScaleT, OutT, kSlabPanels>(
+            layout, data + p * stride, stride, part, nrows, bias ? bias + p * kLanes : nullptr,
+            y + r0 * ldy + p * kLanes, ldy, std::min(kSlabPanels * kLanes, n - p * kLanes),
+            buffer, sums.data());
+        continue;
+      }
+      for (int64_t q = p; q < panels; ++q)  // the last few panels, one at a time
+        panels_times_slabs<BITS, ASYM, ScaleT, OutT, 1>(
+            layout, data + q * stride, stride, part, nrows, bias ? bias + q * kLanes : nullptr,
+            y + r0 * ldy + q * kLanes, ldy, std::min(kLanes, n - q * kLanes), buffer,
+            sums.data());
     }
   });
 }

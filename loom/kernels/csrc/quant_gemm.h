@@ -13,8 +13,9 @@ namespace loom {
 bool quant_gemm_available();
 
 // Whether quantized_linear, on `rows` rows (of any format), rounds x to int16 per block
-// of 32 features and multiplies integers (the AVX2 kernel always; on AVX-512, 1-8 rows
-// where the CPU has VNNI): kernel_error_bound adds x's rounding where it does.
+// of 32 features and multiplies integers (the AVX2 kernel always; on AVX-512 where the
+// CPU has VNNI, every row count under batch invariance, else 1-8 rows):
+// kernel_error_bound adds x's rounding where it does.
 bool quant_gemm_rounds_x(int64_t rows);
 
 // A linear layer's quantized weight (N, K) in the kernel's layout, with what the kernel

@@ -194,6 +194,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decoder_stack(m);
   m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");
   m.def("isa", &isa, "the instruction set the kernels with two paths take now");
+  m.def("set_batch_invariant",
+        [](bool on) {
+          const bool previous = loom::batch_invariant();
+          loom::batch_invariance.store(on, std::memory_order_relaxed);
+          return previous;
+        },
+        "whether every kernel gives a row the same bits whatever the other rows are "
+        "(LOOM_BATCH_INVARIANT; set when the module loads, and by tests); returns the "
+        "setting before", py::arg("on"));
+  m.def("batch_invariant", &loom::batch_invariant,
+        "whether the kernels give a row the same bits whatever the other rows are");
   m.def("set_isa", &set_isa,
         "for tests only: make the kernels with two paths (bf16 SiLU*mul and paged "
         "attention) take 'generic' or 'avx512'; returns the previous one",

@@ -523,8 +523,8 @@ def kernel_error_bound(x: torch.Tensor, weight: QuantizedTensor,
     the bias taken back with d X.
 
     ``integer_x`` (default: whether the path ``quantized_linear`` takes now for x's
-    rows multiplies integers: the AVX2 kernel, and 1-8 rows on AVX-512
-    with VNNI, ``quant_gemm_rounds_x``): x is rounded to a step of
+    rows multiplies integers: the AVX2 kernel; on AVX-512 with VNNI, every row count
+    under batch invariance (the default), else 1-8 rows; ``quant_gemm_rounds_x``): x is rounded to a step of
     2^(E - 14) per block of 32 features, E the exponent of the block's largest |x|; every
     product and sum of products after that is exact. So each x moves by at most half its
     block's step, and an output by that times |w| summed over the row."""
