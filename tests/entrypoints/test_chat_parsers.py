@@ -251,6 +251,28 @@ def test_required_schema_parse_and_stream():
             [(c.name, json.loads(c.arguments)) for c in calls]
 
 
+def test_a_required_reply_cut_short_keeps_its_complete_calls_whole_and_streamed():
+    """max_tokens ends the array mid-item: the whole reply and the stream both give every
+    complete call (before, the whole reply's JSON did not parse and gave none), and the
+    finish_reason stays "length"."""
+    builder = ChatOutputBuilder("required")
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, ' \
+           '{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_wea'
+    message, finish_reason = builder.message(text, "length")
+    assert finish_reason == "length" and message["content"] == ""
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in message["tool_calls"]]
+    assert whole == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+    for deltas in splits(text):
+        streamer = builder.streaming()
+        tool_deltas = [d for i, delta in enumerate(deltas)
+                       for part in streamer.feed(delta, i == len(deltas) - 1)
+                       for d in part.get("tool_calls", [])]
+        joined = _join_tool_deltas(tool_deltas)
+        assert [(c["name"], json.loads(c["arguments"])) for c in joined] == whole
+        assert streamer.finish_reason("length") == "length"
+
+
 def test_chat_output_builder_combines_reasoning_and_tool_calls():
     builder = ChatOutputBuilder("auto", None, get_tool_parser("hermes"),
                                 get_reasoning_parser("deepseek_r1"))

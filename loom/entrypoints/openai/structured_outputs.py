@@ -115,15 +115,12 @@ def required_tool_calls_schema(request: ChatCompletionRequest) -> dict[str, Any]
 
 
 def parse_required_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in a ``required`` output (a JSON array of {"name", "parameters"})."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    if not isinstance(items, list):
-        return []
-    return [ToolCall(item["name"], arguments_json(item.get("parameters", {})))
-            for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)]
+    """The calls in a ``required`` output (a JSON array of {"name", "parameters"}): every
+    complete item, as ``RequiredToolCallStreamer`` streams them, so that a reply cut
+    short by max_tokens keeps the same calls whole as streamed."""
+    streamer = RequiredToolCallStreamer()
+    streamer.feed(text)
+    return streamer.calls
 
 
 class RequiredToolCallStreamer:
