@@ -308,21 +308,49 @@ def test_bf16_linear_group_equals_one_call_each(ops):
 def test_the_amx_switch_keeps_many_rows_on_the_avx512_kernel(ops):
     """LOOM_AMX=0 (loom/envs.py, handed to the module as set_bf16_amx): many rows take
     the AVX-512 micro-kernel, exact on exact inputs like the tiles."""
-    if not ops.bf16_amx_available():
-        pytest.skip("no AMX granted here")
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(-4, 5, (33, 2048), generator=gen).bfloat16()
-    weight = torch.randint(-4, 5, (65, 2048), generator=gen).bfloat16()
-    exact = (x.double() @ weight.double().T).bfloat16()
-    ops.set_bf16_amx(False)
+    invariant = ops.set_batch_invariant(False)  # (batch invariance keeps the tiles off)
     try:
-        assert not ops.bf16_amx_available()
-        out = torch.empty(33, 65, dtype=torch.bfloat16)
-        ops.bf16_linear(out, x, ops.pack_bf16_weight(weight), None)
-        assert torch.equal(out, exact)
+        if not ops.bf16_amx_available():
+            pytest.skip("no AMX granted here")
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randint(-4, 5, (33, 2048), generator=gen).bfloat16()
+        weight = torch.randint(-4, 5, (65, 2048), generator=gen).bfloat16()
+        exact = (x.double() @ weight.double().T).bfloat16()
+        ops.set_bf16_amx(False)
+        try:
+            assert not ops.bf16_amx_available()
+            out = torch.empty(33, 65, dtype=torch.bfloat16)
+            ops.bf16_linear(out, x, ops.pack_bf16_weight(weight), None)
+            assert torch.equal(out, exact)
+        finally:
+            ops.set_bf16_amx(True)
+        assert ops.bf16_amx_available()
     finally:
-        ops.set_bf16_amx(True)
-    assert ops.bf16_amx_available()
+        ops.set_batch_invariant(invariant)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_linear_gives_a_row_the_bits_it_has_alone(ops, out_dtype):
+    """Batch invariance (the default): every row count takes the AVX-512 micro-kernel
+    (the AMX tiles, whose sums round in another order, stay off), each row's sums added
+    pair after pair from its bias; so a row's outputs are the same alone and among
+    1..256 rows, K a multiple of 32 or not."""
+    if not ops.bf16_gemm_available():
+        pytest.skip("bf16_linear needs AVX512-BF16")
+    assert ops.batch_invariant() and not ops.bf16_amx_available()
+    gen = torch.Generator().manual_seed(2)
+    for k in (576, 200):
+        x = torch.randn(256, k, generator=gen).bfloat16()
+        weight = (torch.randn(97, k, generator=gen) * 0.05).bfloat16()
+        bias = torch.randn(97, generator=gen).bfloat16()
+        packed = ops.pack_bf16_weight(weight)
+        alone = torch.empty(256, 97, dtype=out_dtype)
+        for r in range(256):
+            ops.bf16_linear(alone[r:r + 1], x[r:r + 1], packed, bias)
+        for rows in (2, 7, 8, 9, 16, 17, 33, 100, 256):
+            out = torch.empty(rows, 97, dtype=out_dtype)
+            ops.bf16_linear(out, x[:rows], packed, bias)
+            assert torch.equal(out, alone[:rows]), (k, rows)
 
 
 def test_cpu_backend_falls_back_where_the_kernels_do_not_apply(ops):
