@@ -5,7 +5,8 @@ GGUF files kept in Q4_0, Q4_1, Q8_0 and the K-quants), and for the default model
 file, 16 prompts are decoded one at a time (no prefix cache, no chunking: the reference),
 then inside batches of 2, 9, 17 and 33 mixed prompts under a token budget that splits
 their prefills into chunks at other boundaries, and again after their prefixes are
-cached (a hit starts a prompt part-way). Every prompt must give its reference tokens,
+cached (a hit starts a prompt part-way), and with too few KV blocks for them all
+(preempted requests are recomputed). Every prompt must give its reference tokens,
 token for token. The same runs under the AVX2 kernels (``set_isa("generic")``) where the
 CPU also has the AVX-512 ones. A test that could be fooled by equal batches is not one:
 the batches mix prompts of 1 to 90 tokens that finish at different steps, so each
@@ -95,6 +96,17 @@ def check_invariance(path: str, vocab_size: int, **kwargs) -> None:
         assert llm.engine.engine_core.get_stats().prefix_cache_hits > hits_before
         for position, i in members.items():
             assert got[position] == alone[i], f"prompt {i} after a prefix hit"
+    finally:
+        llm.shutdown()
+    # 24 blocks of 16 for 33 prompts of up to 100 tokens: the newest requests are
+    # preempted, and recomputed later beside others
+    llm = LLM(path, num_gpu_blocks_override=24, block_size=16, max_num_seqs=64, **common)
+    try:
+        batch, members = next(batches(prompts, fillers, 33))
+        got = greedy(llm, batch)
+        assert llm.engine.engine_core.get_stats().num_preemptions > 0
+        for position, i in members.items():
+            assert got[position] == alone[i], f"prompt {i} with preemption"
     finally:
         llm.shutdown()
 
