@@ -1588,11 +1588,22 @@ namespace int16_stream {
 
 constexpr int64_t kMaxRows = 8;
 
-// acc += vpdpwssd(a, b), in place. GCC 12 compiles _mm512_dpwssd_epi32 into a copy of
-// the accumulator to a fresh register beside each product (a vmovdqa64 per vpdpwssd in
-// the slab's inner loop, and spills past 16 accumulators): 1.5x the time at 32 rows.
-inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+// f(the I-th of eight vectors), I known at compile time. Sums a kernel keeps in
+// registers are named variables handed to this, not an array: GCC 12 keeps an array of
+// vectors that unrolled lambdas index in memory, or copies each element to a fresh
+// register around every vpdpwssd (the slab's inner loop ran at 0.6x with a 16-element
+// array, and spilled past 16).
+template <int I, typename T, typename F>
+inline void nth(F&& f, T& v0, T& v1, T& v2, T& v3, T& v4, T& v5, T& v6, T& v7) {
+  static_assert(I >= 0 && I < 8, "nth: one of eight");
+  if constexpr (I == 0) f(v0);
+  else if constexpr (I == 1) f(v1);
+  else if constexpr (I == 2) f(v2);
+  else if constexpr (I == 3) f(v3);
+  else if constexpr (I == 4) f(v4);
+  else if constexpr (I == 5) f(v5);
+  else if constexpr (I == 6) f(v6);
+  else f(v7);
 }
 
 // f(j, k, words): pair vector j of the block at p (its k-th in order: the chain a
@@ -1655,11 +1666,12 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
   constexpr int64_t kFeatures = block_features(BITS), kBytes = block_bytes(BITS);
   constexpr int kPairs = kFeatures / 2;   // pair vectors per block
   constexpr int kSets = R == 1 ? 4 : R == 2 ? 2 : 1;  // vpdpwssd chains per row
+  static_assert(R * kSets <= 8, "panel_times_rows: eight int32 chains at most");
   constexpr int32_t kZero = avx2::zero_point<BITS, ASYM>();
   const int64_t blocks_per_span = x.span / kFeatures;
   const int64_t spans_per_group = layout.blocks_per_group / blocks_per_span;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // row r's float32 sums: the r-th of f0..f7 (nth)
+  __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0;
   PanelWalk<ASYM, ScaleT> walk{panel};
   int64_t span = 0;
   for (int64_t g = 0; g < layout.groups; ++g, walk.next(layout)) {
@@ -1667,9 +1679,9 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
     __m512 d, m;
     walk.scales(layout, d, m);
     for (int64_t i = 0; i < spans_per_group; ++i, ++span) {
-      __m512i s[R][kSets];
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < kSets; ++t) s[r][t] = _mm512_setzero_si512();
+      // row r's chain t: the (r kSets + t)-th of s0..s7
+      __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0,
+              s6 = s0, s7 = s0;
       const int32_t* xs[R];  // the span's pairs of x, per row
       for (int r = 0; r < R; ++r)
         xs[r] = reinterpret_cast<const int32_t*>(x.q + r * x.k + span * x.span);
@@ -1678,25 +1690,38 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
         const int64_t first = b * kPairs;
         // pair vector j of the block (its k-th: the chain it joins) times x's pair j
         decode_pairs<BITS>(block, [&](int j, auto k, __m512i q) {
-          for (int r = 0; r < R; ++r) {
-            __m512i& sum = s[r][decltype(k)::value % kSets];
-            sum = _mm512_dpwssd_epi32(sum, q, _mm512_set1_epi32(xs[r][first + j]));
-          }
+          unrolled<R>([&](auto r) {
+            nth<decltype(r)::value * kSets + decltype(k)::value % kSets>(
+                [&](__m512i& sum) {
+                  sum = _mm512_dpwssd_epi32(sum, q, _mm512_set1_epi32(xs[r][first + j]));
+                },
+                s0, s1, s2, s3, s4, s5, s6, s7);
+          });
         });
       }
-      for (int r = 0; r < R; ++r) {
-        for (int q = kSets / 2; q > 0; q /= 2)  // a fixed tree (integers: exact anyway)
-          for (int t = 0; t < q; ++t) s[r][t] = _mm512_add_epi32(s[r][t], s[r][t + q]);
-        __m512i t = s[r][0];  // S - z X, as the slab's values come with z taken off
+      unrolled<R>([&](auto r) {
+        constexpr int kFirst = decltype(r)::value * kSets;
+        // the row's chains added (integers: exact in any order)
+        __m512i t = _mm512_setzero_si512();
+        unrolled<kSets>([&](auto c) {
+          nth<kFirst + decltype(c)::value>([&](__m512i& sum) { t = _mm512_add_epi32(t, sum); },
+                                           s0, s1, s2, s3, s4, s5, s6, s7);
+        });
+        // S - z X, as the slab's values come with z taken off
         if constexpr (kZero != 0)
           t = _mm512_sub_epi32(t, _mm512_set1_epi32(kZero * x.sums[r * x.spans + span]));
-        acc[r] = add_span<ASYM>(acc[r], t, d, m,
-                                x.step[r * x.blocks + span * x.span / avx2::kXBlock],
-                                ASYM ? x.fsums[r * x.spans + span] : 0.f);
-      }
+        nth<decltype(r)::value>(
+            [&](__m512& acc) {
+              acc = add_span<ASYM>(acc, t, d, m,
+                                   x.step[r * x.blocks + span * x.span / avx2::kXBlock],
+                                   ASYM ? x.fsums[r * x.spans + span] : 0.f);
+            },
+            f0, f1, f2, f3, f4, f5, f6, f7);
+      });
     }
   }
-  store_rows<R>(acc, bias, y, ldy, cols);
+  const __m512 acc[8] = {f0, f1, f2, f3, f4, f5, f6, f7};
+  store_rows<R>(reinterpret_cast<const __m512(&)[R]>(acc), bias, y, ldy, cols);
 }
 
 // More than 8 rows: kSlabPanels panels at a time, a slab of up to kSlabFeatures
@@ -1727,7 +1752,7 @@ void rows_times_slab(const int16_t* buffer, int64_t spans, int64_t first,
   for (int r = 0; r < R; ++r)
     xs[r] = reinterpret_cast<const int32_t*>(x.q + (row + r) * x.k + first * SPAN);
   for (int64_t sp = 0; sp < spans; ++sp) {
-    // the sums of row r, panel v: named, not an array, so that they stay in registers
+    // the sums of row r, panel v: named, not an array, so that they stay in registers (nth)
     __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00;
     __m512i s10 = s00, s11 = s00, s12 = s00, s13 = s00, s20 = s00, s21 = s00, s22 = s00;
     __m512i s23 = s00, s30 = s00, s31 = s00, s32 = s00, s33 = s00, s40 = s00, s41 = s00;
@@ -1743,11 +1768,11 @@ void rows_times_slab(const int16_t* buffer, int64_t spans, int64_t first,
       }
       auto row_times = [&](int r, __m512i& a0, __m512i& a1, __m512i& a2, __m512i& a3) {
         const __m512i xp = _mm512_set1_epi32(xs[r][sp * kPairs + j]);
-        dpwssd(a0, w0, xp);
+        a0 = _mm512_dpwssd_epi32(a0, w0, xp);
         if constexpr (P == 4) {
-          dpwssd(a1, w1, xp);
-          dpwssd(a2, w2, xp);
-          dpwssd(a3, w3, xp);
+          a1 = _mm512_dpwssd_epi32(a1, w1, xp);
+          a2 = _mm512_dpwssd_epi32(a2, w2, xp);
+          a3 = _mm512_dpwssd_epi32(a3, w3, xp);
         }
       };
       row_times(0, s00, s01, s02, s03);
