@@ -45,7 +45,7 @@ class RouterProcess:
                     ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60):
+        if not ready.wait(120):
             self.close()
             raise RuntimeError(f"loom router did not start:\n{self.output()}")
 
@@ -55,12 +55,17 @@ class RouterProcess:
     def health(self) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=10)
 
-    def wait_for_health(self, predicate, timeout: float = 30.0) -> dict:
+    def wait_for_health(self, predicate, what: str = "the awaited state",
+                        timeout: float = 120.0) -> dict:
+        """The router's /health body once ``predicate`` holds; fails saying ``what`` it
+        waited for if that takes over ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             body = self.health().json()
-            if predicate(body) or time.monotonic() > deadline:
+            if predicate(body):
                 return body
+            assert time.monotonic() < deadline, (
+                f"the router's /health did not show {what} in {timeout:g} s: {body}")
             time.sleep(0.1)
 
     def output(self) -> str:
@@ -115,8 +120,13 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
         start_server, tiny_model_dir, router_factory):
     with ThreadPoolExecutor(2) as pool:  # the two start side by side
         first, second = pool.map(lambda _: start_server(), range(2))
-    router = router_factory(first.url, second.url)
-    assert router.health().json()["status"] == "ok"
+    # A loaded host can keep a busy backend's /health waiting past the router's default
+    # 2 s check timeout: the router would take a live backend out (forgetting its prefix
+    # affinity) and the load and affinity checks below would see the wrong backend. A
+    # killed backend refuses at once, so a long timeout leaves its detection as quick.
+    router = router_factory(first.url, second.url, args=("--health-check-timeout", "60"))
+    body = router.health().json()  # checked once before "ready"
+    assert body["status"] == "ok", body
 
     # Same tokens as one server; distinct short prompts are spread by load.
     prompts = [f"prompt number {i} says" for i in range(6)]
@@ -155,8 +165,8 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
 
     # Kill one backend mid-run: its streams end with an error event, the others finish.
     # The victim's engine is frozen while the streams open, thawed in slices of 20 ms
-    # until one of its streams has sent an event, and killed frozen, so it cannot finish
-    # them first (unfrozen, the tiny model writes 400 tokens in under a second: waiting
+    # until it has written tokens, and killed frozen once one of its streams has sent an
+    # event, so it cannot finish them first (unfrozen, the tiny model writes 400 tokens in under a second: waiting
     # for an event from each of its streams while it ran, and then for one while it ran,
     # lost that race on a loaded CI host: the event's way through the router took longer).
     long_stream = {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True,
@@ -178,12 +188,17 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
             assert next(line for line in line_iter if line).startswith("data: {")
         with ThreadPoolExecutor(1) as reader:
             first_event = reader.submit(lambda: next(line for line in on_second[0] if line))
-            deadline = time.monotonic() + 60
+            # thawed only until its API server has received tokens (a loaded host
+            # oversleeps a slice, and slices thawed while an event crawled through the
+            # router once let the victim write all 480); then frozen for good
+            written = second.metric("vllm:generation_tokens_total")
+            deadline = time.monotonic() + 120
             while not first_event.done():
-                assert time.monotonic() < deadline, "the victim's stream sent no event"
-                _signal_all(victim_engine, signal.SIGCONT)
-                time.sleep(0.02)
-                _signal_all(victim_engine, signal.SIGSTOP)
+                assert time.monotonic() < deadline, "the victim's stream sent no event in 120 s"
+                if second.metric("vllm:generation_tokens_total") == written:
+                    _signal_all(victim_engine, signal.SIGCONT)
+                    time.sleep(0.02)
+                    _signal_all(victim_engine, signal.SIGSTOP)
                 time.sleep(0.2)  # frozen: an event on its way through the router arrives
             assert first_event.result().startswith("data: {")
         second.kill()
@@ -196,11 +211,12 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
         assert ending[-1] == "data: [DONE]"
         last = json.loads(ending[0].removeprefix("data: "))
         if backend == second.url:
-            assert last["error"]["code"] == "backend_failed", last
+            assert last.get("error", {}).get("code") == "backend_failed", (backend, endings)
         else:
             assert last["choices"][0]["finish_reason"] == "length", last
 
-    body = router.wait_for_health(lambda b: _up(b) == [first.url])
+    body = router.wait_for_health(lambda b: _up(b) == [first.url],
+                                  f"only {first.url} up after {second.url} was killed")
     assert body["status"] == "degraded" and _up(body) == [first.url]
     assert router.health().status_code == 200
     with router.http() as http:
@@ -211,7 +227,8 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
     # The backend restarted on its port is taken back and gets work again.
     restarted = start_server("--port", victim_port)
     assert restarted.url == second.url
-    body = router.wait_for_health(lambda b: len(_up(b)) == 2)
+    body = router.wait_for_health(lambda b: len(_up(b)) == 2,
+                                  f"{second.url} taken back after its restart")
     assert body["status"] == "ok", body
     with router.http() as http:
         again = [_completion(http, p) for p in prompts]
@@ -221,7 +238,7 @@ def test_router_balances_keeps_affinity_survives_a_dead_backend_and_takes_it_bac
     # No backend up: 503 on /health and in OpenAI's envelope on the API.
     first.kill()
     restarted.kill()
-    body = router.wait_for_health(lambda b: not _up(b))
+    body = router.wait_for_health(lambda b: not _up(b), "no backend up after both were killed")
     assert router.health().status_code == 503 and body["status"] == "unavailable"
     with router.http() as http:
         refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})

@@ -408,22 +408,42 @@ def test_non_stream_disconnect_aborts(server):
                        "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     # The tiny model can write 4 x 500 tokens between two polls of /metrics: then the
-    # client left too late to prove anything, and a fresh request is sent.
+    # client left too late to prove anything, and a fresh request is sent. Each try
+    # waits for one of two events, however slow a loaded host makes them: the four
+    # sequences seen running, or all their 4 x 500 tokens written.
     for _ in range(3):
         generated_before = server.metric("vllm:generation_tokens_total")
         with socket.create_connection((host, int(port))) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                         b"Content-Type: application/json\r\n"
                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            caught = server.wait_for_metric("vllm:num_requests_running", 4, timeout=5) == 4
+            deadline = time.monotonic() + 120
+            while True:
+                caught = server.metric("vllm:num_requests_running") == 4
+                written = server.metric("vllm:generation_tokens_total") - generated_before
+                if caught or written >= 4 * 500:
+                    break
+                assert time.monotonic() < deadline, (
+                    f"in 120 s the four sequences were neither seen running nor finished "
+                    f"({written:g} tokens written)")
+                time.sleep(0.02)
         if caught:
             break
-        server.wait_for_metric("vllm:num_requests_running", 0, timeout=5)
+        assert _wait_for_metric(server, "vllm:num_requests_running", 0) == 0
     assert caught, "the four sequences were never seen running"
     # the client hung up before its answer: all four sequences are aborted at once
-    assert server.wait_for_metric("vllm:num_requests_running", 0, timeout=2) == 0
-    assert server.wait_for_metric("vllm:kv_cache_usage_perc", 0, timeout=2) == 0
+    assert _wait_for_metric(server, "vllm:num_requests_running", 0) == 0
+    assert _wait_for_metric(server, "vllm:kv_cache_usage_perc", 0) == 0
     assert server.metric("vllm:generation_tokens_total") - generated_before < 4 * 500
+
+
+def _wait_for_metric(server: LoomServer, name: str, value: float,
+                     timeout: float = 120.0) -> float:
+    """``name``'s value once it is ``value``; fails saying what it waited for if it is
+    not within ``timeout`` seconds."""
+    current = server.wait_for_metric(name, value, timeout=timeout)
+    assert current == value, f"{name} was still {current:g}, not {value:g}, after {timeout:g} s"
+    return current
 
 
 def test_metrics(server, client):
