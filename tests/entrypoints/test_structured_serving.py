@@ -266,3 +266,22 @@ def test_reasoning_content_is_split_from_content(client, stream):
     content = "".join(d.content or "" for d in deltas)
     assert re.fullmatch("[a-z]{3,8}", reasoning) and re.fullmatch("[a-z]{3,8}", content)
     assert "<" not in reasoning + content
+
+
+@pytest.mark.parametrize("max_tokens", [100, 3, 6])
+def test_streamed_and_whole_replies_agree_on_reasoning_and_content(client, max_tokens):
+    """The same seeded request, whole and streamed, split into the same reasoning and
+    content, with the same finish reason, also when max_tokens cuts it inside the
+    thinking or just after it."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=1.0,
+                  seed=11,
+                  extra_body={"guided_grammar": 'root ::= "<think>" [a-z]{3,8} "</think>" [a-z]{3,8}'})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert (reasoning, content) == (whole.message.model_extra.get("reasoning_content") or "",
+                                    whole.message.content or "")
+    assert finish == [whole.finish_reason]
