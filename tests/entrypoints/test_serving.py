@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import socket
 import statistics
 import time
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import psutil
 import pytest
 from loom_server import TINY_SERVER_ARGS, LoomServer
 
@@ -407,26 +409,39 @@ def test_non_stream_disconnect_aborts(server):
     body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 500, "n": 4,
                        "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    # The tiny model can write 4 x 500 tokens between two polls of /metrics: then the
-    # client left too late to prove anything, and a fresh request is sent. Each try
-    # waits for one of two events, however slow a loaded host makes them: the four
-    # sequences seen running, or all their 4 x 500 tokens written.
-    for _ in range(3):
+    # The tiny model can write 4 x 500 tokens between two polls of /metrics, and a loaded
+    # host's polls are slow: the engine (core and worker) is frozen while the request goes
+    # in, thawed in slices of 20 ms until the four sequences are seen running, and frozen
+    # again while the client hangs up, so they cannot finish first.
+    engine = psutil.Process(server.proc.pid).children(recursive=True)
+
+    def signal_engine(signum: int) -> None:
+        for process in engine:
+            process.send_signal(signum)
+
+    for _ in range(3):  # a try whose sequences all finished before they were seen: again
         generated_before = server.metric("vllm:generation_tokens_total")
-        with socket.create_connection((host, int(port))) as raw:
-            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                        b"Content-Type: application/json\r\n"
-                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            deadline = time.monotonic() + 120
-            while True:
-                caught = server.metric("vllm:num_requests_running") == 4
-                written = server.metric("vllm:generation_tokens_total") - generated_before
-                if caught or written >= 4 * 500:
-                    break
-                assert time.monotonic() < deadline, (
-                    f"in 120 s the four sequences were neither seen running nor finished "
-                    f"({written:g} tokens written)")
-                time.sleep(0.02)
+        signal_engine(signal.SIGSTOP)
+        try:
+            with socket.create_connection((host, int(port))) as raw:
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Type: application/json\r\n"
+                            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                deadline = time.monotonic() + 120
+                while True:
+                    caught = server.metric("vllm:num_requests_running") == 4
+                    written = server.metric("vllm:generation_tokens_total") - generated_before
+                    if caught or written >= 4 * 500:
+                        break
+                    assert time.monotonic() < deadline, (
+                        f"in 120 s the four sequences were neither seen running nor finished "
+                        f"({written:g} tokens written)")
+                    signal_engine(signal.SIGCONT)
+                    time.sleep(0.02)
+                    signal_engine(signal.SIGSTOP)
+                    time.sleep(0.1)  # frozen: the step's stats on their way to the API server
+        finally:
+            signal_engine(signal.SIGCONT)
         if caught:
             break
         assert _wait_for_metric(server, "vllm:num_requests_running", 0) == 0
