@@ -1095,7 +1095,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 //   once) once, then 2 rows at a time multiply it from L1 (8 sums in registers).
 namespace avx2 {
 
-constexpr int64_t kSlabFeatures = 128;
+constexpr int64_t kSlabFeatures = 256;
 
 inline __m256 load8_scales_half(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -1731,13 +1731,16 @@ void panel_times_rows(const Layout& layout, const uint8_t* panel, const avx2::In
   store_rows<R>(reinterpret_cast<const __m512(&)[R]>(acc), bias, y, ldy, cols);
 }
 
-// More than 8 rows: kSlabPanels panels at a time, a slab of up to kSlabFeatures
-// features of each decoded once into `buffer` (2 x 8 KB, in L1) as int16 words with the
-// zero point taken off, then kSlabRows rows at a time multiply it, one vpdpwssd per row,
-// pair and panel (a pair of x broadcast once for both panels), their float32 sums kept
-// in `sums` (rows x 32) between slabs. A span's int32 sums are the very integers
-// panel_times_rows sums and they end in the same add_span, so each row's outputs carry
-// the same bits as they do with 1 to 8 rows, and as the AVX2 kernel's.
+// More than 8 rows: kSlabPanels panels (64 outputs) at a time, a slab of up to
+// kSlabFeatures features of each decoded once into `buffer` (4 x 4 KB, in L1) as int16
+// words with the zero point taken off, then kSlabRows rows at a time multiply it, one
+// vpdpwssd per row, pair and panel (a pair of x broadcast once for the 4 panels), their
+// float32 sums kept in `sums` (rows x 64) between slabs. A span's int32 sums are the
+// very integers panel_times_rows sums and they end in the same add_span, so each row's
+// outputs carry the same bits as they do with 1 to 8 rows, and as the AVX2 kernel's.
+// (Per call, the default model's Q4_1 shapes at 9-64 rows take 1.0-1.2x the bf16
+// path's time, its Q8_0 LM head 1.1-1.45x: a float epilogue per span of 32 features
+// for every row and panel, and the decode into L1. Zen 5, one thread, 2026-12-06.)
 constexpr int64_t kSlabFeatures = 128;
 constexpr int kSlabPanels = 4;
 constexpr int kSlabRows = 4;
@@ -1746,14 +1749,15 @@ constexpr int64_t kSlabPairs = kSlabFeatures / 2;
 // Rows [row, row + R) times spans [first, first + spans) of the slab (pair j of panel v
 // at buffer + (v * kSlabPairs + j) * 32 words; span sp's d and m at d[sp][v], m[sp][v]),
 // in two passes: each span's R x P int32 sums (R x P registers, one broadcast of a row's
-// x pair for the P panels) into `spans_sums`, then row by row, panel by panel, the spans'
-// add_span into the float32 sums kept in `sums`. (One pass holding both the int32 and
-// the float32 sums in registers spilled them: 1.5x the time.)
+// x pair for the P panels) into `span_sums`, then row by row the spans' add_span into
+// the float32 sums kept in `sums`, the P panels' chains side by side. (One pass holding
+// both the int32 and the float32 sums in registers spilled them: 1.5x the time; blocks
+// of 6 rows spilled too.)
 template <int R, bool ASYM, int SPAN, int P>
 void rows_times_slab(const int16_t* buffer, int64_t spans, int64_t first,
                      const __m512 (*d)[kSlabPanels], const __m512 (*m)[kSlabPanels],
                      const avx2::IntX& x, int64_t row, float* sums, __m512i* span_sums) {
-  static_assert(R >= 1 && R <= 6 && (P == 1 || P == 4), "rows_times_slab: 1-6 rows, 1 or 4 panels");
+  static_assert(R >= 1 && R <= 4 && (P == 1 || P == 4), "rows_times_slab: 1-4 rows, 1 or 4 panels");
   constexpr int kPairs = SPAN / 2;
   const int32_t* xs[R];
   for (int r = 0; r < R; ++r)
@@ -1762,8 +1766,7 @@ void rows_times_slab(const int16_t* buffer, int64_t spans, int64_t first,
     // the sums of row r, panel v: named, not an array, so that they stay in registers (nth)
     __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00;
     __m512i s10 = s00, s11 = s00, s12 = s00, s13 = s00, s20 = s00, s21 = s00, s22 = s00;
-    __m512i s23 = s00, s30 = s00, s31 = s00, s32 = s00, s33 = s00, s40 = s00, s41 = s00;
-    __m512i s42 = s00, s43 = s00, s50 = s00, s51 = s00, s52 = s00, s53 = s00;
+    __m512i s23 = s00, s30 = s00, s31 = s00, s32 = s00, s33 = s00;
     const int16_t* w = buffer + sp * kPairs * 32;
     for (int j = 0; j < kPairs; ++j) {
       const __m512i w0 = _mm512_load_si512(w + j * 32);
@@ -1786,12 +1789,9 @@ void rows_times_slab(const int16_t* buffer, int64_t spans, int64_t first,
       if constexpr (R > 1) row_times(1, s10, s11, s12, s13);
       if constexpr (R > 2) row_times(2, s20, s21, s22, s23);
       if constexpr (R > 3) row_times(3, s30, s31, s32, s33);
-      if constexpr (R > 4) row_times(4, s40, s41, s42, s43);
-      if constexpr (R > 5) row_times(5, s50, s51, s52, s53);
     }
-    const __m512i all[6][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13},
-                               {s20, s21, s22, s23}, {s30, s31, s32, s33},
-                               {s40, s41, s42, s43}, {s50, s51, s52, s53}};
+    const __m512i all[4][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13},
+                               {s20, s21, s22, s23}, {s30, s31, s32, s33}};
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < P; ++v) span_sums[(sp * R + r) * P + v] = all[r][v];
   }
