@@ -21,15 +21,20 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "e2e")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "model"),
+                os.path.join(ROOT, "tests", "e2e")]
 
 ENVS = os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs")
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M")
+PLAIN = (("bf16", "none"), ("wint8", "wint8"), ("wint4", "wint4"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=os.path.join(ENVS, "models"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "batch_invariance_1b.json"))
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="case names to run (Q4_0 ... Q4_K_M, bf16, wint8, wint4); default all")
     args = parser.parse_args()
 
     from test_batch_invariance import check_invariance
@@ -38,9 +43,10 @@ def main() -> None:
 
     checkpoint = os.path.join(args.models, "llama-1b-random")
     cases = [(f"GGUF {kind}", os.path.join(args.models, f"llama-1b-random-{kind.lower()}.gguf"), {})
-             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M")]
-    cases += [(name, checkpoint, {"quantization": quantization})
-              for name, quantization in (("bf16", "none"), ("wint8", "wint8"), ("wint4", "wint4"))]
+             for kind in KINDS]
+    cases += [(name, checkpoint, {"quantization": quantization}) for name, quantization in PLAIN]
+    if args.only:
+        cases = [case for case in cases if case[0].removeprefix("GGUF ") in args.only]
     ops = native_ops()
     results = {"command": "python benchmarks/batch_invariance.py", "isa": ops.isa() if ops else None,
                "cases": {}}
