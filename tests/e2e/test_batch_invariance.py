@@ -22,7 +22,7 @@ import random
 
 import pytest
 from checkpoints import make_tiny_checkpoint
-from model.test_moe_gguf import write_gguf
+from model.test_moe_gguf import copy_metadata, write_gguf
 from model.test_quantization import write_mixed_gguf
 from tokenizer_fixtures import smollm2_gguf_path
 
@@ -138,8 +138,6 @@ def tiny_llama(tmp_path_factory):
                                       head_dim=128)
     files = {"K-quants": write_mixed_gguf(root)}
     plain = write_gguf(checkpoint, str(root / "f32.gguf"), "llama")
-    from model.test_moe_gguf import copy_metadata
-
     for fmt in ("Q4_0", "Q4_1", "Q8_0"):
         reader = gguf.GGUFReader(plain)
         path = str(root / f"{fmt}.gguf")
