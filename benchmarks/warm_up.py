@@ -32,7 +32,7 @@ import time
 
 from loom.config import EngineConfig
 from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput
-from loom.executor.base import cap_num_blocks
+from loom.core.kv_sizing import cap_num_blocks
 from loom.sampling_params import SamplingParams
 from loom.worker.worker import Worker
 

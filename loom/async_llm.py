@@ -33,7 +33,7 @@ from loom.core.engine_core_proc import core_step_bound_s
 from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, EngineCoreFailed,
                             EngineCoreInput, EngineCoreOutputs, EngineCoreRequest,
                             FinishRequests)
-from loom.executor.base import EngineDeadError
+from loom.errors import EngineDeadError
 from loom.input_processor import InputProcessor
 from loom.ipc.engine_core_client import EngineCoreClient
 from loom.ipc.remote_engine_core import RemoteEngineCoreClient

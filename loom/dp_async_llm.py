@@ -43,7 +43,7 @@ from typing import Any
 
 from loom.async_llm import AsyncLLM, ControlError, RequestStream
 from loom.config import EngineConfig
-from loom.executor.base import EngineDeadError
+from loom.errors import EngineDeadError
 from loom.ipc.remote_engine_core import HeadRendezvous, RemoteEngineCoreClient
 from loom.metrics import ServerMetrics
 from loom.router.policy import PolicyConfig, RoutingPolicy, Ticket

@@ -15,7 +15,7 @@ import msgspec
 from loom.config import EngineConfig
 from loom.core.scheduler import Scheduler
 from loom.core.wire import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from loom.executor.base import WeightsLostError
+from loom.errors import WeightsLostError
 from loom.request import Request, RequestStatus
 
 if TYPE_CHECKING:

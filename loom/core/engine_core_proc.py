@@ -41,7 +41,7 @@ from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, Engi
                             EngineCoreInput, EngineCoreMessage, EngineCoreOutput,
                             EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                             FinishRequests)
-from loom.executor.base import EngineDeadError
+from loom.errors import EngineDeadError
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
 from loom.request import Request, RequestStatus

@@ -44,8 +44,9 @@ from typing import Any
 from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, RPCResult,
                             SchedulerOutput, StepResult, WorkerFailure, WorkerRPC,
                             WorkerShutdown)
-from loom.executor.base import (EngineDeadError, Executor, WorkerDiedError, WorkerHungError,
-                                cap_num_blocks, kv_cache_summary, rpc_error)
+from loom.core.kv_sizing import cap_num_blocks, kv_cache_summary
+from loom.errors import EngineDeadError, WorkerDiedError, WorkerHungError
+from loom.executor.base import Executor, rpc_error
 from loom.ipc.debris import remove_debris
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import (TaskQueue, TaskQueueAddresses, UnexpectedMessageError,

@@ -46,7 +46,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from loom.executor.base import WorkerDiedError
+from loom.errors import WorkerDiedError
 from loom.executor.multiproc import SHUTDOWN_GRACE_S, MultiProcExecutor, _Resources
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import TaskQueue, TaskQueueAddresses

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom.core.kv_sizing import cap_num_blocks, check_num_blocks, kv_cache_summary
 from loom.core.wire import ModelRunnerOutput, SchedulerOutput
-from loom.executor.base import Executor, cap_num_blocks, check_num_blocks, kv_cache_summary
+from loom.executor.base import Executor
 from loom.progress import progress
 from loom.worker.worker import Worker
 

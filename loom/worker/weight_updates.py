@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.executor.base import WeightsLostError
+from loom.errors import WeightsLostError
 from loom.ipc.signal import WeightsStatus
 from loom.worker import memory
 

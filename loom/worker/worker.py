@@ -18,7 +18,7 @@ import torch
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
-from loom.executor.base import blocks_per_sequence, lean_cpu_kv_cache_bytes
+from loom.core.kv_sizing import blocks_per_sequence, lean_cpu_kv_cache_bytes
 from loom.progress import progress
 from loom.sampling_params import SamplingParams
 from loom.worker import memory

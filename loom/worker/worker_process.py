@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.config import EngineConfig
+from loom.core.kv_sizing import cap_num_blocks, check_num_blocks
 from loom.core.wire import (RemoteStatus, RPCResult, StepResult, WorkerFailure, WorkerRPC,
                             WorkerShutdown)
 from loom.envs import settings
@@ -253,8 +254,6 @@ def load_model(worker, status: StatusReporter) -> None:
 def initialize_kv_cache(worker, status: StatusReporter) -> int:
     """Profile, publish the block count every rank can hold and the bytes of a block,
     allocate (capped) blocks."""
-    from loom.executor.base import cap_num_blocks, check_num_blocks
-
     profiled_blocks = worker.determine_num_blocks()  # the same on every rank: MIN-reduced
     runner = worker.model_runner
     bytes_per_block = runner.kv_cache_bytes_per_block

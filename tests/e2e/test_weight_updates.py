@@ -248,7 +248,7 @@ def test_a_copy_that_fails_midway_frees_the_weights_never_mixes(checkpoints):
     data behind it, after one that copied): no old/new mix is ever served. Every rank
     frees its weights and the engine sleeps (level 2): generate refuses, and a good
     update brings weights back, equal to a fresh engine's."""
-    from loom.executor.base import WeightsLostError
+    from loom.errors import WeightsLostError
 
     a, b = checkpoints
     b_tensors = variant_tensors(a, SEED_B)

@@ -13,7 +13,7 @@ import pytest
 
 from checkpoints import MOE_FAMILIES, bias_router
 from loom import LLM, SamplingParams
-from loom.executor.base import WorkerDiedError
+from loom.errors import WorkerDiedError
 
 from .helpers import executor_of, leftovers, make_model_dir
 from .test_tensor_parallel import loom_greedy, transformers_greedy

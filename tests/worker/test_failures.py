@@ -14,7 +14,7 @@ import time
 import pytest
 
 from loom import LLM, SamplingParams
-from loom.executor.base import EngineDeadError, WorkerDiedError
+from loom.errors import EngineDeadError, WorkerDiedError
 
 from .helpers import executor_of, leftovers, make_model_dir
 

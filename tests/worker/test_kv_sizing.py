@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from loom.executor import base
-from loom.executor.base import kv_cache_summary, lean_cpu_kv_cache_bytes
+from loom.core import kv_sizing
+from loom.core.kv_sizing import kv_cache_summary, lean_cpu_kv_cache_bytes
 from loom.executor.multiproc import MultiProcExecutor
 from loom.executor.uniproc import UniProcExecutor
 from loom.worker import memory
@@ -66,7 +66,7 @@ def test_the_cap_wins_over_what_the_default_concurrency_could_fill():
 
 
 def test_one_long_sequence_always_fits_even_past_the_cap(monkeypatch):
-    monkeypatch.setattr(base, "DEFAULT_CPU_KV_CACHE_BYTES", 2**20)
+    monkeypatch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_BYTES", 2**20)
     config = smollm2_config(max_num_seqs=8, max_model_len=8192)
     assert lean_cpu_kv_cache_bytes(config, SMOLLM2_BYTES_PER_BLOCK) == \
         512 * SMOLLM2_BYTES_PER_BLOCK
@@ -113,7 +113,7 @@ def test_the_engine_core_with_worker_processes_imports_no_torch():
 
 
 def test_cpu_default_is_capped(model_dir, monkeypatch):
-    monkeypatch.setattr(base, "DEFAULT_CPU_KV_CACHE_BYTES", 12 * BYTES_PER_BLOCK)
+    monkeypatch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_BYTES", 12 * BYTES_PER_BLOCK)
     executor = start(model_dir, max_num_seqs=64)
     try:
         assert executor.profiled_num_blocks == 12

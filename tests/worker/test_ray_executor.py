@@ -126,7 +126,7 @@ def test_rank_actors_stuck_in_a_step_are_a_hang_and_leave_nothing(ray_cluster, m
                                                                    monkeypatch):
     """LOOM_* switches reach the actors (this one stalls every rank's loop in step 3); the
     step's bound finds the hang, as with worker processes, and the actors are stopped."""
-    from loom.executor.base import WorkerHungError
+    from loom.errors import WorkerHungError
 
     monkeypatch.setenv("LOOM_TEST_STALL_WORKER_AT_STEP", "3")
     llm = LLM(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray",

@@ -13,7 +13,7 @@ from loom import LLM, SamplingParams
 from loom.config import EngineConfig, ModelConfig, ParallelConfig
 from loom.core.wire import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, StepResult,
                             WorkerShutdown)
-from loom.executor.base import EngineDeadError, WorkerHungError
+from loom.errors import EngineDeadError, WorkerHungError
 from loom.executor.multiproc import MultiProcExecutor
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import TaskQueue, TaskQueueAddresses, TaskQueueClient
