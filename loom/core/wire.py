@@ -358,7 +358,7 @@ class DPHello(msgspec.Struct, tag="dp_hello"):
     host: str
     start_rank: int
     num_ranks: int
-    settings: dict[str, Any]  # flag -> value (remote_engine_core.handshake_settings)
+    settings: dict[str, Any]  # flag -> value (loom/handshake.py: handshake_settings)
 
 
 class DPWelcome(msgspec.Struct, tag="dp_welcome"):

@@ -35,8 +35,9 @@ from loom.config import EngineConfig
 from loom.core.engine_core_proc import run_engine_core
 from loom.core.wire import DPBye, DPHandshake, DPHello, DPRefusal, DPWelcome
 from loom.dp_async_llm import replica_config
+from loom.handshake import handshake_settings
 from loom.ipc.debris import remove_debris
-from loom.ipc.remote_engine_core import handshake_settings, rank_list, set_heartbeat
+from loom.ipc.remote_engine_core import rank_list, set_heartbeat
 
 _POLL_MS = 200
 _SHUTDOWN_WAIT_S = 30.0  # after the head's goodbye, for the cores to finish stopping

@@ -41,10 +41,10 @@ import time
 import weakref
 from typing import Any
 
+from loom.core.kv_sizing import cap_num_blocks, kv_cache_summary
 from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, RPCResult,
                             SchedulerOutput, StepResult, WorkerFailure, WorkerRPC,
                             WorkerShutdown)
-from loom.core.kv_sizing import cap_num_blocks, kv_cache_summary
 from loom.errors import EngineDeadError, WorkerDiedError, WorkerHungError
 from loom.executor.base import Executor, rpc_error
 from loom.ipc.debris import remove_debris

@@ -9,10 +9,10 @@
                                                   ── DPWelcome / DPRefusal / DPBye ─▶
 
 Handshake. The headless launcher connects to the head's rpc port and announces its
-ranks and its settings (``handshake_settings``: the flags that must agree, by name).
-The head refuses ranks it runs itself, ranks another host already runs, and any
-setting that differs, naming each (``DPRefusal``; the launcher exits 2); else it
-answers with the two addresses of each rank's sockets, bound by the head on
+ranks and its settings (``handshake_settings``, loom/handshake.py: the flags that must
+agree, by name). The head refuses ranks it runs itself, ranks another host already
+runs, and any setting that differs, naming each (``DPRefusal``; the launcher exits 2);
+else it answers with the two addresses of each rank's sockets, bound by the head on
 ``--data-parallel-address`` at ports of its choosing (``DPWelcome``). The launcher then
 starts those engine cores, which connect as a local core does.
 
@@ -33,9 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from typing import Any
 
 import msgspec
 import zmq
@@ -45,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 from loom.config import EngineConfig
 from loom.core.wire import (DPBye, DPHandshake, DPHello, DPRefusal, DPWelcome,
                             EngineCoreShutdown)
+from loom.handshake import handshake_settings
 from loom.ipc.engine_core_client import EngineCoreChannel
 
 logger = logging.getLogger(__name__)
@@ -58,43 +57,6 @@ def set_heartbeat(socket: zmq.Socket, timeout_s: float) -> None:
     socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_INTERVAL_MS)
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
     socket.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
-
-
-def handshake_settings(config: EngineConfig) -> dict[str, Any]:
-    """What every host's replicas must agree on, keyed by the flag that sets it: the
-    head routes and validates requests by its own config, and the replicas must answer
-    alike."""
-    model, parallel = config.model, config.parallel
-    return {
-        "MODEL (its file or directory name)": os.path.basename(model.model.rstrip("/")),
-        "vocabulary size (the checkpoint's)": model.vocab_size,
-        "--data-parallel-size": parallel.data_parallel_size,
-        "--tensor-parallel-size": parallel.tensor_parallel_size,
-        "--dtype": model.dtype,
-        "--max-model-len": model.max_model_len,
-        "--quantization": model.quantization,
-        "--quantization-group-size": model.quantization_group_size,
-        "--lm-head-fp32": model.lm_head_fp32,
-        "--seed": model.seed,
-        "--block-size": config.cache.block_size,
-        "--enable-prefix-caching": config.cache.enable_prefix_caching,
-        "--max-num-seqs": config.scheduler.max_num_seqs,
-        "--max-num-batched-tokens": config.scheduler.max_num_batched_tokens,
-        "--speculative-config": speculative_settings(config),
-        "--device": config.device,
-    }
-
-
-def speculative_settings(config: EngineConfig) -> dict[str, Any] | None:
-    """The speculative config as the flag sets it: the draft by its file or directory
-    name (each host has its own path), without the draft's HF config as read there."""
-    spec = config.speculative
-    if spec is None:
-        return None
-    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-            "prompt_lookup_min": spec.prompt_lookup_min,
-            "prompt_lookup_max": spec.prompt_lookup_max,
-            "model": None if spec.model is None else os.path.basename(spec.model.rstrip("/"))}
 
 
 def rank_list(ranks: range | list[int]) -> str:

@@ -36,13 +36,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 from loom.config import EngineConfig
 from loom.core.kv_sizing import cap_num_blocks, check_num_blocks
 from loom.core.wire import (RemoteStatus, RPCResult, StepResult, WorkerFailure, WorkerRPC,
                             WorkerShutdown)
 from loom.envs import settings
+from loom.handshake import node_settings
 from loom.ipc.debris import die_with_parent
 from loom.ipc.signal import WorkerSignals, unlink_segment
 from loom.ipc.task_queue import TaskQueueAddresses, TaskQueueClient
@@ -191,31 +191,6 @@ def init_distributed(spec: WorkerSpec):
     parallel = spec.config.parallel
     return join_group(spec.rank, parallel.world_size, spec.master_addr, spec.master_port,
                       spec.config.device, timeout_s=parallel.worker_start_timeout_s)
-
-
-def node_settings(config) -> dict[str, Any]:
-    """What every node's ranks must agree on, by the flag that sets it: what shapes the
-    weights a rank holds and the steps it runs."""
-    from loom.ipc.remote_engine_core import handshake_settings
-
-    settings = {name: value for name, value in handshake_settings(config).items()
-                if name not in _SCHEDULER_ONLY_SETTINGS}
-    cache = config.cache
-    settings.update({
-        # the ranks' KV caches: each sizes and caps its own, and the profile run and the
-        # warm-up are forwards with collectives, whose batches these flags size
-        "--expert-parallel-size": config.parallel.expert_parallel_size,
-        "--num-gpu-blocks-override": cache.num_gpu_blocks_override,
-        "--kv-cache-memory": cache.kv_cache_memory_bytes,
-        "--memory-utilization": cache.memory_utilization,
-        "--enable-warm-up": config.model.enable_warm_up,
-    })
-    return settings
-
-
-# handshake_settings' entries that ranks of one engine need not agree on: node 0's engine
-# alone reads them (the data-parallel layout, prefix caching's block reuse, sampling)
-_SCHEDULER_ONLY_SETTINGS = ("--data-parallel-size", "--seed", "--enable-prefix-caching")
 
 
 def check_nodes_agree(spec: WorkerSpec) -> None:

@@ -10,7 +10,8 @@ from loom.async_llm import ControlError
 from loom.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from loom.core.wire import DPHello, DPRefusal, DPWelcome
 from loom.dp_async_llm import merge_control_results
-from loom.ipc.remote_engine_core import HeadRendezvous, handshake_settings
+from loom.handshake import handshake_settings
+from loom.ipc.remote_engine_core import HeadRendezvous
 
 
 def _config(**parallel) -> EngineConfig:
@@ -84,7 +85,7 @@ def test_a_draft_compares_by_its_name_not_its_path_or_hf_config():
     from types import SimpleNamespace
 
     from loom.config import SpeculativeConfig
-    from loom.ipc.remote_engine_core import speculative_settings
+    from loom.handshake import speculative_settings
 
     def settings(path, hf_config):
         spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model=path,
