@@ -135,14 +135,14 @@ def transfer(args: argparse.Namespace) -> list[dict]:
 
 
 def recompute(args: argparse.Namespace) -> list[dict]:
-    from loom.config import EngineConfig
+    from loom.engine_args import make_engine_config
     from loom.core.engine_core import EngineCore
     from loom.default_model import default_model_path
     from loom.request import Request
     from loom.sampling_params import SamplingParams
 
     model = args.model or default_model_path()
-    cores = {role: EngineCore.from_config(EngineConfig.from_args(
+    cores = {role: EngineCore.from_config(make_engine_config(
         model, max_model_len=max(args.tokens) + 64, splitwise_role=role,
         kv_transfer_config={"kv_transport": "shm"})) for role in ("prefill", "decode")}
     prefill, decode = cores["prefill"], cores["decode"]

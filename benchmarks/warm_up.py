@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from loom.core.kv_sizing import cap_num_blocks
 from loom.sampling_params import SamplingParams
@@ -155,8 +155,8 @@ def run_once(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
         CLOCK = time.process_time
-    config = EngineConfig.from_args(args.model or default_model_path(), dtype="bfloat16",
-                                    max_model_len=2048, enable_warm_up=not args.no_warm_up)
+    config = make_engine_config(args.model or default_model_path(), dtype="bfloat16",
+                                max_model_len=2048, enable_warm_up=not args.no_warm_up)
     worker = Worker(config)
     started = time.perf_counter()
     worker.init_device()

@@ -1,5 +1,6 @@
-"""Frozen, composed configuration. Validated on construction; files are read only by
-``from_*`` and the readers they call (``load_sampling_defaults``, config_checks.py).
+"""Frozen, composed configuration. Validated on construction; this module reads no
+file. The config is made from the user's arguments by ``EngineArgs.create_engine_config``
+(loom/engine_args.py), after loom/checkpoint_defaults.py has read the checkpoint.
 
 Runtime results (the profiled KV block count) live in runtime objects, never here.
 """
@@ -15,12 +16,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
-DTYPE_CHOICES = (*_DTYPES, *_DTYPE_ALIASES)
-# generation_config.json keys that become a request's defaults, as vLLM applies them.
-_GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
-                           "max_new_tokens")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
+DTYPE_CHOICES = (*DTYPES, *DTYPE_ALIASES)
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
 # --quantization (loom/model/layers/quantization.py); "auto" keeps the checkpoint's weights.
 QUANTIZATION_CHOICES = ("auto", "none", "wint8", "wint4")
@@ -32,18 +30,19 @@ _QUANTIZATION_NOT_BUILT = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 class ModelConfig:
     model: str  # a Hugging Face directory or a .gguf file
     tokenizer: str | None = None
-    dtype: str = "auto"  # resolved to a concrete name by EngineConfig.from_args
+    dtype: str = "auto"  # resolved to a concrete name (checkpoint_defaults.py)
     max_model_len: int = 2048
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
-    vocab_size: int | None = None  # read from the checkpoint by from_args
+    vocab_size: int | None = None  # read from the checkpoint (checkpoint_defaults.py)
     # Dummy steps at start-up so the first real step at each batch size is not slower
     # (Worker.warm_up; benchmarks/warm_up.md). Off: start faster.
     enable_warm_up: bool = True
     # Sampling defaults for what a request leaves out, as (name, value) pairs in
     # SamplingParams' names: the checkpoint's generation_config.json under
-    # --generation-config auto, then --override-generation-config (from_args reads them).
+    # --generation-config auto, then --override-generation-config (read by
+    # checkpoint_defaults.py).
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
     # Token ids in, token ids out: no tokenizer is loaded, outputs have empty text.
     skip_tokenizer_init: bool = False
@@ -65,15 +64,15 @@ class ModelConfig:
     # step runs eagerly. Changes nothing elsewhere.
     enforce_eager: bool = False
     # The checkpoint's Hugging Face config as plain values (loom/model/loader/
-    # hf_config_values.py), read once by from_args, so that the engine core and the ranks
-    # build the model without importing transformers; None: each rank reads it itself.
+    # hf_config_values.py), read once (checkpoint_defaults.py), so that the engine core and
+    # the ranks build the model without importing transformers; None: each rank reads it.
     hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
 
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_attn_backend_name(self.attention_backend)
         check_quantization_name(self.quantization)
         if type(self.quantization_group_size) is not int \
@@ -333,7 +332,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # the draft checkpoint (draft_model only)
-    # The draft's HF config as plain values (as ModelConfig.hf_config), read by from_args.
+    # The draft's HF config as plain values (as ModelConfig.hf_config), read with the target's.
     hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -476,8 +475,6 @@ def _config_from_value(cls, value, name: str):
     if value is None or isinstance(value, cls):
         return value
     if isinstance(value, str):
-        import json
-
         try:
             value = json.loads(value)
         except json.JSONDecodeError as error:
@@ -508,165 +505,6 @@ class EngineConfig:
             raise ValueError("scheduler.max_model_len must equal model.max_model_len "
                              f"({self.scheduler.max_model_len} != {self.model.max_model_len})")
 
-    @classmethod
-    def from_args(
-        cls,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        num_gpu_blocks_override: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        memory_utilization: float | None = None,
-        tensor_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        ray_address: str | None = None,
-        nnodes: int = 1,
-        enable_expert_parallel: bool = False,
-        expert_parallel_size: int | None = None,
-        node_rank: int = 0,
-        master_addr: str = "127.0.0.1",
-        master_port: int | None = None,
-        worker_health_timeout_s: float = 30.0,
-        watchdog_timeout_s: float = 60.0,
-        seed: int = 0,
-        served_model_name: str | None = None,
-        chat_template: str | None = None,
-        device: str = "auto",
-        structured_outputs_backend: str = "auto",
-        structured_outputs_disable_any_whitespace: bool = False,
-        structured_outputs_disable_additional_properties: bool = False,
-        speculative_config: SpeculativeConfig | dict | str | None = None,
-        early_stop_config: EarlyStopConfig | dict | str | None = None,
-        enable_warm_up: bool = True,
-        enable_chunked_prefill: bool | None = None,
-        generation_config: str = "auto",
-        override_generation_config: dict[str, Any] | str | None = None,
-        skip_tokenizer_init: bool = False,
-        attention_backend: str = "auto",
-        quantization: str = "auto",
-        quantization_group_size: int = 128,
-        lm_head_fp32: bool = False,
-        data_parallel_size: int = 1,
-        data_parallel_size_local: int | None = None,
-        data_parallel_start_rank: int = 0,
-        data_parallel_address: str = "127.0.0.1",
-        data_parallel_rpc_port: int = 29550,
-        cpu_threads_per_rank: int | None = None,
-        trust_remote_code: bool = False,
-        enforce_eager: bool = False,
-        splitwise_role: str | None = None,
-        kv_transfer_config: KVTransferConfig | dict | str | None = None,
-    ) -> EngineConfig:
-        """Build a config from user arguments, reading the checkpoint's config for defaults.
-
-        Everything that can be checked without loading weights is checked here, cheapest
-        first, so a bad argument fails before any process starts: the device, the
-        architecture, the tokenizer files, the tensor-parallel split, the KV budget.
-        ``trust_remote_code`` is accepted for vLLM's sake: loom never runs a checkpoint's
-        code. ``enforce_eager`` turns CUDA graphs off (worker/cuda_graphs.py).
-        """
-        from loom.config_checks import (check_architecture_before_loading, check_kv_budget,
-                                        check_quantization, check_ray_installed,
-                                        check_tensor_parallel, check_tokenizer_files)
-        from loom.model.loader.hf_config import load_hf_config
-        from loom.model.loader.hf_config_values import hf_config_values
-        from loom.model.models.registry import get_model_architecture
-
-        if not os.path.exists(model):
-            raise ValueError(f"model {model!r} does not exist; give a Hugging Face directory "
-                             "or a .gguf file")
-        device = resolve_device(device)
-        if trust_remote_code:
-            logger.warning("--trust-remote-code: loom never runs code from a checkpoint; its "
-                           "own implementations serve the architectures it supports")
-        check_architecture_before_loading(model)
-        hf_config = load_hf_config(model)
-        get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
-        check_quantization(hf_config, quantization, model)
-        if not skip_tokenizer_init:
-            check_tokenizer_files(model, tokenizer)
-        check_tensor_parallel(hf_config, tensor_parallel_size, nnodes, device)
-        if distributed_executor_backend == "ray":
-            check_ray_installed()
-        if expert_parallel_size is None:
-            expert_parallel_size = tensor_parallel_size if enable_expert_parallel else 1
-        _check_expert_parallel(hf_config, expert_parallel_size)
-        limit = _max_position_embeddings(hf_config)
-        if max_model_len is None:
-            max_model_len = min(limit, 4096) if limit else 4096
-        elif limit and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}; lower --max-model-len")
-        if enable_chunked_prefill is None:
-            enable_chunked_prefill = True
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, min(max_model_len, 8192))
-            if not enable_chunked_prefill:  # every prompt must fit one step (as vLLM)
-                max_num_batched_tokens = max(2048, max_model_len)
-        speculative = SpeculativeConfig.from_value(speculative_config)
-        if speculative is not None and speculative.model is not None:
-            speculative = dataclasses.replace(
-                speculative, hf_config=_check_draft_model(speculative.model, hf_config))
-        dtype = resolve_dtype(dtype, hf_config, model, device)
-        cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                            num_gpu_blocks_override=num_gpu_blocks_override,
-                            kv_cache_memory_bytes=kv_cache_memory_bytes,
-                            memory_utilization=memory_utilization)
-        check_kv_budget(hf_config, cache, dtype, tensor_parallel_size, max_model_len)
-        kv_transfer = KVTransferConfig.from_args(splitwise_role, kv_transfer_config)
-        if kv_transfer is not None and kv_transfer.kv_transport == "shm" and device != "cpu":
-            raise ValueError("kv_transport shm shares the KV cache in host memory, so it needs "
-                             "--device cpu; use kv_transport tcp on CUDA")
-        sampling_defaults = load_sampling_defaults(model, generation_config,
-                                                   override_generation_config)
-        return cls(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
-                              max_model_len=max_model_len, seed=seed,
-                              served_model_name=served_model_name, chat_template=chat_template,
-                              vocab_size=getattr(hf_config, "vocab_size", None),
-                              enable_warm_up=enable_warm_up,
-                              sampling_defaults=tuple(sampling_defaults.items()),
-                              skip_tokenizer_init=skip_tokenizer_init,
-                              attention_backend=attention_backend,
-                              quantization=quantization,
-                              quantization_group_size=quantization_group_size,
-                              lm_head_fp32=lm_head_fp32, enforce_eager=enforce_eager,
-                              hf_config=hf_config_values(hf_config)),
-            cache=cache,
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    distributed_executor_backend=distributed_executor_backend,
-                                    ray_address=ray_address,
-                                    nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                                    expert_parallel_size=expert_parallel_size,
-                                    master_port=master_port,
-                                    worker_health_timeout_s=worker_health_timeout_s,
-                                    watchdog_timeout_s=watchdog_timeout_s,
-                                    data_parallel_size=data_parallel_size,
-                                    data_parallel_size_local=data_parallel_size_local,
-                                    data_parallel_start_rank=data_parallel_start_rank,
-                                    data_parallel_address=data_parallel_address,
-                                    data_parallel_rpc_port=data_parallel_rpc_port,
-                                    cpu_threads_per_rank=cpu_threads_per_rank),
-            structured_outputs=StructuredOutputsConfig(
-                backend=structured_outputs_backend,
-                disable_any_whitespace=structured_outputs_disable_any_whitespace,
-                disable_additional_properties=structured_outputs_disable_additional_properties),
-            speculative=speculative,
-            early_stop=EarlyStopConfig.from_value(early_stop_config),
-            kv_transfer=kv_transfer,
-            device=device,
-        )
-
 
 def resolve_device(device: str) -> str:
     """``auto``: cuda where torch sees a CUDA device, else cpu. Imports no torch for a
@@ -686,116 +524,3 @@ def resolve_device(device: str) -> str:
         raise ValueError(f"--device cuda, but {reason} (torch {build.version}); use "
                          "--device cpu or --device auto")
     return "cpu"
-
-
-def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
-    """``auto`` follows the checkpoint, except where that dtype is slow on the device.
-
-    GGUF files are dequantized to bfloat16. On CPU float16 matmuls are a slow
-    fallback, so float16 (asked for or the checkpoint's) runs in bfloat16 there, with
-    a warning. ``half`` and ``float`` are float16 and float32, as in vLLM.
-    """
-    dtype = _DTYPE_ALIASES.get(dtype, dtype)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-    if dtype == "auto":
-        if model.endswith(".gguf"):
-            dtype = "bfloat16"
-        else:
-            raw = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-            dtype = str(raw).removeprefix("torch.") if raw else "float32"
-            if dtype not in _DTYPES:
-                dtype = "float32"
-    if device == "cpu" and dtype == "float16":
-        logger.warning("dtype float16 runs as bfloat16 on the CPU (float16 matmuls are a slow "
-                       "fallback there); pass --dtype float32 for full precision")
-        dtype = "bfloat16"
-    return dtype
-
-
-def load_sampling_defaults(model: str, generation_config: str = "auto",
-                           override: dict[str, Any] | str | None = None) -> dict[str, Any]:
-    """Request defaults in SamplingParams' names, as vLLM derives them.
-
-    ``auto``: the sampling keys (temperature, top_p, top_k, min_p, repetition_penalty,
-    max_new_tokens as max_tokens) that the checkpoint's generation_config.json sets; a
-    .gguf file has none. ``vllm``: none, loom's own defaults. Otherwise a directory
-    holding a generation_config.json, or the file itself. ``override`` (a dict or its
-    JSON) is laid over the result.
-    """
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--override-generation-config is not valid JSON: {error}") from None
-    if override is not None and not isinstance(override, dict):
-        raise ValueError("--override-generation-config must be a JSON object, e.g. "
-                         '\'{"temperature": 0.5}\'')
-    if generation_config == "vllm":
-        values: dict[str, Any] = {}
-    else:
-        path = model if generation_config == "auto" else generation_config
-        if generation_config != "auto" and not os.path.exists(path):
-            raise ValueError(f"--generation-config {path} does not exist; give auto, vllm, or "
-                             "a directory holding a generation_config.json")
-        if os.path.isdir(path):
-            path = os.path.join(path, "generation_config.json")
-        values = {}
-        if path.endswith(".json") and os.path.isfile(path):
-            try:
-                with open(path) as f:
-                    values = json.load(f)
-            except ValueError as error:
-                raise ValueError(f"cannot read {path}: {error}") from None
-    values = {**values, **(override or {})}
-    defaults = {key: values[key] for key in _GENERATION_CONFIG_KEYS if values.get(key) is not None}
-    if "max_new_tokens" in defaults:
-        defaults["max_tokens"] = defaults.pop("max_new_tokens")
-    if defaults:
-        from loom.sampling_params import SamplingParams
-
-        SamplingParams(**defaults)  # a bad value fails here, naming its field
-    return defaults
-
-
-def _check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
-    """Check the draft checkpoint against the target; returns its config's plain values."""
-    from loom.config_checks import check_stored_quantization
-    from loom.model.loader.hf_config import load_hf_config
-    from loom.model.loader.hf_config_values import hf_config_values
-
-    if not os.path.exists(path):
-        raise ValueError(f"draft model {path!r} does not exist; give a Hugging Face directory "
-                         "or a .gguf file")
-    draft_config = load_hf_config(path)
-    check_stored_quantization(draft_config, path, what="the draft model")
-    draft_vocab = getattr(draft_config, "vocab_size", None)
-    target_vocab = getattr(target_hf_config, "vocab_size", None)
-    if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:
-        raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is smaller than the "
-                         f"target's ({target_vocab}); the draft must share the target's tokenizer")
-    return hf_config_values(draft_config)
-
-
-def _check_expert_parallel(hf_config: Any, expert_parallel_size: int) -> None:
-    """Experts split whole over the ranks: their number must divide (a model without
-    experts ignores the setting, with a warning)."""
-    if expert_parallel_size == 1:
-        return
-    num_experts = next((getattr(hf_config, name) for name in
-                        ("num_experts", "num_local_experts", "moe_num_experts")
-                        if getattr(hf_config, name, None)), None)
-    if num_experts is None:
-        logger.warning("expert parallel: the model has no experts; its layers split over the "
-                       "tensor-parallel ranks as usual")
-    elif num_experts % expert_parallel_size:
-        raise ValueError(f"--expert-parallel-size {expert_parallel_size} does not divide the "
-                         f"model's {num_experts} experts; choose a size that does")
-
-
-def _max_position_embeddings(hf_config) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None

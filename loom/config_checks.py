@@ -1,8 +1,8 @@
-"""Checks of user arguments against the checkpoint that ``EngineConfig.from_args`` runs
-before any weight is read or any process starts, so that a bad argument is one line
-naming it and the fix: the architecture (before the tokenizer is looked for), the
-tokenizer files, the tensor-parallel split of the heads, an explicit KV budget, the
-quantization asked for and the checkpoint's own.
+"""Checks of user arguments against the checkpoint that ``resolve_against_checkpoint``
+(loom/checkpoint_defaults.py) runs before any weight is read or any process starts, so
+that a bad argument is one line naming it and the fix: the architecture (before the
+tokenizer is looked for), the tokenizer files, the tensor-parallel split of the heads, an
+explicit KV budget, the quantization asked for and the checkpoint's own.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import difflib
-import inspect
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -14,8 +13,8 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from loom.config import EngineConfig
 from loom.default_model import default_model_path
+from loom.engine_args import EngineArgs, llm_kwargs_to_fields
 from loom.executor.base import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
 from loom.outputs import RequestOutput
@@ -29,27 +28,16 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generate text from prompts with an engine in this process.
 
-    Keyword arguments follow vLLM's ``LLM``: ``tokenizer``, ``skip_tokenizer_init``
-    (token ids in and out, no text), ``dtype`` (auto, float32, bfloat16, float16,
-    half, float), ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_chunked_prefill``, ``block_size``, ``enable_prefix_caching``,
-    ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
-    (or ``memory_utilization``), ``tensor_parallel_size``, ``seed``, ``chat_template``,
-    ``device``, ``attention_backend`` ("auto", "cpu" or "torch"), ``quantization``
-    ("auto": a GGUF file's formats kept; "none": dequantized; "wint8": int8 weights per
-    output channel made at load; "wint4": 4-bit in groups of ``quantization_group_size``,
-    32, 64 or 128), ``lm_head_fp32``, ``generation_config``
-    ("auto": the checkpoint's sampling defaults apply when ``generate`` gets no
-    SamplingParams; "vllm": loom's; or a directory) and
-    ``override_generation_config``; and for worker processes
-    ``distributed_executor_backend`` ("mp" or "uni"), ``nnodes``, ``node_rank``,
-    ``master_addr``, ``master_port``, ``worker_health_timeout_s`` (see
-    docs/multi_node.md). ``speculative_config`` and ``early_stop_config`` take a dict
-    (or JSON text), see docs/speculative_decoding.md. ``trust_remote_code``
-    and ``disable_log_stats`` are accepted and change nothing (loom runs no checkpoint
-    code); ``enforce_eager`` keeps every CUDA step eager (no CUDA graphs). Any other name is a
-    ``TypeError`` that suggests the closest valid one. If a worker dies, ``generate``
-    raises ``WorkerDiedError`` and every later call fails at once.
+    Keyword arguments are the fields of ``EngineArgs`` (loom/engine_args.py, where each
+    is documented with its flag), in vLLM's names: ``dtype``, ``max_model_len``,
+    ``max_num_seqs``, ``tensor_parallel_size``, ``quantization``, ``speculative_config``
+    (a dict or its JSON) ...; vLLM's ``gpu_memory_utilization`` is ``memory_utilization``,
+    and ``skip_tokenizer_init`` takes token ids in and gives token ids out. vLLM arguments
+    for features loom does not have are accepted at their neutral values only
+    (``revision=None``, ``pipeline_parallel_size=1``); ``trust_remote_code`` and
+    ``disable_log_stats`` change nothing (loom runs no checkpoint code). Any other name
+    is a ``TypeError`` that suggests the closest valid one. If a worker dies,
+    ``generate`` raises ``WorkerDiedError`` and every later call fails at once.
 
     With worker processes (``tensor_parallel_size`` > 1), a script must create the
     ``LLM`` under ``if __name__ == "__main__":``: the workers re-import the script.
@@ -58,13 +46,20 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         _check_not_importing_main()
         try:
-            self.engine = LLMEngine.from_args(model or default_model_path(),
-                                              **llm_kwargs_to_engine_args(kwargs))
+            engine_args = EngineArgs.from_llm_kwargs(model or default_model_path(), kwargs)
+            self.engine = LLMEngine(engine_args.create_engine_config())
         except WorkerDiedError as error:
             if error.exitcode == _MISSING_MAIN_GUARD_EXIT_CODE:
                 raise RuntimeError(_MISSING_MAIN_GUARD) from None
             raise
         self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An ``LLM`` from arguments already gathered (a command's flags)."""
+        kwargs = {spec.name: getattr(engine_args, spec.name)
+                  for spec in dataclasses.fields(engine_args)}
+        return cls(kwargs.pop("model"), **kwargs)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The Hugging Face tokenizer, as vLLM's ``LLM.get_tokenizer`` returns it."""
@@ -198,51 +193,10 @@ class LLM:
         self.shutdown()
 
 
-# vLLM's names for arguments loom spells otherwise.
-_ALIASES = {"gpu_memory_utilization": "memory_utilization"}
-# vLLM arguments for features loom does not have: accepted at these values only.
-_ONLY_AT = {
-    "revision": None, "tokenizer_revision": None, "code_revision": None,  # local paths only
-    "pipeline_parallel_size": 1,
-    "tokenizer_mode": "auto",
-}
-# vLLM arguments that change nothing here: accepted, with a warning if they would matter.
-_NO_EFFECT = {
-    "disable_log_stats": None,  # the offline API logs no periodic stats
-    "disable_custom_all_reduce": None,
-    "swap_space": "loom recomputes a preempted request instead of swapping its KV to the CPU",
-    "cpu_offload_gb": "loom does not offload weights to the CPU",
-}
-
-
 def llm_kwargs_to_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``LLM(**kwargs)`` -> ``EngineConfig.from_args`` keyword arguments; an unknown name
-    is a TypeError naming the closest valid ones, as a misspelt argument is in Python."""
-    known = [name for name in inspect.signature(EngineConfig.from_args).parameters
-             if name not in ("cls", "model")]
-    result = {}
-    for name, value in kwargs.items():
-        if name in _ALIASES:
-            result[_ALIASES[name]] = value
-        elif name in _ONLY_AT:
-            if value != _ONLY_AT[name] and not (name == "tokenizer_mode" and value == "hf"):
-                raise ValueError(f"LLM({name}={value!r}) is not supported; loom takes only "
-                                 f"{name}={_ONLY_AT[name]!r}")
-        elif name in _NO_EFFECT:
-            reason = _NO_EFFECT[name]
-            if reason is not None and value:
-                logger.warning("LLM(%s=%r) has no effect: %s", name, value, reason)
-        elif name == "quantization" and value is None:  # vLLM's default: as stored
-            result[name] = "auto"
-        elif name in known:
-            result[name] = value
-        else:
-            valid = sorted({*known, *_ALIASES, *_ONLY_AT, *_NO_EFFECT})
-            close = difflib.get_close_matches(name, valid, n=3)
-            hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
-                    else f"valid ones: {', '.join(valid)}")
-            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}; {hint}")
-    return result
+    """``LLM(**kwargs)`` -> ``EngineArgs`` fields; an unknown name is a TypeError naming
+    the closest valid ones, as a misspelt argument is in Python."""
+    return llm_kwargs_to_fields(kwargs)
 
 
 _MISSING_MAIN_GUARD = (

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.core.engine_core import EngineCore
 from loom.input_processor import InputProcessor, PromptType
 from loom.output_processor import OutputProcessor
@@ -36,7 +37,7 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, model: str, **kwargs: Any) -> LLMEngine:
-        return cls(EngineConfig.from_args(model, **kwargs))
+        return cls(make_engine_config(model, **kwargs))
 
     # ----------------------------------------------------------------- input side
 

@@ -17,8 +17,9 @@ from checkpoints import make_tiny_checkpoint, make_tiny_config
 from tokenizer_fixtures import make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
-from loom.cli import build_parser, human_readable_int
-from loom.config import load_sampling_defaults, resolve_dtype
+from loom.arg_types import human_readable_int
+from loom.cli import build_parser
+from loom.checkpoint_defaults import load_sampling_defaults, resolve_dtype
 from loom.core.wire import EngineCoreOutput, SchedulerStats
 from loom.llm import llm_kwargs_to_engine_args
 from loom.metrics import ServerMetrics

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from loom.config import EngineConfig, resolve_device
+from loom.config import resolve_device
+from loom.engine_args import make_engine_config
 from loom.model.loader.hf_config import load_hf_config
 from loom.model.loader.hf_config_values import hf_config_values
 from checkpoints import FAMILIES, make_tiny_checkpoint
@@ -33,7 +34,8 @@ _CHILD = r'''
 import json, sys
 from loom.torch_free import forbid_torch
 forbid_torch()
-from loom.config import EngineConfig, resolve_device
+from loom.config import resolve_device
+from loom.engine_args import make_engine_config
 from loom.model.loader.hf_config import load_hf_config
 from loom.model.loader.hf_config_values import hf_config_values
 from loom.tokenizer import load_tokenizer
@@ -50,7 +52,7 @@ for path in job["tokenizers"]:
         "decoded": [tokenizer.decode(tokenizer.encode(text)) for text in job["texts"]],
         "chat": tokenizer.apply_chat_template(job["messages"])}
 if job["engine"]:
-    config = EngineConfig.from_args(job["engine"], max_model_len=256)
+    config = make_engine_config(job["engine"], max_model_len=256)
     out["engine"] = {"device": config.device, "dtype": config.model.dtype,
                      "max_model_len": config.model.max_model_len,
                      "vocab_size": config.model.vocab_size, "hf_config": config.model.hf_config}
@@ -146,7 +148,7 @@ def test_api_process_reads_configs_tokenizers_and_device_without_torch(checkpoin
         assert got["tokenizers"][path] == expected, path
     if ggufs:
         assert os.listdir(tmp_path / "cache" / "tokenizers"), "the GGUF one was converted"
-    config = EngineConfig.from_args(checkpoints["llama"], max_model_len=256)
+    config = make_engine_config(checkpoints["llama"], max_model_len=256)
     assert got["engine"] == plain({"device": config.device, "dtype": config.model.dtype,
                                    "max_model_len": 256, "vocab_size": config.model.vocab_size,
                                    "hf_config": config.model.hf_config})

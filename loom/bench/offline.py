@@ -36,10 +36,10 @@ from loom.bench.metrics import format_spec_decode, spec_decode_metrics
 
 def _build_llm(args: argparse.Namespace):
     from loom import LLM
-    from loom.cli import engine_kwargs
+    from loom.engine_args import EngineArgs
 
     started = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     return llm, time.perf_counter() - started
 
 

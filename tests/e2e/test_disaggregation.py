@@ -18,7 +18,8 @@ import torch
 from checkpoints import SLIDING_WINDOW, make_tiny_checkpoint
 from tokenizer_fixtures import make_tiny_tokenizer
 
-from loom.config import EngineConfig, KVTransferConfig
+from loom.config import KVTransferConfig
+from loom.engine_args import make_engine_config
 from loom.core.engine_core import EngineCore
 from loom.ipc.kv_events import KVEventReceiver
 from loom.request import Request
@@ -43,7 +44,7 @@ EXTRAS = [
 
 def make_core(model: str, role: str, tp: int = 1, transport: str = "tcp",
               **kwargs) -> EngineCore:
-    config = EngineConfig.from_args(
+    config = make_engine_config(
         model, dtype="float32", max_model_len=256, num_gpu_blocks_override=96,
         tensor_parallel_size=tp, enable_warm_up=False, splitwise_role=role,
         kv_transfer_config={"kv_transport": transport} if role != "mixed" else None, **kwargs)

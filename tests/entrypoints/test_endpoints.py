@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from loom_server import REPO_ROOT, TINY_SERVER_ARGS, LoomServer
 
 from loom.async_llm import AsyncLLM
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.entrypoints.openai.server import HttpOptions, ServerState, build_app
 from loom.tokenizer import load_tokenizer
 
@@ -39,7 +39,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir, tmp_path_factory):
-    config = EngineConfig.from_args(tiny_model_dir, max_model_len=512, served_model_name=MODEL)
+    config = make_engine_config(tiny_model_dir, max_model_len=512, served_model_name=MODEL)
     with pytest.MonkeyPatch.context() as patch:
         # The engine core's socket directory, never used: in pytest's temporary tree.
         patch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("sockets")))

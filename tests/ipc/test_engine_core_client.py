@@ -13,6 +13,7 @@ import pytest
 
 from checkpoints import make_tiny_checkpoint
 from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.core.wire import EngineCoreOutputs, EngineCoreRequest
 from loom.ipc.engine_core_client import EngineCoreClient
 from loom.sampling_params import SamplingParams
@@ -26,8 +27,8 @@ def config(tmp_path_factory) -> EngineConfig:
     make_tiny_tokenizer(tokenizer_dir)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return EngineConfig.from_args(path, max_model_len=64, dtype="float32",
-                                  num_gpu_blocks_override=16, enable_warm_up=False)
+    return make_engine_config(path, max_model_len=64, dtype="float32",
+                              num_gpu_blocks_override=16, enable_warm_up=False)
 
 
 def request(request_id: str, max_tokens: int) -> EngineCoreRequest:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.model.loader import load_hf_config, load_model, model_hf_config
 from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
 
@@ -76,8 +77,8 @@ def test_values_drive_the_model_as_the_transformers_config_does(checkpoints, fam
 
 def test_from_args_ships_the_values_and_the_ranks_read_them(checkpoints):
     path = checkpoints["qwen3_moe"]
-    config = EngineConfig.from_args(path, max_model_len=64, kv_cache_memory_bytes=2**20,
-                                    skip_tokenizer_init=True)
+    config = make_engine_config(path, max_model_len=64, kv_cache_memory_bytes=2**20,
+                                skip_tokenizer_init=True)
     assert config.model.hf_config is not None
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=EngineConfig)
     view = model_hf_config(decoded.model)
@@ -92,12 +93,12 @@ def test_from_args_ships_the_values_and_the_ranks_read_them(checkpoints):
 def test_a_draft_models_values_ship_too(checkpoints):
     target, draft = checkpoints["llama"], checkpoints["llama_tied_rope3"]
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
-    config = EngineConfig.from_args(target, max_model_len=64, kv_cache_memory_bytes=2**20,
-                                    skip_tokenizer_init=True, speculative_config=spec)
+    config = make_engine_config(target, max_model_len=64, kv_cache_memory_bytes=2**20,
+                                skip_tokenizer_init=True, speculative_config=spec)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=EngineConfig)
     view = model_hf_config(decoded.speculative)
     assert isinstance(view, HFConfigView)
     assert_same_attributes(load_hf_config(draft), view)
     with pytest.raises(ValueError, match="unknown keys \\['hf_config'\\]"):
-        EngineConfig.from_args(target, skip_tokenizer_init=True,
-                               speculative_config={**spec, "hf_config": {}})
+        make_engine_config(target, skip_tokenizer_init=True,
+                           speculative_config={**spec, "hf_config": {}})

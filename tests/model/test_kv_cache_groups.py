@@ -52,14 +52,14 @@ def test_gemma3_runner_is_hybrid_unless_a_transfer_or_drafts_need_one_table(
     block table, and drafts' rolled-back K/V is not accounted for per group."""
     import torch
 
-    from loom.config import EngineConfig
+    from loom.engine_args import make_engine_config
     from loom.worker.model_runner import ModelRunner
 
     from .checkpoints import SLIDING_WINDOW, make_tiny_checkpoint
 
     path = make_tiny_checkpoint("gemma3", tmp_path / "gemma3")
-    config = EngineConfig.from_args(path, dtype="float32", max_model_len=64,
-                                    skip_tokenizer_init=True, **options)
+    config = make_engine_config(path, dtype="float32", max_model_len=64,
+                                skip_tokenizer_init=True, **options)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     groups = runner.kv_cache_groups
@@ -75,7 +75,7 @@ def test_drafts_keep_every_block_of_an_all_sliding_model(tmp_path):
     model's full-attention layers read the target's tables. With drafts, none is freed."""
     import torch
 
-    from loom.config import EngineConfig
+    from loom.engine_args import make_engine_config
     from loom.worker.model_runner import ModelRunner
 
     from .checkpoints import make_tiny_checkpoint
@@ -84,8 +84,8 @@ def test_drafts_keep_every_block_of_an_all_sliding_model(tmp_path):
     runners = {}
     for name, options in (("plain", {}), ("drafts", dict(speculative_config={
             "method": "ngram", "num_speculative_tokens": 2}))):
-        config = EngineConfig.from_args(path, dtype="float32", max_model_len=64,
-                                        skip_tokenizer_init=True, **options)
+        config = make_engine_config(path, dtype="float32", max_model_len=64,
+                                    skip_tokenizer_init=True, **options)
         runners[name] = ModelRunner(config, torch.device("cpu"))
         runners[name].load_model()
     assert runners["plain"].kv_cache_window > 0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.core.wire import NewRequestData, SchedulerOutput
 from loom.kernels import native_ops_for
 from loom.model.attention import get_attn_backend
@@ -115,9 +115,9 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def make_runner(path: str, backend: str, dtype: str) -> ModelRunner:
-    config = EngineConfig.from_args(path, dtype=dtype, max_model_len=64, max_num_seqs=4,
-                                    block_size=BLOCK_SIZE, num_gpu_blocks_override=16,
-                                    skip_tokenizer_init=True, attention_backend=backend)
+    config = make_engine_config(path, dtype=dtype, max_model_len=64, max_num_seqs=4,
+                                block_size=BLOCK_SIZE, num_gpu_blocks_override=16,
+                                skip_tokenizer_init=True, attention_backend=backend)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     return runner

@@ -243,12 +243,13 @@ def test_tp2_and_ep2_equal_one_rank_with_uneven_experts(tmp_path):
 def test_expert_parallel_settings_are_checked():
     from types import SimpleNamespace
 
-    from loom.config import ParallelConfig, _check_expert_parallel
+    from loom.checkpoint_defaults import check_expert_parallel
+    from loom.config import ParallelConfig
 
     assert ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).expert_parallel_size == 2
     with pytest.raises(ValueError, match="must be 1 or the tensor parallel size 2"):
         ParallelConfig(tensor_parallel_size=2, expert_parallel_size=4)
     with pytest.raises(ValueError, match="does not divide the model's 3 experts"):
-        _check_expert_parallel(SimpleNamespace(num_local_experts=3), 2)
-    _check_expert_parallel(SimpleNamespace(moe_num_experts=8), 2)
-    _check_expert_parallel(SimpleNamespace(), 2)  # no experts: a warning only
+        check_expert_parallel(SimpleNamespace(num_local_experts=3), 2)
+    check_expert_parallel(SimpleNamespace(moe_num_experts=8), 2)
+    check_expert_parallel(SimpleNamespace(), 2)  # no experts: a warning only

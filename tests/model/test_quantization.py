@@ -30,7 +30,7 @@ from test_cli_errors import assert_one_line_error, run_loom
 from tokenizer_fixtures import FRANCE, make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.distributed.parallel_state import TPGroup
 from loom.kernels import native_ops
 from loom.model.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
@@ -1119,7 +1119,7 @@ def test_bad_quantization_flags(tmp_path):
                    "--quantization-group-size", "48")
     assert_one_line_error(run, "quantization_group_size must be 32, 64 or 128", "48")
     with pytest.raises(ValueError, match="Q4_1 is a GGUF file's format, not a flag"):
-        EngineConfig.from_args(path, quantization="Q4_1", device="cpu")
+        make_engine_config(path, quantization="Q4_1", device="cpu")
 
 
 @pytest.mark.parametrize("stored, named", [
@@ -1134,7 +1134,7 @@ def test_stored_quantization_is_named_wherever_weights_come_from(tmp_path, store
     the method, not as parameters the checkpoint lacks."""
     from contextlib import ExitStack
 
-    from loom.config import _check_draft_model
+    from loom.checkpoint_defaults import check_draft_model
     from loom.config_checks import check_stored_quantization
     from loom.worker.weight_updates import open_source
 
@@ -1147,7 +1147,7 @@ def test_stored_quantization_is_named_wherever_weights_come_from(tmp_path, store
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match=f"the draft model is stored quantized with {named}"):
-        _check_draft_model(path, load_hf_config(path))
+        check_draft_model(path, load_hf_config(path))
     with pytest.raises(ValueError, match=f"at {path} is stored quantized with {named}"), \
             ExitStack() as stack:
         open_source(path, None, stack)
@@ -1158,15 +1158,15 @@ def test_autogptq_quantize_config_is_named(tmp_path):
     with open(os.path.join(path, "quantize_config.json"), "w") as f:
         json.dump({"bits": 4, "group_size": 128}, f)
     with pytest.raises(ValueError, match="stored quantized with gptq .its quantize_config"):
-        EngineConfig.from_args(path, device="cpu", skip_tokenizer_init=True)
+        make_engine_config(path, device="cpu", skip_tokenizer_init=True)
 
 
 def test_group_size_is_an_integer(tmp_path):
     path = make_tiny_checkpoint("llama", tmp_path / "tiny")
     with pytest.raises(ValueError, match="quantization_group_size must be 32, 64 or 128, "
                                          "got 64.0"):
-        EngineConfig.from_args(path, quantization="wint4", quantization_group_size=64.0,
-                               device="cpu", skip_tokenizer_init=True)
+        make_engine_config(path, quantization="wint4", quantization_group_size=64.0,
+                           device="cpu", skip_tokenizer_init=True)
 
 
 def _patch_tensor_type(path: str, name: str, ggml_type: int) -> None:

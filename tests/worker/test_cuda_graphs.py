@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from checkpoints import make_tiny_checkpoint  # noqa: E402
 
-from loom.config import EngineConfig  # noqa: E402
+from loom.engine_args import make_engine_config  # noqa: E402
 from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from loom.sampling_params import SamplingParams  # noqa: E402
 from loom.worker import cuda_graphs  # noqa: E402
@@ -44,9 +44,9 @@ def test_buckets():
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> ModelRunner:
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
-    config = EngineConfig.from_args(path, dtype="float32", max_model_len=96, max_num_seqs=6,
-                                    block_size=BLOCK_SIZE, skip_tokenizer_init=True,
-                                    attention_backend="torch")
+    config = make_engine_config(path, dtype="float32", max_model_len=96, max_num_seqs=6,
+                                block_size=BLOCK_SIZE, skip_tokenizer_init=True,
+                                attention_backend="torch")
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(6 * BLOCKS_PER_REQ + 1)

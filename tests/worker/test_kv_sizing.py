@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loom.engine_args import make_engine_config
 from loom.core import kv_sizing
 from loom.core.kv_sizing import kv_cache_summary, lean_cpu_kv_cache_bytes
 from loom.executor.multiproc import MultiProcExecutor
@@ -33,8 +34,8 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def start(model_dir: str, **kwargs) -> UniProcExecutor:
-    config = EngineConfig.from_args(model_dir, max_model_len=128, dtype="float32",
-                                    enable_warm_up=False, **kwargs)
+    config = make_engine_config(model_dir, max_model_len=128, dtype="float32",
+                                enable_warm_up=False, **kwargs)
     executor = UniProcExecutor(config)
     executor.initialize()
     return executor
@@ -188,7 +189,7 @@ def _resident_fraction(address: int, size: int) -> float:
 
 
 def _config(model_dir: str, **kwargs) -> EngineConfig:
-    return EngineConfig.from_args(model_dir, max_model_len=128, dtype="float32", **kwargs)
+    return make_engine_config(model_dir, max_model_len=128, dtype="float32", **kwargs)
 
 
 def _tiny_hf_config(model_dir: str):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from checkpoints import make_tiny_checkpoint
 
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from loom.sampling_params import SamplingParams
 from loom.worker.model_runner import ModelRunner
@@ -25,8 +25,8 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> ModelRunner:
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
-    config = EngineConfig.from_args(path, dtype="float32", max_model_len=128, max_num_seqs=8,
-                                    block_size=BLOCK_SIZE, skip_tokenizer_init=True)
+    config = make_engine_config(path, dtype="float32", max_model_len=128, max_num_seqs=8,
+                                block_size=BLOCK_SIZE, skip_tokenizer_init=True)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(64)

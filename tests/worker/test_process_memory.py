@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loom import cli
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.executor.uniproc import UniProcExecutor
 from loom.worker import memory
 
@@ -21,8 +21,8 @@ def calls(monkeypatch) -> list[str]:
 
 
 def test_an_in_process_worker_leaves_the_callers_heap_alone(tmp_path, calls):
-    config = EngineConfig.from_args(make_model_dir("llama", tmp_path), max_model_len=64,
-                                    dtype="float32", enable_warm_up=False)
+    config = make_engine_config(make_model_dir("llama", tmp_path), max_model_len=64,
+                                dtype="float32", enable_warm_up=False)
     executor = UniProcExecutor(config)
     try:
         executor.initialize()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loom import LLM
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.executor.multiproc import MultiProcExecutor
 from loom.executor.uniproc import UniProcExecutor
 
@@ -35,7 +35,7 @@ def bigger_model_dir(tmp_path_factory) -> str:
 
 
 def profiled_blocks(path: str, **kwargs) -> int:
-    config = EngineConfig.from_args(path, max_model_len=128, dtype="float32", **kwargs)
+    config = make_engine_config(path, max_model_len=128, dtype="float32", **kwargs)
     executor = UniProcExecutor(config)
     try:
         executor.initialize()
@@ -69,8 +69,8 @@ def test_impossible_configuration_fails_at_start_up(model_dir, kwargs, knob):
 
 
 def test_impossible_configuration_in_worker_processes(model_dir):
-    config = EngineConfig.from_args(model_dir, max_model_len=128, dtype="float32",
-                                    tensor_parallel_size=2, memory_utilization=1e-4)
+    config = make_engine_config(model_dir, max_model_len=128, dtype="float32",
+                                tensor_parallel_size=2, memory_utilization=1e-4)
     executor = MultiProcExecutor(config)
     with pytest.raises(ValueError, match="max-model-len.*--memory-utilization"):
         executor.initialize()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loom import LLM, SamplingParams
-from loom.config import EngineConfig
+from loom.engine_args import make_engine_config
 from loom.worker.worker import Worker
 
 from .helpers import executor_of, make_model_dir
@@ -20,8 +20,8 @@ def model_dir(tmp_path_factory) -> str:
 
 def ready_worker(model_dir: str, **kwargs) -> tuple[Worker, list]:
     """A worker with its KV cache, and the list its runner's steps are recorded in."""
-    config = EngineConfig.from_args(model_dir, max_model_len=128, max_num_seqs=8,
-                                    num_gpu_blocks_override=16, dtype="float32", **kwargs)
+    config = make_engine_config(model_dir, max_model_len=128, max_num_seqs=8,
+                                num_gpu_blocks_override=16, dtype="float32", **kwargs)
     worker = Worker(config)
     worker.init_device()
     worker.load_model()

@@ -8,6 +8,7 @@ import json
 import os
 import ssl
 
+from loom import arg_types
 from loom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -15,13 +16,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: loopback only; 0.0.0.0 for all)")
-    group.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
-    group.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the model's file or "
-                            "directory name)")
+    group.add_argument("--port", type=arg_types.port, default=8000, help="0 picks a free port")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health")
-    group.add_argument("--max-num-waiting", type=_non_negative_int, default=None,
+    group.add_argument("--max-num-waiting", type=arg_types.non_negative_int, default=None,
                        help="sequences allowed to wait beyond --max-num-seqs; more get 503 "
                             "with Retry-After (default: no limit)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -36,24 +34,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="how to find tool calls in the model's text for tool_choice auto")
     group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> into reasoning_content in chat responses")
-    group.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                       help="replicas of the whole engine (each its own engine core, workers "
-                            "and KV cache; each --tensor-parallel-size ranks) behind this "
-                            "one server, which routes each request by load and prefix "
-                            "affinity. On the CPU each rank takes cores / (ranks x replicas) "
-                            "threads unless --cpu-threads-per-rank says otherwise")
-    group.add_argument("--data-parallel-size-local", "-dpl", type=_non_negative_int,
-                       default=None,
-                       help="replicas on this host (default: all); the others run on other "
-                            "hosts, each started with --headless")
-    group.add_argument("--data-parallel-start-rank", "-dpr", type=_non_negative_int, default=0,
-                       help="--headless: the first replica rank this host runs (the head runs "
-                            "ranks 0 .. --data-parallel-size-local - 1)")
-    group.add_argument("--data-parallel-address", "-dpa", default=None,
-                       help="the head host's address: where it listens for --headless hosts "
-                            "and binds their replicas' sockets (default 127.0.0.1)")
-    group.add_argument("--data-parallel-rpc-port", "-dpp", type=_port_not_zero, default=29550,
-                       help="the head's port for --headless hosts to announce themselves")
     group.add_argument("--headless", action="store_true",
                        help="run only this host's data-parallel replicas (engine cores and "
                             "workers) for the head at --data-parallel-address; no API server")
@@ -103,34 +83,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "directory's safetensors again (a trainer rewrote them); ipc, the "
                             "manifest a trainer's loom.weight_sync.WeightPublisher wrote in "
                             "the model directory (tensors mapped from its shared memory)")
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {text}")
-    return value
-
-
-def _port_not_zero(text: str) -> int:
-    value = _port(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be a port number 1..65535 (other hosts dial it)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
-    return value
 
 
 def _json_string_list(text: str) -> list[str]:

@@ -17,6 +17,7 @@ Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``, never a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import contextlib
 import hmac
@@ -43,6 +44,7 @@ import loom
 from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbortedError
 from loom.config import EngineConfig
 from loom.dp_async_llm import DPAsyncLLM
+from loom.engine_args import EngineArgs
 from loom.entrypoints.listen import bind_listener
 from loom.entrypoints.openai.cli_args import ssl_config
 from loom.entrypoints.openai.control_routes import add_control_routes
@@ -403,17 +405,17 @@ class _LoadingSwitch:
 
 def serve(args: argparse.Namespace) -> int:
     """``loom serve``; returns the exit code."""
-    from loom.cli import engine_kwargs
     from loom.default_model import default_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ssl_config(args)  # a bad combination of TLS flags fails before the model loads
-    model = args.model or default_model_path()
-    kwargs = engine_kwargs(args)
-    # The server runs its workers in their own processes unless told otherwise.
-    kwargs["distributed_executor_backend"] = kwargs.get("distributed_executor_backend") or "mp"
-    kwargs.update(data_parallel_kwargs(args))
-    config = EngineConfig.from_args(model, **kwargs, served_model_name=args.served_model_name)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = dataclasses.replace(
+        engine_args, model=args.model or default_model_path(),
+        # The server runs its workers in their own processes unless told otherwise.
+        distributed_executor_backend=engine_args.distributed_executor_backend or "mp",
+        **data_parallel_kwargs(args))
+    config = engine_args.create_engine_config()
     if args.headless:
         from loom.entrypoints.headless import run_headless
 

@@ -2,12 +2,12 @@
 (``transformers.AutoConfig``) or from a GGUF file's metadata, and what the KV cache of
 one block costs under it.
 
-The API server process reads the config here (``EngineConfig.from_args``) and never
-imports torch (loom/torch_free.py): nothing in this module does, and the
-``transformers`` config classes need it only to turn a dtype name into a
-``torch.dtype``. transformers' GGUF reader does import it: a GGUF file whose config
-loom does not build from the metadata itself is read by transformers in a child
-process there.
+The API server process reads the config here (``resolve_against_checkpoint``,
+loom/checkpoint_defaults.py) and never imports torch (loom/torch_free.py): nothing in this
+module does, and the ``transformers`` config classes need it only to turn a dtype name
+into a ``torch.dtype``. transformers' GGUF reader does import it: a GGUF file whose config
+loom does not build from the metadata itself is read by transformers in a child process
+there.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """A checkpoint's Hugging Face config as plain values, so ranks never import transformers.
 
-``EngineConfig.from_args`` reads the checkpoint's config once, with ``transformers`` (in
-the API process, or the offline ``LLM``'s), and keeps it in ``ModelConfig.hf_config`` as
-plain values (msgpack- and pickle-able: the engine core gets its config as msgpack, a
-rank as a pickled ``WorkerSpec``). The engine core and each worker read it back through
-:class:`HFConfigView`, attribute for attribute what the config object answered, so
-starting a rank costs no ``import transformers`` (seconds of CPU per process, more than
-``import torch``; docs/architecture.md, "Worker life cycle").
+``resolve_against_checkpoint`` (loom/checkpoint_defaults.py) reads the checkpoint's config
+once, with ``transformers`` (in the API process, or the offline ``LLM``'s), and keeps it
+in ``ModelConfig.hf_config`` as plain values (msgpack- and pickle-able: the engine core
+gets its config as msgpack, a rank as a pickled ``WorkerSpec``). The engine core and each
+worker read it back through :class:`HFConfigView`, attribute for attribute what the config
+object answered, so starting a rank costs no ``import transformers`` (seconds of CPU per
+process, more than ``import torch``; docs/architecture.md, "Worker life cycle").
 
 What is kept: every public attribute the config answers (instance fields, class-level
 defaults such as ``model_type``, properties, ``attribute_map`` aliases such as

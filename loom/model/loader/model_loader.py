@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def model_hf_config(model_config: ModelConfig | SpeculativeConfig) -> Any:
-    """The model's (or the draft's) HF config as ``EngineConfig.from_args`` read it, from
+    """The model's (or the draft's) HF config as ``resolve_against_checkpoint`` read it, from
     its plain values (no ``transformers`` import in this process); read from the
     checkpoint when the config was built without them."""
     if model_config.hf_config is None:

@@ -1,0 +1,219 @@
+"""The step between the arguments a user gave and the config: read the checkpoint once,
+check the arguments against it, and resolve what was left to it.
+
+``resolve_against_checkpoint(args)`` takes ``EngineArgs`` as given and returns them with
+every value left to the checkpoint or the device filled in (the device, the dtype, the
+context length, the step's token budget, chunked prefill, the expert-parallel size, the
+speculative and KV-transfer sub-configs), plus the values of ``ModelConfig`` that no
+argument declares (the vocabulary size, the sampling defaults, the checkpoint's config as
+plain values). Checks run cheapest first, so a bad argument is one line naming it before
+any weight is read or any process starts; the checks themselves are in config_checks.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loom.config import (DTYPE_ALIASES, DTYPE_CHOICES, DTYPES, KVTransferConfig,
+                         SpeculativeConfig, resolve_device)
+
+if TYPE_CHECKING:  # the arguments' declaration imports this module, never the reverse
+    from loom.engine_args import EngineArgs
+
+logger = logging.getLogger("loom.config")
+
+# generation_config.json keys that become a request's defaults, as vLLM applies them.
+_GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                           "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class ResolvedArgs:
+    args: EngineArgs  # every None the checkpoint or the device decides, decided
+    model_fields: dict[str, Any]  # ModelConfig's vocab_size, sampling_defaults, hf_config
+    hf_config: Any  # the checkpoint's config, for the checks that need the config built
+
+
+def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
+    from loom.config_checks import (check_architecture_before_loading, check_quantization,
+                                    check_ray_installed, check_tensor_parallel,
+                                    check_tokenizer_files)
+    from loom.model.loader.hf_config import load_hf_config
+    from loom.model.loader.hf_config_values import hf_config_values
+    from loom.model.models.registry import get_model_architecture
+
+    model = args.model
+    if model is None or not os.path.exists(model):
+        raise ValueError(f"model {model!r} does not exist; give a Hugging Face directory "
+                         "or a .gguf file")
+    device = resolve_device(args.device)
+    if args.trust_remote_code:
+        logger.warning("--trust-remote-code: loom never runs code from a checkpoint; its "
+                       "own implementations serve the architectures it supports")
+    check_architecture_before_loading(model)
+    hf_config = load_hf_config(model)
+    get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
+    check_quantization(hf_config, args.quantization, model)
+    if not args.skip_tokenizer_init:
+        check_tokenizer_files(model, args.tokenizer)
+    check_tensor_parallel(hf_config, args.tensor_parallel_size, args.nnodes, device)
+    if args.distributed_executor_backend == "ray":
+        check_ray_installed()
+    expert_parallel_size = args.expert_parallel_size
+    if expert_parallel_size is None:
+        expert_parallel_size = args.tensor_parallel_size if args.enable_expert_parallel else 1
+    check_expert_parallel(hf_config, expert_parallel_size)
+    max_model_len = args.max_model_len
+    limit = max_position_embeddings(hf_config)
+    if max_model_len is None:
+        max_model_len = min(limit, 4096) if limit else 4096
+    elif limit and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {limit}; lower --max-model-len")
+    enable_chunked_prefill = (True if args.enable_chunked_prefill is None
+                              else args.enable_chunked_prefill)
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(2048, min(max_model_len, 8192))
+        if not enable_chunked_prefill:  # every prompt must fit one step (as vLLM)
+            max_num_batched_tokens = max(2048, max_model_len)
+    speculative = SpeculativeConfig.from_value(args.speculative_config)
+    if speculative is not None and speculative.model is not None:
+        speculative = dataclasses.replace(
+            speculative, hf_config=check_draft_model(speculative.model, hf_config))
+    dtype = resolve_dtype(args.dtype, hf_config, model, device)
+    kv_transfer = KVTransferConfig.from_args(args.splitwise_role, args.kv_transfer_config)
+    if kv_transfer is not None and kv_transfer.kv_transport == "shm" and device != "cpu":
+        raise ValueError("kv_transport shm shares the KV cache in host memory, so it needs "
+                         "--device cpu; use kv_transport tcp on CUDA")
+    sampling_defaults = load_sampling_defaults(model, args.generation_config,
+                                               args.override_generation_config)
+    resolved = dataclasses.replace(
+        args, device=device, dtype=dtype, max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_num_batched_tokens=max_num_batched_tokens,
+        expert_parallel_size=expert_parallel_size, speculative_config=speculative,
+        kv_transfer_config=kv_transfer,
+        data_parallel_address=args.data_parallel_address or "127.0.0.1")
+    model_fields = {"vocab_size": getattr(hf_config, "vocab_size", None),
+                    "sampling_defaults": tuple(sampling_defaults.items()),
+                    "hf_config": hf_config_values(hf_config)}
+    return ResolvedArgs(resolved, model_fields, hf_config)
+
+
+def resolve_dtype(dtype: str, hf_config, model: str, device: str) -> str:
+    """``auto`` follows the checkpoint, except where that dtype is slow on the device.
+
+    GGUF files are dequantized to bfloat16. On CPU float16 matmuls are a slow
+    fallback, so float16 (asked for or the checkpoint's) runs in bfloat16 there, with
+    a warning. ``half`` and ``float`` are float16 and float32, as in vLLM.
+    """
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype == "auto":
+        if model.endswith(".gguf"):
+            dtype = "bfloat16"
+        else:
+            raw = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+            dtype = str(raw).removeprefix("torch.") if raw else "float32"
+            if dtype not in DTYPES:
+                dtype = "float32"
+    if device == "cpu" and dtype == "float16":
+        logger.warning("dtype float16 runs as bfloat16 on the CPU (float16 matmuls are a slow "
+                       "fallback there); pass --dtype float32 for full precision")
+        dtype = "bfloat16"
+    return dtype
+
+
+def load_sampling_defaults(model: str, generation_config: str = "auto",
+                           override: dict[str, Any] | str | None = None) -> dict[str, Any]:
+    """Request defaults in SamplingParams' names, as vLLM derives them.
+
+    ``auto``: the sampling keys (temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens as max_tokens) that the checkpoint's generation_config.json sets; a
+    .gguf file has none. ``vllm``: none, loom's own defaults. Otherwise a directory
+    holding a generation_config.json, or the file itself. ``override`` (a dict or its
+    JSON) is laid over the result.
+    """
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--override-generation-config is not valid JSON: {error}") from None
+    if override is not None and not isinstance(override, dict):
+        raise ValueError("--override-generation-config must be a JSON object, e.g. "
+                         '\'{"temperature": 0.5}\'')
+    if generation_config == "vllm":
+        values: dict[str, Any] = {}
+    else:
+        path = model if generation_config == "auto" else generation_config
+        if generation_config != "auto" and not os.path.exists(path):
+            raise ValueError(f"--generation-config {path} does not exist; give auto, vllm, or "
+                             "a directory holding a generation_config.json")
+        if os.path.isdir(path):
+            path = os.path.join(path, "generation_config.json")
+        values = {}
+        if path.endswith(".json") and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    values = json.load(f)
+            except ValueError as error:
+                raise ValueError(f"cannot read {path}: {error}") from None
+    values = {**values, **(override or {})}
+    defaults = {key: values[key] for key in _GENERATION_CONFIG_KEYS if values.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults:
+        from loom.sampling_params import SamplingParams
+
+        SamplingParams(**defaults)  # a bad value fails here, naming its field
+    return defaults
+
+
+def check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
+    """Check the draft checkpoint against the target; returns its config's plain values."""
+    from loom.config_checks import check_stored_quantization
+    from loom.model.loader.hf_config import load_hf_config
+    from loom.model.loader.hf_config_values import hf_config_values
+
+    if not os.path.exists(path):
+        raise ValueError(f"draft model {path!r} does not exist; give a Hugging Face directory "
+                         "or a .gguf file")
+    draft_config = load_hf_config(path)
+    check_stored_quantization(draft_config, path, what="the draft model")
+    draft_vocab = getattr(draft_config, "vocab_size", None)
+    target_vocab = getattr(target_hf_config, "vocab_size", None)
+    if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:
+        raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is smaller than the "
+                         f"target's ({target_vocab}); the draft must share the target's tokenizer")
+    return hf_config_values(draft_config)
+
+
+def check_expert_parallel(hf_config: Any, expert_parallel_size: int) -> None:
+    """Experts split whole over the ranks: their number must divide (a model without
+    experts ignores the setting, with a warning)."""
+    if expert_parallel_size == 1:
+        return
+    num_experts = next((getattr(hf_config, name) for name in
+                        ("num_experts", "num_local_experts", "moe_num_experts")
+                        if getattr(hf_config, name, None)), None)
+    if num_experts is None:
+        logger.warning("expert parallel: the model has no experts; its layers split over the "
+                       "tensor-parallel ranks as usual")
+    elif num_experts % expert_parallel_size:
+        raise ValueError(f"--expert-parallel-size {expert_parallel_size} does not divide the "
+                         f"model's {num_experts} experts; choose a size that does")
+
+
+def max_position_embeddings(hf_config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
