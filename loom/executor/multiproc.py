@@ -61,7 +61,7 @@ SHUTDOWN_GRACE_S = 5.0
 STACK_DUMP_WAIT_S = 0.5  # for a hung rank's faulthandler to write its stacks
 
 
-class _Resources:
+class WorkerResources:
     """What the executor must release; held apart from it so a finalizer can."""
 
     def __init__(self) -> None:
@@ -91,7 +91,7 @@ class _Resources:
 class MultiProcExecutor(Executor):
     # What _resources holds; each rank's handle there has Process's pid, exitcode,
     # is_alive(), join() and kill() (a Ray actor's too: ray_executor.RayRank).
-    resources_type: type[_Resources] = _Resources
+    resources_type: type[WorkerResources] = WorkerResources
     # The likely cause, when ranks are not ready in time.
     not_ready_hint = ("is every node's `loom worker` running with the same "
                       "--master-addr/--master-port?")

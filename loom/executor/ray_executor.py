@@ -47,7 +47,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from loom.errors import WorkerDiedError
-from loom.executor.multiproc import SHUTDOWN_GRACE_S, MultiProcExecutor, _Resources
+from loom.executor.multiproc import SHUTDOWN_GRACE_S, MultiProcExecutor, WorkerResources
 from loom.ipc.signal import WorkerSignals
 from loom.ipc.task_queue import TaskQueue, TaskQueueAddresses
 from loom.worker.worker_process import WorkerSpec, configure_process, run_worker
@@ -128,7 +128,7 @@ class RayRank:
         ray.kill(self.actor, no_restart=True)
 
 
-class _RayResources(_Resources):
+class RayWorkerResources(WorkerResources):
     """A worker process's resources, and the actors, the placement group, the connection."""
 
     def __init__(self) -> None:
@@ -152,7 +152,7 @@ class _RayResources(_Resources):
 
 
 class RayExecutor(MultiProcExecutor):
-    resources_type = _RayResources
+    resources_type = RayWorkerResources
     not_ready_hint = "their Ray worker logs say why (the rank's lines above, prefixed by Ray)"
 
     def _launch_ranks(self) -> None:

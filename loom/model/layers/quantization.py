@@ -438,8 +438,8 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]
 
         blocks = raw.reshape(-1, 22)
         d = blocks[:, 0:2].copy().view(np.float16).reshape(n, k // 32)
-        q = gd._nibbles(blocks[:, 6:], 16).reshape(-1, 32) | (
-            gd._high_bits(blocks[:, 2:6]) << np.uint8(4))
+        q = gd.unpack_nibbles(blocks[:, 6:], 16).reshape(-1, 32) | (
+            gd.unpack_high_bits(blocks[:, 2:6]) << np.uint8(4))
         return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
                                torch.from_numpy(d), None, 5, "Q5_0")
     if ggml_type == _GGML_Q8_0:
@@ -474,7 +474,7 @@ def _k_quantized(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedTe
         return torch.from_numpy(np.ascontiguousarray(array).reshape(n, columns))
 
     if ggml_type == _GGML_Q6_K:  # w = (d * sc) * (q - 32), q 6-bit, groups of 16
-        ql = gd._nibbles(blocks[:, :128], 64).reshape(count, 8, 32)
+        ql = gd.unpack_nibbles(blocks[:, :128], 64).reshape(count, 8, 32)
         shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         qh = ((blocks[:, 128:192].reshape(count, 2, 1, 32) >> shifts) & np.uint8(3))
         q = ql | (qh.reshape(count, 8, 32) << np.uint8(4))
@@ -483,13 +483,13 @@ def _k_quantized(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedTe
                                super_scales=tensor(blocks[:, 208:210].copy().view(np.float16),
                                                    k // SUPER_BLOCK))
     # w = (d * sc) * q - dmin * m = q * (d * sc) + (-dmin) * m
-    sc, mn = gd._k_scale_min(blocks[:, 4:16])
+    sc, mn = gd.unpack_k_scale_min(blocks[:, 4:16])
     if ggml_type == _GGML_Q4_K:
-        values, bits = gd._nibbles(blocks[:, 16:], 32), 4
+        values, bits = gd.unpack_nibbles(blocks[:, 16:], 32), 4
     else:
         shifts = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
         qh = (blocks[:, 16:48].reshape(count, 1, 1, 32) >> shifts) & np.uint8(1)
-        values = gd._nibbles(blocks[:, 48:], 32).reshape(count, 8, 32) | (
+        values = gd.unpack_nibbles(blocks[:, 48:], 32).reshape(count, 8, 32) | (
             qh.reshape(count, 8, 32) << np.uint8(4))
         bits = 5
     d = blocks[:, 0:2].copy().view(np.float16)

@@ -35,7 +35,7 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
+def unpack_nibbles(qs: np.ndarray, group: int) -> np.ndarray:
     """(n, k * group) bytes -> (n, k, 2, group): per group of ``group`` bytes, the
     low nibbles, then the high nibbles."""
     qs = qs.reshape(qs.shape[0], -1, 1, group)
@@ -45,20 +45,21 @@ def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
-def _high_bits(qh: np.ndarray) -> np.ndarray:
+def unpack_high_bits(qh: np.ndarray) -> np.ndarray:
     """(n, 4) bytes = one little-endian uint32 per block -> (n, 32) bits 0..31."""
     return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
 def _q4_0(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks, 0)
-    q = _nibbles(blocks[:, 2:], 16).reshape(blocks.shape[0], 32).view(np.int8) - np.int8(8)
+    q = unpack_nibbles(blocks[:, 2:], 16).reshape(blocks.shape[0], 32)
+    q = q.view(np.int8) - np.int8(8)
     return d * q.astype(np.float32)
 
 
 def _q4_1(blocks: np.ndarray) -> np.ndarray:
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    out = _nibbles(blocks[:, 4:], 16).reshape(blocks.shape[0], 32).astype(np.float32)
+    out = unpack_nibbles(blocks[:, 4:], 16).reshape(blocks.shape[0], 32).astype(np.float32)
     out *= d
     out += m
     return out
@@ -66,16 +67,16 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
 
 def _q5_0(blocks: np.ndarray) -> np.ndarray:
     d = _f16(blocks, 0)
-    qh = _high_bits(blocks[:, 2:6])
-    ql = _nibbles(blocks[:, 6:], 16).reshape(blocks.shape[0], 32)
+    qh = unpack_high_bits(blocks[:, 2:6])
+    ql = unpack_nibbles(blocks[:, 6:], 16).reshape(blocks.shape[0], 32)
     q = (ql | (qh << np.uint8(4))).view(np.int8) - np.int8(16)
     return d * q.astype(np.float32)
 
 
 def _q5_1(blocks: np.ndarray) -> np.ndarray:
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    qh = _high_bits(blocks[:, 4:8])
-    ql = _nibbles(blocks[:, 8:], 16).reshape(blocks.shape[0], 32)
+    qh = unpack_high_bits(blocks[:, 4:8])
+    ql = unpack_nibbles(blocks[:, 8:], 16).reshape(blocks.shape[0], 32)
     out = (ql | (qh << np.uint8(4))).astype(np.float32)
     out *= d
     out += m
@@ -89,7 +90,7 @@ def _q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unpack_k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, (n, 8) each::
 
         0-3  EEAAAAAA ..   4-7  eeaaaaaa ..   8-11  eeeeEEEE ..
@@ -104,7 +105,7 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _k_scale_offset(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K per-32-value ``d * scale`` and ``dmin * min``, (n, 8, 1) each."""
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k_scale_min(blocks[:, 4:16])
+    sc, mn = unpack_k_scale_min(blocks[:, 4:16])
     n = blocks.shape[0]
     return ((d * sc.astype(np.float32)).reshape(n, 8, 1),
             (dmin * mn.astype(np.float32)).reshape(n, 8, 1))
@@ -113,7 +114,7 @@ def _k_scale_offset(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
     scale, offset = _k_scale_offset(blocks)
-    out = _nibbles(blocks[:, 16:], 32).reshape(n, 8, 32).astype(np.float32)
+    out = unpack_nibbles(blocks[:, 16:], 32).reshape(n, 8, 32).astype(np.float32)
     out *= scale
     out -= offset
     return out.reshape(n, 256)
@@ -124,7 +125,7 @@ def _q5_k(blocks: np.ndarray) -> np.ndarray:
     scale, offset = _k_scale_offset(blocks)
     shifts = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     qh = ((blocks[:, 16:48].reshape(n, 1, 1, 32) >> shifts) & np.uint8(1)).reshape(n, 8, 32)
-    ql = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
+    ql = unpack_nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
     out = (ql | (qh << np.uint8(4))).astype(np.float32)
     out *= scale
     out -= offset
@@ -135,7 +136,7 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
     scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
     scale = (_f16(blocks, 208) * scales).reshape(n, 16, 1)
-    ql = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
+    ql = unpack_nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     qh = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & np.uint8(3)).reshape(n, 8, 32)
     q = ((ql | (qh << np.uint8(4))).view(np.int8) - np.int8(32)).reshape(n, 16, 16)
