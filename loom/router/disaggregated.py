@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loom.router.backends import Backend, BackendPool
-from loom.router.proxy import forwarded_headers
-from loom.router.server import Router, _error, _no_backend, prompt_keys
+from loom.router.proxy import error_response, forwarded_headers
+from loom.router.router import Router, no_backend_response, prompt_keys
 
 
 class DisaggregatedRouter(Router):
@@ -69,7 +69,7 @@ class DisaggregatedRouter(Router):
             try:
                 backend, ticket = self.prefill_pool.choose(keys, exclude=tried)
             except LookupError:
-                return _no_backend(self.prefill_pool)
+                return no_backend_response(self.prefill_pool)
             self.metrics.requests.labels(backend.url, "prefill:" + ticket.reason).inc()
             try:
                 answer = await self.prefill_pool.client.post(
@@ -80,9 +80,9 @@ class DisaggregatedRouter(Router):
                 continue
             except httpx.HTTPError as error:
                 self._prefill_failed(backend, f"{type(error).__name__}: {error}")
-                return _error(502, f"the prefill backend {backend.url} failed: "
-                              f"{type(error).__name__}: {error}", "server_error",
-                              "backend_failed")
+                return error_response(502, f"the prefill backend {backend.url} failed: "
+                                      f"{type(error).__name__}: {error}", "server_error",
+                                      "backend_failed")
             finally:
                 self.prefill_pool.release(ticket)
             if answer.status_code != 200:
@@ -90,9 +90,10 @@ class DisaggregatedRouter(Router):
                                 media_type="application/json")
             params = answer.json().get("kv_transfer_params")
             if not isinstance(params, dict):
-                return _error(502, f"the prefill backend {backend.url} answered without "
-                              "kv_transfer_params; is it a loom serve --splitwise-role "
-                              "prefill instance?", "server_error", "backend_failed")
+                return error_response(502, f"the prefill backend {backend.url} answered "
+                                      "without kv_transfer_params; is it a loom serve "
+                                      "--splitwise-role prefill instance?", "server_error",
+                                      "backend_failed")
             return params
 
     def _prefill_failed(self, backend: Backend, reason: str) -> None:

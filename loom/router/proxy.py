@@ -22,7 +22,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 # Hop-by-hop headers and those the router recomputes, never forwarded.
 _DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
@@ -42,6 +42,13 @@ class BackendBroke(Exception):
 
 def error_body(message: str, type_: str, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str,
+                   code: str | None = None) -> JSONResponse:
+    """The router's own answer in OpenAI's error envelope; a 503 says when to retry."""
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(error_body(message, type_, code), status_code=status, headers=headers)
 
 
 def forwarded_headers(headers) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loom.router.backends import normalize_url
-from loom.router.server import prompt_keys
+from loom.router.router import prompt_keys
 
 
 def test_prompt_keys_of_each_body_shape():
