@@ -50,11 +50,12 @@ class EngineCore:
         self.executor = executor
         self.structured_output = structured_output
         self.num_blocks = executor.initialize()
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
-                                   config.speculative, config.early_stop,
-                                   None, config.kv_transfer,
-                                   config.parallel.tensor_parallel_size,
-                                   getattr(executor, "kv_cache_groups", None))
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks,
+            speculative_config=config.speculative, early_stop_config=config.early_stop,
+            kv_transfer_config=config.kv_transfer,
+            tp_size=config.parallel.tensor_parallel_size,
+            kv_cache_groups=getattr(executor, "kv_cache_groups", (None,)))
         # Prefill/decode disaggregation: the ranks' transfer threads report here.
         self.kv_events = None
         if config.kv_transfer is not None:

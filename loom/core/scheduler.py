@@ -37,15 +37,14 @@ from loom.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, speculative_config: SpeculativeConfig | None = None,
+                 num_blocks: int, *, speculative_config: SpeculativeConfig | None = None,
                  early_stop_config: EarlyStopConfig | None = None,
-                 sliding_window: int | None = None,
                  kv_transfer_config: KVTransferConfig | None = None, tp_size: int = 1,
-                 kv_cache_groups: Sequence[int | None] | None = None) -> None:
-        """``sliding_window``: every attention layer reads only the last this many
-        positions, so blocks behind it are freed early; None when some layer reads them
-        all. ``kv_cache_groups``: instead, the window of each KV cache group (None: full
-        attention), as the workers report them (a hybrid model: kv_cache_manager.py).
+                 kv_cache_groups: Sequence[int | None] = (None,)) -> None:
+        """``kv_cache_groups``: the window of each KV cache group (None: full attention),
+        as the workers report them; blocks behind a window are freed early. One group
+        for most models, ``(W,)`` when every layer reads only the last W positions,
+        several for a hybrid model (kv_cache_manager.py).
         ``kv_transfer_config``: this instance's side of prefill/decode disaggregation
         (core/kv_transfer.py), which moves one-group caches only."""
         self.config = scheduler_config
@@ -55,8 +54,8 @@ class Scheduler:
                            and early_stop_config.enable_early_stop else None)
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
-                                       cache_config.enable_prefix_caching, sliding_window,
-                                       kv_cache_groups)
+                                       cache_config.enable_prefix_caching,
+                                       group_windows=kv_cache_groups)
         if kv_transfer_config is not None and self.kv_cache.num_groups > 1:
             raise ValueError(
                 f"prefill/decode disaggregation moves a KV cache of one group, but this "

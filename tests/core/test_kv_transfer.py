@@ -30,7 +30,7 @@ def make_scheduler(role: str, tp_size: int = 1, num_blocks: int = 32, budget: in
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                           max_model_len=256),
                           CacheConfig(block_size=BLOCK), num_blocks=num_blocks,
-                          sliding_window=sliding_window, kv_transfer_config=config,
+                          kv_cache_groups=(sliding_window,), kv_transfer_config=config,
                           tp_size=tp_size)
     scheduler.kv_transfer.rank_addresses = [f"127.0.0.1:{9000 + r}" for r in range(tp_size)]
     return scheduler

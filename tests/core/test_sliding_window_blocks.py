@@ -22,8 +22,7 @@ def make_scheduler(num_blocks=64, budget=16, caching=True, window=WINDOW,
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                      max_model_len=512),
                      CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching),
-                     num_blocks=num_blocks, sliding_window=None if groups else window,
-                     kv_cache_groups=groups)
+                     num_blocks=num_blocks, kv_cache_groups=groups or (window,))
 
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
