@@ -32,7 +32,7 @@ from loom.config import EngineConfig
 from loom.core.engine_core_proc import core_step_bound_s
 from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, EngineCoreFailed,
                             EngineCoreInput, EngineCoreOutputs, EngineCoreRequest,
-                            FinishRequests)
+                            FinishRequests, make_control)
 from loom.errors import EngineDeadError
 from loom.input_processor import InputProcessor
 from loom.ipc.engine_core_client import EngineCoreClient
@@ -145,8 +145,9 @@ class AsyncLLM:
         self._shutting_down = False
         self._idle = asyncio.Event()
         self._idle.set()
-        # Control calls awaiting the core's answer; while any is pending, or generation is
-        # paused or asleep, requests may legitimately wait: the watchdog does not judge.
+        # Control calls awaiting the core's answer; while any is pending, or the core
+        # holds new requests (paused or asleep, as its last answer said), requests may
+        # legitimately wait: the watchdog does not judge.
         self._control_ids = itertools.count(1)
         self._controls: dict[int, asyncio.Future] = {}
         self._held = False
@@ -225,28 +226,26 @@ class AsyncLLM:
         return RequestStream(self, request_id, queue)
 
     async def control(self, method: str, **kwargs: Any) -> Any:
-        """Call ``EngineCore.<method>(**kwargs)`` in the core process, between steps
-        (pause_generation, resume_generation, update_weights, sleep, wake_up,
-        reset_prefix_cache, collective_rpc, status); returns its result. A pause in mode
-        wait, an update and a sleep answer once the requests in flight have finished.
-        Raises ControlError if it failed (the engine serves on), EngineDeadError if the
-        engine died."""
+        """Run the control call ``method`` with ``kwargs`` (``wire.Control`` by its tag:
+        pause_generation, resume_generation, update_weights, sleep, wake_up,
+        reset_prefix_cache, collective_rpc, status) in the core process, between steps;
+        returns its result. A pause in mode wait, an update and a sleep answer once the
+        requests in flight have finished. Raises ControlError if it failed or no such
+        call exists (the engine serves on), EngineDeadError if the engine died."""
         if self.dead_error is not None:
             raise self.dead_error
+        try:
+            control = make_control(method, kwargs)
+        except ValueError as error:
+            raise ControlError(str(error), "ValueError") from None
         call_id = next(self._control_ids)
         future = asyncio.get_running_loop().create_future()
         self._controls[call_id] = future
-        self._send(ControlRequest(call_id=call_id, method=method, kwargs=kwargs))
+        self._send(ControlRequest(call_id, control))
         try:
-            result = await future  # the answer's handler forgets the call, even if cancelled
+            return await future  # the answer's handler forgets the call, even if cancelled
         finally:
             self._busy_since = time.monotonic()  # requests waited on the call, not a hang
-        if method in ("pause_generation", "sleep"):
-            self._held = True
-        elif method in ("resume_generation", "wake_up", "update_weights"):
-            status = await self.control("status") if method != "status" else None
-            self._held = bool(status and (status["paused"] or status["is_sleeping"]))
-        return result
 
     async def wait_until_idle(self) -> None:
         """Return once no request is in flight."""
@@ -310,6 +309,7 @@ class AsyncLLM:
             self._fail(f"the engine core answered control call {message.call_id}, which "
                        "was never made")
             return
+        self._held = message.holding
         if future.done():  # the caller was cancelled; the call took effect all the same
             logger.info("control call %d answered after its caller left", message.call_id)
             return

@@ -14,7 +14,9 @@ import msgspec
 
 from loom.config import EngineConfig
 from loom.core.scheduler import Scheduler
-from loom.core.wire import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from loom.core.wire import (CollectiveRPC, Control, EngineCoreOutput, GetStatus, ModelRunnerOutput,
+                            PauseGeneration, ResetPrefixCache, ResumeGeneration, SchedulerOutput,
+                            SchedulerStats, Sleep, UpdateWeights, WakeUp)
 from loom.errors import WeightsLostError
 from loom.request import Request, RequestStatus
 
@@ -205,6 +207,49 @@ class EngineCore:
     # aborted (pause "abort"); requests that arrive meanwhile are held and run after it.
     # Every change of weights, and a sleep (the KV cache's contents go), empties the
     # prefix cache. The executor's collective_rpc runs the change on every rank.
+    #
+    # In its own process the core takes these as control calls (wire.Control), in order,
+    # between steps: ``ready_for`` says whether the first may run yet (holding new
+    # requests while those in flight drain), ``run_control`` runs it.
+
+    def ready_for(self, control: Control) -> bool:
+        """Whether ``control`` may run now. A pause in mode wait, a weight update and a
+        sleep first let the requests in flight finish: until they have, new requests
+        are held (by the pause, from now on) and this is False; the caller steps and
+        asks again."""
+        if isinstance(control, PauseGeneration) and control.mode == "wait":
+            self.paused = True
+        elif not isinstance(control, (UpdateWeights, Sleep)):
+            return True
+        self.draining = not self.is_drained
+        return not self.draining
+
+    def run_control(self, control: Control) -> Any:
+        """Run one control call; its result (a pause's: the aborted requests' outputs).
+        Succeeded or not, the drain it waited for is over: what it held runs now unless
+        the engine is paused or asleep."""
+        try:
+            match control:
+                case PauseGeneration(mode=mode):
+                    return self.pause_generation(mode)
+                case ResumeGeneration():
+                    return self.resume_generation()
+                case UpdateWeights(path=path):
+                    return self.update_weights(path)
+                case Sleep(level=level):
+                    return self.sleep(level)
+                case WakeUp():
+                    return self.wake_up()
+                case ResetPrefixCache():
+                    return self.reset_prefix_cache()
+                case CollectiveRPC(method=method, args=args, kwargs=kwargs):
+                    return self.collective_rpc(method, args, kwargs)
+                case GetStatus():
+                    return self.status()
+            raise TypeError(f"{type(control).__name__} is not a control call")
+        finally:
+            self.draining = False
+            self.release_held()
 
     @property
     def is_holding(self) -> bool:

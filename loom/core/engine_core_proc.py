@@ -40,7 +40,7 @@ from loom.config import EngineConfig
 from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, EngineCoreFailed,
                             EngineCoreInput, EngineCoreMessage, EngineCoreOutput,
                             EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                            FinishRequests)
+                            FinishRequests, PauseGeneration)
 from loom.errors import EngineDeadError
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
@@ -149,46 +149,26 @@ class EngineCoreProc:
                 self.should_shutdown = True
 
     def _run_controls(self) -> None:
-        """Answer the control calls in order. A pause in mode wait, an update and a sleep
-        first let the requests in flight finish (new ones are held meanwhile), so each
-        waits here, the engine stepping, until the scheduler is drained."""
-        core = self.engine_core
-        while self.controls:
-            control = self.controls[0]
-            if control.method in _CONTROLS_AFTER_DRAIN or (
-                    control.method == "pause_generation"
-                    and control.kwargs.get("mode", "wait") == "wait"):
-                if control.method == "pause_generation":
-                    core.paused = True
-                if not core.is_drained:
-                    core.draining = True
-                    return
-            self.controls.popleft()
-            core.draining = False
-            self._send(self._run_control(control))
-        core.draining = False
+        """Answer the control calls in order. One that waits for the requests in flight
+        (``EngineCore.ready_for``) stays first in line while the engine steps."""
+        while self.controls and self.engine_core.ready_for(self.controls[0].control):
+            self._send(self._run_control(self.controls.popleft()))
 
-    def _run_control(self, control: ControlRequest) -> ControlResponse:
+    def _run_control(self, request: ControlRequest) -> ControlResponse:
         core = self.engine_core
-        if control.method not in _CONTROLS:
-            return ControlResponse(control.call_id, error=f"no control method "
-                                   f"{control.method!r}; known: {sorted(_CONTROLS)}",
-                                   exc_type="ValueError")
+        name = request.control.__struct_config__.tag
         try:
-            result = getattr(core, control.method)(**control.kwargs)
+            result = core.run_control(request.control)
         except EngineDeadError:
             raise  # fatal: the loop's caller reports it
         except Exception as error:  # noqa: BLE001 — the caller's answer; the engine serves on
-            logger.warning("control %s failed: %s: %s", control.method, type(error).__name__,
-                           error)
-            core.draining = False
-            core.release_held()
-            return ControlResponse(control.call_id, error=str(error),
-                                   exc_type=type(error).__name__)
-        if control.method == "pause_generation":  # the aborted requests' last outputs
+            logger.warning("control %s failed: %s: %s", name, type(error).__name__, error)
+            return ControlResponse(request.call_id, error=str(error),
+                                   exc_type=type(error).__name__, holding=core.is_holding)
+        if isinstance(request.control, PauseGeneration):  # the aborted requests' last outputs
             self._send(EngineCoreOutputs(result, core.get_stats(), time.time()))
             result = None
-        return ControlResponse(control.call_id, result=result)
+        return ControlResponse(request.call_id, result=result, holding=core.is_holding)
 
     def _add_request(self, message: EngineCoreRequest) -> None:
         try:
@@ -205,12 +185,6 @@ class EngineCoreProc:
 
     def _send(self, message: EngineCoreMessage) -> None:
         self.output_socket.send(self.encoder.encode(message), copy=False)
-
-
-# EngineCore methods a ControlRequest may call, and those that wait for a drained scheduler.
-_CONTROLS = frozenset({"pause_generation", "resume_generation", "update_weights", "sleep",
-                       "wake_up", "reset_prefix_cache", "collective_rpc", "status"})
-_CONTROLS_AFTER_DRAIN = frozenset({"update_weights", "sleep"})
 
 
 def _make_engine_core(config: EngineConfig):

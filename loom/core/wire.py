@@ -18,7 +18,7 @@ User-facing results (``RequestOutput``) are not wire types: ``loom.outputs``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -271,14 +271,80 @@ class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+# Control calls: what changes what the engine serves, between steps (EngineCore.run_control).
+# Each is named by its tag (AsyncLLM.control("sleep", level=2) -> Sleep(level=2)).
+
+
+class PauseGeneration(msgspec.Struct, tag="pause_generation", kw_only=True,
+                      forbid_unknown_fields=True):
+    """Hold new requests; those in flight finish first ("wait": answered once they
+    have) or end now with finish reason abort ("abort")."""
+
+    mode: str = "wait"
+
+
+class ResumeGeneration(msgspec.Struct, tag="resume_generation", forbid_unknown_fields=True):
+    """Run what was held."""
+
+
+class UpdateWeights(msgspec.Struct, tag="update_weights", kw_only=True,
+                    forbid_unknown_fields=True):
+    """New weights once the requests in flight have finished: a checkpoint directory, a
+    .gguf file or an ipc manifest; None reloads the last checkpoint."""
+
+    path: str | None = None
+
+
+class Sleep(msgspec.Struct, tag="sleep", kw_only=True, forbid_unknown_fields=True):
+    """Once the requests in flight have finished, free the KV cache (level 1) or the KV
+    cache and the weights (level 2); requests are held until WakeUp."""
+
+    level: int = 1
+
+
+class WakeUp(msgspec.Struct, tag="wake_up", forbid_unknown_fields=True):
+    pass
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", forbid_unknown_fields=True):
+    pass
+
+
+class CollectiveRPC(msgspec.Struct, tag="collective_rpc", kw_only=True,
+                    forbid_unknown_fields=True):
+    """``Worker.<method>(*args, **kwargs)`` on every rank; each rank's result."""
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class GetStatus(msgspec.Struct, tag="status", forbid_unknown_fields=True):
+    """Paused, asleep (and at which level), how many requests are held."""
+
+
+Control = (PauseGeneration | ResumeGeneration | UpdateWeights | Sleep | WakeUp
+           | ResetPrefixCache | CollectiveRPC | GetStatus)
+CONTROLS: dict[str, type[Control]] = {control.__struct_config__.tag: control
+                                      for control in get_args(Control)}
+
+
+def make_control(name: str, fields: dict[str, Any]) -> Control:
+    """The control call named ``name`` with ``fields``; ValueError, naming what was
+    wrong, for an unknown name or a field it does not have or of the wrong type."""
+    if name not in CONTROLS:
+        raise ValueError(f"no control call {name!r}; known: {', '.join(sorted(CONTROLS))}")
+    try:
+        return msgspec.convert(fields, CONTROLS[name])
+    except msgspec.ValidationError as error:
+        raise ValueError(f"control call {name}: {error}") from None
+
+
 class ControlRequest(msgspec.Struct, tag="control"):
-    """A control call on the engine core (``EngineCore.<method>(**kwargs)``): pause and
-    resume generation, update weights, sleep and wake up, reset the prefix cache,
-    collective_rpc. Answered by one ControlResponse with the same ``call_id``."""
+    """One control call; answered by one ControlResponse with the same ``call_id``."""
 
     call_id: int
-    method: str
-    kwargs: dict[str, Any] = {}
+    control: Control
 
 
 EngineCoreInput = (EngineCoreRequest | AbortRequests | FinishRequests | EngineCoreShutdown
@@ -343,6 +409,9 @@ class ControlResponse(msgspec.Struct, tag="control_response"):
     result: Any = None
     error: str | None = None  # why the call failed; the engine serves on as before
     exc_type: str | None = None  # "ValueError" (the caller's fault) or another name
+    # The core holds new requests after the call (paused or asleep): requests may then
+    # wait without a step, and the API side's watchdog does not judge.
+    holding: bool = False
 
 
 EngineCoreMessage = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed | ControlResponse
