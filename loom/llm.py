@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loom.default_model import default_model_path
 from loom.engine_args import EngineArgs, llm_kwargs_to_fields
-from loom.executor.base import WorkerDiedError
+from loom.errors import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams

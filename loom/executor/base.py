@@ -8,7 +8,6 @@ from typing import Any
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, SchedulerOutput
 from loom.errors import RPCError, WeightsLostError
-from loom.errors import WorkerDiedError  # noqa: F401 (loom/llm.py imports it from here)
 
 
 class Executor(abc.ABC):
