@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from loom.model.layers.fused_moe import (MoESpec, fused_experts, loop_over_experts,
                                          select_experts)
-from loom.model.layers.linear import linear, pack_weight
+from loom.model.layers.weight_forms import linear, pack_weight, select_form
 
 
 def _time(fn, reps: int) -> float:
@@ -54,9 +54,9 @@ def main() -> None:
     dense_down = (torch.randn(hidden, inter * top_k) * 0.02).to(dtype)
     spec = MoESpec(experts, top_k, inter)
 
-    # as loom's layers run them: packed for the CPU bf16 matmul where that applies
-    packed = [(pack_weight(w13[e]), pack_weight(w2[e])) for e in range(experts)]
-    packed = packed if packed[0][0] is not None else None
+    # as loom's layers hold them: each expert's matrices in the form select_form picks
+    forms = [(select_form(w13[e], w13.device, dtype), select_form(w2[e], w2.device, dtype))
+             for e in range(experts)]
     dense_packed = (pack_weight(dense_up), pack_weight(dense_down))
 
     def dense(x):
@@ -76,7 +76,7 @@ def main() -> None:
             times = {"grouped": [], "loop": [], "dense": []}
             for _ in range(args.rounds):  # interleaved
                 times["grouped"].append(_time(
-                    lambda: fused_experts(x, w13, w2, weights, ids, 0, packed), reps))
+                    lambda: fused_experts(x, w13, w2, weights, ids, 0, forms), reps))
                 times["loop"].append(_time(lambda: loop_over_experts(x, w13, w2, weights, ids), reps))
                 times["dense"].append(_time(lambda: dense(x), reps))
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}

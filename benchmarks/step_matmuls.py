@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 def matmul_jobs(model, ops) -> list:
     """(call, out, x, weight) for every linear layer and the LM head, one row each."""
     from loom.model.layers.linear import LinearBase
+    from loom.model.layers.weight_forms import Bf16Panels, MixedFormats, QuantizedKernel
 
     jobs = []
 
@@ -41,15 +42,16 @@ def matmul_jobs(model, ops) -> list:
     for module in model.modules():
         if not isinstance(module, LinearBase):
             continue
-        if module.quant_weight is not None:
-            w = module.quant_weight
+        form = module.form
+        if isinstance(form, QuantizedKernel):
+            w = form.weight
             add(ops.quantized_linear, w, w.out_features, w.in_features, torch.bfloat16)
-        elif module.packed_weight is not None and module.packed_weight.is_loom_kernel:
-            w = module.packed_weight
+        elif isinstance(form, Bf16Panels):
+            w = form.packed
             add(ops.bf16_linear, w.data, w.out_features, 2 * w.data.shape[1], torch.bfloat16)
-        elif module.weight_parts is not None and all(
-                isinstance(part, ops.QuantizedWeight) for part in module.weight_parts):
-            for w in module.weight_parts:  # a fused layer in several formats: one per part
+        elif isinstance(form, MixedFormats) and form.on_kernel:
+            for part in form.parts:  # a fused layer in several formats: one per part
+                w = part.weight
                 add(ops.quantized_linear, w, w.out_features, w.in_features, torch.bfloat16)
         else:
             raise SystemExit(f"{type(module).__name__} is on neither native kernel: "

@@ -37,6 +37,7 @@ from loom.model.layers.attention import Attention
 from loom.model.layers.fused_moe import FusedMoE
 from loom.model.layers.layernorm import RMSNorm
 from loom.model.layers.linear import LinearBase
+from loom.model.layers.weight_forms import Bf16Panels
 
 
 class NativeDecoderLayer(Protocol):
@@ -147,19 +148,16 @@ def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,
     if moe.experts is not None:  # quantized: each expert a pair of LinearBase
         for expert in moe.experts:
             for linear, held in ((expert.w13, w13), (expert.w2, w2)):
-                weight = _quantized_weight(ops, linear)
-                if weight is None:
-                    return (f"its experts are {linear.weight_format} on the PyTorch path "
-                            "(no loom kernel for it on this CPU)")
-                if isinstance(weight, str):
-                    return f"its experts' {weight}"
-                held.append(weight)
+                handle = linear.form.native_handle(ops)
+                if isinstance(handle, str):
+                    return f"its experts' {handle}"
+                held.append(handle)
     else:
-        if moe.packed is None or not all(p is not None and p.is_loom_kernel
-                                         for pair in moe.packed for p in pair):
+        if moe.expert_forms is None or not all(isinstance(form, Bf16Panels)
+                                               for pair in moe.expert_forms for form in pair):
             return "its experts are not packed for loom's bf16 matmul"
-        w13 = [ops.LinearWeight.bf16(gate_up.data) for gate_up, _ in moe.packed]
-        w2 = [ops.LinearWeight.bf16(down.data) for _, down in moe.packed]
+        w13 = [gate_up.native_handle(ops) for gate_up, _ in moe.expert_forms]
+        w2 = [down.native_handle(ops) for _, down in moe.expert_forms]
     weights.expert_w13, weights.expert_w2 = w13, w2
     # float32 once here (FusedMoE converts at each forward: the same values)
     weights.router = moe.gate.weight.detach().float()
@@ -184,37 +182,13 @@ def _fill_role(ops: Any, weights: Any, fields: set[str], role: str, module: nn.M
         setattr(weights, role, module.weight)
         return None
     if isinstance(module, LinearBase):
-        quantized = _quantized_weight(ops, module)
-        if isinstance(quantized, str):
-            return f"the {role} {quantized}"
-        if quantized is not None:
-            setattr(weights, role, quantized)
-        elif module.weight_format is not None:
-            return (f"the {role} weight is {module.weight_format} on the PyTorch path (no "
-                    "loom kernel for it on this CPU)")
-        elif module.packed_weight is None or not module.packed_weight.is_loom_kernel:
-            return (f"the {role} weight is not packed for loom's bf16 matmul (which needs "
-                    "AVX512-BF16)")
-        else:
-            setattr(weights, role, ops.LinearWeight.bf16(module.packed_weight.data))
+        handle = module.form.native_handle(ops)
+        if isinstance(handle, str):
+            return f"the {role} {handle}"
+        setattr(weights, role, handle)
         if module.bias is not None:
             if f"{role}_bias" not in fields:
                 return f"{role} has a bias and the kernels have no {role}_bias"
             setattr(weights, f"{role}_bias", module.bias)
         return None
     return f"{role} is a {type(module).__name__}, which the stack does not run"
-
-
-def _quantized_weight(ops: Any, module: LinearBase) -> Any:
-    """``module``'s weight as the stack's ``LinearWeight`` if it is held in loom's
-    quantized kernel layout (in one format, or one per run of rows:
-    ``LinearBase.weight_parts``), None if not; a sentence where the kernels cannot take
-    it."""
-    if module.quant_weight is not None:
-        return ops.LinearWeight.quantized(module.quant_weight)
-    if not module.parts_on_kernel:
-        return None
-    if not hasattr(ops.LinearWeight, "quantized_parts"):
-        return (f"weight is held in several formats ({module.weight_format}) and the "
-                "kernels take one (a stale kernel build?)")
-    return ops.LinearWeight.quantized_parts(module.weight_parts)

@@ -98,8 +98,7 @@ def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_
     per_position = max(2 * a.num_kv_heads * a.head_dim * elt + a.num_heads * (2 * elt + 8)
                        + elt + 6 * 8 for a in model.attention_layers)
     dequantized = max((m.output_size * m.input_size for m in model.modules()
-                       if isinstance(m, LinearBase) and m.quant_weight is None
-                       and (m.weight_format is not None or m.weight_parts is not None)),
+                       if isinstance(m, LinearBase) and m.on_reference_path),
                       default=0)
     return (largest_gather(max_num_seqs, max_model_len, block_size) * per_position
             + 3 * 4 * dequantized + CUBLAS_WORKSPACE_BYTES)

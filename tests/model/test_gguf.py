@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from loom.model.layers.weight_forms import QuantizedKernel
 from loom.model.loader import get_model_architecture, load_hf_config, load_model
 from loom.model.loader.gguf_loader import gguf_to_hf_name, reverse_permute
 
@@ -203,4 +204,4 @@ def test_quantized_layers_are_laid_out_as_their_last_shard_arrives(monkeypatch, 
     assert all(m._staging is None and m.weight_format == "Q4_1" for m in linears)
     assert all(m.weight.dtype == torch.uint8 for m in linears)
     if dtype == torch.bfloat16:  # loom's kernel layout
-        assert all(m.quant_weight is not None for m in linears)
+        assert all(isinstance(m.form, QuantizedKernel) for m in linears)

@@ -194,7 +194,7 @@ def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
     """Every CPU bf16 path of ``linear`` (loom's bf16_linear, packed oneDNN, ATen GEMV)
     gives F.linear's result; packed oneDNN bit for bit."""
     import loom.kernels
-    from loom.model.layers.linear import linear, pack_weight
+    from loom.model.layers.weight_forms import linear, pack_weight
 
     torch.manual_seed(rows)
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
@@ -261,7 +261,7 @@ def test_rows_gathered_from_bf16_panels(ops):
     """An embedding table held only as its LM head's panels: rows gathered from them
     (PackedWeight.rows) are the table's rows, for widths around the 64-row panels, and
     the panels' inverse view (plain) is the table; an id past the table is refused."""
-    from loom.model.layers.linear import PackedWeight
+    from loom.model.layers.weight_forms import PackedWeight
 
     gen = torch.Generator().manual_seed(3)
     for n, k in [(1, 2), (64, 2), (65, 576), (127, 34), (200, 64)]:

@@ -98,9 +98,9 @@ def test_bf16_experts_are_held_as_panels_and_reload_in_part():
     assert sum(p.numel() for p in layer.parameters()) == gate.numel() + w13.numel() + w2.numel()
     assert torch.equal(layer.plain_weight("w13_weight"), w13)
     assert torch.equal(layer.plain_weight("w2_weight"), w2)
-    assert all(a.data.data_ptr() == layer.w13_weight[e].data_ptr()
-               and b.data.data_ptr() == layer.w2_weight[e].data_ptr()
-               for e, (a, b) in enumerate(layer.packed))
+    assert all(a.packed.data.data_ptr() == layer.w13_weight[e].data_ptr()
+               and b.packed.data.data_ptr() == layer.w2_weight[e].data_ptr()
+               for e, (a, b) in enumerate(layer.expert_forms))
     new_gate = (torch.randn(inter, hidden, generator=gen) * 0.1).bfloat16()
     w2_panels = layer.w2_weight
     layer.load_expert(new_gate, 2, "gate")
@@ -114,7 +114,7 @@ def test_bf16_experts_are_held_as_panels_and_reload_in_part():
         for rows in (1, 6):
             assert torch.equal(layer(x[:rows]), fresh(x[:rows]))
     layer.release_weight()
-    assert layer.packed is None
+    assert layer.expert_forms is None
 
 
 def test_routing_rules():

@@ -18,6 +18,7 @@ from tokenizer_fixtures import make_tiny_tokenizer
 from loom import LLM, SamplingParams
 from loom.model.layers.fused_moe import FusedMoE, QuantizedExpert
 from loom.model.layers.quantization import quantize_wint4, quantize_wint8
+from loom.model.layers.weight_forms import QuantizedKernel
 from loom.model.loader import load_hf_config, load_model
 
 from .checkpoints import make_tiny_checkpoint
@@ -130,7 +131,7 @@ def test_bf16_kernel_experts_follow_the_reference(moe_case):
         model = load_model(original, config, dtype=dtype, quantization=method,
                            quantization_group_size=GROUP, attention_backend="torch")
         expert = next(m for m in model.modules() if isinstance(m, FusedMoE)).experts[0]
-        assert (expert.w13.quant_weight is not None) == (dtype == torch.bfloat16)
+        assert isinstance(expert.w13.form, QuantizedKernel) == (dtype == torch.bfloat16)
         driver = PagedDriver(model, num_blocks=8, block_size=16, dtype=dtype)
         logits[dtype] = driver.step([(0, tokens.tolist(), len(tokens))]).float()
     top = logits[torch.float32].argmax(-1)

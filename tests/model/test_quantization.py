@@ -30,14 +30,16 @@ from test_cli_errors import assert_one_line_error, run_loom
 from tokenizer_fixtures import FRANCE, make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
-from loom.engine_args import make_engine_config
 from loom.distributed.parallel_state import TPGroup
+from loom.engine_args import make_engine_config
 from loom.kernels import native_ops
 from loom.model.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear)
 from loom.model.layers.quantization import (QuantizedTensor, fitting_group_size,
                                             gguf_quantized, kernel_error_bound,
                                             quantize_wint4, quantize_wint8, reference_linear)
+from loom.model.layers.weight_forms import (Bf16Panels, MixedFormats, OneDnnWeight,
+                                            QuantizedKernel, QuantizedReference)
 from loom.model.loader import load_hf_config, load_model
 from loom.model.loader.gguf_dequant import dequantize
 from loom.model.loader.model_loader import describe_weight_bytes, weight_bytes_by_dtype
@@ -466,9 +468,10 @@ def test_layers_hold_no_full_precision_copy(method, dtype):
         layer.process_weights_after_loading()
         quantized[id(layer)] = (quantize_wint8(weight) if method == "wint8"
                                 else quantize_wint4(weight, 32))
-        assert layer.packed_weight is None and layer.weight.dtype == torch.uint8
+        assert not isinstance(layer.form, (Bf16Panels, OneDnnWeight))
+        assert layer.weight.dtype == torch.uint8
         assert layer.weight_format == method.split(":")[0]
-        kernel = layer.quant_weight is not None
+        kernel = isinstance(layer.form, QuantizedKernel)
         assert kernel == (dtype == torch.bfloat16 and native_ops() is not None
                           and native_ops().quant_gemm_available())
         # no full-precision (N, K) tensor anywhere
@@ -494,11 +497,11 @@ def test_pytorch_path_hands_the_residual_stream_its_float32_sums(monkeypatch):
     (``float_output``: into the float32 residual stream) returns the reference's float32
     result itself, not rounded to bf16 first, as loom's kernels do. That rounding cost
     the default Q4_1 file a point of top-1 agreement with its float32 self on CUDA and
-    on the CPU's module path (benchmarks/cuda.md, session 26); a fused layer mixing
+    on the CPU's module path (benchmarks/cuda.md); a fused layer mixing
     formats does the same per part."""
-    from loom.model.layers import linear as linear_module
+    from loom.model.layers import weight_forms
 
-    monkeypatch.setattr(linear_module, "native_ops_for", lambda device, dtype: None)
+    monkeypatch.setattr(weight_forms, "native_ops_for", lambda device, dtype: None)
     torch.set_default_dtype(torch.bfloat16)
     try:
         row = RowParallelLinear(96, 32, bias=True, quantization="wint8", float_output=True)
@@ -508,7 +511,7 @@ def test_pytorch_path_hands_the_residual_stream_its_float32_sums(monkeypatch):
     row.weight.weight_loader(row.weight, weight)
     row.bias.weight_loader(row.bias, torch.randn(32).bfloat16())
     row.process_weights_after_loading()
-    assert row.quant_weight is None and row.weight_format == "wint8"  # the PyTorch path
+    assert isinstance(row.form, QuantizedReference) and row.weight_format == "wint8"
     x = torch.randn(5, 96).bfloat16()
     y = row(x)
     exact = reference_linear(x, quantize_wint8(weight), out_dtype=torch.float32) \
@@ -567,7 +570,7 @@ def test_bf16_linears_keep_only_their_panels():
         layer.weight.weight_loader(layer.weight, tensor, name)
     layer.process_weights_after_loading()
     whole = torch.cat([shards["q"], shards["k"], shards["v"]])
-    assert layer.weight.data_ptr() == layer.packed_weight.data.data_ptr()
+    assert layer.weight.data_ptr() == layer.form.packed.data.data_ptr()
     assert not [name for name, p in layer.named_parameters() if p.shape == whole.shape]
     assert torch.equal(layer.plain_weight(), whole)
     totals = weight_bytes_by_dtype(layer)
@@ -603,11 +606,11 @@ def test_a_reload_requantizes_the_shards_it_is_given():
         for name, tensor in shards.items():
             layer.weight.weight_loader(layer.weight, tensor, name)
         layer.process_weights_after_loading()
-        before = layer._unpack()
+        before = layer.form.quantized_tensor()
         new_k = random_weight((16, 64), seed=99)
         layer.weight.weight_loader(layer.weight, new_k, "k")
         layer.process_weights_after_loading()
-        after = layer._unpack()
+        after = layer.form.quantized_tensor()
         fresh = quantize_wint4(new_k, 32)
         assert torch.equal(after.values[32:48], fresh.values)
         assert torch.equal(after.scales[32:48], fresh.scales)
@@ -637,7 +640,7 @@ def mixed_shards(formats: dict[str, str], seed: int = 0) -> dict[str, QuantizedT
 
 
 def held_blocks(layer) -> list[QuantizedTensor]:
-    return layer._unpack_blocks().merged()
+    return layer.form.loaded_again().merged()
 
 
 def assert_same_rows(got: QuantizedTensor, want: QuantizedTensor) -> None:
@@ -666,18 +669,18 @@ def test_fused_layer_keeps_each_projection_in_its_format(dtype):
     layer.process_weights_after_loading()
     kernel = dtype == torch.bfloat16 and native_ops() is not None \
         and native_ops().quant_gemm_available()
-    assert layer.weight_format == "Q4_K+Q6_K" and layer.parts_on_kernel == kernel
-    assert layer.quant_weight is None and len(layer.weight_parts) == 2
+    assert layer.weight_format == "Q4_K+Q6_K" and layer.form.on_kernel == kernel
+    assert isinstance(layer.form, MixedFormats) and len(layer.form.parts) == 2
     assert layer.weight.dtype == torch.uint8 and layer.weight.dim() == 1
     assert [name for name, p in layer.named_parameters()] == ["weight", "bias"]
     blocks = held_blocks(layer)
     assert_same_rows(blocks[0], QuantizedTensor.cat([shards["q"], shards["k"]]))
     assert_same_rows(blocks[1], shards["v"])
     # every byte in the parameter: each part's and at most 64 bytes of alignment each
-    held = sum(p.nbytes for p in layer.weight_parts)  # the PyTorch path's bit-packed
+    held = sum((p.weight if kernel else p.tensor).nbytes for p in layer.form.parts)
     assert held <= weight_bytes_by_dtype(layer)["uint8"] <= held + 64 * 2
     if not kernel:  # at the formats' bits: Q4_K's 4 and Q6_K's 6 per value
-        values = sum(p.values.numel() for p in layer.weight_parts)
+        values = sum(p.tensor.values.numel() for p in layer.form.parts)
         assert values == (192 * 4 + 64 * 6) * layer.input_size // 8
 
     def check_output(shards):
@@ -705,16 +708,16 @@ def test_fused_layer_keeps_each_projection_in_its_format(dtype):
     q4_v = make_format("Q4_K", 64, 256, seed=98)
     layer.weight.weight_loader(layer.weight, q4_v, "v")
     layer.process_weights_after_loading()
-    assert layer.weight_format == "Q4_K" and layer.weight_parts is None
+    assert layer.weight_format == "Q4_K" and not isinstance(layer.form, MixedFormats)
     assert (layer.quantized() is None) == kernel
-    assert_same_rows(layer._unpack(), QuantizedTensor.cat([shards["q"], shards["k"], q4_v]))
+    assert_same_rows(layer.form.quantized_tensor(), QuantizedTensor.cat([shards["q"], shards["k"], q4_v]))
     check_output(shards | {"v": q4_v})
     # and back to two formats; then a sleep frees it and a reload fills it whole
     layer.weight.weight_loader(layer.weight, shards["v"], "v")
     layer.process_weights_after_loading()
     assert layer.weight_format == "Q4_K+Q6_K"
     layer.release_weight()
-    assert layer.weight_parts is None
+    assert layer.form.parts is None
     for name in ("q", "k", "v"):
         layer.weight.weight_loader(layer.weight, shards[name], name)
     layer.process_weights_after_loading()
@@ -816,7 +819,7 @@ def test_quantized_weights_are_held_on_the_models_device():
     assert [wint8.weight_format, kept.weight_format, mixed.weight_format] == \
         ["wint8", "Q4_K", "Q4_K+Q6_K"]
     held = [t for layer in (wint8, kept, mixed, table) for t in layer.parameters()]
-    held += [t for part in mixed.weight_parts for t in part.tensors()]
+    held += [t for part in mixed.form.parts for t in part.tensor.tensors()]
     held += table.table.reference.tensors()
     assert held and all(t.device == meta for t in held), \
         [tuple(t.shape) for t in held if t.device != meta]

@@ -25,7 +25,7 @@ from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.kernels import native_ops_for
-from loom.model.layers.linear import PackedWeight, linear, pack_weight
+from loom.model.layers.weight_forms import PackedWeight, linear, pack_weight
 from loom.model.layers.quantization import (QuantizedTensor, quantize_wint8,
                                             reference_linear)
 

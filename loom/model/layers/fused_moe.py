@@ -53,7 +53,9 @@ from torch import nn
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.kernels import native_ops_for
 from loom.model.layers.activation import silu_and_mul
-from loom.model.layers.linear import LinearBase, PackedWeight, linear, pack_weight
+from loom.model.layers.linear import LinearBase
+from loom.model.layers.weight_forms import (Bf16Panels, PackedWeight, WeightForm, linear,
+                                            pack_weight, select_form)
 from loom.model.layers.quantization import QuantizedTensor, parse_weight_quantization
 
 logger = logging.getLogger(__name__)
@@ -109,16 +111,19 @@ def select_experts(router_logits: torch.Tensor, spec: MoESpec,
     return topk_weights, topk_ids
 
 
-def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                packed: tuple[PackedWeight | None, PackedWeight | None] = (None, None)
-                ) -> torch.Tensor:
-    return linear(silu_and_mul(linear(x, w13, packed=packed[0])), w2, packed=packed[1])
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return linear(silu_and_mul(linear(x, w13)), w2)
+
+
+def _held_expert_mlp(x: torch.Tensor, forms: tuple[WeightForm, WeightForm]) -> torch.Tensor:
+    """One expert held as weight forms (its w13, its w2): (N, H) -> (N, H)."""
+    return forms[1].apply(silu_and_mul(forms[0].apply(x, None)), None)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   expert_start: int = 0,
-                  packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None,
+                  forms: list[tuple[WeightForm, WeightForm]] | None = None,
                   experts: nn.ModuleList | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) over the experts this
     rank holds (``w13`` (E_local, 2I, H), ``w2`` (E_local, H, I), or ``experts``, one
@@ -128,7 +133,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
     Grouped by expert: sort the T*K assignments by expert id once, gather their tokens
     into one (N, H) matrix whose rows for expert e are one contiguous segment, run each
     expert hit once on its segment, weigh the rows, and scatter-add them back. With
-    ``packed`` (bf16 on the CPU) every segment runs the packed matmul: one 1024x1024 +
+    ``forms`` (each expert's w13 and w2 as held, weight_forms.py; bf16 on the CPU: loom's
+    panels) every segment runs its form's matmul: one 1024x1024 +
     1024x512 expert in loom's bf16 kernel (the AMX tiles from 8 rows) took 0.24-0.4 ms
     at 1-32 rows against oneDNN's F.linear's 0.6-1.2 ms, 1.0/1.3 against 1.5/1.6 at
     64/128, level at 256 (1 thread, loaded 2-core host; benchmarks/moe_speed.md).
@@ -139,7 +145,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
     num_tokens, top_k = topk_ids.shape
     num_local = len(experts) if experts is not None else w13.shape[0]
     if num_tokens == 1:  # a batch-1 decode: its experts in turn, in the same order
-        return _one_token(x, w13, w2, topk_weights, topk_ids, expert_start, packed, experts)
+        return _one_token(x, w13, w2, topk_weights, topk_ids, expert_start, forms, experts)
     flat_ids = topk_ids.flatten() - expert_start  # (T*K,) local ids
     mine = (flat_ids >= 0) & (flat_ids < num_local)
     flat_ids = torch.where(mine, flat_ids, num_local)  # other ranks' sort last, never run
@@ -159,9 +165,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
             end = start + count
             if experts is not None:
                 results[start:end] = experts[expert](routed[start:end])
+            elif forms is not None:
+                results[start:end] = _held_expert_mlp(routed[start:end], forms[expert])
             else:
-                results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert],
-                                                 packed[expert] if packed else (None, None))
+                results[start:end] = _expert_mlp(routed[start:end], w13[expert], w2[expert])
             start = end
     weights = topk_weights.flatten()[order[:num_routed]].to(results.dtype)
     results.mul_(weights[:, None])
@@ -170,7 +177,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
 
 def _one_token(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
-               packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None,
+               forms: list[tuple[WeightForm, WeightForm]] | None,
                experts: nn.ModuleList | None = None) -> torch.Tensor:
     """``fused_experts`` for one token, without the sort, gather and scatter (a dozen
     small ops that cost as much as an expert at batch 1); same roundings and order."""
@@ -182,9 +189,10 @@ def _one_token(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | Non
         if 0 <= local < num_local:
             if experts is not None:
                 result = experts[local](x)
+            elif forms is not None:
+                result = _held_expert_mlp(x, forms[local])
             else:
-                result = _expert_mlp(x, w13[local], w2[local],
-                                     packed[local] if packed else (None, None))
+                result = _expert_mlp(x, w13[local], w2[local])
             out += result.mul_(weights[k])
     return out
 
@@ -309,8 +317,9 @@ class FusedMoE(nn.Module):
         # by it before each forward and shipped with the step's output; None: not counted
         self.step_tokens: torch.Tensor | None = None
         self.use_grouped = True  # False: loop_over_experts (the measured reference)
-        # each local expert's w13 and w2 packed for the CPU bf16 matmul, or None
-        self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
+        # each local expert's w13 and w2 as held (weight_forms.py; select_form's choice,
+        # on slices of the stacked parameters), made once loaded; None while loading
+        self.expert_forms: list[tuple[WeightForm, WeightForm]] | None = None
         # the parameters held as loom's bf16 panels, (E_local, panels, K/2, 64, 2) in
         # place of (E_local, N, K): each expert's PackedWeight is a view of its slice
         self._panels: set[str] = set()
@@ -351,27 +360,28 @@ class FusedMoE(nn.Module):
         themselves out (their ``ExpertLinear``s' own hooks)."""
         if self.experts is not None:
             return
-        packs = {name: self._pack(name) for name in ("w13_weight", "w2_weight")}
-        packed = list(zip(packs["w13_weight"], packs["w2_weight"]))
-        self.packed = packed if any(p is not None for pair in packed for p in pair) else None
+        forms = {name: self._hold(name) for name in ("w13_weight", "w2_weight")}
+        self.expert_forms = list(zip(forms["w13_weight"], forms["w2_weight"]))
 
-    def _pack(self, name: str) -> list[PackedWeight | None]:
-        """Each local expert's PackedWeight of parameter ``name``; its panels become the
-        parameter where they are loom's (one expert's pack at a time beside the two)."""
+    def _hold(self, name: str) -> list[WeightForm]:
+        """Each local expert's form of parameter ``name``, as ``select_form`` picks it
+        for one expert's slice; loom's panels become the parameter (one expert's pack at
+        a time beside the stacked weights)."""
         param, out_features = getattr(self, name), self._out_features[name]
         if name in self._panels:
-            return [PackedWeight.loom_panels(param[e], out_features)
+            return [Bf16Panels(PackedWeight.loom_panels(param[e], out_features))
                     for e in range(param.shape[0])]
-        packs = [pack_weight(param[0])]
-        if packs[0] is None or not packs[0].is_loom_kernel:
-            return packs + [pack_weight(param[e]) for e in range(1, param.shape[0])]
-        panels = torch.empty((param.shape[0], *packs[0].data.shape), dtype=param.dtype)
-        panels[0].copy_(packs[0].data)
+        first = select_form(param[0], param.device, param.dtype)
+        if not isinstance(first, Bf16Panels):
+            return [first] + [select_form(param[e], param.device, param.dtype)
+                              for e in range(1, param.shape[0])]
+        panels = torch.empty((param.shape[0], *first.packed.data.shape), dtype=param.dtype)
+        panels[0].copy_(first.packed.data)
         for e in range(1, param.shape[0]):
             panels[e].copy_(pack_weight(param[e]).data)
         self._set_expert_param(name, panels)
         self._panels.add(name)
-        return [PackedWeight.loom_panels(panels[e], out_features)
+        return [Bf16Panels(PackedWeight.loom_panels(panels[e], out_features))
                 for e in range(panels.shape[0])]
 
     def _set_expert_param(self, name: str, data: torch.Tensor) -> None:
@@ -395,12 +405,12 @@ class FusedMoE(nn.Module):
         plain = self.plain_weight(name)
         self._set_expert_param(name, torch.empty(plain.shape, dtype=plain.dtype).copy_(plain))
         self._panels.discard(name)
-        self.packed = None  # made again by process_weights_after_loading
+        self.expert_forms = None  # made again by process_weights_after_loading
 
     def release_weight(self) -> None:
-        """Drop the packed views (and oneDNN's copies) before a weight-update sleep frees
-        the parameters: nothing else holds the experts' bytes."""
-        self.packed = None
+        """Drop the experts' forms (views of the parameters, oneDNN's copies) before a
+        weight-update sleep frees the parameters: nothing else holds the experts' bytes."""
+        self.expert_forms = None
 
     def count_forward(self) -> None:
         """One more forward of this layer (the native stack calls it for the forwards it
@@ -494,11 +504,11 @@ class FusedMoE(nn.Module):
             out = fused_experts(x, None, None, topk_weights, topk_ids, self.expert_start,
                                 experts=self.experts)
         elif self.use_grouped:
-            if self._panels and self.packed is None:
+            if self._panels and self.expert_forms is None:
                 raise RuntimeError("the experts are being reloaded: "
                                    "process_weights_after_loading has not run yet")
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                self.expert_start, self.packed)
+                                self.expert_start, self.expert_forms)
         else:
             out = loop_over_experts(x, self.plain_weight("w13_weight"),
                                     self.plain_weight("w2_weight"), topk_weights, topk_ids,

@@ -15,6 +15,7 @@ from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.embedding import VocabParallelEmbedding
 from loom.model.layers.linear import LinearBase
+from loom.model.layers.weight_forms import MixedFormats, OneDnnWeight
 from loom.model.layers.quantization import linear_weight_quantization, table_quantization
 from loom.model.loader.gguf_loader import gguf_quantized_formats, gguf_weights_iterator
 from loom.model.loader.hf_config import is_gguf, load_hf_config
@@ -129,11 +130,11 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                            "wint4; a GGUF file's own formats: auto) runs them on loom's "
                            "AVX2 kernel, several times faster",
                            plain)
-        mixed = sorted({module.weight_format for module in model.modules()
-                        if getattr(module, "weight_parts", None) is not None})
-        if mixed:  # a GGUF file's fused projections in several formats (linear.RowBlocks)
-            layers = sum(getattr(module, "weight_parts", None) is not None
-                         for module in model.modules())
+        mixed_layers = [module for module in model.modules()
+                        if isinstance(module, LinearBase) and isinstance(module.form, MixedFormats)]
+        if mixed_layers:  # a GGUF file's fused projections in several formats
+            mixed = sorted({module.weight_format for module in mixed_layers})
+            layers = len(mixed_layers)
             logger.info("%d fused linear layers hold their projections in their own "
                         "formats (%s)", layers, ", ".join(mixed))
     return model.eval()
@@ -150,12 +151,18 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
         copy = getattr(module, "float32_weight", None)  # --lm-head-fp32
         if copy is not None:
             totals["float32"] = totals.get("float32", 0) + copy.numel() * 4
-        packed = getattr(module, "packed_weight", None)
+        copies = [getattr(module, "packed_weight", None)]  # an LM head's
+        if isinstance(module, LinearBase) and isinstance(module.form, OneDnnWeight):
+            copies.append(module.form.packed)
+        for pair in getattr(module, "expert_forms", None) or ():  # a MoE layer's experts
+            copies += [form.packed for form in pair if isinstance(form, OneDnnWeight)]
         weight = getattr(module, "weight", None)
-        if packed is not None and not (packed.is_loom_kernel and isinstance(weight, torch.Tensor)
-                                       and weight.data_ptr() == packed.data.data_ptr()):
-            data = packed.data
-            totals["packed"] = totals.get("packed", 0) + data.numel() * data.element_size()
+        for packed in copies:
+            if packed is not None and not (packed.is_loom_kernel
+                                           and isinstance(weight, torch.Tensor)
+                                           and weight.data_ptr() == packed.data.data_ptr()):
+                data = packed.data
+                totals["packed"] = totals.get("packed", 0) + data.numel() * data.element_size()
     return totals
 
 
