@@ -34,7 +34,7 @@ def worker() -> None:
 
     torch.set_num_threads(2)
     from loom.kernels import native_ops
-    from loom.model.layers.quantization import gguf_quantized
+    from loom.model.loader.gguf_quantized import gguf_quantized
 
     ops = native_ops()
     packed = {}

@@ -59,7 +59,7 @@ def random_weight(fmt: str, n: int, k: int, ops):
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.02
         packed = quantize(weight, fmt).pack(ops)
         return packed, packed.nbytes
-    from loom.model.layers.quantization import gguf_quantized
+    from loom.model.loader.gguf_quantized import gguf_quantized
 
     ggml_type, (values, size), scale_at = GGUF[fmt]
     rng = np.random.default_rng(n + k)

@@ -36,12 +36,13 @@ from loom.kernels import native_ops
 from loom.model.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear)
 from loom.model.layers.quantization import (QuantizedTensor, fitting_group_size,
-                                            gguf_quantized, kernel_error_bound,
-                                            quantize_wint4, quantize_wint8, reference_linear)
+                                            kernel_error_bound, quantize_wint4,
+                                            quantize_wint8, reference_linear)
 from loom.model.layers.weight_forms import (Bf16Panels, MixedFormats, OneDnnWeight,
                                             QuantizedKernel, QuantizedReference)
 from loom.model.loader import load_hf_config, load_model
 from loom.model.loader.gguf_dequant import dequantize
+from loom.model.loader.gguf_quantized import gguf_quantized
 from loom.model.loader.model_loader import describe_weight_bytes, weight_bytes_by_dtype
 
 from .checkpoints import make_tiny_checkpoint

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from loom.model.layers.quantization import GGUF_KEPT, QuantizedTensor, gguf_quantized
+from loom.model.layers.quantization import QuantizedTensor
 from loom.model.loader.gguf_dequant import dequantize
+from loom.model.loader.gguf_quantized import GGUF_KEPT, gguf_quantized
 from loom.model.loader.hf_config import close_gguf_files, open_gguf
 
 logger = logging.getLogger(__name__)
