@@ -8,7 +8,7 @@ throughput``), for a refactor that must not cost speed.
 
 Each run is a fresh process with ``PYTHONPATH`` at its tree (its own ``loom``, its own
 kernel build, cached by source hash), in the order before, after, before, after, ...
-so drift on a shared machine hits both. Reports the median of the rounds per tree and
+so drift on a loaded machine hits both. Reports the median of the rounds per tree and
 the ratio after/before, with every process's peak resident memory (``ru_maxrss`` of
 the child, which runs the engine in-process).
 """

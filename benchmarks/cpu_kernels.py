@@ -12,7 +12,7 @@ Three tables, each A/B interleaved in one process (min and median of --iters run
     python benchmarks/cpu_kernels.py                 # all three
     python benchmarks/cpu_kernels.py --only matmul   # one table
 
-On a shared machine set OMP_WAIT_POLICY=PASSIVE; the min is the steadier figure.
+On a loaded machine set OMP_WAIT_POLICY=PASSIVE; the min is the steadier figure.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Two builds of loom's CPU kernels A/B in one process, interleaved call by call.
 
-On a shared machine the load moves between runs of benchmarks/cpu_kernels.py by more
+On a loaded machine the load moves between runs of benchmarks/cpu_kernels.py by more
 than a kernel change does; here each iteration times build A and build B on the same
 inputs, one right after the other (A first in even iterations, B in odd ones), so both
 see the same load. Build A is another csrc/ directory (an older checkout's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared run for a lent GPU (the device tool: one H200, 15 minutes a session).
+# The prepared run for one GPU (an H200, in a 15-minute budget).
 # The default model's file (98 MB) is over what one call carries (64 MiB), so it
 # travels in halves, over two calls made back to back on the same warm machine.
 #

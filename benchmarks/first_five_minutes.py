@@ -5,8 +5,8 @@
 Runs ``loom generate --prompt Hello`` (wall time) and ``loom serve`` (time until
 /health answers 200, then the resident set of every process of the server: API
 server, engine core, worker, measured with psutil), and prints one Markdown row
-each, with wall time and CPU time (user + system of every process: on a shared,
-loaded machine wall time swings with the load, CPU time much less). ``--cold``
+each, with wall time and CPU time (user + system of every process: on a loaded
+machine wall time swings with the load, CPU time much less). ``--cold``
 points LOOM_CACHE_DIR at an empty directory, so the native kernels compile and the
 GGUF tokenizer is converted again (the default model still comes from the
 installed package).

@@ -12,7 +12,7 @@ median step time and tokens/s per step type, the roofline of a batch-1 decode
     OMP_WAIT_POLICY=PASSIVE python benchmarks/profile_step.py   # on a busy machine
 
 The CPU is shared with whatever else runs: medians over ``--iters`` steps, and run
-baseline and candidate in the same session, interleaved. When other processes hold
+baseline and candidate in the same sitting, interleaved. When other processes hold
 the cores, OpenMP's default spin-waiting makes 2 threads 3-10x slower than 1;
 ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported) or ``--threads 1`` avoids it.
 """

@@ -21,8 +21,9 @@ Per repeat, in an order rotated each repeat:
   by default), 2 threads;
 - ``loom bench latency`` on the file as users have it (``--quantization auto``: its
   Q4_0/Q4_1/Q8_0 tensors kept quantized) and dequantized to bf16 (``--quantization
-  none``, loom before issue 15), batch 1 and `--batch`, 128 in, 128 out, its KV cache
-  sized to the tokens llama-batched-bench is given (``batched_context``).
+  none``, loom before it kept GGUF tensors quantized), batch 1 and `--batch`, 128 in,
+  128 out, its KV cache sized to the tokens llama-batched-bench is given
+  (``batched_context``).
 
 Each process's peak resident memory (its whole tree, sampled every 50 ms) is reported
 beside its speed, and the batch-1 roofline: the bytes a decode step reads (every linear
@@ -180,7 +181,7 @@ def step_bytes(model: str) -> int:
 
 def paired_ratios(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str, Any]:
     """loom over llama.cpp per repeat (the two ran minutes apart, in one repeat) and the
-    median over repeats: on a shared host whose speed drifts over minutes, a ratio of
+    median over repeats: on a loaded host whose speed drifts over minutes, a ratio of
     neighbours is steadier than a ratio of medians taken over the whole run."""
     pairs = {"b1_decode": ("b1_decode_tokens_per_s", "tg128_tokens_per_s"),
              "prompt": ("b1_prefill_tokens_per_s", "pp128_tokens_per_s")}

@@ -1,4 +1,4 @@
-"""Soak or stress a real ``loom serve`` (issue 12), loopback only, bounded in time.
+"""Soak or stress a real ``loom serve``, loopback only, bounded in time.
 
     python benchmarks/soak.py soak --minutes 30            # default model, 8 clients
     python benchmarks/soak.py stress --rounds 100 --hog 2  # the harness's long run

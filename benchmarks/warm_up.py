@@ -16,7 +16,7 @@ not), then drives ``Worker.execute_model`` with hand-built ``SchedulerOutput``s:
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/warm_up.py --repeat 3 --threads 1 --clock cpu
     nice -n 19 python benchmarks/warm_up.py --no-warm-up   # one process, JSON
 
-On a shared machine use ``--threads 1 --clock cpu``: CPU time of one thread is not
+On a loaded machine use ``--threads 1 --clock cpu``: CPU time of one thread is not
 inflated by time spent descheduled, and two OpenMP threads spin-wait for each other
 when other processes hold the cores (steps then take ~1 s instead of ~20 ms).
 """

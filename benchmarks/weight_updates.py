@@ -1,4 +1,4 @@
-"""Weight update latency and sleep memory (issue 17), for benchmarks/weight_updates.md.
+"""Weight update latency and sleep memory, for benchmarks/weight_updates.md.
 
     python benchmarks/weight_updates.py                    # the default model (GGUF)
     python benchmarks/weight_updates.py --llama-1b DIR     # a random Llama-3.2-1B-shaped
