@@ -57,11 +57,11 @@ def matmul_jobs(model, ops) -> list:
             raise SystemExit(f"{type(module).__name__} is on neither native kernel: "
                              "this measures loom's CPU kernels only")
     head = model.lm_head
-    if head.table is not None and head.table.kernel is not None:
-        w = head.table.kernel
+    if isinstance(head.table, QuantizedKernel):
+        w = head.table.weight
         add(ops.quantized_linear, w, w.out_features, w.in_features, torch.float32)
-    elif head.packed_weight is not None and head.packed_weight.is_loom_kernel:
-        w = head.packed_weight
+    elif head.panels is not None:
+        w = head.panels.packed
         add(ops.bf16_linear, w.data, w.out_features, 2 * w.data.shape[1], torch.float32)
     return jobs
 

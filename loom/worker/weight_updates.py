@@ -235,21 +235,20 @@ class WeightUpdater:
 
     def _drop_derived_state(self) -> None:
         """What holds the weights' bytes beside the parameters, before they are freed: a
-        layer's ``release_weight()`` (a quantized linear's kernel layout, packed copies),
-        else its packed and float32 copies, and a quantized embedding table or an LM
-        head's panels hung on its parameter; and the native stack's plan."""
+        layer's ``release_weight()`` (its weight form's references: a quantized linear's
+        kernel layout, packed copies), an LM head's float32 copy, the form of a table
+        hung on its parameter (quantized, or the LM head's panels); and the native
+        stack's plan."""
         for module in self.model.modules():
             release = getattr(module, "release_weight", None)
             if release is not None:
                 release()
-            for name in ("packed_weight", "float32_weight"):
-                if getattr(module, name, None) is not None:
-                    setattr(module, name, None)
+            if getattr(module, "float32_weight", None) is not None:
+                module.float32_weight = None
         for param in self.model.parameters():
-            if getattr(param, "table", None) is not None:  # embedding.py's QuantizedTable
-                param.table = None
-            if getattr(param, "panels", None) is not None:  # an LM head's bf16 panels
-                param.panels = None
+            form = getattr(param, "form", None)  # an embedding table's, a tied head's
+            if form is not None:
+                form.release()
         self._invalidate_plans()
 
     def _derive_state(self) -> None:

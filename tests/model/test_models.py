@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loom.envs import settings
+from loom.model.layers.linear import LinearBase
 from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
                                load_hf_config, load_model)
 from loom.model.native_stack import NativeDecoderStack
@@ -263,7 +264,7 @@ def test_native_stack_schema_matches_the_declaration(checkpoints):
             assert set(roles) - {"experts"} <= fields and required <= set(roles), family
             assert "experts" not in roles or "expert_w13" in fields
             linear_roles = [role for role, module in roles.items()
-                            if module is not None and hasattr(module, "packed_weight")]
+                            if isinstance(module, LinearBase)]
             assert all(f"{role}_bias" in fields for role in linear_roles)
     assert {"num_heads", "num_kv_heads", "head_dim", "intermediate_size", "attention_scale",
             "rms_norm_eps", "activation", "num_experts", "top_k", "moe_intermediate_size",

@@ -821,7 +821,7 @@ def test_quantized_weights_are_held_on_the_models_device():
         ["wint8", "Q4_K", "Q4_K+Q6_K"]
     held = [t for layer in (wint8, kept, mixed, table) for t in layer.parameters()]
     held += [t for part in mixed.form.parts for t in part.tensor.tensors()]
-    held += table.table.reference.tensors()
+    held += table.table.tensor.tensors()
     assert held and all(t.device == meta for t in held), \
         [tuple(t.shape) for t in held if t.device != meta]
 

@@ -8,13 +8,15 @@ auto``) stays quantized, and under ``--quantization wint8|wint4`` a full-precisi
 quantized as it loads (``table_quantization``): the embedding gathers and dequantizes
 the rows it looks up, and the LM head (often the same table, tied) multiplies with
 loom's quantized kernel, or in float32 with ``--lm-head-fp32``
-(``ParallelLMHead.float32``). The quantized state hangs on the ``weight`` parameter
-itself (``QuantizedTable``), so a tied head shares it.
+(``ParallelLMHead.float32``).
 
-A bf16 table on a CPU with loom's kernels is held once, as the LM head's ``bf16_linear``
-panels (the parameter's ``panels``): a tied embedding gathers its rows from them
-(``PackedWeight.rows``), so no plain copy stays beside them (192 MiB for a 1B model's
-49,152 x 2,048 table).
+A table is held in one of the linear layers' weight forms (weight_forms.py), which
+hangs on the ``weight`` parameter itself (``weight.form``), so a tied head shares it:
+plain as loaded, quantized (``QuantizedKernel`` or ``QuantizedReference``, as
+``select_form`` picks), or, once the LM head has packed it, loom's ``bf16_linear``
+panels (``Bf16Panels``) on a CPU with loom's kernels: a tied embedding gathers its rows
+from them (``WeightForm.rows``), so no plain copy stays beside them (192 MiB for a 1B
+model's 49,152 x 2,048 table).
 """
 
 from __future__ import annotations
@@ -24,54 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
-from loom.kernels import native_ops_for
-from loom.model.layers.weight_forms import PackedWeight, linear, pack_weight
-from loom.model.layers.quantization import (QuantizedTensor, quantize_wint8,
-                                            reference_linear)
-
-
-class QuantizedTable:
-    """A quantized (rows, K) table as one of the two paths holds it: loom's kernel layout
-    (``kernel``, a ``QuantizedWeight``) or the PyTorch path's ``QuantizedTensor``."""
-
-    def __init__(self, staged: QuantizedTensor, dtype: torch.dtype) -> None:
-        self.format = staged.format
-        ops = native_ops_for(staged.values.device, dtype)
-        if ops is not None and dtype == torch.bfloat16 and ops.quant_gemm_available():
-            self.kernel = staged.pack(ops)
-            self.reference, self._ops = None, ops
-        else:
-            # the PyTorch path: values bit-packed; rows gathered packed, then unpacked
-            self.kernel, self.reference, self._ops = None, staged.held(), None
-
-    @property
-    def data(self) -> torch.Tensor:
-        """The bytes that stay resident (what the ``weight`` parameter holds)."""
-        return self.kernel.data if self.kernel is not None else self.reference.values
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        flat = ids.reshape(-1).long()
-        if self.kernel is None:
-            out = self.reference.rows(flat).dequantize(dtype)
-        else:
-            out = torch.empty(flat.numel(), self.kernel.in_features, dtype=dtype)
-            self._ops.dequantize_rows(out, self.kernel, flat)
-        return out.view(*ids.shape, out.shape[-1])
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, K) -> float32 (N, rows)."""
-        if self.kernel is None:
-            return reference_linear(hidden.float(), self.reference)
-        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        out = torch.empty(flat.shape[0], self.kernel.out_features, dtype=torch.float32)
-        self._ops.quantized_linear(out, flat, self.kernel, None)
-        return out
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.kernel is None:
-            return self.reference.dequantize(dtype)
-        ids = torch.arange(self.kernel.out_features)
-        return self.rows(ids, dtype)
+from loom.model.layers.quantization import QuantizedTensor, quantize_wint8
+from loom.model.layers.weight_forms import (Bf16Panels, OneDnnWeight, PlainWeight,
+                                            QuantizedKernel, QuantizedReference, RowBlocks,
+                                            WeightForm, full_precision_form, linear,
+                                            select_form)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -92,6 +51,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_rank, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.form = PlainWeight(self.weight)
         # the model's device: a table loaded from the file (on the CPU) is held there
         self._dtype, self._device = self.weight.dtype, self.weight.device
 
@@ -116,45 +76,48 @@ class VocabParallelEmbedding(nn.Module):
                                                       self.embedding_dim), self._device)
                 staged.narrow(0, 0, rows).copy_(mine)
             param.staged = staged
-            param.panels = None
             if not staged.values.is_meta:
                 # laid out now, not after the whole model: the table's values (a byte
                 # each) are not held beside every other layer's
                 VocabParallelEmbedding.process_weights_after_loading(self)
             return
         plain = (self.num_embeddings_per_rank, self.embedding_dim)
-        if getattr(param, "table", None) is not None or tuple(param.shape) != plain:
+        if not isinstance(param.form, PlainWeight) or tuple(param.shape) != plain:
             # was quantized or the head's panels (or freed in their shape): plain again
             param.data = torch.zeros(plain, dtype=self._dtype, device=self._device)
-            param.table = None
-        param.panels = None
+        param.form = PlainWeight(param)  # (oneDNN's copy, if any, is stale now)
         param.data[:rows].copy_(mine)
         param.data[rows:].zero_()
 
     def process_weights_after_loading(self) -> None:
         staged = getattr(self.weight, "staged", None)
         if staged is not None:
-            self.weight.table = QuantizedTable(staged, self._dtype)
-            self.weight.data = self.weight.table.data  # the float table is freed
+            self.weight.form = select_form(RowBlocks([staged]), self._device, self._dtype)
+            # the quantized bytes are the parameter; the float table is freed
+            self.weight.data = self.weight.form.tensors()["weight"]
             self.weight.staged = None
 
     @property
-    def table(self) -> QuantizedTable | None:
-        """The quantized table, None when the weight is full precision."""
-        return getattr(self.weight, "table", None)
+    def form(self) -> WeightForm:
+        """How the table is held (shared with a tied LM head)."""
+        return self.weight.form
 
     @property
-    def panels(self) -> PackedWeight | None:
+    def table(self) -> QuantizedKernel | QuantizedReference | None:
+        """The quantized table's form, None when the weight is full precision."""
+        form = self.weight.form
+        return form if isinstance(form, (QuantizedKernel, QuantizedReference)) else None
+
+    @property
+    def panels(self) -> Bf16Panels | None:
         """The table as loom's bf16 panels, when an LM head's matmul layout is the only
         copy held (``ParallelLMHead.process_weights_after_loading``: the head's table, and
         the embedding's when tied to it); else None."""
-        return getattr(self.weight, "panels", None)
+        form = self.weight.form
+        return form if isinstance(form, Bf16Panels) else None
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        table, panels = self.table, self.panels
-        if table is not None:
-            return table.rows(ids, self._dtype)
-        return F.embedding(ids, self.weight) if panels is None else panels.rows(ids)
+        return self.weight.form.rows(ids, self._dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.is_single:
@@ -171,7 +134,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; each rank computes its vocab range and the
     ranges are gathered so every rank returns the full ``(N, vocab_size)``."""
 
-    packed_weight: PackedWeight | None = None  # see linear.pack_weight
     # --lm-head-fp32 (the seed's): logits from a float32 copy of the weight and float32
     # hidden states, however the table is held (load_model sets it)
     float32: bool = False
@@ -182,34 +144,31 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()  # a tied table: done already, a no-op
-        table, panels = self.table, self.panels
-        self.packed_weight = None
+        form = self.weight.form
         self.float32_weight = None
         if self.float32:
-            self.float32_weight = (table.dequantize(torch.float32) if table is not None
-                                   else (self.weight if panels is None
-                                         else panels.plain()).detach().float())
-        elif panels is not None:  # packed before, and not reloaded since
-            self.packed_weight = panels
-        elif table is None:
-            self.packed_weight = pack_weight(self.weight)
-            if self.packed_weight is not None and self.packed_weight.is_loom_kernel:
+            self.float32_weight = (form.dequantize(torch.float32) if self.table is not None
+                                   else form.plain().detach().float())
+        elif type(form) is PlainWeight:  # loaded (or reloaded) since it was last packed
+            form, _ = full_precision_form(self.weight)
+            if isinstance(form, Bf16Panels):
                 # loom's panels become the table (a tied embedding gathers its rows from
-                # them, PackedWeight.rows): no second copy of it stays resident
-                self.weight.data = self.packed_weight.data
-                self.weight.panels = self.packed_weight
+                # them): no second copy of it stays resident
+                self.weight.data = form.packed.data
+            self.weight.form = form
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # (N, vocab); float32 straight from the sums where the CPU kernel allows (bf16
         # logits tie tokens one bf16 step, 0.125 at 25, apart), in a buffer kept from
         # step to step (layers/scratch.py): valid until this head's next call
-        table = self.table
+        form = self.weight.form
         if self.float32_weight is not None:
             logits = F.linear(hidden_states.float(), self.float32_weight)
-        elif table is not None:
-            logits = table.logits(hidden_states)
+        elif self.table is not None:
+            logits = form.apply(hidden_states, None, float_output=True)
         else:
-            logits = linear(hidden_states, self.weight, packed=self.packed_weight,
-                            float_output=True, out_owner=self)
+            packed = form.packed if isinstance(form, (Bf16Panels, OneDnnWeight)) else None
+            logits = linear(hidden_states, self.weight, packed=packed, float_output=True,
+                            out_owner=self)
         logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

@@ -320,6 +320,11 @@ class WeightForm(ABC):
                 f"weight is {self.format} on the PyTorch path (no loom kernel for it on "
                 "this CPU)")
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the (N, K) weight in ``dtype``: an embedding
+        lookup in a table held in this form."""
+        raise NotImplementedError(f"a weight held as {self.kind} gives no rows")
+
     @abstractmethod
     def loaded_again(self) -> torch.Tensor | RowBlocks | None:
         """What a reload of some shards writes into: a copy of what is held, plain
@@ -348,6 +353,9 @@ class PlainWeight(WeightForm):
     def apply(self, x, bias, float_output=False):
         out = linear(x, self.weight, bias, float_output=float_output)
         return out.float() if float_output else out
+
+    def rows(self, ids, dtype):
+        return F.embedding(ids, self.weight)
 
     def loaded_again(self) -> torch.Tensor:
         return self.weight  # loaded in place: its rows not reloaded stay
@@ -398,6 +406,9 @@ class Bf16Panels(WeightForm):
     def native_handle(self, ops):
         return ops.LinearWeight.bf16(self.packed.data)
 
+    def rows(self, ids, dtype):
+        return self.packed.rows(ids)
+
     def loaded_again(self) -> torch.Tensor | None:
         return None if self.packed is None else self.plain().clone()
 
@@ -436,6 +447,16 @@ class QuantizedKernel(WeightForm):
         """The weight unpacked from the kernel's layout (a copy)."""
         return QuantizedTensor.unpack(native_ops(), self.weight, self.format)
 
+    def rows(self, ids, dtype):
+        flat = ids.reshape(-1).long()
+        out = torch.empty(flat.numel(), self.weight.in_features, dtype=dtype)
+        native_ops().dequantize_rows(out, self.weight, flat)
+        return out.view(*ids.shape, out.shape[-1])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in ``dtype``, dequantized by the kernel."""
+        return self.rows(torch.arange(self.out_features), dtype)
+
     def loaded_again(self) -> RowBlocks | None:
         return None if self.weight is None else RowBlocks([self.quantized_tensor()])
 
@@ -473,6 +494,13 @@ class QuantizedReference(WeightForm):
 
     def quantized_tensor(self) -> QuantizedTensor:
         return self.tensor.expanded().clone()
+
+    def rows(self, ids, dtype):
+        out = self.tensor.rows(ids.reshape(-1).long()).dequantize(dtype)
+        return out.view(*ids.shape, out.shape[-1])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.tensor.dequantize(dtype)
 
     def loaded_again(self) -> RowBlocks | None:
         return None if self.tensor is None else RowBlocks([self.quantized_tensor()])

@@ -142,27 +142,25 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
 
 def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
     """Bytes of every parameter (a tied one once) by dtype name, and under ``packed``
-    the copies laid out for the CPU matmul (``PackedWeight``), which also stay resident."""
+    oneDNN's blocked copies (``OneDnnWeight``), which also stay resident."""
     totals: dict[str, int] = {}
     for param in model.parameters():
         name = str(param.dtype).removeprefix("torch.")
         totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
+    forms = []  # each form once (a tied LM head shares its embedding's)
     for module in model.modules():
         copy = getattr(module, "float32_weight", None)  # --lm-head-fp32
         if copy is not None:
             totals["float32"] = totals.get("float32", 0) + copy.numel() * 4
-        copies = [getattr(module, "packed_weight", None)]  # an LM head's
-        if isinstance(module, LinearBase) and isinstance(module.form, OneDnnWeight):
-            copies.append(module.form.packed)
+        form = getattr(module, "form", None)  # a linear layer's, a table's
+        if isinstance(form, OneDnnWeight) and all(form is not seen for seen in forms):
+            forms.append(form)
         for pair in getattr(module, "expert_forms", None) or ():  # a MoE layer's experts
-            copies += [form.packed for form in pair if isinstance(form, OneDnnWeight)]
-        weight = getattr(module, "weight", None)
-        for packed in copies:
-            if packed is not None and not (packed.is_loom_kernel
-                                           and isinstance(weight, torch.Tensor)
-                                           and weight.data_ptr() == packed.data.data_ptr()):
-                data = packed.data
-                totals["packed"] = totals.get("packed", 0) + data.numel() * data.element_size()
+            forms += [form for form in pair if isinstance(form, OneDnnWeight)]
+    for form in forms:  # oneDNN's blocked copies, beside the plain weights
+        if form.packed is not None:
+            data = form.packed.data
+            totals["packed"] = totals.get("packed", 0) + data.numel() * data.element_size()
     return totals
 
 
