@@ -47,7 +47,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
 # Wall time of a first build on a 2-core x86 machine with AVX-512: ~90 s of compiler CPU
 # time over eight files, run in parallel by ninja (benchmarks/cpu_kernels.md).
-_BUILD_ESTIMATE = "a minute"
+_BUILD_ESTIMATE = "a minute and a half on 2 cores"
 _UNSET = object()
 _module: object = _UNSET
 _CPU = None  # torch.device("cpu"), made at the first native_ops_for

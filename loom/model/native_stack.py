@@ -16,9 +16,10 @@ Python around ~25 small ops per layer (SmolLM2 decode step at context 192,
 benchmarks/profile_step.py: batch 1 8.9 -> 7.8 ms, batch 32 19.3 -> 17.8 ms).
 
 ``plan_native_stack`` returns the stack, or the reason it does not apply, which the
-model logs once at start-up: it runs on the CPU in bfloat16 with loom's bf16 matmul
-(AVX512-BF16), one rank, the ``cpu`` attention backend; ``LOOM_NATIVE_LAYERS=0`` turns
-it off.
+model logs once at start-up: it runs on the CPU in bfloat16, one rank, the ``cpu``
+attention backend, with every decoder weight in a form loom's kernels multiply (bf16
+panels, which need AVX512-BF16; quantized, which needs AVX512-BF16 with AVX512BW or
+AVX2 with FMA and F16C); ``LOOM_NATIVE_LAYERS=0`` turns it off.
 """
 
 from __future__ import annotations

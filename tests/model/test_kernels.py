@@ -1,8 +1,8 @@
 """loom's native CPU kernels against the PyTorch ops they replace.
 
-The kernels are built on first use (about half a minute, then cached); these tests
-fail, rather than skip, when the build does: on a machine with a compiler the
-native path is what serves."""
+The kernels are built on first use (about a minute and a half on 2 cores, then
+cached); these tests fail, rather than skip, when the build does: on a machine with a
+compiler the native path is what serves."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ namespace loom {
 // (pack_bf16_weight, for bf16_linear) or a QuantizedWeight (for quantized_linear), or,
 // for a fused layer whose projections come in different formats (a GGUF Q4_K_M file's
 // Q4_K q and k with a Q6_K v), one QuantizedWeight per run of output rows, top to
-// bottom, each multiplied into its columns of the output (LinearBase.weight_parts).
+// bottom, each multiplied into its columns of the output (weight_forms.MixedFormats).
 struct LinearWeight {
   at::Tensor bf16_packed;
   c10::optional<QuantizedWeight> quantized;

@@ -602,7 +602,7 @@ def _quantized_form(blocks: list[QuantizedTensor], device: torch.device,
     elif ops is None:
         why = "loom's native kernels are not loaded"
     elif not ops.quant_gemm_available():
-        why = "this CPU has neither AVX512 (VNNI) nor AVX2 with FMA and F16C"
+        why = "this CPU has neither AVX512-BF16 with AVX512BW nor AVX2 with FMA and F16C"
     else:
         why = None
     if len(blocks) == 1:
