@@ -4,7 +4,8 @@ throughput``), for a refactor that must not cost speed.
 
     git worktree add /tmp/loom_before <commit>
     python benchmarks/ab_trees.py --before /tmp/loom_before --after . --rounds 3 \\
-        [--model DIR --tokenizer GGUF] [--only latency|throughput] > benchmarks/results/ab.md
+        [--model DIR --tokenizer GGUF] [--only latency|throughput] \\
+        [--batch-sizes 1 --num-iters 5] > benchmarks/results/ab.md
 
 Each run is a fresh process with ``PYTHONPATH`` at its tree (its own ``loom``, its own
 kernel build, cached by source hash), in the order before, after, before, after, ...
@@ -53,14 +54,18 @@ def main() -> None:
                         help="for a random checkpoint without one: e.g. the default GGUF")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--only", choices=["latency", "throughput"], default=None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32],
+                        help="decode batch sizes of the latency runs")
+    parser.add_argument("--num-iters", type=int, default=3, help="latency iterations a run")
     args = parser.parse_args()
     common = ["--dtype", args.dtype, "--max-model-len", "1024"]
     if args.model:
         common += ["--model", args.model]
     if args.tokenizer:
         common += ["--tokenizer", args.tokenizer]
-    latency = ["latency", *common, "--batch-size", "1", "32", "--input-len", "128",
-               "--output-len", "64", "--num-iters", "3", "--num-iters-warmup", "1"]
+    latency = ["latency", *common, "--batch-size", *map(str, args.batch_sizes),
+               "--input-len", "128", "--output-len", "64", "--num-iters", str(args.num_iters),
+               "--num-iters-warmup", "1"]
     throughput = ["throughput", *common, "--num-prompts", "256", "--dataset-name", "random",
                   "--random-input-len", "128", "--random-output-len", "64",
                   "--random-range-ratio", "0.5", "--max-num-seqs", "64", "--disable-tqdm"]
@@ -84,14 +89,19 @@ def main() -> None:
                   file=sys.stderr)
     print(f"model {args.model or 'default (SmolLM2-135M Q4_1 GGUF)'}, {args.dtype}, "
           f"{args.rounds} rounds interleaved, median per tree\n")
-    print("| figure | before | after | after / before | before, each round | after, each round |")
-    print("|---|---|---|---|---|---|")
+    # A round's two runs are a minute apart: their ratio is what drift on a loaded host
+    # disturbs least (the medians per tree can land on different phases of it).
+    print("| figure | before | after | after / before | median of the rounds' ratios | "
+          "before, each round | after, each round |")
+    print("|---|---|---|---|---|---|---|")
     for key in figures["before"]:
         before = statistics.median(figures["before"][key])
         after = statistics.median(figures["after"][key])
+        paired = statistics.median(a / b for a, b in zip(figures["after"][key],
+                                                          figures["before"][key]))
         rounds = [" ".join(f"{v:.1f}" for v in figures[name][key]) for name in trees]
-        print(f"| {key} | {before:.2f} | {after:.2f} | {after / before:.3f} | {rounds[0]} | "
-              f"{rounds[1]} |")
+        print(f"| {key} | {before:.2f} | {after:.2f} | {after / before:.3f} | {paired:.3f} | "
+              f"{rounds[0]} | {rounds[1]} |")
 
 
 if __name__ == "__main__":
