@@ -38,7 +38,6 @@ from loom.model.layers.attention import Attention
 from loom.model.layers.fused_moe import FusedMoE
 from loom.model.layers.layernorm import RMSNorm
 from loom.model.layers.linear import LinearBase
-from loom.model.layers.weight_forms import Bf16Panels
 
 
 class NativeDecoderLayer(Protocol):
@@ -136,36 +135,19 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
 
 def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,
                   moe: FusedMoE) -> str | None:
-    """Set the MoE fields of ``weights`` from ``moe`` (the ``experts`` role): its router,
-    correction bias, each expert's w13 and w2, its load counters; or why it cannot be.
-    The shared experts are the ``shared_gate_up``/``shared_down`` roles."""
+    """Set the MoE fields of ``weights`` from ``moe`` (the ``experts`` role): the kernel's
+    view of its routed experts (``FusedMoE.native_experts``: router, correction bias,
+    each expert's w13 and w2, its load counters), or why it cannot be. The shared
+    experts are the ``shared_gate_up``/``shared_down`` roles."""
     if role != "experts" or "expert_w13" not in fields:
         return f"the kernels have no MoE role {role!r} (a stale kernel build?)"
-    if not moe.use_grouped:
-        return "its experts run loop_over_experts (the measured reference)"
-    if (moe.expert_start, moe.expert_end) != (0, moe.spec.num_experts):
-        return "it holds part of the experts (expert parallel)"
-    w13, w2 = [], []
-    if moe.experts is not None:  # quantized: each expert a pair of LinearBase
-        for expert in moe.experts:
-            for linear, held in ((expert.w13, w13), (expert.w2, w2)):
-                handle = linear.form.native_handle(ops)
-                if isinstance(handle, str):
-                    return f"its experts' {handle}"
-                held.append(handle)
-    else:
-        if moe.expert_forms is None or not all(isinstance(form, Bf16Panels)
-                                               for pair in moe.expert_forms for form in pair):
-            return "its experts are not packed for loom's bf16 matmul"
-        w13 = [gate_up.native_handle(ops) for gate_up, _ in moe.expert_forms]
-        w2 = [down.native_handle(ops) for _, down in moe.expert_forms]
-    weights.expert_w13, weights.expert_w2 = w13, w2
-    # float32 once here (FusedMoE converts at each forward: the same values)
-    weights.router = moe.gate.weight.detach().float()
-    if moe.e_score_correction_bias is not None:
-        weights.correction_bias = moe.e_score_correction_bias.detach().float()
-    weights.tokens_per_expert = moe.tokens_per_expert
-    weights.step_tokens = moe.step_tokens
+    native = moe.native_experts(ops)
+    if isinstance(native, str):
+        return native
+    experts = native[0]
+    for name in ("expert_w13", "expert_w2", "router", "correction_bias", "tokens_per_expert",
+                 "step_tokens"):
+        setattr(weights, name, getattr(experts, name))
     return None
 
 

@@ -117,6 +117,44 @@ def test_bf16_experts_are_held_as_panels_and_reload_in_part():
     assert layer.expert_forms is None
 
 
+@pytest.mark.parametrize("quantization", ["none", "wint8"])
+def test_module_path_runs_the_stack_s_kernel_with_pytorch_s_values(quantization):
+    """bf16 on the CPU with loom's kernels: FusedMoE.forward runs the native
+    mixture_of_experts kernel, the decoder stack's one implementation of the routed
+    experts; it gives the PyTorch path's values (fused_experts) bit for bit, at one
+    token and at several, and counts the same tokens per expert."""
+    ops = native_ops()
+    if ops is None or (quantization == "none" and not ops.bf16_gemm_available()) \
+            or not ops.quant_gemm_available():
+        pytest.skip("no native kernels for these experts here")
+    experts, hidden, inter = 8, 64, 32
+    gen = torch.Generator().manual_seed(7)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = FusedMoE(MoESpec(experts, 2, inter), hidden_size=hidden,
+                         quantization=quantization)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    layer.gate.weight.data.copy_(torch.randn(experts, hidden, generator=gen))
+    for e in range(experts):
+        for which, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                             ("down", (hidden, inter))):
+            layer.load_expert((torch.randn(*shape, generator=gen) * 0.1).bfloat16(), e, which)
+    layer.process_weights_after_loading()
+    assert not isinstance(layer.native_experts(ops), str)
+    for rows in (1, 9):
+        x = torch.randn(rows, hidden, generator=gen).bfloat16()
+        with torch.inference_mode():
+            before = layer.tokens_per_expert.clone()
+            native = layer(x)
+            native_counts = layer.tokens_per_expert - before
+            before = layer.tokens_per_expert.clone()
+            reference = layer._forward_modules(x)
+            reference_counts = layer.tokens_per_expert - before
+        assert torch.equal(native, reference), rows
+        assert torch.equal(native_counts, reference_counts) and native_counts.sum() == 2 * rows
+
+
 def test_routing_rules():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     # softmax, top-2, not renormalized (Qwen3-MoE without norm_topk_prob)

@@ -183,7 +183,9 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor posi
                                      2 * o.intermediate_size, false, &gate_up_out));
       x = linear(act, w.down, none, w.down_bias, width, true, &down_out);
     } else {
-      x = mixture_of_experts(w, out);
+      x = mixture_of_experts(out, *w.router, w.correction_bias, w.expert_w13, w.expert_w2,
+                             *w.tokens_per_expert, w.step_tokens, o.top_k, o.scoring,
+                             o.renormalize, o.renormalize_min, o.moe_intermediate_size);
       if (w.shared_gate_up) {  // out + shared_experts(out): a new tensor, as the modules
         auto act = silu_and_mul(
             linear(out, w.shared_gate_up, w.shared_gate_up_bias, none,
@@ -230,59 +232,25 @@ void run_experts(const std::vector<LinearWeight>& weights, const std::vector<Exp
   bf16_linear_group(matmuls);
 }
 
-}  // namespace
-
-// FusedMoE.forward (layers/fused_moe.py) for one rank holding every expert: the same
-// routing (moe_route), the same counts, then fused_experts' values in its order (its
-// one-token path at T == 1, else grouped by expert).
-at::Tensor DecoderStack::mixture_of_experts(const DecoderLayerWeights& w,
-                                            const at::Tensor& x) const {
-  const DecoderStackOptions& o = options_;
-  const int64_t top_k = o.top_k;
-  if (x.size(0) == 1) return one_token_experts(w, x);
-  auto routed_by = moe_route(x, *w.router, w.correction_bias, top_k, o.scoring, o.renormalize,
-                             o.renormalize_min);
-  const at::Tensor& topk_weights = routed_by[0];
-  auto flat_ids = routed_by[1].flatten();
-  auto counts = at::bincount(flat_ids, {}, o.num_experts);  // also fused_experts' segments
-  w.tokens_per_expert->add_(counts);
-  if (w.step_tokens) w.step_tokens->add_(counts);
-
-  // fused_experts: the T*K assignments sorted by expert, each expert's rows one segment;
-  // all segments' w13 in one parallel region, one silu_and_mul, all their w2 in one
-  auto order = at::argsort(flat_ids, /*stable=*/true);
-  auto token_of = order.div(top_k, "floor");
-  auto routed = x.index_select(0, token_of);  // (T*K, H)
-  std::vector<ExpertRows> segments;
-  const int64_t* count = counts.data_ptr<int64_t>();
-  for (int64_t expert = 0, start = 0; expert < o.num_experts; start += count[expert++])
-    if (count[expert]) segments.push_back({expert, start, start, count[expert]});
-  auto gate_up = at::empty({routed.size(0), 2 * o.moe_intermediate_size}, x.options());
-  run_experts(w.expert_w13, segments, routed, gate_up);
-  auto act = silu_and_mul(gate_up);
-  auto results = at::empty_like(routed);
-  run_experts(w.expert_w2, segments, act, results);
-  auto weights = topk_weights.flatten().index_select(0, order).to(results.scalar_type());
-  results.mul_(weights.unsqueeze(1));
-  return at::zeros_like(x).index_add_(0, token_of, results);
-}
-
-// fused_experts' one-token path (FusedMoE._one_token) without ATen's small ops: the
+// mixture_of_experts' one-token path (FusedMoE._one_token) without ATen's small ops: the
 // token routed in one loop, its chosen experts' w13 in one parallel region, one
 // silu_and_mul over their rows, their w2 in one region, then in expert id order each
 // result weighed and added, rounded to bf16 at each step as `out += result.mul_(w)`.
-at::Tensor DecoderStack::one_token_experts(const DecoderLayerWeights& w,
-                                           const at::Tensor& x) const {
-  const DecoderStackOptions& o = options_;
-  const int64_t width = x.size(1), top_k = o.top_k;
-  const MoERouting routing{top_k, o.scoring == "sigmoid", o.renormalize, o.renormalize_min};
+at::Tensor one_token_experts(const at::Tensor& x, const at::Tensor& router,
+                             const c10::optional<at::Tensor>& correction_bias,
+                             const std::vector<LinearWeight>& expert_w13,
+                             const std::vector<LinearWeight>& expert_w2,
+                             const at::Tensor& tokens_per_expert,
+                             const c10::optional<at::Tensor>& step_tokens,
+                             const MoERouting& routing, int64_t intermediate_size) {
+  const int64_t width = x.size(1), top_k = routing.top_k, num_experts = router.size(0);
   std::vector<float> weights(top_k);
   std::vector<int64_t> ids(top_k);
-  moe_route_rows(x.data_ptr<c10::BFloat16>(), width, 0, 1, width, w.router->data_ptr<float>(),
-                 o.num_experts, w.correction_bias ? w.correction_bias->data_ptr<float>() : nullptr,
+  moe_route_rows(x.data_ptr<c10::BFloat16>(), width, 0, 1, width, router.data_ptr<float>(),
+                 num_experts, correction_bias ? correction_bias->data_ptr<float>() : nullptr,
                  routing, weights.data(), ids.data());
-  int64_t* counted = w.tokens_per_expert->data_ptr<int64_t>();
-  int64_t* step = w.step_tokens ? w.step_tokens->data_ptr<int64_t>() : nullptr;
+  int64_t* counted = tokens_per_expert.data_ptr<int64_t>();
+  int64_t* step = step_tokens ? step_tokens->data_ptr<int64_t>() : nullptr;
   for (const int64_t expert : ids) {
     ++counted[expert];
     if (step) ++step[expert];
@@ -296,11 +264,11 @@ at::Tensor DecoderStack::one_token_experts(const DecoderLayerWeights& w,
     gate_up_jobs.push_back({ids[order[j]], 0, j, 1});
     down_jobs.push_back({ids[order[j]], j, j, 1});
   }
-  auto gate_up = at::empty({top_k, 2 * o.moe_intermediate_size}, x.options());
-  run_experts(w.expert_w13, gate_up_jobs, x, gate_up);
+  auto gate_up = at::empty({top_k, 2 * intermediate_size}, x.options());
+  run_experts(expert_w13, gate_up_jobs, x, gate_up);
   auto act = silu_and_mul(gate_up);
   auto results = at::empty({top_k, width}, x.options());
-  run_experts(w.expert_w2, down_jobs, act, results);
+  run_experts(expert_w2, down_jobs, act, results);
   std::vector<float> scale(top_k);  // the weights as bf16, as `topk_weights.to(x.dtype)`
   for (int64_t j = 0; j < top_k; ++j)
     scale[j] = to_float(from_float<c10::BFloat16>(weights[order[j]]));
@@ -316,6 +284,71 @@ at::Tensor DecoderStack::one_token_experts(const DecoderLayerWeights& w,
     y[h] = from_float<c10::BFloat16>(sum);
   }
   return out;
+}
+
+}  // namespace
+
+// FusedMoE.forward (layers/fused_moe.py) for one rank holding every expert: the same
+// routing (moe_route), the same counts, then fused_experts' values in its order (its
+// one-token path at T == 1, else grouped by expert).
+at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router,
+                              const c10::optional<at::Tensor>& correction_bias,
+                              const std::vector<LinearWeight>& expert_w13,
+                              const std::vector<LinearWeight>& expert_w2,
+                              const at::Tensor& tokens_per_expert,
+                              const c10::optional<at::Tensor>& step_tokens, int64_t top_k,
+                              const std::string& scoring, bool renormalize,
+                              double renormalize_min, int64_t intermediate_size) {
+  const int64_t num_experts = router.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "mixture_of_experts: x must be (T, H) bf16, contiguous");
+  TORCH_CHECK(router.scalar_type() == at::kFloat && router.is_contiguous() &&
+                  router.size(1) == x.size(1) &&
+                  (!correction_bias || (correction_bias->scalar_type() == at::kFloat &&
+                                        correction_bias->is_contiguous())),
+              "mixture_of_experts: router (E, H) and correction_bias (E,) must be float32, "
+              "contiguous");
+  TORCH_CHECK(static_cast<int64_t>(expert_w13.size()) == num_experts &&
+                  static_cast<int64_t>(expert_w2.size()) == num_experts,
+              "mixture_of_experts: ", expert_w13.size(), "/", expert_w2.size(),
+              " experts' w13/w2 for a router of ", num_experts);
+  TORCH_CHECK(scoring == "softmax" || scoring == "sigmoid",
+              "mixture_of_experts: scoring '", scoring, "': softmax or sigmoid");
+  TORCH_CHECK(top_k > 0 && top_k <= num_experts && intermediate_size > 0,
+              "mixture_of_experts: top_k in 1..", num_experts, " and intermediate_size > 0");
+  TORCH_CHECK(tokens_per_expert.scalar_type() == at::kLong &&
+                  tokens_per_expert.numel() == num_experts,
+              "mixture_of_experts: tokens_per_expert must be (E,) int64");
+  if (x.size(0) == 1)
+    return one_token_experts(x, router, correction_bias, expert_w13, expert_w2,
+                             tokens_per_expert, step_tokens,
+                             MoERouting{top_k, scoring == "sigmoid", renormalize, renormalize_min},
+                             intermediate_size);
+  auto routed_by = moe_route(x, router, correction_bias, top_k, scoring, renormalize,
+                             renormalize_min);
+  const at::Tensor& topk_weights = routed_by[0];
+  auto flat_ids = routed_by[1].flatten();
+  auto counts = at::bincount(flat_ids, {}, num_experts);  // also fused_experts' segments
+  tokens_per_expert.add_(counts);
+  if (step_tokens) step_tokens->add_(counts);
+
+  // fused_experts: the T*K assignments sorted by expert, each expert's rows one segment;
+  // all segments' w13 in one parallel region, one silu_and_mul, all their w2 in one
+  auto order = at::argsort(flat_ids, /*stable=*/true);
+  auto token_of = order.div(top_k, "floor");
+  auto routed = x.index_select(0, token_of);  // (T*K, H)
+  std::vector<ExpertRows> segments;
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t expert = 0, start = 0; expert < num_experts; start += count[expert++])
+    if (count[expert]) segments.push_back({expert, start, start, count[expert]});
+  auto gate_up = at::empty({routed.size(0), 2 * intermediate_size}, x.options());
+  run_experts(expert_w13, segments, routed, gate_up);
+  auto act = silu_and_mul(gate_up);
+  auto results = at::empty_like(routed);
+  run_experts(expert_w2, segments, act, results);
+  auto weights = topk_weights.flatten().index_select(0, order).to(results.scalar_type());
+  results.mul_(weights.unsqueeze(1));
+  return at::zeros_like(x).index_add_(0, token_of, results);
 }
 
 }  // namespace loom

@@ -128,6 +128,21 @@ struct DecoderStackOptions {
 // and run every step: the same kernels, on the same tensors, in the same order as the
 // modules' forward on the CPU (LlamaDecoderLayer with the `cpu` attention backend), so
 // the results are identical.
+// A mixture of experts' routed experts (layers/fused_moe.py, FusedMoE.forward for one
+// rank that holds every expert): x (T, H) bf16 routed over `router` (E, H) float32 (with
+// moe_route), the counts added to `tokens_per_expert` (and `step_tokens`), then
+// fused_experts' values in its order: at T == 1 the token's experts in turn, else the
+// assignments grouped by expert, each expert's w13 and w2 on its segment. The module
+// path (FusedMoE.forward, bf16 on the CPU) and the decoder stack both run it.
+at::Tensor mixture_of_experts(const at::Tensor& x, const at::Tensor& router,
+                              const c10::optional<at::Tensor>& correction_bias,
+                              const std::vector<LinearWeight>& expert_w13,
+                              const std::vector<LinearWeight>& expert_w2,
+                              const at::Tensor& tokens_per_expert,
+                              const c10::optional<at::Tensor>& step_tokens, int64_t top_k,
+                              const std::string& scoring, bool renormalize,
+                              double renormalize_min, int64_t intermediate_size);
+
 class DecoderStack {
  public:
   DecoderStack(std::vector<DecoderLayerWeights> layers, std::vector<at::Tensor> kv_caches,
@@ -142,11 +157,6 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // A MoE layer's MLP on x (T, H): FusedMoE.forward, op for op.
-  at::Tensor mixture_of_experts(const DecoderLayerWeights& w, const at::Tensor& x) const;
-  // Its one-token path (a batch-1 decode step).
-  at::Tensor one_token_experts(const DecoderLayerWeights& w, const at::Tensor& x) const;
-
   std::vector<DecoderLayerWeights> layers_;
   std::vector<at::Tensor> kv_caches_;
   DecoderStackOptions options_;

@@ -124,6 +124,23 @@ void bind_decoder_stack(py::module& m) {
 #undef LOOM_BIND_OPTION
   options.attr("fields") = py::tuple(py::cast(option_fields));
 
+  m.def(
+      "mixture_of_experts",
+      [](const at::Tensor& x, const DecoderLayerWeights& w, const DecoderStackOptions& o) {
+        TORCH_CHECK(w.router && w.tokens_per_expert,
+                    "mixture_of_experts: the weights need a router and tokens_per_expert");
+        return loom::mixture_of_experts(x, *w.router, w.correction_bias, w.expert_w13,
+                                        w.expert_w2, *w.tokens_per_expert, w.step_tokens,
+                                        o.top_k, o.scoring, o.renormalize, o.renormalize_min,
+                                        o.moe_intermediate_size);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "a MoE layer's routed experts on x (T, H) bf16, one rank holding them all (the "
+      "module path's and the stack's one implementation): the MoE fields of `weights` "
+      "(router, correction_bias, expert_w13, expert_w2, tokens_per_expert, step_tokens) "
+      "and of `options` (top_k, scoring, renormalize, renormalize_min, "
+      "moe_intermediate_size)",
+      py::arg("x"), py::arg("weights"), py::arg("options"));
   py::class_<loom::DecoderStack>(m, "DecoderStack",
                                  "a model's decoder layers over one step, in one call")
       .def(py::init<std::vector<DecoderLayerWeights>, std::vector<at::Tensor>,

@@ -45,6 +45,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -313,6 +314,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("tokens_per_expert",
                              torch.zeros(spec.num_experts, dtype=torch.int64),
                              persistent=False)
+        # loom's mixture_of_experts kernel's view of this layer (native_experts), made at
+        # the first forward that can use it, dropped whenever the weights change
+        self._native: Any = None
         # the model runner's (E,) count of this step, shared by every MoE layer, zeroed
         # by it before each forward and shipped with the step's output; None: not counted
         self.step_tokens: torch.Tensor | None = None
@@ -326,6 +330,55 @@ class FusedMoE(nn.Module):
         self._out_features = {"w13_weight": 2 * inter, "w2_weight": hidden_size}
         self._forwards = 0
         self._experts_loaded = False  # load_expert has filled an expert
+
+    @property
+    def step_tokens(self) -> torch.Tensor | None:
+        return self._step_tokens
+
+    @step_tokens.setter
+    def step_tokens(self, counts: torch.Tensor | None) -> None:
+        self._step_tokens = counts
+        self._native = None  # the kernel's view holds the counter
+
+    def native_experts(self, ops: Any) -> Any:
+        """This layer's routed experts as loom's ``mixture_of_experts`` kernel takes them
+        (``weights`` and ``options`` with their MoE fields set, the float32 router made
+        once), or a sentence saying why they cannot be: the module path (bf16 on the
+        CPU) and the native decoder stack run the same kernel on the same handles."""
+        if not self.use_grouped:
+            return "its experts run loop_over_experts (the measured reference)"
+        if self._native is not None:
+            return self._native
+        if (self.expert_start, self.expert_end) != (0, self.spec.num_experts):
+            return "it holds part of the experts (expert parallel)"
+        if self.experts is not None:  # quantized: each expert a pair of LinearBase
+            pairs = [(expert.w13.form, expert.w2.form) for expert in self.experts]
+        elif self.expert_forms is None:
+            return "its experts are being reloaded (process_weights_after_loading has not run)"
+        else:
+            pairs = self.expert_forms
+        w13, w2 = [], []
+        for pair in pairs:
+            for form, held in zip(pair, (w13, w2)):
+                handle = form.native_handle(ops)
+                if isinstance(handle, str):
+                    return f"its experts' {handle}"
+                held.append(handle)
+        weights, options = ops.DecoderLayerWeights(), ops.DecoderStackOptions()
+        weights.expert_w13, weights.expert_w2 = w13, w2
+        # float32 once here (the PyTorch route converts at each forward: the same values)
+        weights.router = self.gate.weight.detach().float()
+        if self.e_score_correction_bias is not None:
+            weights.correction_bias = self.e_score_correction_bias.detach().float()
+        weights.tokens_per_expert = self.tokens_per_expert
+        weights.step_tokens = self.step_tokens
+        spec = self.spec
+        options.num_experts, options.top_k = spec.num_experts, spec.top_k
+        options.moe_intermediate_size = self.intermediate_per_rank
+        options.scoring, options.renormalize = spec.scoring, spec.renormalize
+        options.renormalize_min = spec.renormalize_min
+        self._native = (weights, options)
+        return self._native
 
     def _hold_quantized_experts(self) -> None:
         """The checkpoint's experts arrive quantized in a format loom keeps (a GGUF file
@@ -358,6 +411,7 @@ class FusedMoE(nn.Module):
         pages, before this runs). oneDNN's layout
         (other CPUs) is a second copy beside the plain one. Quantized experts lay
         themselves out (their ``ExpertLinear``s' own hooks)."""
+        self._native = None
         if self.experts is not None:
             return
         forms = {name: self._hold(name) for name in ("w13_weight", "w2_weight")}
@@ -406,11 +460,13 @@ class FusedMoE(nn.Module):
         self._set_expert_param(name, torch.empty(plain.shape, dtype=plain.dtype).copy_(plain))
         self._panels.discard(name)
         self.expert_forms = None  # made again by process_weights_after_loading
+        self._native = None
 
     def release_weight(self) -> None:
         """Drop the experts' forms (views of the parameters, oneDNN's copies) before a
         weight-update sleep frees the parameters: nothing else holds the experts' bytes."""
         self.expert_forms = None
+        self._native = None
 
     def count_forward(self) -> None:
         """One more forward of this layer (the native stack calls it for the forwards it
@@ -494,6 +550,21 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, H) -> (T, H), summed over the ranks."""
+        ops = native_ops_for(x.device, x.dtype) if x.dtype == torch.bfloat16 else None
+        native = (self.native_experts(ops) if ops is not None and x.dim() == 2
+                  and x.is_contiguous() else None)
+        if native is not None and not isinstance(native, str):
+            out = ops.mixture_of_experts(x, *native)  # routes, counts, runs the experts
+            self.count_forward()
+        else:
+            out = self._forward_modules(x)
+        out = self.tp_group.all_reduce(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _forward_modules(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts in PyTorch (this rank's part, before the all-reduce)."""
         topk_weights, topk_ids = self.route(x)
         counts = torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts)
         self.tokens_per_expert += counts
@@ -513,9 +584,6 @@ class FusedMoE(nn.Module):
             out = loop_over_experts(x, self.plain_weight("w13_weight"),
                                     self.plain_weight("w2_weight"), topk_weights, topk_ids,
                                     self.expert_start)
-        out = self.tp_group.all_reduce(out)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
 
 
