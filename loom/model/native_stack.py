@@ -44,6 +44,7 @@ class NativeDecoderLayer(Protocol):
     """What a decoder layer module offers the native stack."""
 
     attention: Attention
+    spec: Any  # its DecoderLayerSpec (models/llama.py): sizes, norms, activation, window
 
     def weights_by_role(self) -> dict[str, nn.Module | None]:
         """Role (a field of ``DecoderLayerWeights``) -> the RMSNorm or linear layer that
@@ -74,12 +75,15 @@ class NativeDecoderStack:
         return hidden_states, residual
 
 
-def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, Any],
-                      device: torch.device, dtype: torch.dtype,
-                      num_ranks: int) -> NativeDecoderStack | str | None:
+def plan_native_stack(layers: Sequence[NativeDecoderLayer], device: torch.device,
+                      dtype: torch.dtype, num_ranks: int) -> NativeDecoderStack | str | None:
     """The native stack over ``layers``, or why it does not apply (a sentence), or None
     while a layer has no KV cache yet (the memory profiler's forward: plan again later).
-    ``options`` fills ``DecoderStackOptions`` by name."""
+    The one place that decides: every refusal is said here."""
+    refusal = next((f"layer {index}: {reason}" for index, layer in enumerate(layers)
+                    if (reason := _layer_refusal(layer.spec))), None)
+    if refusal:
+        return refusal
     if device.type != "cpu":
         return f"the stack runs on the CPU and this model runs on {device.type}"
     ops = native_ops_for(device, dtype)
@@ -101,6 +105,10 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
     if hybrid is not None:
         return (f"layer {hybrid} reads KV cache group {layers[hybrid].attention.kv_cache_group}'s "
                 "block tables (a hybrid KV cache); the stack takes one block table")
+    moe = next((layer.spec.moe for layer in layers if layer.spec.moe), None)
+    if moe is not None and any(layer.spec.moe not in (None, moe) for layer in layers):
+        return "its MoE layers differ (the stack has one MoE spec)"
+    options = _stack_options(layers, moe)
     fields = set(ops.DecoderLayerWeights.fields)
     stack_layers, kv_caches, moe_layers = [], [], []
     for index, layer in enumerate(layers):
@@ -131,6 +139,32 @@ def plan_native_stack(layers: Sequence[NativeDecoderLayer], options: dict[str, A
         setattr(stack_options, name, value)
     return NativeDecoderStack(ops.DecoderStack(stack_layers, kv_caches, stack_options),
                               len(stack_layers), moe_layers)
+
+
+def _layer_refusal(spec: Any) -> str | None:
+    """Why the stack cannot run a layer of this ``DecoderLayerSpec``, or None."""
+    if spec.sliding_window is not None:
+        return f"it attends over a sliding window of {spec.sliding_window} tokens"
+    if spec.activation != "silu":
+        return f"its activation is {spec.activation}"
+    return None
+
+
+def _stack_options(layers: Sequence[NativeDecoderLayer], moe: Any) -> dict[str, Any]:
+    """``DecoderStackOptions`` by name, from the layers' declaration (one rank: the whole
+    model's sizes; a MoE model's layers share one ``MoESpec``)."""
+    attn, spec = layers[0].attention, layers[0].spec
+    options = dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                   head_dim=attn.head_dim, intermediate_size=spec.intermediate_size,
+                   attention_scale=attn.impl.scale, rms_norm_eps=spec.rms_norm_eps,
+                   activation=spec.activation)
+    if moe is not None:
+        options |= dict(num_experts=moe.num_experts, top_k=moe.top_k,
+                        moe_intermediate_size=moe.intermediate_size,
+                        shared_intermediate_size=moe.shared_intermediate_size,
+                        scoring=moe.scoring, renormalize=moe.renormalize,
+                        renormalize_min=moe.renormalize_min)
+    return options
 
 
 def _fill_experts(ops: Any, weights: Any, fields: set[str], role: str,

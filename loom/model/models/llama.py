@@ -70,14 +70,6 @@ class DecoderLayerSpec:
             raise ValueError(f"hidden_act {self.activation!r} is not supported; only "
                              f"{', '.join(_ACTIVATIONS)}")
 
-    def native_stack_refusal(self) -> str | None:
-        """Why the native stack cannot run this layer (it has none of these), or None."""
-        if self.sliding_window is not None:
-            return f"it attends over a sliding window of {self.sliding_window} tokens"
-        if self.activation != "silu":
-            return f"its activation is {self.activation}"
-        return None
-
     @classmethod
     def from_config(cls, config: Any, **family: Any) -> DecoderLayerSpec:
         """The spec of a Llama config; ``family`` overrides what a family sets itself."""
@@ -274,26 +266,8 @@ class LlamaModel(nn.Module):
         Kept until ``invalidate_native_stack`` (a re-pack, or ``bind_kv_cache``: the
         memory profiler's throwaway cache is replaced before the first real step); not
         kept while a layer has no KV cache (a forward without one)."""
-        attn = self.layers[0].attention
-        refusal = next((f"layer {i}: {reason}" for i, layer in enumerate(self.layers)
-                        if (reason := layer.spec.native_stack_refusal())), None)
-        # one rank: the whole model's sizes; a MoE model's layers share one MoESpec
-        moe = next((layer.spec.moe for layer in self.layers if layer.spec.moe), None)
-        moe_options = {} if moe is None else dict(
-            num_experts=moe.num_experts, top_k=moe.top_k,
-            moe_intermediate_size=moe.intermediate_size,
-            shared_intermediate_size=moe.shared_intermediate_size, scoring=moe.scoring,
-            renormalize=moe.renormalize, renormalize_min=moe.renormalize_min)
-        if moe is not None and any(layer.spec.moe not in (None, moe) for layer in self.layers):
-            refusal = refusal or "its MoE layers differ (the stack has one MoE spec)"
-        plan = refusal or plan_native_stack(
-            self.layers, dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                              head_dim=attn.head_dim,
-                              intermediate_size=self.spec.intermediate_size,
-                              attention_scale=attn.impl.scale,
-                              rms_norm_eps=self.spec.rms_norm_eps,
-                              activation=self.spec.activation) | moe_options,
-            hidden_states.device, hidden_states.dtype, self.tp_group.world_size)
+        plan = plan_native_stack(self.layers, hidden_states.device, hidden_states.dtype,
+                                 self.tp_group.world_size)
         if plan is None:
             return None
         self.native_stack = plan
