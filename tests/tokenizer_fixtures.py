@@ -62,6 +62,35 @@ def make_tiny_tokenizer(path: str) -> str:
     return path
 
 
+# A SentencePiece-style vocabulary (Unigram, "▁" marking a word's start) with the
+# Metaspace decoder some conversions of ERNIE-, Llama- and Gemma-style tokenizers ship.
+METASPACE_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+METASPACE_PIECES = (
+    ["▁", *"abcdefghijklmnopqrstuvwxyz", *"ABCDEFGHIJKLMNOPQRSTUVWXYZ", *"0123456789",
+     *'{}[]":,.-_@()+*!?\'/\\', "▁the", "▁hello", "▁world", "▁name", "▁age", "he", "ll", "or",
+     "▁a", "▁is", "in", "er", "on", "an", '▁"', '":', '",', "▁{", "}"])
+
+
+def make_tiny_metaspace_tokenizer(path: str) -> str:
+    """A tokenizer of ``len(METASPACE_SPECIAL_TOKENS) + len(METASPACE_PIECES)`` ids whose
+    decoder is SentencePiece's ``Metaspace`` (which llguidance cannot read itself), with
+    eos ``</s>`` and the ChatML template; written into directory ``path``."""
+    vocab = [(token, 0.0) for token in METASPACE_SPECIAL_TOKENS]
+    vocab += [(piece, -1.0 - len(piece) * 0.1 if piece.startswith("▁") else -2.0)
+              for piece in dict.fromkeys(METASPACE_PIECES)]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=0))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                 bos_token="<s>", eos_token="</s>",
+                                 clean_up_tokenization_spaces=False)
+    hf.save_pretrained(path)
+    _move_chat_template_into_tokenizer_config(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2]}, f)
+    return path
+
+
 def _byte_level_chars() -> list[str]:
     """GPT-2's printable stand-in character for each byte (bytes_to_unicode)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),

@@ -27,6 +27,7 @@ import numpy as np
 
 from loom.config import StructuredOutputsConfig
 from loom.structured_output.grammar import GrammarError, build_grammar
+from loom.structured_output.token_table import ll_tokenizer
 
 if TYPE_CHECKING:
     from loom.request import Request
@@ -159,10 +160,8 @@ class StructuredOutputManager:
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
             tokenizer = self._tokenizer_factory()
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer.hf, n_vocab=max(self.vocab_size, len(tokenizer.hf)),
-                eos_token=sorted(tokenizer.eos_token_ids) or None)
+            self._ll_tokenizer = ll_tokenizer(tokenizer.hf,
+                                              max(self.vocab_size, len(tokenizer.hf)),
+                                              sorted(tokenizer.eos_token_ids))
         return self._ll_tokenizer

@@ -114,3 +114,28 @@ def test_malformed_constraints_are_rejected_before_the_engine(llm, constraint):
     # The engine is unharmed.
     [output] = llm.generate("x", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 3
+
+
+def test_a_tokenizer_whose_decoder_llguidance_cannot_read(tmp_path):
+    """A SentencePiece-style tokenizer with the Metaspace decoder (as some conversions of
+    ERNIE-, Llama- and Gemma-style tokenizers ship it): its token table comes from its own
+    decoding, and constrained outputs validate (before: the grammar failed to compile)."""
+    from checkpoints import make_tiny_checkpoint
+    from tokenizer_fixtures import make_tiny_metaspace_tokenizer
+
+    tokenizer = make_tiny_metaspace_tokenizer(str(tmp_path / "tokenizer"))
+    from transformers import AutoTokenizer
+
+    path = make_tiny_checkpoint("llama", tmp_path / "model",
+                                vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)) + 4)
+    engine = LLM(path, tokenizer=tokenizer, dtype="float32", max_model_len=512, seed=0)
+    try:
+        kinds = ["json", "regex", "choice", "grammar"]  # bounded: a random model ends them
+        params = [SamplingParams(temperature=0.0, max_tokens=480, structured_outputs=c)
+                  for kind, c in _constraints() if kind in kinds]
+        outputs = engine.generate([f"{kind}:" for kind in kinds], params, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    for kind, output in zip(kinds, outputs):
+        assert output.outputs[0].finish_reason == "stop", (kind, output.outputs[0].text)
+        _check(kind, output.outputs[0].text)
