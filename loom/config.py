@@ -63,6 +63,9 @@ class ModelConfig:
     # On CUDA, no decode step is captured as a CUDA graph (worker/cuda_graphs.py): every
     # step runs eagerly. Changes nothing elsewhere.
     enforce_eager: bool = False
+    # The most logprobs (and prompt_logprobs) a request may ask for (vLLM's
+    # --max-logprobs); more is a 400 naming the field.
+    max_logprobs: int = 20
     # The checkpoint's Hugging Face config as plain values (loom/model/loader/
     # hf_config_values.py), read once (checkpoint_defaults.py), so that the engine core and
     # the ranks build the model without importing transformers; None: each rank reads it.
@@ -81,6 +84,9 @@ class ModelConfig:
                              f"{self.quantization_group_size!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if type(self.max_logprobs) is not int or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got "
+                             f"{self.max_logprobs!r}")
 
     @property
     def name(self) -> str:

@@ -213,6 +213,10 @@ class EngineArgs:
     trust_remote_code: bool = arg(
         False, to=None, action="store_true",
         help="accepted for vLLM's sake: loom never runs code from a checkpoint")
+    max_logprobs: int = arg(
+        20, to="model.max_logprobs", parse=arg_types.non_negative_int,
+        help="the most logprobs (and prompt_logprobs) one request may ask for (default 20, "
+             "as vLLM); more is a 400 naming the field")
     enforce_eager: bool = arg(
         False, to="model.enforce_eager", action="store_true",
         help="on CUDA, capture no CUDA graphs: every decode step runs eagerly (no effect on "

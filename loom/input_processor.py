@@ -34,6 +34,7 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer,
                  structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         self.max_model_len = model_config.max_model_len
+        self.max_logprobs = model_config.max_logprobs
         self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config
@@ -76,6 +77,11 @@ class InputProcessor:
             if not 0 <= int(token_id) < self.vocab_size:
                 raise InvalidInputError(f"logit_bias names token {token_id} outside the vocabulary "
                                         f"[0, {self.vocab_size})", "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidInputError(f"{name} must be at most {self.max_logprobs} (the "
+                                        f"engine's max_logprobs), got {value}", name)
         for token_id in params.stop_token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidInputError(f"stop_token_ids names token {token_id} outside the "

@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 
-_MAX_LOGPROBS = 20
 # The sampler divides logits by the temperature and by (or multiplies them with) the
 # repetition penalty in float32. Past these bounds a logit overflows to inf or a masked
 # -inf one becomes NaN (-inf / inf, -inf * 0) and the row samples garbage; inside them
@@ -130,8 +129,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(0 <= value <= _MAX_LOGPROBS, name,
-                       f"must be between 0 and {_MAX_LOGPROBS}, got {value}")
+                # at most the engine's max_logprobs (InputProcessor.validate_params)
+                _check(value >= 0, name, f"must be at least 0, got {value}")
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 _check(-100.0 <= bias <= 100.0, "logit_bias",

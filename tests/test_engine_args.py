@@ -116,3 +116,24 @@ def test_flags_reach_their_config_fields(tmp_path):
     assert config.scheduler.max_num_batched_tokens == 2048
     assert config.scheduler.enable_chunked_prefill
     assert config.parallel.data_parallel_address == "127.0.0.1"
+
+
+def test_max_logprobs_bounds_every_request(tmp_path, capsys):
+    """--max-logprobs: a flag with a checked value, and the engine's bound on logprobs
+    and prompt_logprobs (the server's 400: test_routes_in_process.py)."""
+    from loom.config import ModelConfig
+    from loom.input_processor import InputProcessor, InvalidInputError
+    from loom.sampling_params import SamplingParams
+    from loom.tokenizer import load_tokenizer
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--max-logprobs", "-1"])
+    assert exit_info.value.code == 2
+    assert "--max-logprobs: must be a non-negative integer, got -1" in capsys.readouterr().err
+    tokenizer = load_tokenizer(make_tiny_tokenizer(str(tmp_path / "tokenizer")))
+    processor = InputProcessor(ModelConfig(model="m", max_logprobs=2), tokenizer)
+    processor.validate_params(SamplingParams(logprobs=2, prompt_logprobs=2))
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidInputError, match=f"{name} must be at most 2") as error:
+            processor.validate_params(SamplingParams(**{name: 3}))
+        assert error.value.param == name

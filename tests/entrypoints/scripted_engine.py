@@ -3,7 +3,7 @@ milliseconds with scripted outputs, so the real app's routes run in this process
 
 What the server uses of AsyncLLM (server.py, serving_*.py), and so all this implements:
 
-    config.model          max_model_len, model, default_sampling_params
+    config.model          max_model_len, max_logprobs, model, default_sampling_params
     tokenizer             a real one (the tiny ChatML tokenizer)
     input_processor       the real InputProcessor over that tokenizer
     metrics.render()      a real ServerMetrics
@@ -67,12 +67,13 @@ class ScriptedEngine:
 
     @classmethod
     def on(cls, tokenizer: Tokenizer, model_dir: str, max_model_len: int = 128,
-           sampling_defaults: tuple[tuple[str, Any], ...] = ()) -> ScriptedEngine:
+           sampling_defaults: tuple[tuple[str, Any], ...] = (),
+           max_logprobs: int = 20) -> ScriptedEngine:
         """An engine for the model in ``model_dir`` (only its tokenizer is read);
         ``sampling_defaults`` as a generation config would give them."""
         model = ModelConfig(model=model_dir, max_model_len=max_model_len,
                             vocab_size=tokenizer.vocab_size, enable_warm_up=False,
-                            sampling_defaults=sampling_defaults)
+                            sampling_defaults=sampling_defaults, max_logprobs=max_logprobs)
         return cls(tokenizer, ScriptedConfig(model))
 
     @property

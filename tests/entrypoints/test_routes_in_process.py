@@ -290,6 +290,24 @@ ERROR_CASES = [
 ]
 
 
+def test_max_logprobs_is_the_server_s_setting(tokenizer, tokenizer_dir):
+    """--max-logprobs 3: three logprobs are served, four are a 400 naming the request's
+    field (completions: logprobs; chat: top_logprobs), saying the limit."""
+    engine = ScriptedEngine.on(tokenizer, tokenizer_dir, max_model_len=128, max_logprobs=3)
+    with TestClient(serve(engine)) as client:
+        for path, body, field in (
+                (COMPLETION, {"prompt": "hi", "max_tokens": 2, "logprobs": 4}, "logprobs"),
+                (CHAT, {"messages": MESSAGES, "max_completion_tokens": 2, "logprobs": True,
+                        "top_logprobs": 4}, "top_logprobs")):
+            response = client.post(path, json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == field and "at most 3" in error["message"]
+            body[field] = 3
+            assert client.post(path, json=body).status_code == 200
+            assert list(engine.requests.values())[-1].params.logprobs == 3
+
+
 @pytest.mark.parametrize("path, body, status, param, code", ERROR_CASES,
                          ids=[f"{i}-{case[3]}" for i, case in enumerate(ERROR_CASES)])
 def test_bad_requests_name_their_field(client, engine, path, body, status, param, code):

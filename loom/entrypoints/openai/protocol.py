@@ -171,15 +171,23 @@ class SamplingFields(OpenAIModel):
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                            defaults: dict[str, Any],
-                           structured_outputs: StructuredOutputsParams | None
-                           ) -> SamplingParams:
+                           structured_outputs: StructuredOutputsParams | None,
+                           max_logprobs: int = 20) -> SamplingParams:
         """The SamplingParams of one prompt of this request (of ``num_prompt_tokens``
-        tokens, rendered from the messages for a chat)."""
+        tokens, rendered from the messages for a chat); logprobs beyond the server's
+        ``max_logprobs`` are a 400 naming the request's field."""
         requested, logprobs, fields = self._endpoint_fields()
         max_tokens = self._max_tokens(requested, num_prompt_tokens, max_model_len,
                                       defaults.get("max_tokens"))
-        return self._sampling_params(max_tokens, logprobs, defaults, structured_outputs,
-                                     **fields)
+        params = self._sampling_params(max_tokens, logprobs, defaults, structured_outputs,
+                                       **fields)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                field = self.REQUEST_FIELDS.get(name, name)
+                raise RequestError(f"{field} must be at most {max_logprobs} (the server's "
+                                   f"--max-logprobs), got {value}", param=field)
+        return params
 
     def _endpoint_fields(self) -> tuple[int | None, int | None, dict[str, Any]]:
         """What the endpoint calls them: (max_tokens asked for, SamplingParams.logprobs,

@@ -52,7 +52,8 @@ class OpenAIServingChat(OpenAIServing):
         structured_outputs, output_builder = self._output_constraints(request)
         token_ids = self._render(request)
         params = request.to_sampling_params(len(token_ids), self.max_model_len,
-                                            self.default_sampling_params, structured_outputs)
+                                            self.default_sampling_params, structured_outputs,
+                                            self.max_logprobs)
         self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.submit(request_id, None, token_ids, params, request.stream)

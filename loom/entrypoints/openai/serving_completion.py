@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for (_, token_ids), transfer in zip(prompts, transfers):
             prompt_params = request.to_sampling_params(len(token_ids), self.max_model_len,
                                                        self.default_sampling_params,
-                                                       structured_outputs)
+                                                       structured_outputs, self.max_logprobs)
             if transfer is not request.kv_transfer_params:  # one of a prefill batch's
                 prompt_params = prompt_params.clone(kv_transfer_params=transfer)
             params.append(prompt_params)
