@@ -300,13 +300,14 @@ class ParallelConfig:
         return self.distributed_executor_backend in ("mp", "ray")
 
 
-_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "llguidance")
+_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "llguidance", "off")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Grammar-constrained decoding (loom/structured_output/). One engine, llguidance,
-    behind the names vLLM uses for it ("auto", "guidance")."""
+    behind the names vLLM uses for it ("auto", "guidance"); "off" (the seed's default
+    spelling) loads none, and a request asking for a grammar is refused."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False  # JSON without free whitespace (default per request)
@@ -317,6 +318,10 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs backend must be one of "
                              f"{', '.join(_STRUCTURED_OUTPUTS_BACKENDS)}, got {self.backend!r} "
                              "(see docs/structured_outputs.md for why xgrammar is not offered)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "off"
 
 
 _SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -168,12 +168,14 @@ class EngineArgs:
     structured_outputs_backend: str = arg(
         "auto", to="structured_outputs.backend",
         flags=("--structured-outputs-backend", "--guided-decoding-backend"),
-        choices=["auto", "guidance", "llguidance"],
-        help="grammar engine for structured outputs (llguidance)")
+        choices=["auto", "guidance", "llguidance", "off"],
+        help="grammar engine for structured outputs (llguidance); off loads none, and a "
+             "request asking for a grammar gets a 400")
     structured_outputs_disable_any_whitespace: bool = arg(
         False, to="structured_outputs.disable_any_whitespace",
         flags=("--structured-outputs-disable-any-whitespace",
-               "--guided-decoding-disable-any-whitespace"), action="store_true",
+               "--guided-decoding-disable-any-whitespace", "--disable-any-whitespace"),
+        action="store_true",
         help="JSON outputs without free whitespace (a request may override)")
     structured_outputs_disable_additional_properties: bool = arg(
         False, to="structured_outputs.disable_additional_properties", action="store_true",

@@ -86,6 +86,12 @@ class InputProcessor:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidInputError(f"stop_token_ids names token {token_id} outside the "
                                         f"vocabulary [0, {self.vocab_size})", "stop_token_ids")
+        if params.structured_outputs is not None and self.structured_outputs_config is not None \
+                and not self.structured_outputs_config.enabled:
+            raise InvalidInputError("structured outputs are off on this server "
+                                    "(--structured-outputs-backend off); restart it with "
+                                    "--structured-outputs-backend auto to constrain outputs",
+                                    "structured_outputs")
         if params.structured_outputs is not None:
             # Compiling here (well under a millisecond, no tokenizer needed) makes a bad
             # schema, regex or grammar this request's error, never the engine core's.

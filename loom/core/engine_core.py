@@ -78,7 +78,6 @@ class EngineCore:
         request needs a grammar unless ``tokenizer`` is given. Imports stay lazy, so an
         engine core driving worker processes never imports torch or transformers."""
         from loom.executor import make_executor
-        from loom.structured_output import StructuredOutputManager
 
         def tokenizer_factory() -> Tokenizer:
             if tokenizer is not None:
@@ -89,13 +88,18 @@ class EngineCore:
                                   config.model.chat_template)
 
         vocab_size = config.model.vocab_size or (len(tokenizer.hf) if tokenizer is not None else 0)
-        structured_output = StructuredOutputManager(config.structured_outputs, tokenizer_factory,
-                                                    vocab_size)
+        structured_output = None  # --structured-outputs-backend off: no grammar engine loaded
+        if config.structured_outputs.enabled:
+            from loom.structured_output import StructuredOutputManager
+
+            structured_output = StructuredOutputManager(config.structured_outputs,
+                                                        tokenizer_factory, vocab_size)
         return cls(config, make_executor(config), structured_output)
 
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None and self.structured_output is None:
-            raise ValueError("this engine was built without structured outputs support")
+            raise ValueError("structured outputs are off on this engine "
+                             "(--structured-outputs-backend off)")
         if self.is_holding:
             self._held.append(request)
             return

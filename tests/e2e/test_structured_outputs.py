@@ -139,3 +139,20 @@ def test_a_tokenizer_whose_decoder_llguidance_cannot_read(tmp_path):
     for kind, output in zip(kinds, outputs):
         assert output.outputs[0].finish_reason == "stop", (kind, output.outputs[0].text)
         _check(kind, output.outputs[0].text)
+
+
+def test_backend_off_loads_no_grammar_engine(tiny_llama):
+    """--structured-outputs-backend off offline: no grammar manager in the engine core, a
+    constrained request refused naming the flag, a plain one served."""
+    engine = LLM(tiny_llama, dtype="float32", max_model_len=128, structured_outputs_backend="off")
+    try:
+        assert engine.engine.engine_core.structured_output is None
+        with pytest.raises(InvalidInputError, match="--structured-outputs-backend off"):
+            engine.generate(["hi"], SamplingParams(
+                max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a"])),
+                use_tqdm=False)
+        output = engine.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True),
+                                 use_tqdm=False)
+        assert len(output[0].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()

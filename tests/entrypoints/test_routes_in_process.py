@@ -290,6 +290,27 @@ ERROR_CASES = [
 ]
 
 
+def test_structured_outputs_off_is_a_400_naming_the_flag(tokenizer, tokenizer_dir):
+    """--structured-outputs-backend off (the seed's --guided-decoding-backend off): a
+    request that asks for a grammar, in any of its spellings, gets a 400 that names the
+    flag; one that does not is served."""
+    from loom.config import StructuredOutputsConfig
+    from loom.input_processor import InputProcessor
+
+    engine = ScriptedEngine.on(tokenizer, tokenizer_dir, max_model_len=128)
+    engine.input_processor = InputProcessor(engine.config.model, tokenizer,
+                                            StructuredOutputsConfig(backend="off"))
+    with TestClient(serve(engine)) as client:
+        for path, body in (
+                (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}),
+                (COMPLETION, {"prompt": "hi", "guided_regex": "[a-z]+"}),
+                (COMPLETION, {"prompt": "hi", "structured_outputs": {"choice": ["a", "b"]}})):
+            response = client.post(path, json={**body, "max_tokens": 2})
+            assert response.status_code == 400, response.text
+            assert "--structured-outputs-backend off" in response.json()["error"]["message"]
+        assert client.post(COMPLETION, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_max_logprobs_is_the_server_s_setting(tokenizer, tokenizer_dir):
     """--max-logprobs 3: three logprobs are served, four are a 400 naming the request's
     field (completions: logprobs; chat: top_logprobs), saying the limit."""
