@@ -77,6 +77,17 @@ class InputProcessor:
             if not 0 <= int(token_id) < self.vocab_size:
                 raise InvalidInputError(f"logit_bias names token {token_id} outside the vocabulary "
                                         f"[0, {self.vocab_size})", "logit_bias")
+        for token_id in params.allowed_token_ids or ():
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidInputError(f"allowed_token_ids names token {token_id} outside the "
+                                        f"vocabulary [0, {self.vocab_size})", "allowed_token_ids")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        for sequence in params.bad_words_token_ids or ():
+            if not all(0 <= token_id < self.vocab_size for token_id in sequence):
+                raise InvalidInputError(f"bad_words_token_ids names a token outside the "
+                                        f"vocabulary [0, {self.vocab_size})",
+                                        "bad_words_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -102,3 +113,16 @@ class InputProcessor:
                                             self.structured_outputs_config)
             except GrammarError as error:
                 raise InvalidInputError(str(error), "structured_outputs") from None
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each bad word's token ids as written, and again with a leading space where that
+    tokenizes to other tokens of the same count (a word mid-sentence), as vLLM does."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return [sequence for sequence in sequences if sequence]

@@ -85,6 +85,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # top-k logprobs of each sampled token (plus the sampled one)
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's bad_words): the last token of each of their token
+    # sequences is masked wherever the tokens before it have just been produced. The
+    # InputProcessor tokenizes them into ``bad_words_token_ids`` (each word as written and
+    # with a leading space, as vLLM does); transformers' NoBadWordsLogitsProcessor does the
+    # same with token ids.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
@@ -131,6 +140,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if value is not None:
                 # at most the engine's max_logprobs (InputProcessor.validate_params)
                 _check(value >= 0, name, f"must be at least 0, got {value}")
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids) and all(
+                isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None:
+            _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+                   "must be a list of non-empty strings")
+        if self.bad_words_token_ids is not None:
+            _check(all(isinstance(s, list) and s and all(isinstance(t, int) and t >= 0
+                                                         for t in s)
+                       for s in self.bad_words_token_ids), "bad_words_token_ids",
+                   "must be a list of non-empty lists of token ids")
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 _check(-100.0 <= bias <= 100.0, "logit_bias",

@@ -134,6 +134,8 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
@@ -238,7 +240,8 @@ class SamplingFields(OpenAIModel):
                 stop=self.stop or [], stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                logprobs=logprobs, logit_bias=logit_bias,
+                logprobs=logprobs, logit_bias=logit_bias, bad_words=self.bad_words,
+                allowed_token_ids=self.allowed_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured_outputs,
                 kv_transfer_params=self.kv_transfer_params, **fields)

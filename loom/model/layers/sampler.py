@@ -5,7 +5,8 @@ Each step the model runner hands over ``logits`` (B, V) float32, one row per req
 stages run in this order, each skipped when no row in the batch needs it:
 
     raw logits ─┬─> logprobs = log_softmax(raw logits)            (only if a row asked)
-                └─> logit_bias, min_tokens (-inf on stop ids) ─> penalties
+                └─> logit_bias, min_tokens (-inf on stop ids), bad words, allowed_token_ids
+                        ─> penalties
                         ├─> greedy rows: argmax                   (all greedy: done)
                         └─> random rows: / temperature ─> min_p ─> top_k, top_p ─> sample
 
@@ -78,11 +79,15 @@ class SamplingMetadata:
     prompt_token_ids_padded: torch.Tensor | None  # (B, max_prompt_len) int64, repetition only
 
     # Sparse (row, token) edits, flattened over the batch; None when there are none.
-    min_tokens_rows: torch.Tensor | None  # (N,) int64, rows still under min_tokens
-    min_tokens_token_ids: torch.Tensor | None  # (N,) int64, their stop ids -> -inf
+    # (row, token) pairs -> -inf: stop ids of rows still under min_tokens, and the last
+    # tokens of bad words whose other tokens end the row's text
+    min_tokens_rows: torch.Tensor | None  # (N,) int64
+    min_tokens_token_ids: torch.Tensor | None  # (N,) int64
     logit_bias_rows: torch.Tensor | None  # (M,) int64
     logit_bias_token_ids: torch.Tensor | None  # (M,) int64
     logit_bias_values: torch.Tensor | None  # (M,) float32
+    allowed_rows: torch.Tensor | None  # (A,) int64: rows with allowed_token_ids
+    allowed_mask: torch.Tensor | None  # (A, V) bool: True where that row may sample
 
     max_num_logprobs: int | None  # largest SamplingParams.logprobs in the batch; None if none
 
@@ -93,7 +98,7 @@ class SamplingMetadata:
     @property
     def needs_logits_processing(self) -> bool:
         return (not self.no_penalties or self.min_tokens_rows is not None
-                or self.logit_bias_rows is not None)
+                or self.logit_bias_rows is not None or self.allowed_rows is not None)
 
     @classmethod
     def build(
@@ -141,6 +146,8 @@ class SamplingMetadata:
             if not no_repetition_penalty:
                 prompt_padded = _pad(prompt_token_ids, vocab_size, device)
 
+        # (row, token) pairs masked to -inf: stop ids under min_tokens, bad words' last
+        # tokens where their other tokens have just been produced
         min_tokens_rows: list[int] = []
         min_tokens_ids: list[int] = []
         for row, (p, stop_ids) in enumerate(zip(params, stop_ids_for_min_tokens)):
@@ -148,6 +155,19 @@ class SamplingMetadata:
                 ids = [t for t in stop_ids if 0 <= t < vocab_size]
                 min_tokens_rows += [row] * len(ids)
                 min_tokens_ids += ids
+            if p.bad_words_token_ids:
+                ids = banned_by_bad_words(p.bad_words_token_ids, prompt_token_ids[row],
+                                          output_token_ids[row])
+                min_tokens_rows += [row] * len(ids)
+                min_tokens_ids += ids
+        allowed_rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        allowed_mask = None
+        if allowed_rows:  # (A, V): True where the row may sample the token
+            allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool,
+                                       device=device)
+            for index, row in enumerate(allowed_rows):
+                ids = [t for t in params[row].allowed_token_ids if t < vocab_size]
+                allowed_mask[index, torch.tensor(ids, dtype=torch.int64, device=device)] = True
 
         bias_rows: list[int] = []
         bias_ids: list[int] = []
@@ -193,6 +213,8 @@ class SamplingMetadata:
             logit_bias_rows=longs_or_none(bias_rows),
             logit_bias_token_ids=longs_or_none(bias_ids),
             logit_bias_values=floats(bias_values) if bias_values else None,
+            allowed_rows=longs_or_none(allowed_rows),
+            allowed_mask=allowed_mask,
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -281,14 +303,38 @@ class Sampler(nn.Module):
         return inverse_cdf(Sampler.sampling_probs(logits, metadata), uniform)
 
 
+def banned_by_bad_words(sequences: list[list[int]], prompt_token_ids: Sequence[int],
+                        output_token_ids: Sequence[int]) -> list[int]:
+    """The last token of each bad word's sequence whose other tokens end the text so far
+    (prompt and output, as transformers' NoBadWordsLogitsProcessor reads its input ids);
+    a one-token bad word always."""
+    banned = []
+    for sequence in sequences:
+        head = sequence[:-1]
+        if not head:
+            banned.append(sequence[-1])
+            continue
+        tail = list(output_token_ids[-len(head):])
+        if len(tail) < len(head):  # the text so far reaches back into the prompt
+            tail = list(prompt_token_ids[len(prompt_token_ids) - (len(head) - len(tail)):]) \
+                + tail
+        if tail == head:
+            banned.append(sequence[-1])
+    return banned
+
+
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor,
                                     metadata: SamplingMetadata) -> torch.Tensor:
-    """Add each row's logit_bias, then mask stop ids of rows under min_tokens; in place."""
+    """Add each row's logit_bias, then mask stop ids of rows under min_tokens, bad words'
+    tokens, and every token outside a row's allowed_token_ids; in place."""
     if metadata.logit_bias_rows is not None:
         logits.index_put_((metadata.logit_bias_rows, metadata.logit_bias_token_ids),
                           metadata.logit_bias_values, accumulate=True)
     if metadata.min_tokens_rows is not None:
         logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")
+    if metadata.allowed_rows is not None:
+        rows = metadata.allowed_rows
+        logits[rows] = logits[rows].masked_fill(~metadata.allowed_mask, float("-inf"))
     return logits
 
 

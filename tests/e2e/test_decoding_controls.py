@@ -1,0 +1,78 @@
+"""Decoding controls vLLM users reach for, token-exact against transformers: bad_words
+(transformers' NoBadWordsLogitsProcessor on the same token sequences) and
+allowed_token_ids (every other token masked), greedy, batched with a plain request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+from loom import LLM, SamplingParams
+from loom.input_processor import bad_words_token_ids
+
+PROMPTS = [[5, 9, 40, 77, 120, 3], [200, 17, 17, 64]]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=128, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    yield llm, model
+    llm.shutdown()
+
+
+def hf_greedy(model, prompt: list[int], processor) -> list[int]:
+    """Argmax over the full sequence each step, after ``processor`` (scores (1, V))."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1:].float()
+            ids.append(int(processor(torch.tensor([ids]), logits).argmax()))
+    return ids[len(prompt):]
+
+
+def loom_greedy(llm, params: list[SamplingParams]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_bad_words_equal_transformers_no_bad_words_processor(engines):
+    llm, model = engines
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    free = loom_greedy(llm, [plain, plain])
+    tokenizer = llm.engine.tokenizer
+    # a word the model says unconstrained (two tokens that encode back to themselves),
+    # and one of the other prompt's tokens alone
+    word = next(text for start in range(1, NEW_TOKENS - 1)
+                if (text := tokenizer.decode(free[0][start:start + 2])).strip()
+                and tokenizer.encode(text.lstrip(), add_special_tokens=False)
+                == free[0][start:start + 2])
+    words = [word, tokenizer.decode(free[1][3:4])]
+    sequences = bad_words_token_ids(words, tokenizer)
+    assert any(len(s) > 1 for s in sequences)
+    banned = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            bad_words=words)
+    got = loom_greedy(llm, [banned, plain])
+    processor = NoBadWordsLogitsProcessor(sequences, eos_token_id=None)
+    assert got[0] == hf_greedy(model, PROMPTS[0], processor)
+    assert got[0] != free[0] and got[1] == free[1]  # the ban changed it; the other is free
+    got = loom_greedy(llm, [plain, banned])
+    assert got[1] == hf_greedy(model, PROMPTS[1], processor) and got[0] == free[0]
+
+
+def test_allowed_token_ids_equal_masking_every_other_token(engines):
+    llm, model = engines
+    allowed = [7, 30, 31, 99, 150, 201]
+    vocab = model.config.vocab_size
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)]
+    got = loom_greedy(llm, params)
+    others = NoBadWordsLogitsProcessor([[t] for t in range(vocab) if t not in allowed],
+                                       eos_token_id=None)
+    assert set(got[0]) <= set(allowed)
+    assert got[0] == hf_greedy(model, PROMPTS[0], others)
+    assert got[1] == hf_greedy(model, PROMPTS[1], lambda ids, scores: scores)
