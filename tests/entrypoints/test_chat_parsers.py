@@ -45,6 +45,15 @@ def splits(text: str):
     ("deepseek_r1", "<think>tagged</think>answer", ("tagged", "answer")),
     ("deepseek_r1", "never finished thinking", ("never finished thinking", None)),
     ("deepseek_r1", "a </thin k> b </think>", ("a </thin k> b ", None)),
+    ("ernie_x1", "Paris is the capital.\n</think>\n\n<response>\nParis.\n</response>",
+     ("Paris is the capital.\n", "Paris.")),
+    ("ernie_x1", "x</think>\n<response>\nline one\n\nline <b>two</b>\n</response>\n",
+     ("x", "line one\n\nline <b>two</b>")),
+    ("ernie_x1", "short</think>an answer without its wrapper", ("short",
+                                                               "an answer without its wrapper")),
+    ("ernie_x1", "cut off while thinking", ("cut off while thinking", None)),
+    ("ernie-45-vl", "looking at the image</think>\n\nA cat.", ("looking at the image",
+                                                                "\n\nA cat.")),
 ])
 def test_reasoning_parsers_whole_and_streamed(name, text, expected):
     parser = get_reasoning_parser(name)
@@ -307,3 +316,46 @@ def test_request_structured_outputs_from_fields():
         request_structured_outputs(_chat_request(guided_regex="a", guided_choice=["a"]))
     with pytest.raises(OpenAIError, match="schema"):
         request_structured_outputs(_chat_request(response_format={"type": "json_schema"}))
+
+
+# A chat template that writes tools and tool calls as ERNIE 4.5's thinking models read and
+# write them: the tools as JSON in the system turn, a call as <tool_call> JSON.
+ERNIE_TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>\n{{ {'name': call.function.name, 'arguments': call.function.arguments}"
+    " | tojson }}\n</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+    "{% endif %}")
+
+
+def test_ernie_tool_calls_round_trip_through_its_template():
+    """The ernie_x1 parsers read back, whole and streamed, what the template writes for
+    an assistant's tool call after its thinking (and its plain answers, unwrapped)."""
+    import jinja2
+
+    call = {"name": "get_weather", "arguments": {"city": "Beijing", "unit": "c"}}
+    rendered = jinja2.Environment().from_string(ERNIE_TOOL_TEMPLATE).render(
+        messages=[{"role": "assistant", "tool_calls": [{"function": call}]}],
+        tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    written = rendered.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    text = "Beijing needs a lookup.\n</think>\n\n" + written
+    builder = ChatOutputBuilder("auto", None, get_tool_parser("ernie_x1"),
+                                get_reasoning_parser("ernie_x1"))
+    message, finish_reason = builder.message(text, "stop")
+    assert message["reasoning_content"] == "Beijing needs a lookup.\n"
+    assert message["content"] is None and finish_reason == "tool_calls"
+    function = message["tool_calls"][0]["function"]
+    assert function["name"] == "get_weather" and json.loads(function["arguments"]) == \
+        call["arguments"]
+    for deltas in splits(text):
+        streamer = builder.streaming()
+        out = [d for i, delta in enumerate(deltas)
+               for d in streamer.feed(delta, i == len(deltas) - 1)]
+        calls = _join_tool_deltas([t for d in out for t in d.get("tool_calls", [])])
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+            [("get_weather", call["arguments"])], deltas
+        assert not "".join(d.get("content") or "" for d in out).strip()
+        assert streamer.finish_reason("stop") == "tool_calls"

@@ -9,6 +9,7 @@ import os
 import ssl
 
 from loom import arg_types
+from loom.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from loom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -32,7 +33,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help='allow tool_choice "auto" (needs --tool-call-parser)')
     group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                        help="how to find tool calls in the model's text for tool_choice auto")
-    group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    group.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                        help="split <think>...</think> into reasoning_content in chat responses")
     group.add_argument("--headless", action="store_true",
                        help="run only this host's data-parallel replicas (engine cores and "

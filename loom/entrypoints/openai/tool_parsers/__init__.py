@@ -1,6 +1,7 @@
 """Tool-call parsers for ``tool_choice: "auto"``, chosen by ``--tool-call-parser``.
 
     hermes       <tool_call>{"name": ..., "arguments": ...}</tool_call>   (hermes.py)
+    ernie_x1     the same, as ERNIE 4.5's thinking models write it        (hermes.py)
     llama3_json  [<|python_tag|>]{"name": ..., "parameters": ...}; {...}   (json_calls.py)
     mistral      content[TOOL_CALLS][{"name": ..., "arguments": ...}]      (json_calls.py)
 
@@ -39,6 +40,8 @@ class ToolParser(Protocol):
 # name -> (module in this package, class)
 TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "hermes": ("hermes", "HermesToolParser"),
+    "ernie_x1": ("hermes", "HermesToolParser"),
+    "ernie-x1": ("hermes", "HermesToolParser"),
     "llama3_json": ("json_calls", "Llama3JsonToolParser"),
     "mistral": ("json_calls", "MistralToolParser"),
 }
