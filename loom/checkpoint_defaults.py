@@ -99,7 +99,8 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         max_num_batched_tokens=max_num_batched_tokens,
         expert_parallel_size=expert_parallel_size, speculative_config=speculative,
         kv_transfer_config=kv_transfer,
-        data_parallel_address=args.data_parallel_address or "127.0.0.1")
+        data_parallel_address=args.data_parallel_address or "127.0.0.1",
+        reasoning_effort_budgets=_effort_budgets(args.reasoning_effort_budgets))
     model_fields = {"vocab_size": getattr(hf_config, "vocab_size", None),
                     "sampling_defaults": tuple(sampling_defaults.items()),
                     "hf_config": hf_config_values(hf_config)}
@@ -217,3 +218,21 @@ def max_position_embeddings(hf_config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _effort_budgets(value: dict[str, int] | str | None) -> dict[str, int]:
+    """--reasoning-effort-budgets over the defaults (ModelConfig checks the result)."""
+    budgets = {"low": 1024, "medium": 4096, "high": -1}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--reasoning-effort-budgets is not valid JSON: {error}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError('--reasoning-effort-budgets must be a JSON object, e.g. '
+                         '\'{"low": 512}\'')
+    unknown = sorted(set(value or {}) - set(budgets))
+    if unknown:
+        raise ValueError(f"--reasoning-effort-budgets has unknown efforts {unknown}; "
+                         "known: low, medium, high")
+    return {**budgets, **(value or {})}

@@ -66,6 +66,15 @@ class ModelConfig:
     # The most logprobs (and prompt_logprobs) a request may ask for (vLLM's
     # --max-logprobs); more is a 400 naming the field.
     max_logprobs: int = 20
+    # A thinking model's reasoning budget for requests that set none (llama-server's
+    # --reasoning-budget): -1 unlimited, 0 no thinking, N tokens; then </think> is forced,
+    # after ``reasoning_budget_message``'s tokens if set. Applies where the tokenizer has
+    # <think> and </think> (sampling_params.forced_thinking_token).
+    reasoning_budget: int = -1
+    reasoning_budget_message: str | None = None
+    # OpenAI's reasoning_effort -> a budget (-1: unlimited)
+    reasoning_effort_budgets: dict[str, int] = field(
+        default_factory=lambda: {"low": 1024, "medium": 4096, "high": -1}, hash=False)
     # The checkpoint's Hugging Face config as plain values (loom/model/loader/
     # hf_config_values.py), read once (checkpoint_defaults.py), so that the engine core and
     # the ranks build the model without importing transformers; None: each rank reads it.
@@ -84,6 +93,14 @@ class ModelConfig:
                              f"{self.quantization_group_size!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if type(self.reasoning_budget) is not int or self.reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be -1 (unlimited), 0 or positive, got "
+                             f"{self.reasoning_budget!r}")
+        efforts = self.reasoning_effort_budgets
+        if not isinstance(efforts, dict) or set(efforts) != {"low", "medium", "high"} or not all(
+                type(v) is int and v >= -1 for v in efforts.values()):
+            raise ValueError('reasoning_effort_budgets must give "low", "medium" and "high" '
+                             f"each a budget (-1 or more), got {efforts!r}")
         if type(self.max_logprobs) is not int or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got "
                              f"{self.max_logprobs!r}")

@@ -219,6 +219,19 @@ class EngineArgs:
         20, to="model.max_logprobs", parse=arg_types.non_negative_int,
         help="the most logprobs (and prompt_logprobs) one request may ask for (default 20, "
              "as vLLM); more is a 400 naming the field")
+    reasoning_budget: int = arg(
+        -1, to="model.reasoning_budget", parse=int,
+        help="thinking models: at most this many tokens of reasoning for a request that sets "
+             "no thinking_token_budget, then </think> is forced (-1: unlimited; 0: no "
+             "thinking); applies where the tokenizer has <think> and </think>")
+    reasoning_budget_message: str | None = arg(
+        None, to="model.reasoning_budget_message",
+        help="text forced before </think> when a reasoning budget is spent, e.g. \"Time to "
+             "answer.\"")
+    reasoning_effort_budgets: dict[str, int] | str | None = arg(
+        None, to="model.reasoning_effort_budgets", parse=arg_types.json_object,
+        help='OpenAI\'s reasoning_effort as budgets, JSON (default \'{"low": 1024, '
+             '"medium": 4096, "high": -1}\')')
     enforce_eager: bool = arg(
         False, to="model.enforce_eager", action="store_true",
         help="on CUDA, capture no CUDA graphs: every decode step runs eagerly (no effect on "

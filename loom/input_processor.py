@@ -35,6 +35,9 @@ class InputProcessor:
                  structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs
+        self.reasoning_budget = model_config.reasoning_budget
+        self.reasoning_budget_message = model_config.reasoning_budget_message
+        self._think_ids: tuple[int, int] | None | bool = False  # False: not looked up yet
         self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config
@@ -88,6 +91,7 @@ class InputProcessor:
                 raise InvalidInputError(f"bad_words_token_ids names a token outside the "
                                         f"vocabulary [0, {self.vocab_size})",
                                         "bad_words_token_ids")
+        self._apply_reasoning_budget(params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -113,6 +117,38 @@ class InputProcessor:
                                             self.structured_outputs_config)
             except GrammarError as error:
                 raise InvalidInputError(str(error), "structured_outputs") from None
+
+    def _apply_reasoning_budget(self, params: SamplingParams) -> None:
+        """Resolve the request's reasoning budget (its own, else the engine's default)
+        into what the sampler forces once it is spent: </think>, after the budget
+        message's tokens. A budget the request asks for on a tokenizer without <think> and
+        </think> is a 400; the engine's default applies only where they exist."""
+        asked = params.thinking_token_budget
+        budget = self.reasoning_budget if asked is None else asked
+        if budget < 0 or params.think_forced_ids is not None:
+            return
+        think_ids = self.think_token_ids()
+        if think_ids is None:
+            if asked is not None:
+                raise InvalidInputError("thinking_token_budget needs a thinking model: this "
+                                        "tokenizer has no <think> and </think> tokens",
+                                        "thinking_token_budget")
+            return
+        message = (self.tokenizer.encode(self.reasoning_budget_message, add_special_tokens=False)
+                   if self.reasoning_budget_message else [])
+        params.thinking_token_budget = budget
+        params.think_start_id = think_ids[0]
+        params.think_forced_ids = [*message, think_ids[1]]
+
+    def think_token_ids(self) -> tuple[int, int] | None:
+        """The ids of <think> and </think> (the seed's think_end_id), or None where the
+        tokenizer has no such tokens."""
+        if self._think_ids is False:
+            hf = getattr(self.tokenizer, "hf", None)
+            vocab = hf.get_vocab() if hf is not None else {}
+            ids = (vocab.get("<think>"), vocab.get("</think>"))
+            self._think_ids = ids if None not in ids else None
+        return self._think_ids
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:

@@ -7,6 +7,7 @@ msgspec Struct so it crosses the engine → worker boundary without pickle.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -94,6 +95,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # same with token ids.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # A reasoning budget (vLLM's thinking_token_budget, FastDeploy's reasoning_max_tokens):
+    # at most this many tokens after the start of thinking, then the end of thinking is
+    # forced (after the engine's budget message, if it has one). None: the engine's
+    # default (--reasoning-budget); -1: unlimited; 0: no thinking.
+    thinking_token_budget: int | None = None
+    # Set by the InputProcessor from the tokenizer for a budget it enforces: the ids of
+    # <think> and </think>, and what is forced once the budget is spent (the message's
+    # tokens, then </think>).
+    think_start_id: int | None = None
+    think_forced_ids: list[int] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
@@ -144,6 +155,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(bool(self.allowed_token_ids) and all(
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
                 "allowed_token_ids", "must be a non-empty list of token ids")
+        if self.thinking_token_budget is not None:
+            _check(isinstance(self.thinking_token_budget, int)
+                   and self.thinking_token_budget >= -1, "thinking_token_budget",
+                   f"must be -1 (unlimited), 0 (no thinking) or positive, got "
+                   f"{self.thinking_token_budget!r}")
         if self.bad_words is not None:
             _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                    "must be a list of non-empty strings")
@@ -180,3 +196,40 @@ class SamplingParamsError(ValueError):
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise SamplingParamsError(field, message)
+
+
+def forced_thinking_token(params: SamplingParams, prompt_token_ids: Sequence[int],
+                          output_token_ids: Sequence[int]) -> int | None:
+    """The token the reasoning budget forces next, or None. Read from the text so far
+    alone (so preemption, prefix caching and a decode instance of a P/D pair need no
+    state): the thinking is the output from its start if the prompt's last <think> is
+    open, else from the output's first <think>; each token of it counts, the forced ones
+    too; once the budget is spent, the forced tokens (the budget message's, then
+    </think>) come in turn, until </think> ends it (a <think> after that is text).
+
+        budget 2, forced [m, </think>]: a b | m </think> | the answer ...
+    """
+    forced = params.think_forced_ids
+    if not forced or params.thinking_token_budget is None or params.thinking_token_budget < 0:
+        return None
+    start, end = params.think_start_id, forced[-1]
+    if _open_in_prompt(prompt_token_ids, start, end):
+        thought = list(output_token_ids)
+    elif start in output_token_ids:
+        thought = list(output_token_ids[list(output_token_ids).index(start) + 1:])
+    else:
+        return None
+    if end in thought:
+        return None
+    spent = len(thought) - params.thinking_token_budget
+    return forced[spent] if 0 <= spent < len(forced) else None
+
+
+def _open_in_prompt(prompt_token_ids: Sequence[int], start: int | None, end: int) -> bool:
+    """The prompt's last <think> has no </think> after it (the template opened it)."""
+    for token_id in reversed(prompt_token_ids):
+        if token_id == end:
+            return False
+        if token_id == start:
+            return True
+    return False

@@ -62,6 +62,37 @@ def make_tiny_tokenizer(path: str) -> str:
     return path
 
 
+# The tiny tokenizer of a thinking model: <think> and </think> as added (not special)
+# tokens 256 and 257, which decode into the text, and a ChatML template whose generation
+# prompt opens <think> (Qwen3's rule: enable_thinking false writes an empty thought).
+THINK_START_ID, THINK_END_ID = 256, 257
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\\n' }}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not "
+    "enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% else %}{{ '<think>\\n' }}"
+    "{% endif %}")
+
+
+def make_tiny_thinking_tokenizer(path: str) -> str:
+    """``make_tiny_tokenizer`` with <think> and </think> (258 ids) and a template whose
+    generation prompt opens the thinking."""
+    make_tiny_tokenizer(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(path)
+    hf.add_tokens(["<think>", "</think>"], special_tokens=False)
+    assert hf.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK_START_ID, THINK_END_ID]
+    hf.save_pretrained(path)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["chat_template"] = THINKING_CHAT_TEMPLATE
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        os.remove(jinja_path)
+    return path
+
+
 # A SentencePiece-style vocabulary (Unigram, "▁" marking a word's start) with the
 # Metaspace decoder some conversions of ERNIE-, Llama- and Gemma-style tokenizers ship.
 METASPACE_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]

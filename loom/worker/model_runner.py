@@ -466,7 +466,7 @@ class ModelRunner:
         """The step's SamplingMetadata for rows ``states``; the last step's when the same
         requests (the same state objects: a preempted request comes back as a new one)
         sample in the same order and nothing in it reads the output so far (no
-        penalties, no min_tokens still masking: output only grows; no bad words). Building it is ~10
+        penalties, no min_tokens still masking: output only grows; no bad words, no reasoning budget). Building it is ~10
         small tensors a step; its generators are the requests' own, re-seeded in place."""
         last = self._last_sampling
         if last is not None and len(last[0]) == len(states) and all(
@@ -479,7 +479,8 @@ class ModelRunner:
             [s.stop_ids_for_min_tokens for s in states],
             generators, self.vocab_size, self.device)
         reusable = (metadata.no_penalties and metadata.min_tokens_rows is None
-                    and not any(s.sampling_params.bad_words_token_ids for s in states))
+                    and not any(s.sampling_params.bad_words_token_ids
+                                or s.sampling_params.think_forced_ids for s in states))
         self._last_sampling = (states, metadata) if reusable else None
         return metadata
 

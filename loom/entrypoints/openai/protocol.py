@@ -136,6 +136,10 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     bad_words: list[str] | None = None
     allowed_token_ids: list[TokenId] | None = None
+    # A reasoning budget: vLLM's thinking_token_budget, FastDeploy's reasoning_max_tokens
+    # (-1 unlimited, 0 no thinking); None: the server's --reasoning-budget.
+    thinking_token_budget: Int64 | None = Field(default=None, ge=-1)
+    reasoning_max_tokens: Int64 | None = Field(default=None, ge=-1)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
@@ -171,10 +175,21 @@ class SamplingFields(OpenAIModel):
     # The field holding the prompt: the param of a context-length error.
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
+    def thinking_budget(self, effort_budgets: dict[str, int] | None = None) -> int | None:
+        """The request's reasoning budget: thinking_token_budget, else reasoning_max_tokens,
+        else its reasoning_effort's budget (chat); None: the server's default."""
+        if self.thinking_token_budget is not None:
+            return self.thinking_token_budget
+        if self.reasoning_max_tokens is not None:
+            return self.reasoning_max_tokens
+        effort = getattr(self, "reasoning_effort", None)
+        return (effort_budgets or {}).get(effort) if effort else None
+
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                            defaults: dict[str, Any],
                            structured_outputs: StructuredOutputsParams | None,
-                           max_logprobs: int = 20) -> SamplingParams:
+                           max_logprobs: int = 20,
+                           effort_budgets: dict[str, int] | None = None) -> SamplingParams:
         """The SamplingParams of one prompt of this request (of ``num_prompt_tokens``
         tokens, rendered from the messages for a chat); logprobs beyond the server's
         ``max_logprobs`` are a 400 naming the request's field."""
@@ -182,7 +197,8 @@ class SamplingFields(OpenAIModel):
         max_tokens = self._max_tokens(requested, num_prompt_tokens, max_model_len,
                                       defaults.get("max_tokens"))
         params = self._sampling_params(max_tokens, logprobs, defaults, structured_outputs,
-                                       **fields)
+                                       thinking_token_budget=self.thinking_budget(
+                                           effort_budgets), **fields)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > max_logprobs:
@@ -344,6 +360,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's: a reasoning budget by name (the server's --reasoning-effort-budgets)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     REQUEST_FIELDS: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
     PROMPT_FIELD: ClassVar[str] = "messages"

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from loom.entrypoints.openai.text_split import MarkerScanner, held_back_suffix
 
 THINK_START = "<think>"
@@ -40,6 +42,15 @@ class ReasoningParser:
     def streaming(self) -> StreamingReasoningSplitter:
         return StreamingReasoningSplitter(self.starts_in_reasoning)
 
+    def with_thinking_closed(self) -> ReasoningParser:
+        """This parser for a prompt whose template closed the thinking (enable_thinking
+        false, a budget of 0): reasoning only where the output opens <think> itself."""
+        if not self.starts_in_reasoning:
+            return self
+        closed = copy.copy(self)
+        closed.starts_in_reasoning = False
+        return closed
+
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     starts_in_reasoning = True
@@ -53,7 +64,7 @@ class ErnieX1ReasoningParser(ReasoningParser):
     starts_in_reasoning = True
 
     def streaming(self) -> StreamingReasoningSplitter:
-        return StreamingReasoningSplitter(True, ResponseUnwrapper())
+        return StreamingReasoningSplitter(self.starts_in_reasoning, ResponseUnwrapper())
 
 
 RESPONSE_START = "<response>"

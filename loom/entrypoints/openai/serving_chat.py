@@ -49,11 +49,12 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, body: bytes) -> Response:
         request = ChatCompletionRequest.parse(body)
         self.check_model(request.model)
-        structured_outputs, output_builder = self._output_constraints(request)
         token_ids = self._render(request)
+        structured_outputs, output_builder = self._output_constraints(
+            request, self._opens_thinking(token_ids))
         params = request.to_sampling_params(len(token_ids), self.max_model_len,
                                             self.default_sampling_params, structured_outputs,
-                                            self.max_logprobs)
+                                            self.max_logprobs, self.effort_budgets)
         self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.submit(request_id, None, token_ids, params, request.stream)
@@ -62,7 +63,19 @@ class OpenAIServingChat(OpenAIServing):
                                             output_builder), abort=stream.abort)
         return await self._full(request, request_id, len(token_ids), stream, output_builder)
 
-    def _output_constraints(self, request: ChatCompletionRequest
+    def _opens_thinking(self, token_ids: list[int]) -> bool:
+        """Whether the rendered prompt leaves a <think> open for the output (True where
+        the tokenizer has no such tokens: the parser's own rule then)."""
+        think_ids = self.engine.input_processor.think_token_ids()
+        if think_ids is None:
+            return True
+        start, end = think_ids
+        for token_id in reversed(token_ids):
+            if token_id in (start, end):
+                return token_id == start
+        return False
+
+    def _output_constraints(self, request: ChatCompletionRequest, opens_thinking: bool = True
                             ) -> tuple[StructuredOutputsParams | None, ChatOutputBuilder]:
         """The grammar the output must follow (response_format and the like, or the tool
         calls tool_choice forces), and the builder that turns output text into messages.
@@ -75,6 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         structured_outputs = request_structured_outputs(request)
         forced_tool_calls = tool_choice_structured_outputs(request, tool_choice)
         reasoning_parser = self.reasoning_parser
+        if reasoning_parser is not None and not opens_thinking:  # the template closed it
+            reasoning_parser = reasoning_parser.with_thinking_closed()
         if forced_tool_calls is not None:
             if structured_outputs is not None:
                 raise RequestError(f'tool_choice "{tool_choice}" constrains the output itself; '
@@ -88,9 +103,11 @@ class OpenAIServingChat(OpenAIServing):
                                                      reasoning_parser)
 
     def _render(self, request: ChatCompletionRequest) -> list[int]:
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.thinking_budget(self.effort_budgets) == 0:  # no thinking, where the
+            kwargs.setdefault("enable_thinking", False)       # template can leave it out
         text = render_chat_prompt(self.engine.tokenizer, request.messages, request.tools,
-                                  request.add_generation_prompt,
-                                  request.chat_template_kwargs or {})
+                                  request.add_generation_prompt, kwargs)
         # The template writes any BOS token itself.
         token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         try:

@@ -33,6 +33,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.max_model_len = engine.config.model.max_model_len
         self.max_logprobs = engine.config.model.max_logprobs
+        self.effort_budgets = engine.config.model.reasoning_effort_budgets
         # The model's generation config: what a request leaves out.
         self.default_sampling_params = engine.config.model.default_sampling_params
 

@@ -6,7 +6,7 @@ stages run in this order, each skipped when no row in the batch needs it:
 
     raw logits ─┬─> logprobs = log_softmax(raw logits)            (only if a row asked)
                 └─> logit_bias, min_tokens (-inf on stop ids), bad words, allowed_token_ids
-                        ─> penalties
+                        (or the one token a reasoning budget forces) ─> penalties
                         ├─> greedy rows: argmax                   (all greedy: done)
                         └─> random rows: / temperature ─> min_p ─> top_k, top_p ─> sample
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from loom.kernels import native_ops_for
 from loom.model.layers.scratch import scratch
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import SamplingParams, forced_thinking_token
 
 _SAMPLING_EPS = 1e-5  # temperature below this is greedy (as in vLLM)
 LOGPROB_FLOOR = -9999.0  # reported in place of a -inf logprob
@@ -160,14 +160,24 @@ class SamplingMetadata:
                                           output_token_ids[row])
                 min_tokens_rows += [row] * len(ids)
                 min_tokens_ids += ids
-        allowed_rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        # rows that may sample only some tokens: a forced one (the reasoning budget's),
+        # else their allowed_token_ids
+        allowed: dict[int, list[int]] = {}
+        for row, p in enumerate(params):
+            forced = (forced_thinking_token(p, prompt_token_ids[row], output_token_ids[row])
+                      if p.think_forced_ids else None)
+            if forced is not None:
+                allowed[row] = [forced]
+            elif p.allowed_token_ids is not None:
+                allowed[row] = [t for t in p.allowed_token_ids if t < vocab_size]
+        allowed_rows = list(allowed)
         allowed_mask = None
         if allowed_rows:  # (A, V): True where the row may sample the token
             allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool,
                                        device=device)
             for index, row in enumerate(allowed_rows):
-                ids = [t for t in params[row].allowed_token_ids if t < vocab_size]
-                allowed_mask[index, torch.tensor(ids, dtype=torch.int64, device=device)] = True
+                allowed_mask[index, torch.tensor(allowed[row], dtype=torch.int64,
+                                                 device=device)] = True
 
         bias_rows: list[int] = []
         bias_ids: list[int] = []
