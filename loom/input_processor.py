@@ -127,6 +127,8 @@ class InputProcessor:
         budget = self.reasoning_budget if asked is None else asked
         if budget < 0 or params.think_forced_ids is not None:
             return
+        if params.structured_outputs is not None and params.grammar_after_thinking is None:
+            return  # the grammar writes every token: no thinking for a budget to end
         think_ids = self.think_token_ids()
         if think_ids is None:
             if asked is not None:

@@ -67,6 +67,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
+class GrammarAfterThinking(msgspec.Struct, frozen=True):
+    """Structured outputs that constrain only the answer of a thinking model: the
+    thinking (from the prompt's open <think>, or the output's opening one) is free, and
+    the grammar starts after </think>. The chat server sets it where a reasoning parser
+    is configured and the tokenizer has these tokens."""
+
+    think_start_id: int
+    think_end_id: int
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
@@ -107,6 +117,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     think_forced_ids: list[int] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    grammar_after_thinking: GrammarAfterThinking | None = None
     # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
     # instance; on a decode instance what the prefill instance answered (loom/core/kv_transfer.py).
     kv_transfer_params: dict[str, Any] | None = None

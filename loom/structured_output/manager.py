@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy
@@ -45,10 +45,23 @@ def bitmask_words(vocab_size: int) -> int:
 class StructuredOutputRequest:
     """One request's grammar: compiling (a future), then a matcher, or a compile error."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, after_thinking: Any = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self._future: Future | None = future
         self.matcher: llguidance.LLMatcher | None = None
         self.error: str | None = None
+        # A thinking model's answer only (SamplingParams.grammar_after_thinking): the
+        # phase the output is in, "thinking" (free, until </think>), "may think" (the
+        # first token: <think> opens a free thinking, anything else is the answer's), or
+        # "answer" (the grammar's).
+        self._think = after_thinking
+        self.phase = "answer"
+        if after_thinking is not None:
+            open_in_prompt = next((t == after_thinking.think_start_id
+                                   for t in reversed(prompt_token_ids or [])
+                                   if t in (after_thinking.think_start_id,
+                                            after_thinking.think_end_id)), False)
+            self.phase = "thinking" if open_in_prompt else "may think"
 
     @property
     def is_ready(self) -> bool:
@@ -70,12 +83,27 @@ class StructuredOutputRequest:
         A token the grammar rejects (it cannot be sampled under the mask, but eos with
         ``ignore_eos`` or a speculative token could be) raises GrammarError.
         """
+        if self.phase == "thinking":
+            if token_id == self._think.think_end_id:
+                self.phase = "answer"
+            return False
+        if self.phase == "may think":
+            self.phase = "answer"
+            if token_id == self._think.think_start_id:
+                self.phase = "thinking"
+                return False
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
         return self.matcher.is_stopped()
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        if self.phase == "thinking":
+            return  # every token (the row is all ones)
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.phase == "may think":  # and <think>, which opens a free thinking
+            start = self._think.think_start_id
+            if start // 32 < bitmask.shape[1]:
+                bitmask[row, start // 32] |= np.int32(np.uint32(1 << (start % 32)).view(np.int32))
 
 
 class StructuredOutputManager:
@@ -107,7 +135,8 @@ class StructuredOutputManager:
         key = (params.kind, params.spec, params.disable_any_whitespace,
                params.disable_additional_properties)
         future = self._executor.submit(self._compile, key, params)
-        request.structured_output_request = StructuredOutputRequest(future)
+        request.structured_output_request = StructuredOutputRequest(
+            future, request.sampling_params.grammar_after_thinking, request.prompt_token_ids)
         self._compiling[request.request_id] = request
 
     def take_failed(self) -> list[tuple[Request, str]]:

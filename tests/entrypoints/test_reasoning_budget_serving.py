@@ -28,7 +28,9 @@ def client(thinking_model):
     """``loom serve`` on the thinking model, its budgets set by flags."""
     server = LoomServer(thinking_model, "--kv-cache-memory", "32MiB", "--max-model-len", "256",
                         "--dtype", "float32", "--reasoning-parser", "deepseek_r1",
-                        "--reasoning-effort-budgets", '{"low": 2}', "--no-enable-warm-up")
+                        "--reasoning-effort-budgets", '{"low": 2}', "--no-enable-warm-up",
+                        # compact JSON: a random model fills every free whitespace run
+                        "--structured-outputs-disable-any-whitespace")
     try:
         with server.http() as client:
             yield client
@@ -95,3 +97,43 @@ def test_bad_budgets_are_400s_naming_the_field(client, fields, param):
     response = client.post("/v1/chat/completions", json={"messages": MESSAGES, **fields})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["four", "five"]}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_constrains_only_the_answer_after_the_thinking(client, thinking_model,
+                                                                free_thought, stream):
+    """With a reasoning parser, the grammar starts after </think>: the thinking is the
+    model's own (here the budget's 4 tokens, greedy as without a schema), the answer
+    parses against the schema; n = 2 random choices too."""
+    import jsonschema
+
+    fields = {"thinking_token_budget": 4, "max_tokens": 64, "ignore_eos": False,
+              "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
+    reasoning, content = chat(client, stream, **fields)
+    assert reasoning == load_tokenizer(thinking_model).decode(free_thought[:4])
+    jsonschema.validate(json.loads(content), SCHEMA)
+    response = client.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 5, **fields})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+        assert choice["message"]["reasoning_content"]
+
+
+def test_required_tool_calls_come_after_the_thinking(client):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+        "additionalProperties": False}}}]
+    response = client.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "tools": tools, "tool_choice": "required", "max_tokens": 200,
+        "parallel_tool_calls": False,
+        "temperature": 0, "thinking_token_budget": 3})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"]
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "add" and json.loads(call["arguments"]) in ({"a": 1}, {"a": 2})

@@ -31,7 +31,7 @@ from loom.entrypoints.openai.structured_outputs import (check_tool_choice,
 from loom.entrypoints.openai.tool_parsers import get_tool_parser
 from loom.input_processor import InvalidInputError
 from loom.outputs import CompletionOutput, Logprob
-from loom.sampling_params import StructuredOutputsParams
+from loom.sampling_params import GrammarAfterThinking, StructuredOutputsParams
 from loom.tokenizer import Tokenizer
 
 
@@ -55,6 +55,10 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(len(token_ids), self.max_model_len,
                                             self.default_sampling_params, structured_outputs,
                                             self.max_logprobs, self.effort_budgets)
+        think_ids = self.engine.input_processor.think_token_ids()
+        if structured_outputs is not None and output_builder.reasoning_parser is not None \
+                and think_ids is not None:  # the grammar constrains the answer only
+            params.grammar_after_thinking = GrammarAfterThinking(*think_ids)
         self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.submit(request_id, None, token_ids, params, request.stream)
@@ -80,9 +84,11 @@ class OpenAIServingChat(OpenAIServing):
         """The grammar the output must follow (response_format and the like, or the tool
         calls tool_choice forces), and the builder that turns output text into messages.
 
-        The grammar constrains the output from its first token (there is no free thinking
-        phase before it), so: forced tool calls have no reasoning, and other constrained
-        outputs have reasoning only where they open with <think>."""
+        With a reasoning parser, on a tokenizer that has <think> and </think>, the grammar
+        constrains only the answer: the thinking before it is free and parsed as usual.
+        Elsewhere the grammar constrains the output from its first token, so forced tool
+        calls have no reasoning, and other constrained outputs have reasoning only where
+        the grammar itself opens with <think>."""
         tool_choice = check_tool_choice(request, self.enable_auto_tool_choice,
                                         self.tool_call_parser)
         structured_outputs = request_structured_outputs(request)
@@ -90,13 +96,18 @@ class OpenAIServingChat(OpenAIServing):
         reasoning_parser = self.reasoning_parser
         if reasoning_parser is not None and not opens_thinking:  # the template closed it
             reasoning_parser = reasoning_parser.with_thinking_closed()
+        thinks_first = (reasoning_parser is not None
+                        and self.engine.input_processor.think_token_ids() is not None)
         if forced_tool_calls is not None:
             if structured_outputs is not None:
                 raise RequestError(f'tool_choice "{tool_choice}" constrains the output itself; '
                                    "drop response_format / structured_outputs",
                                    param="tool_choice")
-            structured_outputs, reasoning_parser = forced_tool_calls, None
-        elif structured_outputs is not None and reasoning_parser is not None:
+            structured_outputs = forced_tool_calls
+            if not thinks_first:
+                reasoning_parser = None
+        elif structured_outputs is not None and reasoning_parser is not None \
+                and not thinks_first:
             reasoning_parser = explicit_reasoning_parser()
         tool_name = request.tool_choice.function.name if tool_choice == "named" else None
         return structured_outputs, ChatOutputBuilder(tool_choice, tool_name, self.tool_parser,
