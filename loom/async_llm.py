@@ -121,7 +121,8 @@ class AsyncLLM:
         self.tokenizer: Tokenizer = tokenizer or load_tokenizer(
             config.model.model, config.model.tokenizer, config.model.chat_template)
         self.input_processor = InputProcessor(config.model, self.tokenizer,
-                                              config.structured_outputs)
+                                              config.structured_outputs,
+                                              config.scheduler.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = metrics or ServerMetrics(config.model.name)
         self.max_num_waiting = max_num_waiting

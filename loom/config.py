@@ -158,10 +158,16 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Off: a prompt runs whole in one step or waits; a step never holds part of one.
     enable_chunked_prefill: bool = True
+    # "fcfs": requests run in arrival order and the newest is preempted first; "priority":
+    # by each request's priority (lower first), then arrival, and the lowest-priority
+    # running request is preempted first (vLLM's --scheduling-policy).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -76,6 +76,10 @@ class EngineArgs:
         parse=arg_types.human_readable_int,
         help="context length in tokens; 32k = 32000, 32K = 32768 (as vLLM)")
     max_num_seqs: int = arg(64, to="scheduler.max_num_seqs", parse=arg_types.positive_int)
+    scheduling_policy: str = arg(
+        "fcfs", to="scheduler.policy", choices=["fcfs", "priority"],
+        help="fcfs: arrival order, the newest preempted first; priority: each request's "
+             "priority (lower first, then arrival), the lowest preempted first")
     max_num_batched_tokens: int | None = arg(
         None, to="scheduler.max_num_batched_tokens", parse=arg_types.human_readable_int,
         help="token budget of one step (default: at least 2048)")

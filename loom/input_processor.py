@@ -32,7 +32,8 @@ class ContextLengthError(InvalidInputError):
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer,
-                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs
         self.reasoning_budget = model_config.reasoning_budget
@@ -41,6 +42,7 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config
+        self.scheduling_policy = scheduling_policy
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, validated prompt token ids)."""
@@ -91,6 +93,10 @@ class InputProcessor:
                 raise InvalidInputError(f"bad_words_token_ids names a token outside the "
                                         f"vocabulary [0, {self.vocab_size})",
                                         "bad_words_token_ids")
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidInputError(f"priority {params.priority} needs the priority scheduling "
+                                    "policy; start the engine with --scheduling-policy "
+                                    "priority", "priority")
         self._apply_reasoning_budget(params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

@@ -76,8 +76,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order."""
+                 use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. ``priority``: one per prompt, as
+        vLLM's (lower runs first; needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -91,6 +93,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; "
+                                 "give one per prompt")
+            params = [p.clone(priority=value) for p, value in zip(params, priority)]
         return self._run(prompts, params, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],

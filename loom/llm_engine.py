@@ -31,7 +31,8 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
                                             config.model.chat_template)
         self.input_processor = InputProcessor(config.model, self.tokenizer,
-                                              config.structured_outputs)
+                                              config.structured_outputs,
+                                              config.scheduler.policy)
         self.engine_core = EngineCore.from_config(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -118,6 +118,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     grammar_after_thinking: GrammarAfterThinking | None = None
+    # vLLM's request priority under --scheduling-policy priority: lower runs first (and
+    # is preempted last); ties by arrival. vLLM passes it beside the params, loom in them.
+    priority: int = 0
     # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
     # instance; on a decode instance what the prefill instance answered (loom/core/kv_transfer.py).
     kv_transfer_params: dict[str, Any] | None = None
@@ -166,6 +169,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(bool(self.allowed_token_ids) and all(
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
                 "allowed_token_ids", "must be a non-empty list of token ids")
+        _check(type(self.priority) is int, "priority",
+               f"must be an integer, got {self.priority!r}")
         if self.thinking_token_budget is not None:
             _check(isinstance(self.thinking_token_budget, int)
                    and self.thinking_token_budget >= -1, "thinking_token_budget",

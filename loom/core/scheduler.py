@@ -9,7 +9,9 @@ with ``enable_chunked_prefill`` off it waits, first in line, until it fits whole
 prefix caching (a new request's computed tokens start at its cached length) and
 decode (a gap of one token). When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed, and it goes back to the front of the
-waiting queue to be recomputed, keeping the tokens it has produced.
+waiting queue to be recomputed, keeping the tokens it has produced. Under the priority
+policy the waiting queue is ordered by (priority, arrival) and the lowest-priority
+running request is the one preempted.
 
 Speculative decoding fits the same rule: a request's draft tokens (proposed by the
 workers in the previous step) count as tokens to compute, so a decoding request
@@ -97,7 +99,21 @@ class Scheduler:
             check_kv_transfer_params(request.sampling_params.kv_transfer_params, None, 1,
                                      self.kv_cache.block_size, request.num_prompt_tokens)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, first: bool = False) -> None:
+        """Into the waiting queue: at its end (fcfs; ``first``: a preempted request, at its
+        front), or by (priority, arrival) under the priority policy."""
+        if self.config.policy != "priority":
+            if first:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        key = _priority_key(request)
+        at = next((i for i, other in enumerate(self.waiting) if _priority_key(other) > key),
+                  len(self.waiting))
+        self.waiting.insert(at, request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
                         stop_reason: int | str | None = None) -> None:
@@ -142,7 +158,13 @@ class Scheduler:
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
             new_blocks = self._allocate(request, num_new_tokens)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = self._victim()
+                if self.running.index(victim) < index:  # scheduled already: undo it
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    scheduled_spec_tokens.pop(victim.request_id, None)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    index -= 1
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -415,6 +437,13 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
         return complete
 
+    def _victim(self) -> Request:
+        """The running request preempted when blocks run out: the newest (fcfs), or the
+        one of lowest priority, the newest among equals (priority)."""
+        if self.config.policy != "priority":
+            return self.running[-1]
+        return max(self.running, key=_priority_key)
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -423,7 +452,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_workers(request)
-        self.waiting.appendleft(request)
+        self._enqueue(request, first=True)
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -560,3 +589,8 @@ class Scheduler:
 def _slice_logprobs(logprobs: SampleLogprobs, start: int, end: int) -> SampleLogprobs:
     return SampleLogprobs(token_ids=logprobs.token_ids[start:end],
                           logprobs=logprobs.logprobs[start:end], ranks=logprobs.ranks[start:end])
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Lower runs first: the request's priority, then its arrival."""
+    return request.sampling_params.priority, request.arrival_time

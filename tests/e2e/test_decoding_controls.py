@@ -76,3 +76,24 @@ def test_allowed_token_ids_equal_masking_every_other_token(engines):
     assert set(got[0]) <= set(allowed)
     assert got[0] == hf_greedy(model, PROMPTS[0], others)
     assert got[1] == hf_greedy(model, PROMPTS[1], lambda ids, scores: scores)
+
+
+def test_priorities_under_the_priority_policy_change_no_tokens(tiny_llama, engines):
+    """--scheduling-policy priority with one sequence at a time: each prompt still gets
+    exactly its greedy tokens (the order is the scheduler's, tests/core/
+    test_scheduler_priority.py); under fcfs a priority is refused, naming the fix."""
+    from loom.input_processor import InvalidInputError
+
+    llm, _ = engines
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = loom_greedy(llm, [plain, plain])
+    with pytest.raises(InvalidInputError, match="--scheduling-policy priority"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], plain, use_tqdm=False, priority=[1])
+    ordered = LLM(tiny_llama, dtype="float32", max_model_len=128, max_num_seqs=1,
+                  scheduling_policy="priority")
+    try:
+        out = ordered.generate([{"prompt_token_ids": p} for p in PROMPTS], plain,
+                               use_tqdm=False, priority=[5, -1])
+    finally:
+        ordered.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in out] == want

@@ -264,6 +264,8 @@ ERROR_CASES = [
     (COMPLETION, {"prompt": "hi", "allowed_token_ids": [999]}, 400, "allowed_token_ids", None),
     (COMPLETION, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", None),
     (COMPLETION, {"prompt": "hi", "bad_words": [" "]}, 400, "bad_words", None),
+    (COMPLETION, {"prompt": "hi", "priority": 1}, 400, "priority", None),  # fcfs here
+    (COMPLETION, {"prompt": "hi", "priority": "high"}, 400, "priority", None),
     (CHAT, {"messages": MESSAGES, "bad_words": "hi"}, 400, "bad_words", None),
     (COMPLETION, {"prompt": "hi", "suffix": "!"}, 400, "suffix", None),
     (COMPLETION, {"prompt": "hi", "best_of": 3}, 400, "best_of", None),
