@@ -142,14 +142,8 @@ def load_sampling_defaults(model: str, generation_config: str = "auto",
     holding a generation_config.json, or the file itself. ``override`` (a dict or its
     JSON) is laid over the result.
     """
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--override-generation-config is not valid JSON: {error}") from None
-    if override is not None and not isinstance(override, dict):
-        raise ValueError("--override-generation-config must be a JSON object, e.g. "
-                         '\'{"temperature": 0.5}\'')
+    override = _json_object(override, "--override-generation-config",
+                            '\'{"temperature": 0.5}\'')
     if generation_config == "vllm":
         values: dict[str, Any] = {}
     else:
@@ -223,16 +217,22 @@ def max_position_embeddings(hf_config) -> int | None:
 def _effort_budgets(value: dict[str, int] | str | None) -> dict[str, int]:
     """--reasoning-effort-budgets over the defaults (ModelConfig checks the result)."""
     budgets = {"low": 1024, "medium": 4096, "high": -1}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--reasoning-effort-budgets is not valid JSON: {error}") from None
-    if value is not None and not isinstance(value, dict):
-        raise ValueError('--reasoning-effort-budgets must be a JSON object, e.g. '
-                         '\'{"low": 512}\'')
+    value = _json_object(value, "--reasoning-effort-budgets", '\'{"low": 512}\'')
     unknown = sorted(set(value or {}) - set(budgets))
     if unknown:
         raise ValueError(f"--reasoning-effort-budgets has unknown efforts {unknown}; "
                          "known: low, medium, high")
     return {**budgets, **(value or {})}
+
+
+def _json_object(value: dict[str, Any] | str | None, flag: str,
+                 example: str) -> dict[str, Any] | None:
+    """A flag's JSON object, given as itself or as its text; a ValueError naming the flag."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{flag} is not valid JSON: {error}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. {example}")
+    return value

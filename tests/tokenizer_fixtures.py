@@ -81,15 +81,7 @@ def make_tiny_thinking_tokenizer(path: str) -> str:
     hf.add_tokens(["<think>", "</think>"], special_tokens=False)
     assert hf.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK_START_ID, THINK_END_ID]
     hf.save_pretrained(path)
-    config_path = os.path.join(path, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["chat_template"] = THINKING_CHAT_TEMPLATE
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2)
-    jinja_path = os.path.join(path, "chat_template.jinja")
-    if os.path.exists(jinja_path):
-        os.remove(jinja_path)
+    _move_chat_template_into_tokenizer_config(path, THINKING_CHAT_TEMPLATE)
     return path
 
 
@@ -130,12 +122,12 @@ def _byte_level_chars() -> list[str]:
     return [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
 
 
-def _move_chat_template_into_tokenizer_config(path: str) -> None:
+def _move_chat_template_into_tokenizer_config(path: str, template: str = CHAT_TEMPLATE) -> None:
     """Put the template where most published checkpoints keep it, tokenizer_config.json."""
     config_path = os.path.join(path, "tokenizer_config.json")
     with open(config_path) as f:
         config = json.load(f)
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = template
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     jinja_path = os.path.join(path, "chat_template.jinja")
