@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
 DTYPE_CHOICES = (*DTYPES, *DTYPE_ALIASES)
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --quantization (loom/model/layers/quantization.py); "auto" keeps the checkpoint's weights.
 QUANTIZATION_CHOICES = ("auto", "none", "wint8", "wint4")
 # GGUF formats are a file's, not a flag: --quantization auto keeps them
@@ -66,6 +67,11 @@ class ModelConfig:
     # The most logprobs (and prompt_logprobs) a request may ask for (vLLM's
     # --max-logprobs); more is a 400 naming the field.
     max_logprobs: int = 20
+    # What logprobs report (vLLM's --logprobs-mode): raw_logprobs (the model's output),
+    # raw_logits, processed_logprobs or processed_logits (after logit bias, masks,
+    # penalties and, for sampled rows, temperature, min_p, top-k and top-p: what the token
+    # is drawn from). Prompt logprobs are raw (logits under raw_logits).
+    logprobs_mode: str = "raw_logprobs"
     # A thinking model's reasoning budget for requests that set none (llama-server's
     # --reasoning-budget): -1 unlimited, 0 no thinking, N tokens; then </think> is forced,
     # after ``reasoning_budget_message``'s tokens if set. Applies where the tokenizer has
@@ -101,6 +107,9 @@ class ModelConfig:
                 type(v) is int and v >= -1 for v in efforts.values()):
             raise ValueError('reasoning_effort_budgets must give "low", "medium" and "high" '
                              f"each a budget (-1 or more), got {efforts!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                             f"{self.logprobs_mode!r}")
         if type(self.max_logprobs) is not int or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got "
                              f"{self.max_logprobs!r}")
@@ -535,6 +544,9 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and self.model.logprobs_mode.startswith("processed"):
+            raise ValueError(f"--logprobs-mode {self.model.logprobs_mode} is not supported "
+                             "with speculative decoding; use raw_logprobs or raw_logits")
         if self.scheduler.max_model_len != self.model.max_model_len:
             raise ValueError("scheduler.max_model_len must equal model.max_model_len "
                              f"({self.scheduler.max_model_len} != {self.model.max_model_len})")

@@ -223,6 +223,12 @@ class EngineArgs:
         20, to="model.max_logprobs", parse=arg_types.non_negative_int,
         help="the most logprobs (and prompt_logprobs) one request may ask for (default 20, "
              "as vLLM); more is a 400 naming the field")
+    logprobs_mode: str = arg(
+        "raw_logprobs", to="model.logprobs_mode",
+        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+        help="what logprobs report: the model's raw logprobs (default) or logits, or those "
+             "of the distribution a token is drawn from (after bias, masks, penalties, "
+             "temperature, min_p, top-k, top-p)")
     reasoning_budget: int = arg(
         -1, to="model.reasoning_budget", parse=int,
         help="thinking models: at most this many tokens of reasoning for a request that sets "

@@ -137,3 +137,22 @@ def test_max_logprobs_bounds_every_request(tmp_path, capsys):
         with pytest.raises(InvalidInputError, match=f"{name} must be at most 2") as error:
             processor.validate_params(SamplingParams(**{name: 3}))
         assert error.value.param == name
+
+
+def test_logprobs_mode_flag_and_its_refusal(tmp_path, capsys):
+    """--logprobs-mode takes vLLM's four modes (tests/model/test_sampler.py checks their
+    values); a processed mode with speculative decoding is refused in one line."""
+    from checkpoints import make_tiny_checkpoint
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--logprobs-mode", "logits"])
+    assert exit_info.value.code == 2 and "--logprobs-mode" in capsys.readouterr().err
+    path = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    make_tiny_tokenizer(path)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="processed_logits is not supported with speculative"):
+        EngineArgs(model=path, max_model_len=64, logprobs_mode="processed_logits",
+                   speculative_config=ngram).create_engine_config()
+    config = EngineArgs(model=path, max_model_len=64, logprobs_mode="raw_logits",
+                        speculative_config=ngram).create_engine_config()
+    assert config.model.logprobs_mode == "raw_logits"

@@ -50,6 +50,11 @@ class VerifyOutput:
 
 
 class RejectionSampler:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        # raw_logprobs or raw_logits (EngineConfig refuses the processed modes with
+        # speculative decoding)
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
                  draft_token_ids: Sequence[Sequence[int]],
                  row_seeds: dict[int, tuple[torch.Generator, int]] | None = None,
@@ -122,8 +127,9 @@ class RejectionSampler:
         tokens = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64,
                               device=device)
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits[rows], dim=-1)
-            ids, values, ranks = gather_logprobs(raw_logprobs, tokens, metadata.max_num_logprobs)
+            reported = (logits[rows].float() if self.logprobs_mode == "raw_logits"
+                        else torch.log_softmax(logits[rows], dim=-1))
+            ids, values, ranks = gather_logprobs(reported, tokens, metadata.max_num_logprobs)
             out.logprob_token_ids, out.logprobs, out.ranks = (ids.tolist(), values.tolist(),
                                                               ranks.tolist())
         if want_probs:

@@ -73,8 +73,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.hf_config = model_hf_config(config.model)
         self.model: torch.nn.Module | None = None
-        self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler()
+        self.sampler = Sampler(config.model.logprobs_mode)
+        self.rejection_sampler = RejectionSampler(config.model.logprobs_mode)
         self.requests: dict[str, CachedRequestState] = {}
         # The last step's sampling rows and their metadata, while reusable (_sampling_metadata)
         self._last_sampling: tuple[list[CachedRequestState], SamplingMetadata] | None = None
@@ -549,8 +549,9 @@ class ModelRunner:
                 last = min(first + _PROMPT_LOGPROBS_CHUNK, end - start)
                 logits = self.model.compute_logits(
                     hidden_states[starts[i] + first:starts[i] + last]).float()
-                ids, values, ranks = gather_logprobs(torch.log_softmax(logits, dim=-1),
-                                                     token_ids[first:last], k)
+                reported = (logits if self.config.model.logprobs_mode == "raw_logits"
+                            else torch.log_softmax(logits, dim=-1))
+                ids, values, ranks = gather_logprobs(reported, token_ids[first:last], k)
                 entry.token_ids += ids.tolist()
                 entry.logprobs += values.tolist()
                 entry.ranks += ranks.tolist()

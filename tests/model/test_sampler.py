@@ -459,3 +459,31 @@ def test_inverse_cdf_equals_one_running_sum(width):
     got = inverse_cdf(probs, uniform)
     assert torch.equal(got, expected)
     assert not torch.any(got % 3 == 0)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs",
+                                  "processed_logits"])
+def test_logprobs_modes(mode):
+    """--logprobs-mode: raw values are the model's; processed ones what each row's token
+    is drawn from: the greedy row's biased logits, the sampled row's logits / temperature
+    with everything outside its top-k at -inf (reported as the floor)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, VOCAB) * 3
+    params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 50.0}),
+              SamplingParams(temperature=0.5, top_k=2, logprobs=3, seed=1)]
+    out = Sampler(mode)(logits.clone(), build(params, generators={
+        1: torch.Generator().manual_seed(1)}))
+    biased = logits.clone()
+    biased[0, 5] += 50.0
+    processed = torch.stack([biased[0], logits[1] / 0.5])
+    kept = logits[1].topk(2).indices
+    processed[1, [t for t in range(VOCAB) if t not in kept.tolist()]] = float("-inf")
+    expected = {"raw_logprobs": torch.log_softmax(logits, dim=-1), "raw_logits": logits,
+                "processed_logits": processed,
+                "processed_logprobs": torch.log_softmax(processed, dim=-1)}[mode]
+    expected = expected.clamp(min=LOGPROB_FLOOR)
+    assert out.sampled_token_ids[0] == 5 and out.sampled_token_ids[1] in kept
+    for row in range(2):
+        ids = out.logprob_token_ids[row]
+        torch.testing.assert_close(out.logprobs[row], expected[row, ids])
+        assert ids[1:].tolist() == expected[row].topk(3).indices.tolist()

@@ -239,10 +239,18 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.logprobs_mode = logprobs_mode  # ModelConfig.logprobs_mode
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # (B, V)
-        raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if metadata.max_num_logprobs is not None else None)
+        wanted = metadata.max_num_logprobs is not None
+        reported = None  # what logprobs report, per the mode
+        if wanted and self.logprobs_mode == "raw_logprobs":
+            reported = torch.log_softmax(logits, dim=-1)
+        elif wanted and self.logprobs_mode == "raw_logits":
+            reported = logits.clone()
 
         logits = self.process_logits(logits, metadata)
 
@@ -253,11 +261,27 @@ class Sampler(nn.Module):
             if not metadata.all_random:
                 sampled = torch.where(metadata.is_greedy, greedy_argmax(logits), sampled)
 
-        if raw_logprobs is None:
+        if not wanted:
             return SamplerOutput(sampled, None, None, None)
-        token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled,
+        if reported is None:  # processed: what each row's token was drawn from
+            reported = self.processed_logits(logits, metadata)
+            if self.logprobs_mode == "processed_logprobs":
+                reported = torch.log_softmax(reported, dim=-1)
+        token_ids, logprobs, ranks = gather_logprobs(reported, sampled,
                                                      metadata.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+    @staticmethod
+    def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The logits each row's token is drawn from, from the processed ``logits``:
+        themselves for greedy rows; / temperature, min_p, and -inf outside the top-k /
+        top-p set for sampled rows (greedy rows carry neutral values there). A new
+        tensor."""
+        if metadata.all_greedy:
+            return logits.clone()
+        probs = Sampler.sampling_probs(logits, metadata)
+        kept = probs > 0
+        return torch.where(kept, Sampler._scaled(logits, metadata), float("-inf"))
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
