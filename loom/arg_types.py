@@ -97,3 +97,12 @@ def byte_size(text: str) -> int:
     if unit not in _UNITS or not number:
         raise argparse.ArgumentTypeError(f"must be a size like 512MiB or 2GiB, got {text}")
     return int(float(number) * _UNITS[unit])
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a,b, c`` -> ("a", "b", "c")."""
+    items = tuple(item.strip() for item in text.split(",") if item.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"must be one or more names separated by commas, got "
+                                         f"{text!r}")
+    return items

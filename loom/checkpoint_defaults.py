@@ -91,6 +91,10 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
     if kv_transfer is not None and kv_transfer.kv_transport == "shm" and device != "cpu":
         raise ValueError("kv_transport shm shares the KV cache in host memory, so it needs "
                          "--device cpu; use kv_transport tcp on CUDA")
+    if args.logits_processors:
+        from loom.model.layers.logits_processors import check_names
+
+        check_names(args.logits_processors)
     sampling_defaults = load_sampling_defaults(model, args.generation_config,
                                                args.override_generation_config)
     resolved = dataclasses.replace(
@@ -100,7 +104,8 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         expert_parallel_size=expert_parallel_size, speculative_config=speculative,
         kv_transfer_config=kv_transfer,
         data_parallel_address=args.data_parallel_address or "127.0.0.1",
-        reasoning_effort_budgets=_effort_budgets(args.reasoning_effort_budgets))
+        reasoning_effort_budgets=_effort_budgets(args.reasoning_effort_budgets),
+        logits_processors=tuple(args.logits_processors or ()))
     model_fields = {"vocab_size": getattr(hf_config, "vocab_size", None),
                     "sampling_defaults": tuple(sampling_defaults.items()),
                     "hf_config": hf_config_values(hf_config)}

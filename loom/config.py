@@ -72,6 +72,9 @@ class ModelConfig:
     # penalties and, for sampled rows, temperature, min_p, top-k and top-p: what the token
     # is drawn from). Prompt logprobs are raw (logits under raw_logits).
     logprobs_mode: str = "raw_logprobs"
+    # Custom logits processors by class name (layers/logits_processors.py), applied in
+    # that order before logit bias, masks and penalties.
+    logits_processors: tuple[str, ...] = ()
     # A thinking model's reasoning budget for requests that set none (llama-server's
     # --reasoning-budget): -1 unlimited, 0 no thinking, N tokens; then </think> is forced,
     # after ``reasoning_budget_message``'s tokens if set. Applies where the tokenizer has

@@ -229,6 +229,11 @@ class EngineArgs:
         help="what logprobs report: the model's raw logprobs (default) or logits, or those "
              "of the distribution a token is drawn from (after bias, masks, penalties, "
              "temperature, min_p, top-k, top-p)")
+    logits_processors: tuple[str, ...] = arg(
+        (), to="model.logits_processors", parse=arg_types.comma_list,
+        help="custom logits processors, comma-separated class names package.module:Class, "
+             "each applied to the batch's logits before bias and penalties "
+             "(loom/model/layers/logits_processors.py)")
     reasoning_budget: int = arg(
         -1, to="model.reasoning_budget", parse=int,
         help="thinking models: at most this many tokens of reasoning for a request that sets "

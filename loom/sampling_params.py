@@ -121,6 +121,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # vLLM's request priority under --scheduling-policy priority: lower runs first (and
     # is preempted last); ties by arrival. vLLM passes it beside the params, loom in them.
     priority: int = 0
+    # Settings for custom logits processors (vLLM's extra_args; --logits-processors)
+    extra_args: dict[str, Any] | None = None
     # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
     # instance; on a decode instance what the prefill instance answered (loom/core/kv_transfer.py).
     kv_transfer_params: dict[str, Any] | None = None

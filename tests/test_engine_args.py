@@ -156,3 +156,16 @@ def test_logprobs_mode_flag_and_its_refusal(tmp_path, capsys):
     config = EngineArgs(model=path, max_model_len=64, logprobs_mode="raw_logits",
                         speculative_config=ngram).create_engine_config()
     assert config.model.logprobs_mode == "raw_logits"
+
+
+def test_a_logits_processor_that_cannot_be_found_is_one_line(tmp_path, capsys):
+    from checkpoints import make_tiny_checkpoint
+
+    from loom.cli import main
+
+    path = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    make_tiny_tokenizer(path)
+    code = main(["generate", "--model", path, "--prompt", "hi", "--max-model-len", "64",
+                 "--logits-processors", "nowhere_at_all:Ban"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no module named 'nowhere_at_all'" in err[0]

@@ -25,6 +25,7 @@ from loom.core.wire import ModelRunnerOutput, NewRequestData, SampleLogprobs, Sc
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+from loom.model.layers import logits_processors
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
 from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
@@ -74,6 +75,7 @@ class ModelRunner:
         self.hf_config = model_hf_config(config.model)
         self.model: torch.nn.Module | None = None
         self.sampler = Sampler(config.model.logprobs_mode)
+        self.logits_processors = logits_processors.load(config.model.logits_processors)
         self.rejection_sampler = RejectionSampler(config.model.logprobs_mode)
         self.requests: dict[str, CachedRequestState] = {}
         # The last step's sampling rows and their metadata, while reusable (_sampling_metadata)
@@ -477,8 +479,9 @@ class ModelRunner:
             [s.token_ids[:s.num_prompt_tokens] for s in states],
             [s.output_token_ids for s in states],
             [s.stop_ids_for_min_tokens for s in states],
-            generators, self.vocab_size, self.device)
+            generators, self.vocab_size, self.device, self.logits_processors)
         reusable = (metadata.no_penalties and metadata.min_tokens_rows is None
+                    and not self.logits_processors
                     and not any(s.sampling_params.bad_words_token_ids
                                 or s.sampling_params.think_forced_ids for s in states))
         self._last_sampling = (states, metadata) if reusable else None
@@ -507,7 +510,7 @@ class ModelRunner:
             [state.token_ids[:state.num_prompt_tokens] for state, _, _ in rows],
             [state.output_token_ids + d[:j] for state, d, j in rows],
             [state.stop_ids_for_min_tokens for state, _, _ in rows],
-            {}, self.vocab_size, self.device)
+            {}, self.vocab_size, self.device, self.logits_processors)
         result = self.rejection_sampler(logits, metadata, drafts, row_seeds,
                                         want_probs=self.early_stop)
         probs: list[list[float]] = [[] for _ in req_ids]

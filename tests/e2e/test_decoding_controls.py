@@ -97,3 +97,42 @@ def test_priorities_under_the_priority_policy_change_no_tokens(tiny_llama, engin
     finally:
         ordered.shutdown()
     assert [list(o.outputs[0].token_ids) for o in out] == want
+
+
+BAN_PROCESSOR = '''
+import torch
+
+
+class BanTokens:
+    """Bans the tokens a request lists in extra_args["ban"]."""
+
+    def apply(self, logits, params, output_token_ids):
+        for row, p in enumerate(params):
+            for token_id in (p.extra_args or {}).get("ban", []):
+                logits[row, token_id] = float("-inf")
+        return logits
+'''
+
+
+def test_a_custom_logits_processor_loaded_by_name(tiny_llama, engines, tmp_path, monkeypatch):
+    """--logits-processors module:Class, constructed at start-up and applied to the batch:
+    a row's extra_args reach it; its tokens equal transformers' with the same bans; a
+    row without settings is untouched. A name that cannot be found is one line."""
+    _, model = engines
+    (tmp_path / "loom_test_ban.py").write_text(BAN_PROCESSOR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="no module named 'nowhere_at_all'"):
+        LLM(tiny_llama, dtype="float32", max_model_len=128,
+            logits_processors=("nowhere_at_all:Ban",))
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=128,
+              logits_processors=("loom_test_ban:BanTokens",))
+    try:
+        plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        free = loom_greedy(llm, [plain, plain])
+        banned = free[0][:3]
+        got = loom_greedy(llm, [plain.clone(extra_args={"ban": banned}), plain])
+    finally:
+        llm.shutdown()
+    processor = NoBadWordsLogitsProcessor([[t] for t in banned], eos_token_id=None)
+    assert got[0] == hf_greedy(model, PROMPTS[0], processor) and got[0] != free[0]
+    assert not set(banned) & set(got[0]) and got[1] == free[1]

@@ -140,6 +140,8 @@ class SamplingFields(OpenAIModel):
     # (-1 unlimited, 0 no thinking); None: the server's --reasoning-budget.
     # vLLM's: under --scheduling-policy priority, lower runs first
     priority: Int64 = 0
+    # vLLM's: settings for the server's custom logits processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, Any] | None = None
     thinking_token_budget: Int64 | None = Field(default=None, ge=-1)
     reasoning_max_tokens: Int64 | None = Field(default=None, ge=-1)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
@@ -259,7 +261,7 @@ class SamplingFields(OpenAIModel):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs, logit_bias=logit_bias, bad_words=self.bad_words,
-                priority=self.priority,
+                priority=self.priority, extra_args=self.vllm_xargs,
                 allowed_token_ids=self.allowed_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured_outputs,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,6 +87,10 @@ class SamplingMetadata:
     logit_bias_rows: torch.Tensor | None  # (M,) int64
     logit_bias_token_ids: torch.Tensor | None  # (M,) int64
     logit_bias_values: torch.Tensor | None  # (M,) float32
+    # custom logits processors (layers/logits_processors.py) and what they read: each
+    # row's params and output so far
+    logits_processors: Sequence[Any]
+    params: Sequence[SamplingParams]
     allowed_rows: torch.Tensor | None  # (A,) int64: rows with allowed_token_ids
     allowed_mask: torch.Tensor | None  # (A, V) bool: True where that row may sample
 
@@ -98,7 +103,8 @@ class SamplingMetadata:
     @property
     def needs_logits_processing(self) -> bool:
         return (not self.no_penalties or self.min_tokens_rows is not None
-                or self.logit_bias_rows is not None or self.allowed_rows is not None)
+                or self.logit_bias_rows is not None or self.allowed_rows is not None
+                or bool(self.logits_processors))
 
     @classmethod
     def build(
@@ -110,6 +116,7 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator],
         vocab_size: int,
         device: torch.device | str,
+        logits_processors: Sequence[Any] = (),
     ) -> SamplingMetadata:
         """Build the step's metadata for rows ``0 .. len(params) - 1``.
 
@@ -223,6 +230,8 @@ class SamplingMetadata:
             logit_bias_rows=longs_or_none(bias_rows),
             logit_bias_token_ids=longs_or_none(bias_ids),
             logit_bias_values=floats(bias_values) if bias_values else None,
+            logits_processors=tuple(logits_processors),
+            params=list(params),
             allowed_rows=longs_or_none(allowed_rows),
             allowed_mask=allowed_mask,
             max_num_logprobs=max(requested) if requested else None,
@@ -285,10 +294,14 @@ class Sampler(nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """logit_bias, min_tokens and penalties: what greedy rows take the argmax of.
+        """Custom logits processors, logit_bias, masks and penalties: what greedy rows take
+        the argmax of.
         Returns ``logits`` itself when nothing applies, else a new tensor."""
         if metadata.needs_logits_processing:
-            logits = apply_logit_bias_and_min_tokens(logits.clone(), metadata)
+            logits = logits.clone()
+            for processor in metadata.logits_processors:
+                logits = processor.apply(logits, metadata.params, metadata.output_token_ids)
+            logits = apply_logit_bias_and_min_tokens(logits, metadata)
             if not metadata.no_penalties:
                 logits = apply_penalties(logits, metadata)
         return logits
