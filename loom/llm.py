@@ -13,6 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from loom.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from loom.default_model import default_model_path
 from loom.engine_args import EngineArgs, llm_kwargs_to_fields
 from loom.errors import WorkerDiedError
@@ -99,6 +100,33 @@ class LLM:
                                  "give one per prompt")
             params = [p.clone(priority=value) for p, value in zip(params, priority)]
         return self._run(prompts, params, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: ``params.beam_width`` best sequences per prompt,
+        best first, by cumulative logprob over length ** length_penalty (loom/beam_search.py).
+        Each sequence's ``tokens`` hold the prompt's then the generated ones, ``text`` the
+        generated text."""
+        mode = self.engine.config.model.logprobs_mode
+        if not mode.endswith("logprobs"):
+            raise ValueError(f"beam search ranks by logprobs; this engine reports {mode} "
+                             "(--logprobs-mode raw_logprobs or processed_logprobs)")
+        token_ids = [self.engine.process_prompt(prompt)[1] for prompt in prompts]
+
+        def step(sequences: list[list[int]], ask: SamplingParams) -> list[list[tuple[int, float]]]:
+            outputs = self.generate([{"prompt_token_ids": tokens} for tokens in sequences],
+                                    ask, use_tqdm=False)
+            return [sorted(((token_id, entry.logprob) for token_id, entry
+                            in output.outputs[0].logprobs[0].items()),
+                           key=lambda item: item[1], reverse=True)
+                    for output in outputs]
+
+        eos = frozenset(self.engine.tokenizer.eos_token_ids)
+        results = beam_search(token_ids, params, step, eos)
+        for prompt, result in zip(token_ids, results):
+            for sequence in result.sequences:
+                sequence.text = self.engine.tokenizer.decode(sequence.tokens[len(prompt):])
+        return results
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -136,3 +136,27 @@ def test_a_custom_logits_processor_loaded_by_name(tiny_llama, engines, tmp_path,
     processor = NoBadWordsLogitsProcessor([[t] for t in banned], eos_token_id=None)
     assert got[0] == hf_greedy(model, PROMPTS[0], processor) and got[0] != free[0]
     assert not set(banned) & set(got[0]) and got[1] == free[1]
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_equals_transformers(engines, width):
+    """LLM.beam_search: the best beams, best first, token for token as transformers'
+    beam search gives them (no eos, length penalty 1)."""
+    from loom.beam_search import BeamSearchParams
+
+    llm, model = engines
+    model.generation_config.eos_token_id = None
+    out = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                          BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True))
+    for prompt, result in zip(PROMPTS, out):
+        with torch.inference_mode():
+            hf = model.generate(torch.tensor([prompt]), num_beams=width,
+                                num_return_sequences=width, max_new_tokens=8,
+                                do_sample=False, early_stopping=False, length_penalty=1.0,
+                                pad_token_id=0)
+        want = [row[len(prompt):].tolist() for row in hf]
+        got = [sequence.tokens[len(prompt):] for sequence in result.sequences]
+        assert got == want
+        assert result.sequences[0].text == llm.get_tokenizer().decode(got[0])
+    with pytest.raises(ValueError, match="beam_width must be a positive integer"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
