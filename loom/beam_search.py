@@ -53,35 +53,59 @@ class BeamSearchOutput:
 StepFn = Callable[[list[list[int]], SamplingParams], list[list[tuple[int, float]]]]
 
 
-def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn,
-                eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
-    """Beam search from each prompt's token ids; ``step`` runs one token of each beam."""
-    width = params.beam_width
-    ask = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
-    live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        asked = [beam for beams in live for beam in beams]
-        if not asked:
-            break
-        answers = iter(step([beam.tokens for beam in asked], ask))
-        for index, beams in enumerate(live):
+class BeamSearch:
+    """The search's state, driven by a caller that runs the engine: ``asks()`` gives the
+    token lists to step (every live beam of every prompt), ``advance`` takes each one's
+    top candidates; ``done`` says when to stop, ``outputs()`` ranks the beams. The offline
+    ``beam_search`` and the server drive it alike."""
+
+    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.params, self.eos_token_ids = params, eos_token_ids
+        self.ask = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width,
+                                  ignore_eos=True)
+        self.live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
+        self.complete: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_tokens or not any(self.live)
+
+    def asks(self) -> list[list[int]]:
+        return [beam.tokens for beams in self.live for beam in beams]
+
+    def advance(self, answers: list[list[tuple[int, float]]]) -> None:
+        """``answers``: for each of ``asks()``, in order, its candidates (token, logprob)."""
+        width, answers = self.params.beam_width, iter(answers)
+        for index, beams in enumerate(self.live):
             candidates = [
                 BeamSearchSequence(beam.tokens + [token_id], beam.cum_logprob + logprob,
                                    beam.num_generated + 1)
                 for beam in beams for token_id, logprob in next(answers)]
             candidates.sort(key=lambda beam: beam.cum_logprob, reverse=True)
-            live[index] = []
+            self.live[index] = []
             for beam in candidates[:width]:
-                if not params.ignore_eos and beam.tokens[-1] in eos_token_ids:
+                if not self.params.ignore_eos and beam.tokens[-1] in self.eos_token_ids:
                     beam.finished = True
-                    done[index].append(beam)
+                    self.complete[index].append(beam)
                 else:
-                    live[index].append(beam)
-    outputs = []
-    for beams, complete in zip(live, done):
-        ranked = sorted(complete + beams, reverse=True,
-                        key=lambda beam: beam.cum_logprob
-                        / max(beam.num_generated, 1) ** params.length_penalty)
-        outputs.append(BeamSearchOutput(ranked[:width]))
-    return outputs
+                    self.live[index].append(beam)
+        self.steps += 1
+
+    def outputs(self) -> list[BeamSearchOutput]:
+        penalty = self.params.length_penalty
+        return [BeamSearchOutput(sorted(
+                    complete + beams, reverse=True,
+                    key=lambda beam: beam.cum_logprob / max(beam.num_generated, 1) ** penalty
+                )[:self.params.beam_width])
+                for beams, complete in zip(self.live, self.complete)]
+
+
+def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn,
+                eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
+    """Beam search from each prompt's token ids; ``step`` runs one token of each beam."""
+    search = BeamSearch(prompts, params, eos_token_ids)
+    while not search.done:
+        search.advance(step(search.asks(), search.ask))
+    return search.outputs()

@@ -278,6 +278,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int64 | None = None
+    # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     REQUEST_FIELDS: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
 

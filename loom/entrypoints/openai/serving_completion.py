@@ -20,6 +20,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import RequestStream
+from loom.beam_search import BeamSearch, BeamSearchParams
 from loom.entrypoints.openai.errors import (OpenAIError, RequestError, engine_error,
                                            raise_if_failed)
 from loom.entrypoints.openai.protocol import CompletionRequest
@@ -37,6 +38,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request = CompletionRequest.parse(body)
         self.check_model(request.model)
         prompts = self._prompts(request)
+        if request.use_beam_search:
+            return await self._beam_search(request, prompts)
         structured_outputs = request_structured_outputs(request)
         transfers = _kv_transfer_params_by_prompt(request.kv_transfer_params, len(prompts))
         params = []
@@ -67,6 +70,70 @@ class OpenAIServingCompletion(OpenAIServing):
             return SSEResponse(self._stream(request, request_id, prompts, streams),
                                abort=abort_all)
         return await self._full(request, request_id, prompts, streams)
+
+    async def _beam_search(self, request: CompletionRequest, prompts: list[Prompt]) -> Response:
+        """vLLM's ``use_beam_search``: ``n`` beams of each prompt (loom/beam_search.py),
+        each step every live beam one non-streamed request to the engine; the beams are
+        the choices, best first."""
+        if request.stream:
+            raise RequestError("use_beam_search gives whole beams; set stream to false",
+                               param="stream")
+        max_tokens = request.max_tokens or 16
+        longest = max(len(token_ids) for _, token_ids in prompts)
+        if longest + max_tokens > self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} "
+                               f"tokens; {longest} in the prompt and {max_tokens} to generate "
+                               "do not fit", param="prompt", code="context_length_exceeded")
+        try:
+            params = BeamSearchParams(beam_width=request.n, max_tokens=max_tokens,
+                                      ignore_eos=request.ignore_eos,
+                                      length_penalty=request.length_penalty)
+        except ValueError as error:
+            raise RequestError(str(error), param="n") from None
+        search = BeamSearch([token_ids for _, token_ids in prompts], params,
+                            frozenset(self.engine.tokenizer.eos_token_ids))
+        try:
+            self.engine.input_processor.validate_params(search.ask)
+        except InvalidInputError as error:  # 2 n logprobs a step: more than --max-logprobs
+            raise RequestError(f"use_beam_search with n {request.n} asks for {2 * request.n} "
+                               f"logprobs a step: {error}", param="n") from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        while not search.done:
+            streams = [self.submit(f"{request_id}-{search.steps}-{i}", None, tokens,
+                                   search.ask, False)
+                       for i, tokens in enumerate(search.asks())]
+            answers = []
+            for stream in streams:
+                final = None
+                try:
+                    async for output in stream:
+                        final = output
+                except Exception as error:  # noqa: BLE001 — the engine died or aborted it
+                    for other in streams:
+                        other.abort()
+                    raise engine_error(error) from None
+                raise_if_failed(final.outputs[0])
+                answers.append(sorted(((token_id, entry.logprob) for token_id, entry
+                                       in final.outputs[0].logprobs[0].items()),
+                                      key=lambda item: item[1], reverse=True))
+            search.advance(answers)
+        choices, num_completion_tokens = [], 0
+        for prompt_index, ((text, token_ids), result) in enumerate(zip(prompts,
+                                                                       search.outputs())):
+            for beam_index, beam in enumerate(result.sequences):
+                generated = beam.tokens[len(token_ids):]
+                num_completion_tokens += len(generated)
+                beam_text = self.engine.tokenizer.decode(generated)
+                choices.append({
+                    "index": prompt_index * request.n + beam_index,
+                    "text": (text or "") + beam_text if request.echo else beam_text,
+                    "logprobs": None, "finish_reason": "stop" if beam.finished else "length",
+                    "stop_reason": None})
+        num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
+        return JSONResponse({"id": request_id, "object": "text_completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices,
+                             "usage": usage(num_prompt_tokens, num_completion_tokens)})
 
     def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         """The request's prompts, validated; with echo, each has its text."""
