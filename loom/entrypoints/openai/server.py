@@ -45,6 +45,7 @@ from loom.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestAbo
 from loom.config import EngineConfig
 from loom.dp_async_llm import DPAsyncLLM
 from loom.engine_args import EngineArgs
+from loom.entrypoints.anthropic_messages import count_tokens, create_message
 from loom.entrypoints.listen import bind_listener
 from loom.entrypoints.openai.cli_args import ssl_config
 from loom.entrypoints.openai.control_routes import add_control_routes
@@ -155,6 +156,8 @@ class GuardMiddleware:
         self.app = app
         self.state = state
         self._expected = f"Bearer {state.api_key}".encode() if state.api_key else None
+        # Anthropic's clients send the key as x-api-key
+        self._expected_key = state.api_key.encode() if state.api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -165,8 +168,10 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         if self._expected is not None:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not (hmac.compare_digest(given, self._expected) or hmac.compare_digest(
+                    headers.get(b"x-api-key", b""), self._expected_key)):
                 response = JSONResponse(error_body(
                     "invalid or missing API key; send 'Authorization: Bearer <key>'",
                     "authentication_error", code="invalid_api_key"), status_code=401)
@@ -333,6 +338,16 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await request.body()
         return await cancel_on_disconnect(request, chat.create(body))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API over the chat route (loom/entrypoints/anthropic_messages.py)."""
+        body = await request.body()
+        return await cancel_on_disconnect(request, create_message(chat, body))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return count_tokens(chat, await request.body())
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}},
               openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))

@@ -49,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, body: bytes) -> Response:
         request = ChatCompletionRequest.parse(body)
         self.check_model(request.model)
-        token_ids = self._render(request)
+        token_ids = self.render(request)
         structured_outputs, output_builder = self._output_constraints(
             request, self._opens_thinking(token_ids))
         params = request.to_sampling_params(len(token_ids), self.max_model_len,
@@ -113,7 +113,8 @@ class OpenAIServingChat(OpenAIServing):
         return structured_outputs, ChatOutputBuilder(tool_choice, tool_name, self.tool_parser,
                                                      reasoning_parser)
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
+    def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The request's prompt token ids, as the template renders its messages."""
         kwargs = dict(request.chat_template_kwargs or {})
         if request.thinking_budget(self.effort_budgets) == 0:  # no thinking, where the
             kwargs.setdefault("enable_thinking", False)       # template can leave it out
