@@ -261,14 +261,19 @@ async def message_events(chunks: AsyncIterator[str], body: dict[str, Any],
     yield _event("message_stop", {"type": "message_stop"})
 
 
+def _parse(raw: bytes) -> Any:
+    """The body's JSON (a MessagesError if it is not JSON, or not UTF-8)."""
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise MessagesError(f"the body is not valid JSON: {error}") from None
+
+
 async def create_message(chat, raw: bytes) -> Response:
     """``POST /v1/messages`` through ``chat`` (OpenAIServingChat)."""
     try:
-        body = json.loads(raw)
-        request = chat_request(body)
-        response = await chat.create(json.dumps(request).encode())
-    except json.JSONDecodeError as error:
-        return error_response(400, f"the body is not valid JSON: {error}")
+        body = _parse(raw)
+        response = await chat.create(json.dumps(chat_request(body)).encode())
     except MessagesError as error:
         return error_response(error.status_code, str(error))
     except OpenAIError as error:
@@ -287,13 +292,13 @@ def count_tokens(chat, raw: bytes) -> Response:
     from loom.entrypoints.openai.protocol import ChatCompletionRequest
 
     try:
-        body = json.loads(raw)
+        body = _parse(raw)
+        if not isinstance(body, dict):
+            raise MessagesError("the body must be a JSON object")
         request = ChatCompletionRequest.parse(json.dumps(
             {**chat_request({**body, "max_tokens": body.get("max_tokens", 1)}),
              "stream": False}).encode())
         return JSONResponse({"input_tokens": len(chat.render(request))})
-    except json.JSONDecodeError as error:
-        return error_response(400, f"the body is not valid JSON: {error}")
     except MessagesError as error:
         return error_response(error.status_code, str(error))
     except OpenAIError as error:

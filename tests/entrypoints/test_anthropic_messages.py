@@ -104,6 +104,11 @@ def test_bad_input_in_anthropic_s_error_shape(server, client):
         response = http.post("/v1/messages", content=b"{not json",
                              headers={"x-api-key": KEY, "content-type": "application/json"})
         assert response.status_code == 400 and response.json()["type"] == "error"
+        for response in (http.get("/v1/messages", headers={"x-api-key": KEY}),  # 405
+                         http.post("/v1/messages", json={"messages": MESSAGES},
+                                   headers={"x-api-key": "wrong", "authorization": ""})):
+            assert response.status_code in (401, 405), response.text
+            assert response.json()["type"] == "error", response.text
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny", messages=MESSAGES, max_tokens=4)

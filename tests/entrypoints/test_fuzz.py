@@ -135,9 +135,14 @@ def check_exchange(http: httpx.Client, method: str, path: str, body: bytes | Non
     STATUSES[(path, status, _error_param(raw) if status >= 400 else "")] += 1
     assert status < 500, f"{status} {raw[:1000]!r} on {what}"
     content_type = response.headers.get("content-type", "")
+    anthropic = path.startswith("/v1/messages")  # Anthropic's shapes there
     if status >= 400:
         if method != "HEAD":
-            _check_envelope(strict_json(raw), what)
+            (_check_anthropic_error if anthropic else _check_envelope)(strict_json(raw), what)
+    elif content_type.startswith("text/event-stream") and anthropic:
+        events = [json.loads(line[6:]) for line in raw.decode("utf-8").split("\n")
+                  if line.startswith("data: ")]
+        assert events and events[-1]["type"] in ("message_stop", "error"), what
     elif content_type.startswith("text/event-stream"):
         finished = _check_event_stream(raw, what)
         if method == "POST" and path in GENERATING_ROUTES:
@@ -174,6 +179,14 @@ def _check_envelope(payload: Any, what: str) -> None:
     assert isinstance(error, dict) and set(error) == ENVELOPE_KEYS, f"{payload} on {what}"
     assert isinstance(error["message"], str) and error["message"], f"{payload} on {what}"
     assert isinstance(error["type"], str), f"{payload} on {what}"
+
+
+def _check_anthropic_error(payload: Any, what: str) -> None:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    assert isinstance(payload, dict) and payload.get("type") == "error", f"{payload} on {what}"
+    error = payload.get("error")
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, f"{payload} on {what}"
+    assert isinstance(error["message"], str) and error["message"], f"{payload} on {what}"
 
 
 def _check_event_stream(raw: bytes, what: str) -> set[int]:
@@ -469,6 +482,9 @@ REGRESSIONS: list[tuple[str, str, Any, dict[str, str] | None]] = [
      None),
     ("POST", "/tokenize", {"messages": [{"role": "user", "content": "a"}],
                            "chat_template": "{{ 1/0 }}"}, None),
+    # A body that is not UTF-8 reached json.loads on the Messages route: 500.
+    ("POST", "/v1/messages", b"\x80", None),
+    ("POST", "/v1/messages/count_tokens", b"\x80", None),
 ]
 
 

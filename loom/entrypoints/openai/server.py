@@ -46,6 +46,7 @@ from loom.config import EngineConfig
 from loom.dp_async_llm import DPAsyncLLM
 from loom.engine_args import EngineArgs
 from loom.entrypoints.anthropic_messages import count_tokens, create_message
+from loom.entrypoints.anthropic_messages import error_response as messages_error_response
 from loom.entrypoints.listen import bind_listener
 from loom.entrypoints.openai.cli_args import ssl_config
 from loom.entrypoints.openai.control_routes import add_control_routes
@@ -172,17 +173,21 @@ class GuardMiddleware:
             given = headers.get(b"authorization", b"")
             if not (hmac.compare_digest(given, self._expected) or hmac.compare_digest(
                     headers.get(b"x-api-key", b""), self._expected_key)):
-                response = JSONResponse(error_body(
-                    "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                    "authentication_error", code="invalid_api_key"), status_code=401)
+                message = "invalid or missing API key; send 'Authorization: Bearer <key>'"
+                response = (messages_error_response(401, message + " or 'x-api-key: <key>'")
+                            if path.startswith("/v1/messages") else
+                            JSONResponse(error_body(message, "authentication_error",
+                                                    code="invalid_api_key"), status_code=401))
                 await response(scope, receive, send)
                 return
         if not self.state.healthy and path != "/metrics":
             reason = ("the server is shutting down" if self.state.draining
                       else f"the engine is dead: {self.state.engine.dead_error}")
-            response = JSONResponse(error_body(reason, "service_unavailable",
-                                               code="service_unavailable"),
-                                    status_code=503, headers={"Retry-After": "1"})
+            response = (messages_error_response(503, reason)
+                        if path.startswith("/v1/messages") else
+                        JSONResponse(error_body(reason, "service_unavailable",
+                                                code="service_unavailable"), status_code=503))
+            response.headers["Retry-After"] = "1"
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -254,6 +259,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, error: StarletteHTTPException) -> Response:
         message = (f"no route {request.method} {request.url.path}"
                    if error.status_code in (404, 405) else str(error.detail))
+        if _route_path(request.scope).startswith("/v1/messages"):  # Anthropic's shape
+            return messages_error_response(error.status_code, message)
         return JSONResponse(error_body(message, "invalid_request_error"),
                             status_code=error.status_code)
 
@@ -267,10 +274,12 @@ def build_app(state: ServerState) -> FastAPI:
                                        param=name), status_code=400)
 
     @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, error: Exception) -> Response:
+    async def unexpected_error(request: Request, error: Exception) -> Response:
         logger.exception("unexpected error while serving a request")
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}",
-                                       "server_error"), status_code=500)
+        message = f"internal error: {type(error).__name__}: {error}"
+        if _route_path(request.scope).startswith("/v1/messages"):
+            return messages_error_response(500, message)
+        return JSONResponse(error_body(message, "server_error"), status_code=500)
 
     if state.control_endpoints:
         add_control_routes(app, engine, state.default_weights_path)
