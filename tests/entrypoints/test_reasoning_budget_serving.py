@@ -137,3 +137,28 @@ def test_required_tool_calls_come_after_the_thinking(client):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"]
     call = choice["message"]["tool_calls"][0]["function"]
     assert call["name"] == "add" and json.loads(call["arguments"]) in ({"a": 1}, {"a": 2})
+
+
+def test_the_same_under_speculative_decoding(thinking_model, free_thought):
+    """With ngram speculation on, a budget's thinking and a schema's answer come out as
+    without it (constrained requests take no drafts; the thinking's forced </think> is
+    checked at every verified position)."""
+    import jsonschema
+
+    server = LoomServer(thinking_model, "--kv-cache-memory", "32MiB", "--max-model-len", "256",
+                        "--dtype", "float32", "--reasoning-parser", "deepseek_r1",
+                        "--no-enable-warm-up", "--structured-outputs-disable-any-whitespace",
+                        "--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    try:
+        with server.http() as client:
+            reasoning, content = chat(client, False, thinking_token_budget=5)
+            assert reasoning == load_tokenizer(thinking_model).decode(free_thought[:5])
+            reasoning, content = chat(client, True, thinking_token_budget=4, max_tokens=64,
+                                      ignore_eos=False,
+                                      structured_outputs={"json": SCHEMA,
+                                                          "disable_any_whitespace": True})
+            assert reasoning == load_tokenizer(thinking_model).decode(free_thought[:4])
+            jsonschema.validate(json.loads(content), SCHEMA)
+    finally:
+        server.kill()
