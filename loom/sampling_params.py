@@ -231,7 +231,7 @@ def forced_thinking_token(params: SamplingParams, prompt_token_ids: Sequence[int
     if not forced or params.thinking_token_budget is None or params.thinking_token_budget < 0:
         return None
     start, end = params.think_start_id, forced[-1]
-    if _open_in_prompt(prompt_token_ids, start, end):
+    if thinking_left_open(prompt_token_ids, start, end):
         thought = list(output_token_ids)
     elif start in output_token_ids:
         thought = list(output_token_ids[list(output_token_ids).index(start) + 1:])
@@ -243,8 +243,10 @@ def forced_thinking_token(params: SamplingParams, prompt_token_ids: Sequence[int
     return forced[spent] if 0 <= spent < len(forced) else None
 
 
-def _open_in_prompt(prompt_token_ids: Sequence[int], start: int | None, end: int) -> bool:
-    """The prompt's last <think> has no </think> after it (the template opened it)."""
+def thinking_left_open(prompt_token_ids: Sequence[int], start: int | None, end: int) -> bool:
+    """The prompt's last <think> has no </think> after it (the template opened it): the
+    reasoning budget, the grammar after the thinking and the chat route's reasoning
+    parser all read the prompt so."""
     for token_id in reversed(prompt_token_ids):
         if token_id == end:
             return False

@@ -73,6 +73,13 @@ THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
     "{% endif %}")
 
 
+def make_tiny_thinking_model(path: str) -> str:
+    """A tiny random Llama (vocab 258) with the thinking tokenizer beside it."""
+    from checkpoints import make_tiny_checkpoint
+
+    return make_tiny_thinking_tokenizer(make_tiny_checkpoint("llama", path, vocab_size=258))
+
+
 def make_tiny_thinking_tokenizer(path: str) -> str:
     """``make_tiny_tokenizer`` with <think> and </think> (258 ids) and a template whose
     generation prompt opens the thinking."""

@@ -26,6 +26,7 @@ import llguidance.numpy
 import numpy as np
 
 from loom.config import StructuredOutputsConfig
+from loom.sampling_params import thinking_left_open
 from loom.structured_output.grammar import GrammarError, build_grammar
 from loom.structured_output.token_table import ll_tokenizer
 
@@ -57,10 +58,9 @@ class StructuredOutputRequest:
         self._think = after_thinking
         self.phase = "answer"
         if after_thinking is not None:
-            open_in_prompt = next((t == after_thinking.think_start_id
-                                   for t in reversed(prompt_token_ids or [])
-                                   if t in (after_thinking.think_start_id,
-                                            after_thinking.think_end_id)), False)
+            open_in_prompt = thinking_left_open(prompt_token_ids or [],
+                                                after_thinking.think_start_id,
+                                                after_thinking.think_end_id)
             self.phase = "thinking" if open_in_prompt else "may think"
 
     @property

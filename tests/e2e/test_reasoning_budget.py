@@ -7,8 +7,7 @@ tests/entrypoints/test_reasoning_budget_serving.py."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import make_tiny_checkpoint
-from tokenizer_fixtures import THINK_END_ID, THINK_START_ID, make_tiny_thinking_tokenizer
+from tokenizer_fixtures import THINK_END_ID, THINK_START_ID, make_tiny_thinking_model
 
 from loom import LLM, SamplingParams
 from loom.input_processor import InvalidInputError
@@ -20,8 +19,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory) -> str:
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("thinking"), vocab_size=258)
-    return make_tiny_thinking_tokenizer(path)
+    return make_tiny_thinking_model(str(tmp_path_factory.mktemp("thinking")))
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from checkpoints import make_tiny_checkpoint
 from loom_server import LoomServer
-from tokenizer_fixtures import THINK_END_ID, make_tiny_thinking_tokenizer
+from tokenizer_fixtures import THINK_END_ID, make_tiny_thinking_model
 
 from loom.tokenizer import load_tokenizer
 
@@ -19,8 +18,7 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory) -> str:
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("thinking"), vocab_size=258)
-    return make_tiny_thinking_tokenizer(path)
+    return make_tiny_thinking_model(str(tmp_path_factory.mktemp("thinking")))
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ from loom.entrypoints.openai.structured_outputs import (check_tool_choice,
 from loom.entrypoints.openai.tool_parsers import get_tool_parser
 from loom.input_processor import InvalidInputError
 from loom.outputs import CompletionOutput, Logprob
-from loom.sampling_params import GrammarAfterThinking, StructuredOutputsParams
+from loom.sampling_params import (GrammarAfterThinking, StructuredOutputsParams,
+                                  thinking_left_open)
 from loom.tokenizer import Tokenizer
 
 
@@ -73,11 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         think_ids = self.engine.input_processor.think_token_ids()
         if think_ids is None:
             return True
-        start, end = think_ids
-        for token_id in reversed(token_ids):
-            if token_id in (start, end):
-                return token_id == start
-        return False
+        return thinking_left_open(token_ids, *think_ids)
 
     def _output_constraints(self, request: ChatCompletionRequest, opens_thinking: bool = True
                             ) -> tuple[StructuredOutputsParams | None, ChatOutputBuilder]:
