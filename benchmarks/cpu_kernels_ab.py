@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import loom.kernels  # noqa: E402
 from cpu_kernels import paged_case  # noqa: E402  (benchmarks/, on sys.path above)
-from loom.model.native_stack import NativeDecoderStack  # noqa: E402
+from loom.model.kernel_replay import KernelReplay  # noqa: E402
 
 
 def load_build(csrc: Path):
@@ -82,23 +82,17 @@ def small_op_cases():
 
 
 def step_cases(builds: dict):
-    """A whole SmolLM2 step; the decoder stack runs in one native call
-    (loom/model/native_stack.py), which holds the build it was made with: one stack per
-    build, swapped in."""
+    """A whole SmolLM2 step, its forward replayed from the kernels
+    (loom/model/kernel_replay.py): a recording calls the build it was made with, so one
+    replay per build, swapped in."""
     import profile_step as ps  # type: ignore[import-not-found]
 
     from loom.default_model import default_model_path
 
     model, _ = ps.build_model(default_model_path(), torch.bfloat16)
     batch = ps.PagedBatch(model, num_blocks=32 * 14 + 16, block_size=16, dtype=torch.bfloat16)
-    plans = {}
-    for ops in builds.values():
-        loom.kernels._module = ops
-        model.model.invalidate_native_stack()
-        with torch.inference_mode():
-            ps.run_step(model, batch.step_inputs([16], [1]))
-        assert isinstance(model.model.native_stack, NativeDecoderStack)
-        plans[id(ops)] = model.model.native_stack
+    eager = model.kernel_replay.forward
+    plans = {id(ops): KernelReplay(eager, model) for ops in builds.values()}
     cases = []
     for name, ctx, q in [("step decode b=1", [192], [1]),
                          ("step decode b=32", [192] * 32, [1] * 32),
@@ -107,7 +101,11 @@ def step_cases(builds: dict):
 
         def prepare(ops, inputs=inputs):
             loom.kernels._module = ops
-            model.model.native_stack = plans[id(ops)]
+            model.forward = plans[id(ops)]
+            with torch.inference_mode():  # the shape's second sighting records it
+                for _ in range(2):
+                    ps.run_step(model, inputs)
+            assert plans[id(ops)].refusal is None
 
             def run():
                 with torch.inference_mode():

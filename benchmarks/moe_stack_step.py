@@ -1,6 +1,6 @@
 """Batch-1 decode step time of a Qwen3-MoE-shaped model (benchmarks/moe_speed.py's
 shapes: hidden 1024, 16/4 heads of 64, 32 experts of 512, top-4; ``--layers`` layers,
-a 1,024-token vocabulary) with the native decoder stack off and on, against its dense
+a 1,024-token vocabulary) with the replayed forward (LOOM_NATIVE_LAYERS) off and on, against its dense
 active twin (one MLP of 4 x 512), in one process, interleaved, ``--threads`` threads:
 the per-step cost of the decoder layers without a server. Random bf16 weights.
 

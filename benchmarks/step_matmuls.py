@@ -8,7 +8,7 @@ times: every linear layer's matmul and the LM head's, one row each, back to back
 layers' own weights (``quantized_linear`` or ``bf16_linear``, three passes, median), and
 a short greedy decode (``--tokens`` steps after a 64-token prompt, median step through
 ``LLMEngine.step``). The difference is what a step costs beyond streaming its weights:
-attention, norms, rotary, activations, the native stack's parallel regions, and the
+attention, norms, rotary, activations, the kernels' parallel regions, and the
 host's scheduling, input preparation, sampling and output processing
 (``benchmarks/step_overhead.py`` splits out the host's share). Alternating within
 seconds, so both halves of a round meet the same memory phase on a host whose speed

@@ -44,8 +44,8 @@ class Settings:
     (``layers/linear.py``). 0 keeps the plain weights (oneDNN or ATen run them)."""
 
     native_layers: bool = field(default=True, metadata={"env": "LOOM_NATIVE_LAYERS"})
-    """Run every decoder layer in one call of the native decoder stack where it applies
-    (``loom/model/native_stack.py``). 0 keeps the modules."""
+    """Replay a model's forward from loom's native kernels, recorded once per shape, where
+    it applies (``loom/model/kernel_replay.py``). 0 runs the modules every step."""
 
     amx: bool = field(default=True, metadata={"env": "LOOM_AMX"})
     """Run matmuls of 8 rows or more on the CPU's AMX tiles where it has them and Linux

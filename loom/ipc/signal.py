@@ -104,7 +104,7 @@ class WeightsStatus(enum.IntEnum):
                                                                  /clear_load_weight)
         CLEARED -> UPDATING -> NORMAL                            reloaded (wake_up)
 
-    CLEARING drops what was planned on the old weights (the native stack) and frees
+    CLEARING drops what was planned on the old weights (recorded forwards) and frees
     them if asked (with their packed copies); UPDATING copies the new ones in and makes
     what derives from them again. A rank steps only in NORMAL."""
 

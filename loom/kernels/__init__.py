@@ -4,8 +4,8 @@
 one kernel family per file as in vLLM's ``csrc/cpu/``: ``layernorm.cpp`` (RMSNorm, fused
 residual add), ``activation.cpp`` (SiLU*mul), ``pos_encoding.cpp`` (rotary),
 ``cache.cpp`` (KV-cache write), ``attention.cpp`` (paged attention), ``bf16_gemm.cpp``
-(the bf16 matmul of linear layers), ``decoder_stack.cpp`` (a whole decoder stack in
-one call; its schema, the named fields Python fills, in ``decoder_stack.h``),
+(the bf16 matmul of linear layers), ``experts.cpp`` (a MoE layer's routed experts in
+one call), ``replay.cpp`` (a recorded forward run again, ``loom/model/kernel_replay.py``),
 ``torch_bindings.cpp`` (the Python module), with the shared helpers in
 ``common.h``. It is None when the module cannot be had: ``LOOM_NATIVE_KERNELS=0``, no
 C++ compiler, or a failed build (logged once). Callers keep a PyTorch path for None,

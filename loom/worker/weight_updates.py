@@ -15,7 +15,7 @@ must pass (a MIN over the TP group) before any rank copies. A failed check raise
 serving as they were. Then the real copy goes through ``load_weights`` (each rank takes
 its shard; a wint8 layer re-quantizes what it is given) and every module's
 ``process_weights_after_loading`` runs again, as after the first load: CPU linears pack
-their new weight, the native decoder stack is planned again.
+their new weight, and the forwards recorded on the old ones are recorded again.
 
 A copy that fails after the checks passed (a source that breaks mid-read: a truncated
 file, a trainer's segment gone) would leave old and new weights mixed; no copy of the old
@@ -45,6 +45,7 @@ from torch import nn
 
 from loom.errors import WeightsLostError
 from loom.ipc.signal import WeightsStatus
+from loom.model.kernel_replay import forget_recordings
 from loom.worker import memory
 
 logger = logging.getLogger(__name__)
@@ -261,9 +262,9 @@ class WeightUpdater:
         self._release_memory()
 
     def _invalidate_plans(self) -> None:
-        """Drop what was planned on the weights and the KV cache: the native stack's
-        plan, and CUDA graphs (which hold their addresses)."""
-        _invalidate_native_stack(self.model)
+        """Drop what was planned on the weights and the KV cache: the recorded forwards
+        (kernel_replay.py) and CUDA graphs, which hold their addresses."""
+        forget_recordings(self.model)
         self.runner.drop_cuda_graphs()
 
     def _reallocate_params(self) -> None:
@@ -423,10 +424,3 @@ def _missing_shards(model: nn.Module, shards: dict[str, set]) -> list[str]:
 def _unique_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Each parameter once (a tied LM head is the embedding's)."""
     yield from model.named_parameters()  # named_parameters already skips duplicates
-
-
-def _invalidate_native_stack(model: nn.Module) -> None:
-    for module in model.modules():
-        invalidate = getattr(module, "invalidate_native_stack", None)
-        if invalidate is not None:
-            invalidate()

@@ -72,7 +72,7 @@ def _quantization(name: str):
                                     pytest.param(dict(dtype="bfloat16"), id="bfloat16-packed"),
                                     _quantization("wint8"), _quantization("wint4")])
 def test_update_from_directory_equals_fresh_engine(checkpoints, kwargs):
-    """Packed CPU weights, the native stack's plan and wint8's int8 copies are all made
+    """Packed CPU weights, the recorded forwards and wint8's int8 copies are all made
     again from the new weights: the same tokens as a fresh engine on B (with the same
     dtype and quantization)."""
     a, b = checkpoints
@@ -81,7 +81,9 @@ def test_update_from_directory_equals_fresh_engine(checkpoints, kwargs):
     with LLM(a, **ENGINE, **kwargs) as llm:
         assert generate(llm) == expected_a
         model = llm.engine.engine_core.executor.worker.model_runner.model
-        stack_before = type(model.model.native_stack)
+        replay = getattr(model, "kernel_replay", None)
+        replayed_before = replay is not None and replay.stats.replayed > 0
+        recorded_before = replay.stats.recorded if replay is not None else 0
         hits = prefix_hits(llm)
         started = time.perf_counter()
         result = llm.update_weights(b)
@@ -92,9 +94,12 @@ def test_update_from_directory_equals_fresh_engine(checkpoints, kwargs):
         assert prefix_hits(llm) == hits, "a prefix computed under A was reused under B"
         assert generate(llm) == expected_b  # and cached again, under B
         assert prefix_hits(llm) > hits
-        # The same execution path as before, planned again on the new weights (the native
-        # stack where the CPU kernels run bf16; the modules for float32 and wint8).
-        assert type(model.model.native_stack) is stack_before
+        # The same execution path as before, on the new weights: forwards recorded again
+        # where the CPU kernels run them (bf16); the modules for float32 and wint8.
+        if replayed_before:
+            assert replay.refusal is None and replay.stats.recorded > recorded_before
+        else:
+            assert replay is None or replay.stats.replayed == 0
         [status] = llm.collective_rpc("weights_status")
         assert status == {"status": NORMAL, "history": UPDATE_STATES}
         # Freed whole (a quantized layer's kernel layout too) and reloaded from B.

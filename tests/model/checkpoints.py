@@ -23,9 +23,9 @@ DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "llama_tied_rope3")
 NEW_DENSE_FAMILIES = ("mistral_sliding", "gemma3", "ernie4_5")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "ernie4_5_moe")
 FAMILIES = DENSE_FAMILIES + NEW_DENSE_FAMILIES + MOE_FAMILIES
-# the families whose every layer the native decoder stack runs (the others have a
-# sliding window, or Gemma's norms and GELU: the modules run them)
-NATIVE_STACK_FAMILIES = DENSE_FAMILIES + ("ernie4_5",) + MOE_FAMILIES
+# the families whose bf16 forward is replayed from loom's kernels (kernel_replay.py):
+# all but Gemma 3, whose GELU has no native kernel
+NATIVE_FAMILIES = DENSE_FAMILIES + ("mistral_sliding", "ernie4_5") + MOE_FAMILIES
 SLIDING_WINDOW = 12
 FAVOURED = (1, 2)  # the experts bias_router sends most tokens to
 

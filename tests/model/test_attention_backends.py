@@ -48,8 +48,8 @@ def test_float32_greedy_tokens_are_equal_under_torch_and_cpu(model_dir):
 
 
 def test_bfloat16_greedy_tokens_agree_within_tolerance(model_dir):
-    """bf16 rounds differently along the two paths (the cpu backend here also runs the
-    native decoder stack); the tolerance of tests/model/test_models.py's bf16 check: at
+    """bf16 rounds differently along the two paths (the cpu backend's forward is also
+    replayed from the kernels); the tolerance of tests/model/test_models.py's bf16 check: at
     least 90% of positions give the same token (a divergence counts for every later
     position of that sequence)."""
     torch_tokens, torch_names = greedy(model_dir, dtype="bfloat16", attention_backend="torch")

@@ -293,7 +293,7 @@ def test_bf16_linear_group_equals_one_call_each(ops):
         alone = torch.empty_like(out)
         ops.bf16_linear(alone, x, weight)
         assert torch.equal(out, alone), tuple(out.shape)
-    # one expert's rows after another into one (R, N) output, as the decoder stack does
+    # one expert's rows after another into one (R, N) output, as mixture_of_experts does
     shared = torch.empty(5, 64, dtype=torch.bfloat16)
     ops.bf16_linear_group([shared[:2], shared[2:]], [xs[0].expand(2, -1), xs[1][:, :256]],
                           [packed[0], packed[0]])

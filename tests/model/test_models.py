@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from loom.envs import settings
-from loom.model.layers.linear import LinearBase
 from loom.model.loader import (get_model_architecture, kv_cache_bytes_per_block,
                                load_hf_config, load_model)
-from loom.model.native_stack import NativeDecoderStack
 
-from .checkpoints import FAMILIES, MOE_FAMILIES, NATIVE_STACK_FAMILIES, make_tiny_checkpoint
+from .checkpoints import FAMILIES, MOE_FAMILIES, NATIVE_FAMILIES, make_tiny_checkpoint
 from .paged import PagedDriver
 
 ATOL = 1e-4
@@ -39,19 +37,21 @@ def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
 hf_logits.cache = {}
 
 
-def run_scenario(model, vocab_size: int, seed: int = 0,
-                 solo_decodes: int = 0) -> list[tuple[list[int], torch.Tensor, int]]:
+def run_scenario(model, vocab_size: int, seed: int = 0, solo_decodes: int = 0,
+                 driver: PagedDriver | None = None,
+                 first_id: int = 0) -> list[tuple[list[int], torch.Tensor, int]]:
     """Three prompts (5, 11, 7 tokens), request 1 prefilled in two chunks, a mixed
     step (chunk + decode), then three batched decode steps with greedy tokens, then
-    ``solo_decodes`` steps of request 0 alone (batch 1).
+    ``solo_decodes`` steps of request 0 alone (batch 1); on ``driver``'s KV cache if
+    given, as requests ``first_id`` on.
     Returns ``(context, logits of the new tokens, num_new)`` per request per step."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 7)]
-    driver = PagedDriver(model, num_blocks=48, block_size=4, seed=seed)
+    driver = driver or PagedDriver(model, num_blocks=48, block_size=4, seed=seed)
     records = []
 
     def run(work):
-        logits = driver.step(work)
+        logits = driver.step([(first_id + i, tokens, n) for i, tokens, n in work])
         offset = 0
         for _, tokens, num_new in work:
             records.append((list(tokens), logits[offset:offset + num_new], num_new))
@@ -118,37 +118,48 @@ def test_bfloat16_runs_close(checkpoints, kernels):
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("family", NATIVE_STACK_FAMILIES)
-def test_native_layer_stack_equals_the_modules(checkpoints, family, monkeypatch):
-    """bf16 on the CPU: the decoder layers in one native call (native_stack.py) give the
-    modules' forward bit for bit, through prefill chunks, mixed steps and decodes (batch
-    3 and 1), for every family (Qwen2's qkv bias, Qwen3's q/k norm, tied embeddings,
-    llama3 rope, and the mixtures of experts: Qwen3-MoE, Mixtral, ERNIE-MoE's shared
-    experts, correction bias and dense first layer), and counts the same tokens per
-    expert."""
-    _native_stack_equals_the_modules(checkpoints, family, monkeypatch, "none")
+@pytest.fixture
+def record_at_once(monkeypatch):
+    """Record a forward at its shape's first sighting (serving waits for the second),
+    so that a short scenario replays every shape it runs twice."""
+    from loom.model import kernel_replay
+
+    monkeypatch.setattr(kernel_replay, "RECORD_AFTER", 0)
+
+
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+def test_replayed_forward_equals_the_modules(checkpoints, family, monkeypatch, record_at_once):
+    """bf16 on the CPU: the forward replayed from loom's kernels (kernel_replay.py)
+    gives the modules' logits bit for bit, through prefill chunks, mixed steps and
+    decodes (batch 3 and 1), for every family (Qwen2's qkv bias, Qwen3's q/k norm, tied
+    embeddings, llama3 rope, Mistral's sliding window, and the mixtures of experts:
+    Qwen3-MoE, Mixtral, ERNIE-MoE's shared experts, correction bias and dense first
+    layer), and counts the same tokens per expert."""
+    _replay_equals_the_modules(checkpoints, family, monkeypatch, "none")
 
 
 @pytest.mark.parametrize("family,quantization", [("qwen3_moe", "wint8"),
                                                  ("ernie4_5_moe", "wint4")])
-def test_native_stack_runs_quantized_experts_as_the_modules(checkpoints, family,
-                                                            quantization, monkeypatch):
+def test_replay_runs_quantized_experts_as_the_modules(checkpoints, family, quantization,
+                                                      monkeypatch, record_at_once):
     """Quantized experts (QuantizedExpert, loom's quantized_linear) and quantized shared
-    experts and dense layers: the stack equals the modules bit for bit too."""
+    experts and dense layers: the replay equals the modules bit for bit too."""
     from loom.kernels import native_ops
 
     ops = native_ops()
     if ops is None or not ops.quant_gemm_available():
         pytest.skip("loom's quantized kernel needs the native kernels on AVX512-BF16 or AVX2")
-    _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantization)
+    _replay_equals_the_modules(checkpoints, family, monkeypatch, quantization)
 
 
-def _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantization):
+def _replay_equals_the_modules(checkpoints, family, monkeypatch, quantization):
+    """The scenario twice on one KV cache (new requests, the same shapes): the first
+    pass records each shape, the second replays every one of them."""
     from loom.kernels import native_ops
     from loom.model.layers.fused_moe import FusedMoE
 
     ops = native_ops()
-    # a quantized model's stack needs only the quantized kernel (AVX2 CPUs have it)
+    # a quantized model needs only the quantized kernel (AVX2 CPUs have it)
     quantized = quantization not in (None, "none")
     if ops is None or not (ops.bf16_gemm_available() or quantized and ops.quant_gemm_available()):
         pytest.skip("no native bf16 kernels on this CPU")
@@ -159,15 +170,16 @@ def _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantizat
         monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
         settings.cache_clear()  # loom.envs reads the environment once
         model = load_model(path, config, dtype=torch.bfloat16, quantization=quantization)
-        original = PagedDriver.__init__
-
-        def bf16_driver(self, model, *args, **kwargs):
-            original(self, model, *args, **{**kwargs, "dtype": torch.bfloat16})
-
-        monkeypatch.setattr(PagedDriver, "__init__", bf16_driver)
-        results[setting] = run_scenario(model, config.vocab_size, solo_decodes=2)
-        monkeypatch.setattr(PagedDriver, "__init__", original)
-        assert isinstance(model.model.native_stack, NativeDecoderStack) == (setting == "1")
+        driver = PagedDriver(model, num_blocks=48, block_size=4, dtype=torch.bfloat16)
+        results[setting] = [*run_scenario(model, config.vocab_size, solo_decodes=2,
+                                          driver=driver),
+                            *run_scenario(model, config.vocab_size, seed=1, solo_decodes=2,
+                                          driver=driver, first_id=3)]
+        replay = getattr(model, "kernel_replay", None)
+        assert (replay is not None) == (setting == "1")
+        if replay is not None:
+            assert replay.refusal is None
+            assert replay.stats.replayed >= 7  # the second pass: every step
         moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
         expert_tokens[setting] = [(m.tokens_per_expert.tolist(), m._forwards) for m in moe]
     for (_, python, _), (_, native, _) in zip(results["0"], results["1"]):
@@ -176,10 +188,11 @@ def _native_stack_equals_the_modules(checkpoints, family, monkeypatch, quantizat
     assert (len(expert_tokens["1"]) > 0) == (family in MOE_FAMILIES)
 
 
-def test_native_stack_adds_row_parallel_biases_as_the_modules_do(tmp_path, monkeypatch):
+def test_replay_adds_row_parallel_biases_as_the_modules_do(tmp_path, monkeypatch,
+                                                           record_at_once):
     """A Llama with attention and MLP biases: o_proj and down_proj add theirs after the
     bf16 rounding of the product (as a row-parallel layer adds it after the all-reduce);
-    the stack's o_bias and down_bias do the same, bit for bit with the modules."""
+    the replay does the same, bit for bit with the modules."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from loom.kernels import native_ops
@@ -203,73 +216,31 @@ def test_native_stack_adds_row_parallel_biases_as_the_modules_do(tmp_path, monke
         settings.cache_clear()  # loom.envs reads the environment once
         model = load_model(str(tmp_path), load_hf_config(str(tmp_path)), dtype=torch.bfloat16)
         driver = PagedDriver(model, dtype=torch.bfloat16)
-        logits[setting] = [driver.step([(0, list(range(5, 12)), 7)]),
-                           driver.step([(0, list(range(5, 13)), 1)])]
-        assert isinstance(model.model.native_stack, NativeDecoderStack) == (setting == "1")
+        logits[setting] = [driver.step([(0, list(range(5, 5 + n)), n if n == 7 else 1)])
+                           for n in (7, 8, 9, 10)]
+        replay = getattr(model, "kernel_replay", None)
+        assert (replay is not None and replay.stats.replayed == 2) == (setting == "1")
     for python, native in zip(logits["0"], logits["1"]):
         assert torch.equal(python, native)
 
 
-def test_native_stack_says_why_it_does_not_apply(checkpoints, caplog):
-    """float32: the modules run, and the model says so once, with the reason."""
-    path = checkpoints["llama"]
-    model = load_model(path, load_hf_config(path), dtype=torch.float32)
-    driver = PagedDriver(model)
-    with caplog.at_level(logging.INFO, logger="loom.model.models.llama"):
-        driver.step([(0, list(range(5, 12)), 7)])
-        driver.step([(0, list(range(5, 13)), 1)])
-    assert model.model.native_stack == "the stack runs bfloat16 and this model runs float32"
-    said = [r.getMessage() for r in caplog.records if "decoder layers" in r.getMessage()]
-    assert said == ["decoder layers: PyTorch modules, as the stack runs bfloat16 and this "
-                    "model runs float32"]
-
-
-@pytest.mark.parametrize("family,reason", [
-    ("mistral_sliding", "layer 0: it attends over a sliding window of 12 tokens"),
-    ("gemma3", "layer 0: it attends over a sliding window of 12 tokens")])
-def test_native_stack_refuses_what_it_does_not_run(checkpoints, family, reason, caplog):
-    """bf16 on the CPU, where the stack would run: a layer it cannot run makes the model
-    say why, once, and run the modules."""
-    from loom.kernels import native_ops
-
-    ops = native_ops()
-    if ops is None or not ops.bf16_gemm_available():
-        pytest.skip("no native bf16 kernels on this CPU")
-    path = checkpoints[family]
-    model = load_model(path, load_hf_config(path), dtype=torch.bfloat16)
-    driver = PagedDriver(model, dtype=torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="loom.model.models.llama"):
-        driver.step([(0, list(range(5, 12)), 7)])
-        driver.step([(0, list(range(5, 13)), 1)])
-    assert model.model.native_stack == reason
-    said = [r.getMessage() for r in caplog.records if "decoder layers" in r.getMessage()]
-    assert said == [f"decoder layers: PyTorch modules, as {reason}"]
-
-
-def test_native_stack_schema_matches_the_declaration(checkpoints):
-    """Every role a family declares is a field of the kernels' DecoderLayerWeights, and
-    every required field is declared: the two languages agree by name."""
-    from loom.kernels import native_ops
-
-    ops = native_ops()
-    if ops is None:
-        pytest.skip("no native kernels")
-    fields, required = set(ops.DecoderLayerWeights.fields), set(ops.DecoderLayerWeights.required)
-    for family in NATIVE_STACK_FAMILIES:
+def test_replay_says_why_it_does_not_apply(checkpoints, caplog, record_at_once):
+    """float32 (ATen's matmul) and Gemma 3 (a GELU): the modules run, and the model says
+    so once, with the op that has no native kernel."""
+    for family, dtype, op in (("llama", torch.float32, "torch.linear"),
+                              ("gemma3", torch.bfloat16, "torch.")):
         path = checkpoints[family]
-        model = load_model(path, load_hf_config(path), dtype=torch.float32)
-        for layer in model.model.layers:  # a MoE model's dense layers too
-            roles = layer.weights_by_role()
-            # "experts": the FusedMoE that fills the expert_* fields (native_stack.py)
-            assert set(roles) - {"experts"} <= fields and required <= set(roles), family
-            assert "experts" not in roles or "expert_w13" in fields
-            linear_roles = [role for role, module in roles.items()
-                            if isinstance(module, LinearBase)]
-            assert all(f"{role}_bias" in fields for role in linear_roles)
-    assert {"num_heads", "num_kv_heads", "head_dim", "intermediate_size", "attention_scale",
-            "rms_norm_eps", "activation", "num_experts", "top_k", "moe_intermediate_size",
-            "shared_intermediate_size", "scoring", "renormalize", "renormalize_min"
-            } == set(ops.DecoderStackOptions.fields)
+        model = load_model(path, load_hf_config(path), dtype=dtype)
+        driver = PagedDriver(model, dtype=dtype)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="loom.model.kernel_replay"):
+            for n in (7, 8, 9):
+                driver.step([(0, list(range(5, 5 + n)), n if n == 7 else 1)])
+        replay = model.kernel_replay
+        assert replay.stats.replayed == 0 and replay.stats.recorded == 0
+        assert replay.refusal.startswith(f"the forward called {op}"), replay.refusal
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [f"forward: PyTorch modules, as {replay.refusal}"]
 
 
 def test_registry_and_sizes(checkpoints):

@@ -120,7 +120,7 @@ def test_bf16_experts_are_held_as_panels_and_reload_in_part():
 @pytest.mark.parametrize("quantization", ["none", "wint8"])
 def test_module_path_runs_the_stack_s_kernel_with_pytorch_s_values(quantization):
     """bf16 on the CPU with loom's kernels: FusedMoE.forward runs the native
-    mixture_of_experts kernel, the decoder stack's one implementation of the routed
+    mixture_of_experts kernel, loom's one implementation of the routed
     experts; it gives the PyTorch path's values (fused_experts) bit for bit, at one
     token and at several, and counts the same tokens per expert."""
     ops = native_ops()

@@ -229,7 +229,7 @@ def write_quantized_experts_gguf(checkpoint: str, path: str) -> str:
 def test_gguf_quantized_experts_stay_quantized(tmp_path, caplog):
     """A file whose stacked experts are Q4_1/Q8_0: loom keeps each expert in the file's
     format (uint8, no full-precision copy) and gives the tokens of the same file
-    dequantized, float32; in bf16 the native stack runs the kept experts."""
+    dequantized, float32; in bf16 the replayed forward runs the kept experts."""
     import logging
 
     # 64-wide expert rows: quantized blocks are 32 input features
@@ -268,9 +268,9 @@ def test_gguf_quantized_experts_stay_quantized(tmp_path, caplog):
         dequantized = [m.rsplit(":", 1)[1] for m in said if "dequantized (loom keeps" in m]
         assert all("Q4_1" not in m and "Q8_0" not in m for m in dequantized), said
     assert runs["kept"] == runs["dequantized"]
-    # (its attention weights are F32, so bf16 linears: the stack needs the bf16 kernel too)
+    # (its attention weights are F32, so bf16 linears: a replay needs the bf16 kernel too)
     if native_ops() is not None and native_ops().quant_gemm_available() \
             and native_ops().bf16_gemm_available():
-        assert "decoder layers: native stack (loom CPU kernels)" in said
+        assert "forward: replayed from loom's native kernels (recorded per shape)" in said
     # bf16 activations may flip a near-tie late in a sequence; the first tokens agree
     assert [r[:2] for r in runs["kept-bf16"]] == [r[:2] for r in runs["kept"]]

@@ -9,7 +9,7 @@ Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
     shards equal slices of TP=1's), and re-quantize what a reload gives them. (d) the
     proof: tiny random Llamas quantized by loom at load give transformers' float32
     greedy tokens on the same weights quantized, dequantized and written back; TP=2
-    equals TP=1; the native stack equals the modules. (e) the default GGUF kept in
+    equals TP=1; the replayed forward equals the modules. (e) the default GGUF kept in
     Q4_1 says Paris and its logits follow the same file dequantized to float32. (f) what
     loom cannot run fails at start-up in one line.
 """
@@ -830,6 +830,7 @@ def test_quantized_weights_are_held_on_the_models_device():
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_NEW_TOKENS = 8
+REPLAYED = "forward: replayed from loom's native kernels (recorded per shape)"
 GROUP = 32  # wint4 group that divides every shard of the tiny model at TP=2
 
 
@@ -910,17 +911,17 @@ def test_tensor_parallel_2_equals_1(quantized_case):
     assert got == expected[:6]
 
 
-def test_native_stack_runs_quantized_weights_as_the_modules_do(quantized_case, monkeypatch,
-                                                                caplog):
-    """bf16: the native stack takes the quantized weights (it says so) and gives the
+def test_replay_runs_quantized_weights_as_the_modules_do(quantized_case, monkeypatch,
+                                                         caplog):
+    """bf16: the forward is replayed on the quantized weights (it says so) and gives the
     modules' tokens."""
     kernel_ops()
     method, original, prompts, _ = quantized_case
-    with caplog.at_level(logging.INFO, logger="loom.model.models.llama"):
+    with caplog.at_level(logging.INFO, logger="loom.model.kernel_replay"):
         native, _ = run_greedy(original, prompts, dtype="bfloat16", quantization=method,
                                quantization_group_size=GROUP)
-    said = [r.getMessage() for r in caplog.records if "decoder layers:" in r.getMessage()]
-    assert said == ["decoder layers: native stack (loom CPU kernels)"], said
+    said = [r.getMessage() for r in caplog.records if "forward:" in r.getMessage()]
+    assert said == [REPLAYED], said
     monkeypatch.setenv("LOOM_NATIVE_LAYERS", "0")
     from loom.envs import settings
 
@@ -1069,7 +1070,7 @@ def test_default_gguf_kept_in_q4_1_follows_the_dequantized_file(caplog):
                            SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         assert "Paris" in answer[0].outputs[0].text
         said = [r.getMessage() for r in caplog.records]
-        assert "decoder layers: native stack (loom CPU kernels)" in said or DEVICE != "cpu" \
+        assert REPLAYED in said or DEVICE != "cpu" \
             or not native_ops() or not native_ops().quant_gemm_available()
         token_ids = kept.get_tokenizer().encode(stdlib_text())[:2000]
         assert len(token_ids) == 2000
@@ -1340,8 +1341,8 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
     PyTorch path): the greedy tokens and prompt log-probabilities of the same file
     dequantized to float32 (the weights are the file's exactly; only the order of the
     float32 sums differs, per part against whole), also after sleep(2) and wake_up, and
-    with tensor parallel over 2 ranks. bfloat16: the native stack runs the kept parts,
-    with the modules' tokens."""
+    with tensor parallel over 2 ranks. bfloat16: the replayed forward runs the kept
+    parts, with the modules' tokens."""
     path = write_mixed_gguf(tmp_path)
     config = load_hf_config(path)
     caplog.set_level(logging.INFO)
@@ -1402,7 +1403,7 @@ def test_fused_layers_mixing_formats_follow_the_dequantized_file(tmp_path, caplo
     if native_ops() is None or not native_ops().quant_gemm_available():
         return
     run("native", dtype="bfloat16")
-    assert "decoder layers: native stack (loom CPU kernels)" in runs["native"][2]
+    assert REPLAYED in runs["native"][2]
     monkeypatch.setenv("LOOM_NATIVE_LAYERS", "0")
     from loom.envs import settings
 

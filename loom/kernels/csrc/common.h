@@ -47,8 +47,8 @@ namespace loom {
 // AVX-512 one where the compiler targets it (-march=native on such a CPU); a test can
 // force the generic one with the module's set_isa("generic"), so that one build runs
 // and compares both (tests/model/test_kernel_paths.py). For tests only: serving never
-// calls it. Kernels read it once per call; the decoder stack follows it through the
-// kernels it calls. bf16_linear has its AVX512-BF16 path only.
+// calls it. Kernels read it once per call; a replayed forward (replay.h) follows it
+// through the kernels it calls. bf16_linear has its AVX512-BF16 path only.
 inline std::atomic<bool> force_generic_isa{false};
 
 inline bool use_avx512() {

@@ -2,9 +2,9 @@
 // states: float32 logits, softmax or sigmoid scores, top-k (of the scores plus a
 // correction bias where the family has one), the chosen scores renormalized. One token's
 // routing is a few thousand multiply-adds and a dozen tiny steps: as ATen ops, ~10 small
-// ops per layer at batch 1; here one loop per token. FusedMoE.forward
-// (bf16 on the CPU) and the decoder stack both route through it, so the two paths
-// choose and weigh the same.
+// ops per layer at batch 1; here one loop per token. FusedMoE.route (bf16 on the CPU)
+// and mixture_of_experts (experts.cpp) both route through it, so the two choose and
+// weigh the same.
 //
 // Each logit is a dot product over the hidden size summed in 16 lanes (input i into
 // lane i % 16), the lanes then added in order: the same float32 values on every build,

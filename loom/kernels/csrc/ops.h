@@ -1,5 +1,5 @@
 // loom's CPU kernels, one family per file as in vLLM's csrc/cpu/: what
-// torch_bindings.cpp registers and decoder_stack.cpp calls. Each is documented where
+// torch_bindings.cpp registers and experts.cpp calls. Each is documented where
 // it is defined; the bf16 matmul is declared in bf16_gemm.h.
 #pragma once
 

@@ -5,14 +5,20 @@
 
 #include "bf16_gemm.h"
 #include "common.h"
-#include "decoder_stack.h"
+#include "experts.h"
 #include "ops.h"
 #include "quant_gemm.h"
+#include "replay.h"
 
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -35,6 +41,213 @@ std::string set_isa(const std::string& name) {
   const std::string previous = isa();
   loom::force_generic_isa.store(name == "generic", std::memory_order_relaxed);
   return previous;
+}
+
+// The handle of a linear weight the experts multiply by (experts.h).
+void bind_experts(py::module& m) {
+  py::class_<loom::LinearWeight>(m, "LinearWeight", "a linear layer's weight for the experts")
+      .def_static("bf16", &loom::LinearWeight::bf16, "from pack_bf16_weight's panels",
+                  py::arg("packed"))
+      .def_static("quantized", &loom::LinearWeight::of_quantized, "from a QuantizedWeight",
+                  py::arg("weight"))
+      .def_static("quantized_parts", &loom::LinearWeight::of_parts,
+                  "from QuantizedWeights of consecutive runs of output rows (several formats)",
+                  py::arg("parts"))
+      .def_property_readonly("is_quantized",
+                             [](const loom::LinearWeight& w) { return !w.is_bf16(); });
+}
+
+// ---------------------------------------------------------------- replay (replay.h)
+//
+// Every kernel bound with def_kernel is also registered for replay under its name: a
+// recorded call (the kernel's name, its arguments as the recording saw them, the slots
+// its results go to) becomes a ReplayStep that calls the C++ function directly. A tensor
+// argument is a ReplaySlot (an input, a result of an earlier step) or a constant; every
+// other argument is a constant, converted once, here, to the C++ type the kernel takes.
+
+struct ReplaySlot {
+  int64_t index;
+};
+
+using ReplayBuilder =
+    std::function<loom::ReplayStep(const py::sequence& args, const std::vector<int64_t>& outputs)>;
+
+std::unordered_map<std::string, ReplayBuilder>& replay_kernels() {
+  static std::unordered_map<std::string, ReplayBuilder> kernels;
+  return kernels;
+}
+
+loom::TensorRef tensor_ref(const py::handle& arg) {
+  loom::TensorRef ref;
+  if (py::isinstance<ReplaySlot>(arg))
+    ref.slot = arg.cast<ReplaySlot>().index;
+  else
+    ref.constant = arg.cast<at::Tensor>();
+  return ref;
+}
+
+// How one argument of type T is had at replay: a constant (any type), or a slot
+// (tensors only).
+template <typename T>
+struct ReplayArg {
+  T value;
+  static ReplayArg make(const py::handle& arg, const std::string& kernel, size_t index) {
+    TORCH_CHECK(!py::isinstance<ReplaySlot>(arg), "replay: argument ", index, " of ", kernel,
+                " is not a tensor and cannot come from a slot");
+    return {arg.cast<T>()};
+  }
+  const T& get(const loom::ReplayFrame&) const { return value; }
+};
+
+template <>
+struct ReplayArg<at::Tensor> {
+  loom::TensorRef ref;
+  static ReplayArg make(const py::handle& arg, const std::string&, size_t) {
+    return {tensor_ref(arg)};
+  }
+  const at::Tensor& get(const loom::ReplayFrame& frame) const { return ref.get(frame); }
+};
+
+template <>
+struct ReplayArg<c10::optional<at::Tensor>> {
+  c10::optional<loom::TensorRef> ref;
+  static ReplayArg make(const py::handle& arg, const std::string&, size_t) {
+    if (arg.is_none()) return {};
+    return {tensor_ref(arg)};
+  }
+  c10::optional<at::Tensor> get(const loom::ReplayFrame& frame) const {
+    if (!ref) return c10::nullopt;
+    return ref->get(frame);
+  }
+};
+
+void store(at::Tensor result, const std::vector<int64_t>& outputs, loom::ReplayFrame& frame) {
+  if (!outputs.empty() && outputs[0] >= 0) frame.slots[outputs[0]] = std::move(result);
+}
+
+void store(std::vector<at::Tensor> results, const std::vector<int64_t>& outputs,
+           loom::ReplayFrame& frame) {
+  for (size_t i = 0; i < outputs.size() && i < results.size(); ++i)
+    if (outputs[i] >= 0) frame.slots[outputs[i]] = std::move(results[i]);
+}
+
+template <typename R, typename... A, size_t... I>
+loom::ReplayStep make_step(R (*fn)(A...), const std::string& name, const py::sequence& args,
+                           const std::vector<int64_t>& outputs, std::index_sequence<I...>) {
+  TORCH_CHECK(args.size() == sizeof...(A), "replay: ", name, " takes ", sizeof...(A),
+              " arguments, the recording has ", args.size());
+  auto sources = std::make_tuple(ReplayArg<std::decay_t<A>>::make(args[I], name, I)...);
+  return [fn, sources = std::move(sources), outputs](loom::ReplayFrame& frame) {
+    if constexpr (std::is_void_v<R>) {
+      fn(std::get<I>(sources).get(frame)...);
+    } else {
+      store(fn(std::get<I>(sources).get(frame)...), outputs, frame);
+    }
+  };
+}
+
+template <typename R, typename... A>
+void register_replay(const std::string& name, R (*fn)(A...)) {
+  static_assert(std::is_void_v<R> || std::is_same_v<R, at::Tensor> ||
+                    std::is_same_v<R, std::vector<at::Tensor>>,
+                "a replayed kernel returns nothing, a tensor or a list of tensors");
+  replay_kernels()[name] = [fn, name](const py::sequence& args,
+                                      const std::vector<int64_t>& outputs) {
+    return make_step(fn, name, args, outputs, std::index_sequence_for<A...>{});
+  };
+}
+
+// While a forward is recorded (kernel_replay.py), every kernel bound with def_kernel
+// tells the recorder each call after it ran: its name, its arguments in its parameters'
+// order (a tensor as the Python object the caller passed), its result. Told here, at
+// the call, however the caller got hold of the function.
+std::atomic<bool> recording{false};
+
+py::object& replay_recorder() {
+  static py::object* recorder = new py::object();  // never destroyed: outlives the module
+  return *recorder;
+}
+
+void set_replay_recorder(py::object recorder) {
+  replay_recorder() = std::move(recorder);
+  recording.store(!replay_recorder().is_none(), std::memory_order_relaxed);
+}
+
+// `result`: a pointer to the kernel's result, null for a kernel that returns nothing
+template <typename R, typename... A>
+void tell_recorder(const char* name, const R* result, const A&... args) {
+  py::gil_scoped_acquire gil;
+  if (!replay_recorder() || replay_recorder().is_none()) return;
+  replay_recorder()(name, py::make_tuple(args...),
+                    result ? py::cast(*result) : py::object(py::none()));
+}
+
+// m.def of a kernel (releasing the GIL while it runs) that a recording may hold: it is
+// registered for replay too, under its name, listed in the module's `replay_kernels`.
+template <typename R, typename... A, typename... Extra>
+void def_kernel(py::module& m, const char* name, R (*fn)(A...), const Extra&... extra) {
+  m.def(
+      name,
+      [fn, name](A... args) -> R {
+        if constexpr (std::is_void_v<R>) {
+          fn(args...);
+          if (recording.load(std::memory_order_relaxed))
+            tell_recorder(name, static_cast<const int*>(nullptr), args...);
+        } else {
+          R result = fn(args...);
+          if (recording.load(std::memory_order_relaxed)) tell_recorder(name, &result, args...);
+          return result;
+        }
+      },
+      extra..., py::call_guard<py::gil_scoped_release>());
+  register_replay(name, fn);
+  py::list names = m.attr("replay_kernels");
+  names.append(name);
+}
+
+void bind_replay(py::module& m) {
+  using namespace loom::replay_ops;
+  m.def("set_replay_recorder", &set_replay_recorder,
+        "recorder(name, args, result) told of every kernel call from now on; None: no more",
+        py::arg("recorder"));
+  py::class_<ReplaySlot>(m, "ReplaySlot", "a tensor of a replay: an input or a kernel's result")
+      .def(py::init<int64_t>(), py::arg("index"))
+      .def_readonly("index", &ReplaySlot::index);
+  // the ATen operations a recording holds (replay.h), for replay only: "aten.<name>"
+  register_replay("aten.as_strided", &as_strided);
+  register_replay("aten.copy", &copy);
+  register_replay("aten.add_out", &add_out);
+  register_replay("aten.sub_out", &sub_out);
+  register_replay("aten.mul_out", &mul_out);
+  register_replay("aten.add_", &add_);
+  register_replay("aten.sub_", &sub_);
+  register_replay("aten.mul_", &mul_);
+  register_replay("aten.index_select_out", &index_select_out);
+  py::class_<loom::ReplayProgram>(m, "ReplayProgram",
+                                  "a recorded forward's kernel calls, run again from C++")
+      .def(py::init([](int64_t num_slots, int64_t num_inputs, const py::list& steps,
+                       const py::list& outputs) {
+             std::vector<loom::ReplayStep> built;
+             built.reserve(steps.size());
+             for (const auto& step : steps) {
+               auto call = step.cast<py::tuple>();  // (name, args, output slots)
+               const auto name = call[0].cast<std::string>();
+               auto found = replay_kernels().find(name);
+               TORCH_CHECK(found != replay_kernels().end(), "replay: no kernel ", name);
+               built.push_back(found->second(call[1].cast<py::sequence>(),
+                                             call[2].cast<std::vector<int64_t>>()));
+             }
+             std::vector<loom::TensorRef> refs;
+             for (const auto& output : outputs) refs.push_back(tensor_ref(output));
+             return loom::ReplayProgram(num_slots, num_inputs, std::move(built),
+                                        std::move(refs));
+           }),
+           "num_slots (inputs first), num_inputs, steps [(kernel, args, result slots)], "
+           "outputs [ReplaySlot or tensor]",
+           py::arg("num_slots"), py::arg("num_inputs"), py::arg("steps"), py::arg("outputs"))
+      .def("run", &loom::ReplayProgram::run, py::call_guard<py::gil_scoped_release>(),
+           "inputs -> outputs, every step run in order", py::arg("inputs"))
+      .def_property_readonly("num_steps", &loom::ReplayProgram::num_steps);
 }
 
 // Weight-only quantized matmul (quant_gemm.h).
@@ -65,93 +278,11 @@ void bind_quant_gemm(py::module& m) {
         "QuantizedWeight -> [values, scales, offsets, super_scales, super_offsets] (None where "
         "absent)", py::arg("weight"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("dequantize_rows", &loom::dequantize_rows, "out = rows ids of W, dequantized",
-        py::arg("out"), py::arg("weight"), py::arg("ids"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("quantized_linear", &loom::quantized_linear, "out = x @ W^T (+ bias), W quantized",
-        py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-}
-
-// The decoder stack's schema, field by field from decoder_stack.h, each under its C++
-// name; `fields` lists them for the Python side to check its roles against.
-void bind_decoder_stack(py::module& m) {
-  using loom::DecoderLayerWeights;
-  using loom::DecoderStackOptions;
-  py::class_<loom::LinearWeight>(m, "LinearWeight", "a linear layer's weight for the stack")
-      .def_static("bf16", &loom::LinearWeight::bf16, "from pack_bf16_weight's panels",
-                  py::arg("packed"))
-      .def_static("quantized", &loom::LinearWeight::of_quantized, "from a QuantizedWeight",
-                  py::arg("weight"))
-      .def_static("quantized_parts", &loom::LinearWeight::of_parts,
-                  "from QuantizedWeights of consecutive runs of output rows (several formats)",
-                  py::arg("parts"))
-      .def_property_readonly("is_quantized",
-                             [](const loom::LinearWeight& w) { return !w.is_bf16(); });
-  py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights",
-                                          "one decoder layer's weights, by role");
-  weights.def(py::init<>());
-  std::vector<std::string> weight_fields;
-#define LOOM_BIND_FIELD(name, doc)                               \
-  weights.def_readwrite(#name, &DecoderLayerWeights::name, doc); \
-  weight_fields.push_back(#name);
-  LOOM_DECODER_LAYER_REQUIRED(LOOM_BIND_FIELD)
-  LOOM_DECODER_LAYER_LINEARS(LOOM_BIND_FIELD)
-  LOOM_DECODER_LAYER_OPTIONAL_LINEARS(LOOM_BIND_FIELD)
-  LOOM_DECODER_LAYER_OPTIONAL(LOOM_BIND_FIELD)
-#undef LOOM_BIND_FIELD
-#define LOOM_BIND_MOE_FIELD(type, name, doc)                      \
-  weights.def_readwrite(#name, &DecoderLayerWeights::name, doc); \
-  weight_fields.push_back(#name);
-  LOOM_DECODER_LAYER_MOE(LOOM_BIND_MOE_FIELD)
-#undef LOOM_BIND_MOE_FIELD
-  weights.attr("fields") = py::tuple(py::cast(weight_fields));
-  std::vector<std::string> required;
-#define LOOM_LIST_REQUIRED(name, doc) required.push_back(#name);
-  LOOM_DECODER_LAYER_REQUIRED(LOOM_LIST_REQUIRED)
-  LOOM_DECODER_LAYER_LINEARS(LOOM_LIST_REQUIRED)
-#undef LOOM_LIST_REQUIRED
-  weights.attr("required") = py::tuple(py::cast(required));
-
-  py::class_<DecoderStackOptions> options(m, "DecoderStackOptions",
-                                          "options of the whole decoder stack");
-  options.def(py::init<>());
-  std::vector<std::string> option_fields;
-#define LOOM_BIND_OPTION(type, name, doc)                         \
-  options.def_readwrite(#name, &DecoderStackOptions::name, doc); \
-  option_fields.push_back(#name);
-  LOOM_DECODER_STACK_OPTIONS(LOOM_BIND_OPTION)
-#undef LOOM_BIND_OPTION
-  options.attr("fields") = py::tuple(py::cast(option_fields));
-
-  m.def(
-      "mixture_of_experts",
-      [](const at::Tensor& x, const DecoderLayerWeights& w, const DecoderStackOptions& o) {
-        TORCH_CHECK(w.router && w.tokens_per_expert,
-                    "mixture_of_experts: the weights need a router and tokens_per_expert");
-        return loom::mixture_of_experts(x, *w.router, w.correction_bias, w.expert_w13,
-                                        w.expert_w2, *w.tokens_per_expert, w.step_tokens,
-                                        o.top_k, o.scoring, o.renormalize, o.renormalize_min,
-                                        o.moe_intermediate_size);
-      },
-      py::call_guard<py::gil_scoped_release>(),
-      "a MoE layer's routed experts on x (T, H) bf16, one rank holding them all (the "
-      "module path's and the stack's one implementation): the MoE fields of `weights` "
-      "(router, correction_bias, expert_w13, expert_w2, tokens_per_expert, step_tokens) "
-      "and of `options` (top_k, scoring, renormalize, renormalize_min, "
-      "moe_intermediate_size)",
-      py::arg("x"), py::arg("weights"), py::arg("options"));
-  py::class_<loom::DecoderStack>(m, "DecoderStack",
-                                 "a model's decoder layers over one step, in one call")
-      .def(py::init<std::vector<DecoderLayerWeights>, std::vector<at::Tensor>,
-                    DecoderStackOptions>(),
-           py::arg("layers"), py::arg("kv_caches"), py::arg("options"))
-      .def("forward", &loom::DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
-           "hidden (T, hidden) -> [hidden, residual] after the last layer",
-           py::arg("hidden"), py::arg("positions"), py::arg("cos_sin_cache"),
-           py::arg("slot_mapping"), py::arg("block_table"), py::arg("seq_lens"),
-           py::arg("query_start_loc"))
-      .def_property_readonly("num_layers", &loom::DecoderStack::num_layers);
+  def_kernel(m, "dequantize_rows", &loom::dequantize_rows, "out = rows ids of W, dequantized",
+             py::arg("out"), py::arg("weight"), py::arg("ids"));
+  def_kernel(m, "quantized_linear", &loom::quantized_linear,
+             "out = x @ W^T (+ bias), W quantized", py::arg("out"), py::arg("x"),
+             py::arg("weight"), py::arg("bias") = py::none());
 }
 
 }  // namespace
@@ -161,18 +292,29 @@ void bind_decoder_stack(py::module& m) {
 // keep writing meanwhile (pybind converts arguments and results with the GIL held).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("rms_norm", &loom::rms_norm, "RMSNorm of each row", release());
-  m.def("fused_add_rms_norm", &loom::fused_add_rms_norm, "residual += x; x = rms_norm(residual)",
-        release());
-  m.def("add_rms_norm", &loom::add_rms_norm, "residual += x; out = rms_norm(residual)",
-        release());
-  m.def("silu_and_mul", &loom::silu_and_mul, "silu(gate) * up", release());
-  m.def("rotary_embedding", &loom::rotary_embedding, "neox rotary, in place", release());
-  m.def("write_kv_cache", &loom::write_kv_cache, "copy new K/V into their cache slots", release());
-  m.def("paged_attention", &loom::paged_attention, "causal attention over paged K/V", release());
-  m.def("paged_attention_windowed", &loom::paged_attention_windowed,
-        "causal attention over paged K/V, each query seeing its last sliding_window keys",
-        release());
+  m.attr("replay_kernels") = py::list();
+  def_kernel(m, "rms_norm", &loom::rms_norm, "RMSNorm of each row", py::arg("x"),
+             py::arg("weight"), py::arg("eps"));
+  def_kernel(m, "fused_add_rms_norm", &loom::fused_add_rms_norm,
+             "residual += x; x = rms_norm(residual)", py::arg("x"), py::arg("residual"),
+             py::arg("weight"), py::arg("eps"));
+  def_kernel(m, "add_rms_norm", &loom::add_rms_norm, "residual += x; out = rms_norm(residual)",
+             py::arg("out"), py::arg("x"), py::arg("residual"), py::arg("weight"),
+             py::arg("eps"));
+  def_kernel(m, "silu_and_mul", &loom::silu_and_mul, "silu(gate) * up", py::arg("x"));
+  def_kernel(m, "rotary_embedding", &loom::rotary_embedding, "neox rotary, in place",
+             py::arg("x"), py::arg("positions"), py::arg("cos_sin_cache"));
+  def_kernel(m, "write_kv_cache", &loom::write_kv_cache, "copy new K/V into their cache slots",
+             py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"));
+  def_kernel(m, "paged_attention", &loom::paged_attention, "causal attention over paged K/V",
+             py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("block_table"),
+             py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+             py::arg("max_query_len"));
+  def_kernel(m, "paged_attention_windowed", &loom::paged_attention_windowed,
+             "causal attention over paged K/V, each query seeing its last sliding_window keys",
+             py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("block_table"),
+             py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+             py::arg("max_query_len"), py::arg("sliding_window"));
   m.def("bf16_gemm_available", &loom::bf16_gemm_available,
         "whether bf16_linear runs here (AVX512-BF16)");
   m.def("bf16_amx_available", &loom::bf16_amx_available,
@@ -181,16 +323,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "allow (the default) or forbid the AMX tiles (LOOM_AMX, loom/envs.py)");
   m.def("pack_bf16_weight", &loom::pack_bf16_weight, "a linear weight in bf16_linear's layout",
         release());
-  m.def("bf16_gather_rows", &loom::bf16_gather_rows,
-        "out = rows ids of the (n, K) weight held as pack_bf16_weight's panels",
-        py::arg("out"), py::arg("packed"), py::arg("ids"), py::arg("n"), release());
-  m.def("bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
-        release());
-  m.def(
-      "bf16_linear_group",
-      [](std::vector<at::Tensor> outs, std::vector<at::Tensor> xs,
-         std::vector<at::Tensor> packed) {
+  def_kernel(m, "bf16_gather_rows", &loom::bf16_gather_rows,
+             "out = rows ids of the (n, K) weight held as pack_bf16_weight's panels",
+             py::arg("out"), py::arg("packed"), py::arg("ids"), py::arg("n"));
+  def_kernel(m, "bf16_linear", &loom::bf16_linear, "out = x @ W^T (+ bias), bf16, W packed",
+             py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  def_kernel(
+      m, "bf16_linear_group",
+      +[](std::vector<at::Tensor> outs, std::vector<at::Tensor> xs,
+          std::vector<at::Tensor> packed) {
         TORCH_CHECK(outs.size() == xs.size() && xs.size() == packed.size(),
                     "bf16_linear_group: as many outs as xs as packed weights");
         std::vector<loom::Bf16Matmul> matmuls;
@@ -199,16 +340,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         loom::bf16_linear_group(matmuls);
       },
       "outs[i] = xs[i] @ W_i^T for each i, bf16, in one parallel region (each as bf16_linear)",
-      py::arg("outs"), py::arg("xs"), py::arg("packed"), release());
-  m.def("moe_route", &loom::moe_route,
-        "a mixture of experts' router: x (T, H) bf16 -> [weights (T, K) float32, ids (T, K)]",
-        py::arg("x"), py::arg("router"), py::arg("correction_bias"), py::arg("top_k"),
-        py::arg("scoring"), py::arg("renormalize"), py::arg("renormalize_min"), release());
-  m.def("argmax_rows", &loom::argmax_rows,
-        "logits (R, V) float32 -> (R,) int64, each row's first largest (torch.argmax)",
-        release());
+      py::arg("outs"), py::arg("xs"), py::arg("packed"));
+  def_kernel(m, "moe_route", &loom::moe_route,
+             "a mixture of experts' router: x (T, H) bf16 -> [weights (T, K) float32, ids (T, K)]",
+             py::arg("x"), py::arg("router"), py::arg("correction_bias"), py::arg("top_k"),
+             py::arg("scoring"), py::arg("renormalize"), py::arg("renormalize_min"));
+  def_kernel(m, "argmax_rows", &loom::argmax_rows,
+             "logits (R, V) float32 -> (R,) int64, each row's first largest (torch.argmax)",
+             py::arg("logits"));
+  bind_experts(m);
+  def_kernel(m, "mixture_of_experts", &loom::mixture_of_experts,
+             "a MoE layer's routed experts on x (T, H) bf16, one rank holding them all: routed "
+             "over `router` (E, H) float32, the counts added to tokens_per_expert (and "
+             "step_tokens), each chosen expert's w13 and w2 (LinearWeights)",
+             py::arg("x"), py::arg("router"), py::arg("correction_bias"),
+             py::arg("expert_w13"), py::arg("expert_w2"), py::arg("tokens_per_expert"),
+             py::arg("step_tokens"), py::arg("top_k"), py::arg("scoring"),
+             py::arg("renormalize"), py::arg("renormalize_min"),
+             py::arg("intermediate_size"));
   bind_quant_gemm(m);
-  bind_decoder_stack(m);
+  bind_replay(m);
   m.def("isas", &isas, "the instruction sets this build has: generic, and avx512 with AVX512-BF16");
   m.def("isa", &isa, "the instruction set the kernels with two paths take now");
   m.def("set_batch_invariant",

@@ -342,9 +342,9 @@ class FusedMoE(nn.Module):
 
     def native_experts(self, ops: Any) -> Any:
         """This layer's routed experts as loom's ``mixture_of_experts`` kernel takes them
-        (``weights`` and ``options`` with their MoE fields set, the float32 router made
-        once), or a sentence saying why they cannot be: the module path (bf16 on the
-        CPU) and the native decoder stack run the same kernel on the same handles."""
+        (its arguments after ``x``: the float32 router, made once, the correction bias,
+        each expert's w13 and w2 handle, the counters and the routing), or a sentence
+        saying why they cannot be."""
         if not self.use_grouped:
             return "its experts run loop_over_experts (the measured reference)"
         if self._native is not None:
@@ -364,20 +364,15 @@ class FusedMoE(nn.Module):
                 if isinstance(handle, str):
                     return f"its experts' {handle}"
                 held.append(handle)
-        weights, options = ops.DecoderLayerWeights(), ops.DecoderStackOptions()
-        weights.expert_w13, weights.expert_w2 = w13, w2
         # float32 once here (the PyTorch route converts at each forward: the same values)
-        weights.router = self.gate.weight.detach().float()
-        if self.e_score_correction_bias is not None:
-            weights.correction_bias = self.e_score_correction_bias.detach().float()
-        weights.tokens_per_expert = self.tokens_per_expert
-        weights.step_tokens = self.step_tokens
+        router = self.gate.weight.detach().float()
+        bias = self.e_score_correction_bias
         spec = self.spec
-        options.num_experts, options.top_k = spec.num_experts, spec.top_k
-        options.moe_intermediate_size = self.intermediate_per_rank
-        options.scoring, options.renormalize = spec.scoring, spec.renormalize
-        options.renormalize_min = spec.renormalize_min
-        self._native = (weights, options)
+        self._router = router  # held here: a replay of the forward takes it as a constant
+        self._native = (router, None if bias is None else bias.detach().float(), w13, w2,
+                        self.tokens_per_expert, self.step_tokens, spec.top_k, spec.scoring,
+                        spec.renormalize, spec.renormalize_min, self.intermediate_per_rank)
+        self._correction = self._native[1]
         return self._native
 
     def _hold_quantized_experts(self) -> None:
@@ -469,11 +464,12 @@ class FusedMoE(nn.Module):
         self._native = None
 
     def count_forward(self) -> None:
-        """One more forward of this layer (the native stack calls it for the forwards it
-        runs): rank 0 logs the load every LOG_LOAD_EVERY."""
+        """One more forward of this layer: rank 0 logs the load every LOG_LOAD_EVERY."""
         self._forwards += 1
         if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
             logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
+
+    on_replay = count_forward  # a replayed forward (kernel_replay.py) counts too
 
     def load_summary(self) -> str:
         """Tokens routed to each expert since start, and the busiest expert's share over

@@ -16,7 +16,7 @@ logs why:
 
 Every form answers the same few questions: ``tensors()`` (the bytes it holds, which the
 layer registers as its parameters), ``apply`` (``x W^T + bias``), ``native_handle``
-(the ``LinearWeight`` loom's native decoder stack takes, or the sentence saying why it
+(the ``LinearWeight`` loom's experts kernel takes, or the sentence saying why it
 cannot), ``loaded_again`` (what a reload of some shards writes into: what is held, so
 the rows not reloaded keep their values) and ``release`` (a weight-update sleep drops
 what holds the bytes beyond the parameters). A layer while it loads holds its weight
@@ -313,7 +313,7 @@ class WeightForm(ABC):
         unrounded where they have them)."""
 
     def native_handle(self, ops: Any) -> Any:
-        """The ``LinearWeight`` loom's native decoder stack multiplies by, or a sentence
+        """The ``LinearWeight`` loom's experts kernel multiplies by, or a sentence
         (after "the <role> ") saying why this form has none."""
         return ("weight is not packed for loom's bf16 matmul (which needs AVX512-BF16)"
                 if self.format is None else

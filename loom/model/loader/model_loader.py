@@ -19,6 +19,7 @@ from loom.model.layers.weight_forms import MixedFormats, OneDnnWeight
 from loom.model.layers.quantization import linear_weight_quantization, table_quantization
 from loom.model.loader.gguf_loader import gguf_quantized_formats, gguf_weights_iterator
 from loom.model.loader.hf_config import is_gguf, load_hf_config
+from loom.model.kernel_replay import install as install_kernel_replay
 from loom.model.loader.hf_config_values import HFConfigView
 from loom.model.loader.safetensors_loader import safetensors_weights_iterator
 from loom.model.models.registry import get_model_architecture, get_model_class
@@ -137,7 +138,10 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
             layers = len(mixed_layers)
             logger.info("%d fused linear layers hold their projections in their own "
                         "formats (%s)", layers, ", ".join(mixed))
-    return model.eval()
+    model.eval()
+    # on the CPU, one rank: its forward recorded and replayed natively
+    install_kernel_replay(model, tp_group.world_size)
+    return model
 
 
 def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:

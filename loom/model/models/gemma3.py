@@ -44,11 +44,6 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def weights_by_role(self) -> dict[str, Any]:
-        return super().weights_by_role() | {
-            "pre_feedforward_norm": self.pre_feedforward_layernorm,
-            "post_feedforward_norm": self.post_feedforward_layernorm}
-
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # residual stream r:  r += post_attn_norm(attn(input_norm(r)))

@@ -1,9 +1,9 @@
 """Llama (and Mistral) for causal LM, tensor parallel.
 
 Each family declares its decoder layer once, as a ``DecoderLayerSpec`` read from the HF
-config (``LlamaForCausalLM.layer_spec``): the modules below are built from it, and the
-native decoder stack (``loom/model/native_stack.py``) runs from it and from each layer's
-``weights_by_role``. Qwen2 and Qwen3 subclass ``LlamaForCausalLM`` and change the spec:
+config (``LlamaForCausalLM.layer_spec``): the modules below are built from it. On the
+CPU their forward is recorded and replayed natively (``loom/model/kernel_replay.py``),
+which needs nothing from the family. Qwen2 and Qwen3 subclass ``LlamaForCausalLM`` and change the spec:
 a qkv bias, a per-head RMSNorm on q and k before rope.
 """
 
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
-from loom.model.attention.metadata import get_forward_context
 from loom.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from loom.model.layers.attention import Attention
 from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -28,7 +27,7 @@ from loom.model.layers.layernorm import RMSNorm, residual_stream
 from loom.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear, default_weight_loader)
 from loom.model.layers.rotary import RopeStep, RotaryEmbedding, get_rope
-from loom.model.native_stack import NativeDecoderStack, plan_native_stack
+from loom.model.kernel_replay import forget_recordings
 
 logger = logging.getLogger(__name__)
 
@@ -174,21 +173,6 @@ class LlamaDecoderLayer(nn.Module):
     def attention(self) -> Attention:
         return self.self_attn.attn
 
-    def weights_by_role(self) -> dict[str, nn.Module | None]:
-        """The native stack's roles (``DecoderLayerWeights`` in decoder_stack.h), each
-        filled by the module that holds it here (native_stack.py)."""
-        attn, mlp = self.self_attn, self.mlp
-        roles = {"input_norm": self.input_layernorm, "qkv": attn.qkv_proj,
-                 "q_norm": attn.q_norm if attn.qk_norm else None,
-                 "k_norm": attn.k_norm if attn.qk_norm else None, "o": attn.o_proj,
-                 "post_attention_norm": self.post_attention_layernorm}
-        if isinstance(mlp, LlamaMLP):
-            return roles | {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-        shared = mlp.shared_experts
-        return roles | {"experts": mlp,
-                        "shared_gate_up": shared.gate_up_proj if shared else None,
-                        "shared_down": shared.down_proj if shared else None}
-
     def forward(self, rope: RopeStep, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -237,9 +221,6 @@ class LlamaModel(nn.Module):
                                    attention_backend, expert_parallel)
             for i, layer_spec in enumerate(layer_specs))
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        # the native stack, the reason it does not apply, or None: not planned yet
-        self.native_stack: NativeDecoderStack | str | None = None
-        self._announced: str | None = None
 
     def _layer_rope(self, config: Any, layer_spec: DecoderLayerSpec) -> RotaryEmbedding:
         if layer_spec.rope_parameters is None or \
@@ -254,47 +235,16 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def invalidate_native_stack(self) -> None:
-        """Weights re-packed or KV caches re-bound: plan again at the next step."""
-        self.native_stack = None
-
-    def process_weights_after_loading(self) -> None:
-        self.invalidate_native_stack()
-
-    def _plan_native_stack(self, hidden_states: torch.Tensor) -> NativeDecoderStack | str | None:
-        """Plan the native stack (native_stack.py) and say once which path runs and why.
-        Kept until ``invalidate_native_stack`` (a re-pack, or ``bind_kv_cache``: the
-        memory profiler's throwaway cache is replaced before the first real step); not
-        kept while a layer has no KV cache (a forward without one)."""
-        plan = plan_native_stack(self.layers, hidden_states.device, hidden_states.dtype,
-                                 self.tp_group.world_size)
-        if plan is None:
-            return None
-        self.native_stack = plan
-        path = ("decoder layers: native stack (loom CPU kernels)" if not isinstance(plan, str)
-                else f"decoder layers: PyTorch modules, as {plan}")
-        if path != self._announced:
-            logger.info("%s", path)
-            self._announced = path
-        return plan
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed(input_ids)
-        stack = self.native_stack if self.native_stack is not None else \
-            self._plan_native_stack(hidden_states)
-        if isinstance(stack, NativeDecoderStack):
-            hidden_states, residual = stack.forward(hidden_states, positions,
-                                                    self.rotary_emb.cos_sin_cache,
-                                                    get_forward_context())
-        else:
-            rope = self.rotary_emb.step_inputs(positions, hidden_states.dtype)
-            ropes = {id(self.rotary_emb): rope} | {
-                id(other): other.step_inputs(positions, hidden_states.dtype)
-                for other in self.layer_ropes.values()}
-            residual = None
-            for layer in self.layers:
-                hidden_states, residual = layer(ropes[id(layer.self_attn.rotary_emb)],
-                                                hidden_states, residual)
+        rope = self.rotary_emb.step_inputs(positions, hidden_states.dtype)
+        ropes = {id(self.rotary_emb): rope} | {
+            id(other): other.step_inputs(positions, hidden_states.dtype)
+            for other in self.layer_ropes.values()}
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(ropes[id(layer.self_attn.rotary_emb)],
+                                            hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -367,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
                              f"{len(layers)} attention layers")
         for attn, kv_cache in zip(layers, kv_caches):
             attn.kv_cache = kv_cache
-        self.model.invalidate_native_stack()
+        forget_recordings(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``, ``positions`` (T,) -> hidden states (T, hidden_size)."""

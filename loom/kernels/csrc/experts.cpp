@@ -1,10 +1,8 @@
-// The native decoder stack (decoder_stack.h): a Llama-style model's decoder layers over
-// one step in C++, so that the ~25 small tensor ops per layer cost no Python (about
-// 1.1 ms of an 8.9 ms batch-1 step of SmolLM2). Each layer's weights arrive by name,
-// filled from the model's declaration; this file is the one place that says what a
-// layer does with them.
+// A mixture of experts' routed experts in one call (experts.h): the routing (moe.cpp),
+// the counts, and each chosen expert's matmuls grouped into parallel regions, in the
+// order and with the roundings of the PyTorch path (layers/fused_moe.py, fused_experts).
 
-#include "decoder_stack.h"
+#include "experts.h"
 
 #include "bf16_gemm.h"
 #include "common.h"
@@ -52,151 +50,6 @@ void LinearWeight::matmul(at::Tensor out, at::Tensor x,
   }
 }
 
-DecoderStack::DecoderStack(std::vector<DecoderLayerWeights> layers,
-                           std::vector<at::Tensor> kv_caches, DecoderStackOptions options)
-    : layers_(std::move(layers)), kv_caches_(std::move(kv_caches)), options_(std::move(options)) {
-  TORCH_CHECK(layers_.size() == kv_caches_.size(), "DecoderStack: ", layers_.size(),
-              " layers but ", kv_caches_.size(), " KV caches");
-  TORCH_CHECK(options_.activation == "silu", "DecoderStack: activation '", options_.activation,
-              "' has no kernel here; only silu");
-  TORCH_CHECK(options_.num_heads > 0 && options_.num_kv_heads > 0 && options_.head_dim > 0,
-              "DecoderStack: num_heads, num_kv_heads and head_dim must be set");
-  for (size_t l = 0; l < layers_.size(); ++l) {
-#define LOOM_CHECK_DEFINED(name, doc) \
-  TORCH_CHECK(layers_[l].name.defined(), "DecoderStack: layer ", l, " has no " #name);
-    LOOM_DECODER_LAYER_REQUIRED(LOOM_CHECK_DEFINED)
-#undef LOOM_CHECK_DEFINED
-#define LOOM_CHECK_LINEAR(name, doc)                                               \
-  TORCH_CHECK(layers_[l].name.has_value() && layers_[l].name->defined(),          \
-              "DecoderStack: layer ", l, " has no " #name);
-    LOOM_DECODER_LAYER_LINEARS(LOOM_CHECK_LINEAR)
-#undef LOOM_CHECK_LINEAR
-    const DecoderLayerWeights& w = layers_[l];
-    if (w.expert_w13.empty()) {
-      TORCH_CHECK(w.gate_up && w.down && options_.intermediate_size > 0, "DecoderStack: layer ",
-                  l, " has neither experts nor gate_up and down (and intermediate_size)");
-    } else {
-      const auto experts = static_cast<size_t>(options_.num_experts);
-      TORCH_CHECK(w.router && w.tokens_per_expert && experts > 0 &&
-                      w.expert_w13.size() == experts && w.expert_w2.size() == experts,
-                  "DecoderStack: layer ", l, " has ", w.expert_w13.size(), "/",
-                  w.expert_w2.size(), " experts' w13/w2 (num_experts ", experts,
-                  "), a router and tokens_per_expert");
-      TORCH_CHECK(options_.top_k > 0 && options_.top_k <= options_.num_experts &&
-                      options_.moe_intermediate_size > 0,
-                  "DecoderStack: top_k and moe_intermediate_size must be set");
-      TORCH_CHECK(options_.scoring == "softmax" || options_.scoring == "sigmoid",
-                  "DecoderStack: MoE scoring '", options_.scoring, "': softmax or sigmoid");
-      TORCH_CHECK(w.router->scalar_type() == at::kFloat && w.router->is_contiguous() &&
-                      w.router->size(0) == options_.num_experts &&
-                      (!w.correction_bias || (w.correction_bias->scalar_type() == at::kFloat &&
-                                              w.correction_bias->is_contiguous())),
-                  "DecoderStack: layer ", l, "'s router and correction_bias must be float32, "
-                  "contiguous, one row per expert");
-      TORCH_CHECK(w.shared_gate_up.has_value() == w.shared_down.has_value() &&
-                      (!w.shared_gate_up || options_.shared_intermediate_size > 0),
-                  "DecoderStack: layer ", l, " has one of shared_gate_up and shared_down, "
-                  "or no shared_intermediate_size");
-    }
-    TORCH_CHECK(layers_[l].q_norm.has_value() == layers_[l].k_norm.has_value(),
-                "DecoderStack: layer ", l, " has one of q_norm and k_norm");
-  }
-}
-
-std::vector<at::Tensor> DecoderStack::forward(at::Tensor hidden, at::Tensor positions,
-                                              at::Tensor cos_sin_cache,
-                                              at::Tensor slot_mapping, at::Tensor block_table,
-                                              at::Tensor seq_lens,
-                                              at::Tensor query_start_loc) const {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be (T, H), contiguous");
-  const DecoderStackOptions& o = options_;
-  const int64_t tokens = hidden.size(0), width = hidden.size(1);
-  const int64_t q_size = o.num_heads * o.head_dim, kv_size = o.num_kv_heads * o.head_dim;
-  // a bias in the float32 sum goes to the kernel; one after the rounded product (a
-  // row-parallel layer's, added after its all-reduce) is a separate bf16 add
-  // (a layer's last linears, o and down, write their float32 sums: they join the
-  // float32 residual stream unrounded, as the modules' RowParallelLinear(float_output))
-  // `reuse`, where given: an output allocated by the first layer and written again by
-  // every later one (its last value is read before the next layer writes it). An
-  // at::empty per activation per layer was 240 a batch-1 step of the default model.
-  auto linear = [&](const at::Tensor& x, const c10::optional<LinearWeight>& weight,
-                    const c10::optional<at::Tensor>& bias_in_sum,
-                    const c10::optional<at::Tensor>& bias_after, int64_t out_features,
-                    bool float_output = false, at::Tensor* reuse = nullptr) {
-    const auto options = float_output ? x.options().dtype(at::kFloat) : x.options();
-    at::Tensor out;
-    if (reuse && reuse->defined() && reuse->dtype() == options.dtype() &&
-        reuse->size(1) == out_features)
-      out = *reuse;
-    else
-      out = at::empty({tokens, out_features}, options);
-    if (reuse) *reuse = out;
-    weight->matmul(out, x, bias_in_sum);
-    if (bias_after) out.add_(*bias_after);
-    return out;
-  };
-  const c10::optional<at::Tensor> none;
-  at::Tensor residual = hidden.to(at::kFloat);  // the stream in float32 (a copy for bf16)
-  at::Tensor x;
-  at::Tensor qkv_out, o_out, gate_up_out, down_out;  // reused by every layer (`linear`)
-  at::Tensor normed_buf, attn_buf, out_buf;
-  auto reused = [&](at::Tensor& buf, at::IntArrayRef sizes) {
-    if (!buf.defined()) buf = at::empty(sizes, hidden.options());
-    return buf;
-  };
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const DecoderLayerWeights& w = layers_[l];
-    if (l == 0) {
-      x = rms_norm(hidden, w.input_norm, o.rms_norm_eps);
-    } else {
-      auto normed = x.scalar_type() == hidden.scalar_type() ? x : reused(normed_buf, {tokens, width});
-      add_rms_norm(normed, x, residual, w.input_norm, o.rms_norm_eps);
-      x = normed;
-    }
-    auto qkv = linear(x, w.qkv, w.qkv_bias, none, q_size + 2 * kv_size, false,
-                      &qkv_out);  // | q | k | v |
-    at::Tensor q, k;
-    if (w.q_norm) {  // per-head RMSNorm on q and k (new tensors), then rope on each
-      q = rms_norm(qkv.narrow(1, 0, q_size).view({tokens, o.num_heads, o.head_dim}), *w.q_norm,
-                   o.rms_norm_eps);
-      k = rms_norm(qkv.narrow(1, q_size, kv_size).view({tokens, o.num_kv_heads, o.head_dim}),
-                   *w.k_norm, o.rms_norm_eps);
-      rotary_embedding(q, positions, cos_sin_cache);
-      rotary_embedding(k, positions, cos_sin_cache);
-    } else {  // q and k adjacent in qkv: rope on both in one pass, in place
-      auto qk = qkv.narrow(1, 0, q_size + kv_size)
-                    .view({tokens, o.num_heads + o.num_kv_heads, o.head_dim});
-      rotary_embedding(qk, positions, cos_sin_cache);
-      q = qk.narrow(1, 0, o.num_heads);
-      k = qk.narrow(1, o.num_heads, o.num_kv_heads);
-    }
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, o.num_kv_heads, o.head_dim});
-    write_kv_cache(k, v, kv_caches_[l], slot_mapping);
-    auto attn = reused(attn_buf, {tokens, o.num_heads, o.head_dim});
-    paged_attention(attn, q, kv_caches_[l], block_table, seq_lens, query_start_loc,
-                    o.attention_scale, std::numeric_limits<int64_t>::max());
-    auto attn_out = linear(attn.view({tokens, q_size}), w.o, none, w.o_bias, width, true, &o_out);
-    auto out = reused(out_buf, {tokens, width});
-    add_rms_norm(out, attn_out, residual, w.post_attention_norm, o.rms_norm_eps);
-    if (w.expert_w13.empty()) {
-      auto act = silu_and_mul(linear(out, w.gate_up, w.gate_up_bias, none,
-                                     2 * o.intermediate_size, false, &gate_up_out));
-      x = linear(act, w.down, none, w.down_bias, width, true, &down_out);
-    } else {
-      x = mixture_of_experts(out, *w.router, w.correction_bias, w.expert_w13, w.expert_w2,
-                             *w.tokens_per_expert, w.step_tokens, o.top_k, o.scoring,
-                             o.renormalize, o.renormalize_min, o.moe_intermediate_size);
-      if (w.shared_gate_up) {  // out + shared_experts(out): a new tensor, as the modules
-        auto act = silu_and_mul(
-            linear(out, w.shared_gate_up, w.shared_gate_up_bias, none,
-                   2 * o.shared_intermediate_size));
-        x = x.add(linear(act, w.shared_down, none, w.shared_down_bias, width));
-      }
-    }
-  }
-  return {x, residual};
-}
-
 namespace {
 
 // Rows of one expert's input run through that expert's matmul into rows of `out`.
@@ -223,7 +76,7 @@ void run_experts(const std::vector<LinearWeight>& weights, const std::vector<Exp
   auto* y = out.data_ptr<c10::BFloat16>();
   for (const auto& j : jobs) {
     const at::Tensor& packed = weights[j.expert].bf16_packed;
-    TORCH_CHECK(in.size(1) == 2 * packed.size(1), "DecoderStack: expert ", j.expert, " takes ",
+    TORCH_CHECK(in.size(1) == 2 * packed.size(1), "mixture_of_experts: expert ", j.expert, " takes ",
                 2 * packed.size(1), " features, its input has ", in.size(1));
     matmuls.push_back({x + j.in_row * in.stride(0), in.stride(0), j.rows,
                        packed.data_ptr<c10::BFloat16>(), packed.size(1), packed.size(0),
