@@ -109,6 +109,19 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
     model_fields = {"vocab_size": getattr(hf_config, "vocab_size", None),
                     "sampling_defaults": tuple(sampling_defaults.items()),
                     "hf_config": hf_config_values(hf_config)}
+    if args.task != "generate":
+        from loom.pooling import pooler_config
+
+        pooler = model_fields["pooler"] = pooler_config(model, hf_config, args.pooler_config)
+        if args.task == "embed" and pooler.pooling_type != "LAST" \
+                and resolved.enable_prefix_caching:
+            # a cached block's hidden states are never computed, and MEAN and CLS read them
+            logger.info("prefix caching off: %s pooling reads every prompt token's hidden "
+                        "state", pooler.pooling_type)
+            resolved = dataclasses.replace(resolved, enable_prefix_caching=False)
+    elif args.pooler_config:
+        raise ValueError("--pooler-config applies to --task embed or score; this engine "
+                         "generates")
     return ResolvedArgs(resolved, model_fields, hf_config)
 
 

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.pooling import TASKS, PoolerConfig
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -84,14 +86,26 @@ class ModelConfig:
     # OpenAI's reasoning_effort -> a budget (-1: unlimited)
     reasoning_effort_budgets: dict[str, int] = field(
         default_factory=lambda: {"low": 1024, "medium": 4096, "high": -1}, hash=False)
+    # What the engine answers (loom/pooling.py): generate (completions, chat), embed
+    # (embeddings) or score (rerank, score); a request for another task is a 400.
+    task: str = "generate"
+    # How an embed or score model pools: the checkpoint's sentence-transformers files, then
+    # --pooler-config (checkpoint_defaults.py); None for generate.
+    pooler: PoolerConfig | None = field(default=None, compare=False)
     # The checkpoint's Hugging Face config as plain values (loom/model/loader/
     # hf_config_values.py), read once (checkpoint_defaults.py), so that the engine core and
     # the ranks build the model without importing transformers; None: each rank reads it.
     hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
+    @property
+    def is_pooling(self) -> bool:
+        return self.task != "generate"
+
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
 
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_attn_backend_name(self.attention_backend)

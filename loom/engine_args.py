@@ -159,6 +159,19 @@ class EngineArgs:
     quantization_group_size: int = arg(
         128, to="model.quantization_group_size", parse=int, metavar="32|64|128",
         help="wint4: input features per scale and offset (default 128)")
+    task: str = arg(
+        "generate", to="model.task", choices=["generate", "embed", "score"],
+        help="what the engine answers: generate (completions, chat; the default), embed "
+             "(/v1/embeddings, LLM.embed: the prompt's hidden states pooled) or score "
+             "(/v1/rerank, /score, LLM.score: a decoder reranker's yes/no probability); "
+             "loom/pooling.py")
+    pooler_config: dict[str, Any] | str | None = arg(
+        None, to=None, parse=arg_types.json_object,
+        flags=("--pooler-config", "--override-pooler-config"),
+        help='embed/score: how to pool, JSON over the checkpoint\'s sentence-transformers '
+             'config, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (fields: '
+             'pooling_type LAST|MEAN|CLS, normalize, matryoshka_dimensions, '
+             'classifier_from_token, score_template, instruction)')
     lm_head_fp32: bool = arg(
         False, to="model.lm_head_fp32", action="store_true",
         help="compute logits in float32 from a float32 copy of the LM head (dequantized if "

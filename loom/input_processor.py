@@ -43,6 +43,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config
         self.scheduling_policy = scheduling_policy
+        self.task = model_config.task
+        self.pooler = model_config.pooler
+        self._classifier_ids: tuple[int, int] | None = None
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, validated prompt token ids)."""
@@ -77,7 +80,9 @@ class InputProcessor:
                                         f"[0, {self.vocab_size})", param)
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this vocabulary."""
+        """What SamplingParams cannot check alone: token ids against this vocabulary, the
+        request's task against the engine's."""
+        self._check_task(params)
         for token_id in params.logit_bias or ():
             if not 0 <= int(token_id) < self.vocab_size:
                 raise InvalidInputError(f"logit_bias names token {token_id} outside the vocabulary "
@@ -123,6 +128,43 @@ class InputProcessor:
                                             self.structured_outputs_config)
             except GrammarError as error:
                 raise InvalidInputError(str(error), "structured_outputs") from None
+
+    def _check_task(self, params: SamplingParams) -> None:
+        """A generation request to a pooling engine, or a pooling request to a generating
+        one (or for the other pooling task), is the request's error; a pooling request's
+        ``dimensions`` is checked and a score's yes/no token ids are set."""
+        pooling = params.pooling
+        if pooling is None:
+            if self.task != "generate":
+                raise InvalidInputError(
+                    f"this model serves --task {self.task}: it pools prompts and generates "
+                    f"nothing; use {'/v1/embeddings' if self.task == 'embed' else '/v1/rerank or /score'}"
+                    " (or start an engine with --task generate)", "model")
+            return
+        if self.task != pooling.task:
+            raise InvalidInputError(
+                f"this model serves --task {self.task}; a {pooling.task} request needs an "
+                f"engine started with --task {pooling.task}", "model")
+        problem = self.pooler.check_dimensions(pooling.dimensions)
+        if problem is not None:
+            raise InvalidInputError(problem, "dimensions")
+        if pooling.task == "score" and pooling.classifier_token_ids is None:
+            pooling.classifier_token_ids = self.classifier_token_ids()
+
+    def classifier_token_ids(self) -> tuple[int, int]:
+        """The reranker's (no, yes) token ids: each of ``classifier_from_token`` one token."""
+        if self._classifier_ids is None:
+            ids = []
+            for text in self.pooler.classifier_from_token:
+                encoded = self.tokenizer.encode(text, add_special_tokens=False)
+                if len(encoded) != 1:
+                    raise InvalidInputError(
+                        f"the score token {text!r} is {len(encoded)} tokens for this "
+                        "tokenizer; set --pooler-config classifier_from_token to two "
+                        "single-token strings", "model")
+                ids.append(encoded[0])
+            self._classifier_ids = (ids[0], ids[1])
+        return self._classifier_ids
 
     def _apply_reasoning_budget(self, params: SamplingParams) -> None:
         """Resolve the request's reasoning budget (its own, else the engine's default)

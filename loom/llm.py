@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -18,8 +19,10 @@ from loom.default_model import default_model_path
 from loom.engine_args import EngineArgs, llm_kwargs_to_fields
 from loom.errors import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
-from loom.outputs import RequestOutput
-from loom.sampling_params import SamplingParams
+from loom.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+                          ScoringOutput, ScoringRequestOutput)
+from loom.pooling import score_pairs, score_prompt
+from loom.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,38 @@ class LLM:
                                  "give one per prompt")
             params = [p.clone(priority=value) for p, value in zip(params, priority)]
         return self._run(prompts, params, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (an engine started with
+        ``task="embed"``; loom/pooling.py). ``pooling_params``: ``normalize``,
+        ``dimensions``. ``truncate_prompt_tokens``: keep the prompt's last this many
+        tokens."""
+        prompts = _prompt_list(prompts)
+        params = _pooling_sampling_params(pooling_params or PoolingParams(), "embed")
+        outputs = self._run([_truncated(self, p, truncate_prompt_tokens) for p in prompts],
+                            [params] * len(prompts), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(o.pooled or []), o.finished)
+                for o in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """How well each ``text_2`` answers ``text_1`` (one query against many documents,
+        or pairs one to one), in [0, 1] (an engine started with ``task="score"``: a
+        decoder reranker's yes probability; loom/pooling.py)."""
+        pairs = score_pairs(text_1, text_2)
+        pooler = self.engine.config.model.pooler
+        if self.engine.config.model.task != "score":
+            raise ValueError("score needs an engine started with task='score' (this one "
+                             f"runs task={self.engine.config.model.task!r})")
+        params = _pooling_sampling_params(PoolingParams(task="score"), "score")
+        outputs = self._run([score_prompt(pooler, query, document) for query, document in pairs],
+                            [params] * len(pairs), use_tqdm)
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                     ScoringOutput((o.pooled or [float("nan")])[0]), o.finished)
+                for o in outputs]
 
     def beam_search(self, prompts: Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -226,6 +261,27 @@ class LLM:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _pooling_sampling_params(pooling: PoolingParams, task: str) -> SamplingParams:
+    if pooling.task != task:
+        pooling = msgspec.structs.replace(pooling, task=task)
+    return SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+
+
+def _truncated(llm: LLM, prompt: PromptType, keep: int | None) -> PromptType:
+    """``prompt`` as its last ``keep`` tokens (None: as it is)."""
+    if keep is None:
+        return prompt
+    _, token_ids = llm.engine.process_prompt(prompt)
+    return {"prompt_token_ids": token_ids[-keep:]}
 
 
 def llm_kwargs_to_engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -64,6 +64,8 @@ class RequestState:
     prompt_logprobs_reported: bool = False
     # A prefill instance's answer: where the decode instance pulls the KV blocks from.
     kv_transfer_params: dict | None = None
+    # A pooling request's vector (loom/pooling.py)
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -142,6 +144,8 @@ class OutputProcessor:
                 continue
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs += self._convert_logprobs(out.prompt_logprobs)
             if not out.new_token_ids and not out.finished:
@@ -228,4 +232,4 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs, metrics=metrics,
-            kv_transfer_params=state.kv_transfer_params)
+            kv_transfer_params=state.kv_transfer_params, pooled=state.pooled)

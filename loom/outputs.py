@@ -43,3 +43,39 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # Prefill/decode disaggregation: a prefill instance's answer (loom/core/kv_transfer.py).
     kv_transfer_params: dict | None = None
+    # A pooling request's vector (loom/pooling.py): an embedding, or a score as one value
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer for one prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s answer for one pair (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

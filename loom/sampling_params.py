@@ -77,6 +77,31 @@ class GrammarAfterThinking(msgspec.Struct, frozen=True):
     think_end_id: int
 
 
+class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A pooling request (an engine started with ``--task embed`` or ``score``): its
+    prompt is prefilled and pooled into one vector, nothing is generated. vLLM's names.
+
+    ``task``: ``embed`` (the prompt's hidden states pooled as the model's pooler config
+    says: last token, mean or first token) or ``score`` (the probability of the yes
+    token against the no token after the prompt, ``classifier_token_ids``, which the
+    API side resolves from the model's pooler config). ``normalize``: L2-normalize the
+    embedding (None: as the model's pooler config says). ``dimensions``: keep the first
+    this many values (Matryoshka models only), normalized after cutting.
+    """
+
+    task: str = "embed"
+    normalize: bool | None = None
+    dimensions: int | None = None
+    classifier_token_ids: tuple[int, int] | None = None  # (no, yes)
+
+    def __post_init__(self) -> None:
+        _check(self.task in ("embed", "score"), "pooling.task",
+               f"must be embed or score, got {self.task!r}")
+        if self.dimensions is not None:
+            _check(isinstance(self.dimensions, int) and self.dimensions >= 1, "dimensions",
+                   f"must be a positive integer, got {self.dimensions!r}")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
@@ -126,6 +151,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Prefill/decode disaggregation, vLLM's field: {"do_remote_decode": true} on a prefill
     # instance; on a decode instance what the prefill instance answered (loom/core/kv_transfer.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # A pooling request (loom's carrier of vLLM's PoolingParams): prefilled and pooled,
+    # finished with its vector and no generated token; the other fields do not apply.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -34,7 +34,7 @@ from loom.core.kv_transfer import KVTransferScheduler, check_kv_transfer_params
 from loom.core.wire import (CachedRequestData, EngineCoreOutput, KVTransferEvent,
                             ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput,
                             SchedulerStats)
-from loom.request import Request, RequestStatus
+from loom.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
@@ -277,6 +277,15 @@ class Scheduler:
                 if runner_output.prompt_logprobs and i is not None else None)
             if prompt_logprobs is not None and request.kv_transfer_id is not None:
                 request.kv_prompt_logprobs.append(prompt_logprobs)  # for the decode side
+            pooled = runner_output.pooled[i] if runner_output.pooled and i is not None else None
+            if pooled is not None:  # a pooling request's prompt done: finished with its vector
+                request.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(EngineCoreOutput(
+                    req_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP.value,
+                    num_cached_tokens=max(request.num_cached_tokens, 0), pooled=pooled))
+                finished.append(request)
+                row_of_output[req_id] = len(outputs) - 1
+                continue
             if not sampled:
                 # A prefill chunk that did not reach the last prompt token.
                 if prompt_logprobs is not None:

@@ -137,6 +137,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Mixture-of-experts models: tokens routed to each expert in this step, summed over
     # the MoE layers (a token counts once per layer and chosen expert); None otherwise.
     expert_tokens: list[int] | None = None
+    # Pooling requests (loom/pooling.py): the vector of each one whose prompt this step
+    # finished (an embedding, or a score as one value); None for the others.
+    pooled: list[list[float] | None] | None = None
 
 
 
@@ -366,6 +369,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Prefill side of disaggregation: where the decode instance pulls this request's KV
     # blocks from, and its prompt logprobs (core/kv_transfer.py: KVTransferParams).
     kv_transfer_params: dict[str, Any] | None = None
+    # A pooling request's vector (it finishes with it, with no new token)
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -59,6 +59,9 @@ class CachedRequestState:
     # scheduler advances its own after the step, and rolls back rejected drafts).
     num_computed_tokens: int = 0
     generator: torch.Generator | None = None
+    # A pooling request's running pool over the chunks prefilled so far (MEAN: the sum
+    # of its hidden states in float32; CLS: the first token's)
+    pooled: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -323,6 +326,7 @@ class ModelRunner:
                 else:
                     self._sample(req_ids, sample_rows, logits, sampled, logprobs)
         prompt_logprobs = self._prompt_logprobs(req_ids, metadata, hidden_states)
+        pooled = self._pool(req_ids, metadata, hidden_states)
         spec_token_ids = None
         if self.tp_group.rank == 0 and (self.ngram_proposer or self.draft_proposer):
             spec_token_ids = self._propose(req_ids, sampled, input_ids, positions, metadata)
@@ -333,7 +337,8 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs if has_logprobs else None,
                                  spec_token_ids=spec_token_ids, sampled_token_probs=probs,
-                                 prompt_logprobs=prompt_logprobs, expert_tokens=expert_tokens)
+                                 prompt_logprobs=prompt_logprobs, expert_tokens=expert_tokens,
+                                 pooled=pooled)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -397,8 +402,8 @@ class ModelRunner:
                 num_drafts[i] = len(drafts)
             else:
                 input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
-            if end >= len(state.token_ids):
-                sample_rows.append(i)
+            if end >= len(state.token_ids) and state.sampling_params.pooling is None:
+                sample_rows.append(i)  # (a pooling request is pooled, not sampled: _pool)
         # a token's slot through a block table: its block's id * block_size + offset
         token_block, token_offset = positions // self.block_size, positions % self.block_size
         slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset
@@ -562,6 +567,51 @@ class ModelRunner:
                 if result is None:
                     result = [None] * len(req_ids)
                 result[i] = entry
+        return result
+
+    def _pool(self, req_ids: list[str], metadata: AttentionMetadata,
+              hidden_states: torch.Tensor) -> list[list[float] | None] | None:
+        """Each pooling request's chunk pooled into its running pool (loom/pooling.py);
+        at the chunk that ends its prompt, its vector: the embedding (normalized and cut
+        to ``dimensions`` as asked) or, for a score, ``softmax([logit_no, logit_yes])[1]``
+        at the last position."""
+        result: list[list[float] | None] | None = None
+        starts = metadata.query_start_loc_cpu
+        pooler = self.config.model.pooler
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            params = state.sampling_params.pooling
+            if params is None:
+                continue
+            end = metadata.seq_lens_cpu[i]
+            start = end - (starts[i + 1] - starts[i])
+            rows = hidden_states[starts[i]:starts[i + 1]]
+            kind = pooler.pooling_type if params.task == "embed" else "LAST"
+            if kind == "MEAN":
+                chunk_sum = rows.float().sum(dim=0)
+                state.pooled = chunk_sum if state.pooled is None else state.pooled + chunk_sum
+            elif kind == "CLS" and start == 0:
+                state.pooled = rows[0].float()
+            if end < state.num_prompt_tokens:
+                continue  # more of the prompt to come
+            if params.task == "score":
+                no, yes = params.classifier_token_ids
+                logits = self.model.compute_logits(rows[-1:]).float()[0]
+                vector = torch.softmax(logits[[no, yes]], dim=0)[1:]
+            else:
+                vector = (rows[-1].float() if kind == "LAST" else
+                          state.pooled / state.num_prompt_tokens if kind == "MEAN" else
+                          state.pooled)
+                if params.dimensions is not None:
+                    vector = vector[:params.dimensions]
+                normalize = pooler.normalize if params.normalize is None else params.normalize
+                if normalize:
+                    vector = torch.nn.functional.normalize(vector, dim=0)
+            state.pooled = None
+            if self.tp_group.rank == 0:
+                if result is None:
+                    result = [None] * len(req_ids)
+                result[i] = vector.tolist()
         return result
 
     def _propose(self, req_ids: list[str], sampled: list[list[int]], input_ids: torch.Tensor,

@@ -55,6 +55,8 @@ from loom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRe
 from loom.entrypoints.openai.responses import cancel_on_disconnect
 from loom.entrypoints.openai.serving_chat import OpenAIServingChat
 from loom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from loom.entrypoints.openai.serving_pooling import (EmbeddingRequest, OpenAIServingPooling,
+                                                    RerankRequest, ScoreRequest)
 from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
                                                       OpenAIServingTokenization,
                                                       TokenizeChatRequest,
@@ -63,7 +65,8 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
 from loom.entrypoints.openai.web_ui import add_web_ui, chat_page
 from loom.envs import settings
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from loom.sampling_params import SamplingParams
+from loom.input_processor import InvalidInputError
+from loom.sampling_params import PoolingParams, SamplingParams
 from loom.stats_logger import LoggingStatLogger
 
 logger = logging.getLogger("loom.serve")
@@ -240,6 +243,7 @@ def build_app(state: ServerState) -> FastAPI:
     completion = OpenAIServingCompletion(engine, state.served_model_name)
     chat = OpenAIServingChat(engine, state.served_model_name, **state.chat_options)
     tokenization = OpenAIServingTokenization(engine, state.served_model_name)
+    pooling = OpenAIServingPooling(engine, state.served_model_name)
     app = FastAPI(title="loom", version=loom.__version__, redoc_url=None)
     _install_openapi(app, bearer_auth=state.api_key is not None)
     app.add_middleware(GuardMiddleware, state=state)
@@ -300,11 +304,14 @@ def build_app(state: ServerState) -> FastAPI:
             return await health()
         started = time.perf_counter()
         token_ids = engine.tokenizer.encode("ping") or [0]
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        task = engine.config.model.task
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                pooling=None if task == "generate" else PoolingParams(task=task))
         try:
+            engine.input_processor.validate_params(params)  # a score's yes/no token ids
             stream = engine.add_request(f"health-{uuid.uuid4().hex}", None, token_ids, params,
                                         stream=False)
-        except (EngineDeadError, QueueFullError) as error:
+        except (EngineDeadError, QueueFullError, InvalidInputError) as error:
             return JSONResponse({"status": str(error)}, status_code=503)
         try:
             async with asyncio.timeout(timeout):
@@ -342,6 +349,24 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await request.body()
         return await cancel_on_disconnect(request, completion.create(body))
+
+    @app.post("/v1/embeddings", openapi_extra=_json_body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        """--task embed (loom/entrypoints/openai/serving_pooling.py)."""
+        return await cancel_on_disconnect(request, pooling.embeddings(await request.body()))
+
+    @app.post("/v1/rerank", openapi_extra=_json_body(RerankRequest))
+    @app.post("/v2/rerank", openapi_extra=_json_body(RerankRequest))
+    @app.post("/rerank", openapi_extra=_json_body(RerankRequest))
+    async def rerank(request: Request) -> Response:
+        """--task score: Jina's and Cohere's rerank."""
+        return await cancel_on_disconnect(request, pooling.rerank(await request.body()))
+
+    @app.post("/score", openapi_extra=_json_body(ScoreRequest))
+    @app.post("/v1/score", openapi_extra=_json_body(ScoreRequest))
+    async def score(request: Request) -> Response:
+        """--task score: vLLM's score."""
+        return await cancel_on_disconnect(request, pooling.score(await request.body()))
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
