@@ -63,6 +63,7 @@ from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, Detoken
                                                       TokenizeCompletionRequest,
                                                       TokenizeResponse)
 from loom.entrypoints.openai.web_ui import add_web_ui, chat_page
+from loom.entrypoints.openai_responses import OpenAIResponses
 from loom.envs import settings
 from loom.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loom.input_processor import InvalidInputError
@@ -244,6 +245,7 @@ def build_app(state: ServerState) -> FastAPI:
     chat = OpenAIServingChat(engine, state.served_model_name, **state.chat_options)
     tokenization = OpenAIServingTokenization(engine, state.served_model_name)
     pooling = OpenAIServingPooling(engine, state.served_model_name)
+    responses_api = OpenAIResponses(chat)
     app = FastAPI(title="loom", version=loom.__version__, redoc_url=None)
     _install_openapi(app, bearer_auth=state.api_key is not None)
     app.add_middleware(GuardMiddleware, state=state)
@@ -382,6 +384,26 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         return count_tokens(chat, await request.body())
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API over the chat route (loom/entrypoints/openai_responses.py).
+        Stored responses stay in this process's memory, the last 1024, oldest evicted first."""
+        body = await request.body()
+        return await cancel_on_disconnect(request, responses_api.create(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
+        return responses_api.retrieve(response_id, stream)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses_api.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        """loom runs no background responses: a stored one is a 400, an unknown one a 404."""
+        return responses_api.cancel(response_id)
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}},
               openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
