@@ -1,0 +1,130 @@
+"""Embeddings per second: loom (``LLM.embed``, ``task="embed"``) against
+sentence-transformers on the same Hugging Face checkpoint, interleaved, one process each
+round, with every process's peak resident memory.
+
+    python benchmarks/embed_speed.py --model /work/bench-envs/models/smollm2-135m-bf16 \\
+        [--texts 256] [--rounds 3] [--dtype bfloat16] [--result-file results/embed.json]
+
+The texts are 256 short sentences (8-40 words, ~10-60 tokens). Both pool the last
+token and normalize (a decoder checkpoint without sentence-transformers files: what
+loom does by default; sentence-transformers is told so with its own Pooling and
+Normalize modules). Each side runs its own process per round, alternately; the figure
+is the embedding of all texts once warm (a first pass over 16 texts before timing).
+Checks first that both give the same vectors (cosine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+WORDS = ("the of and a to in is you that it he was for on are as with his they at be this "
+         "from have or by one had not but what all were when we there can an your which "
+         "their said if do will each about how up out them then she many some so these "
+         "would other into has more her two like him see time could no make than first "
+         "been its who now people my made over did down only way find use may water long "
+         "little very after words called just where most know").split()
+
+
+def texts(count: int) -> list[str]:
+    rng = random.Random(0)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) + "."
+            for _ in range(count)]
+
+
+def run_loom(model: str, count: int, dtype: str) -> dict:
+    from loom import LLM
+
+    items = texts(count)
+    with LLM(model, task="embed", dtype=dtype, enable_warm_up=False,
+             max_num_seqs=256) as llm:
+        llm.embed(items[:16], use_tqdm=False)
+        start = time.perf_counter()
+        out = llm.embed(items, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        import psutil
+
+        workers = psutil.Process().children(recursive=True)  # loom's worker processes, if any
+        worker_rss = sum(c.memory_info().rss for c in workers) / 2**20
+    return {"seconds": seconds, "first": out[0].outputs.embedding, "worker_rss_mib": worker_rss,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_st(model: str, count: int, dtype: str) -> dict:
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+
+    # the text as it is (sentence-transformers would render a checkpoint's chat template
+    # around it), in the dtype asked
+    transformer = models.Transformer(
+        model, model_kwargs={"dtype": getattr(torch, dtype)},
+        modality_config={"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        module_output_name="token_embeddings")
+    pooling = models.Pooling(transformer.get_word_embedding_dimension(), "lasttoken")
+    st = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
+    items = texts(count)
+    st.encode(items[:16], batch_size=32)
+    start = time.perf_counter()
+    out = st.encode(items, batch_size=32, convert_to_numpy=True)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "first": out[0].astype("float64").tolist(), "worker_rss_mib": 0.0,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def child(which: str, model: str, count: int, dtype: str) -> dict:
+    """One side in a fresh process: its figures, its own peak RSS and, for loom, its
+    worker processes' RSS at the end."""
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import embed_speed as e; print('RESULT ' + json.dumps("
+            f"e.run_{which}({model!r}, {count}, {dtype!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{which} failed:\n{done.stderr[-3000:]}")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
+    parser.add_argument("--texts", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--result-file", default=None)
+    args = parser.parse_args()
+    rounds = {"loom": [], "sentence-transformers": []}
+    rss = {"loom": [], "sentence-transformers": []}
+    first = {}
+    for index in range(args.rounds):
+        for name, which in (("loom", "loom"), ("sentence-transformers", "st")):
+            result = child(which, args.model, args.texts, args.dtype)
+            rounds[name].append(args.texts / result["seconds"])
+            rss[name].append({"process_peak": round(result["peak_rss_mib"]),
+                              "workers_at_end": round(result["worker_rss_mib"])})
+            first[name] = result["first"]
+            print(f"round {index + 1} {name}: {rounds[name][-1]:.1f} embeddings/s, "
+                  f"RSS {rss[name][-1]} MiB", file=sys.stderr)
+    a, b = first["loom"], first["sentence-transformers"]
+    cosine = sum(x * y for x, y in zip(a, b)) / (sum(x * x for x in a) * sum(y * y for y in b)) ** .5
+    ratios = [x / y for x, y in zip(rounds["loom"], rounds["sentence-transformers"])]
+    summary = {
+        "command": "python benchmarks/embed_speed.py " + " ".join(sys.argv[1:]),
+        "model": args.model, "dtype": args.dtype, "texts": args.texts,
+        "embeddings_per_s": rounds, "peak_rss_mib": rss,
+        "median_ratio_loom_over_st": round(statistics.median(ratios), 3),
+        "cosine_first_text": round(cosine, 6)}
+    print(json.dumps(summary, indent=1))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
