@@ -1,9 +1,10 @@
 """loom: an LLM inference serving engine in plain PyTorch."""
 
 from loom.config import EngineConfig
-from loom.sampling_params import SamplingParams
+from loom.lora import LoRARequest
+from loom.sampling_params import PoolingParams, SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "PoolingParams", "SamplingParams"]
 __version__ = "0.1.0"
 
 

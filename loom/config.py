@@ -86,6 +86,12 @@ class ModelConfig:
     # OpenAI's reasoning_effort -> a budget (-1: unlimited)
     reasoning_effort_budgets: dict[str, int] = field(
         default_factory=lambda: {"low": 1024, "medium": 4096, "high": -1}, hash=False)
+    # LoRA adapters (loom/lora.py): served beside the base when enabled; (name, path) of
+    # those loaded at start-up; at most max_loras held at once, of rank <= max_lora_rank.
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # What the engine answers (loom/pooling.py): generate (completions, chat), embed
     # (embeddings) or score (rerank, score); a request for another task is a 400.
     task: str = "generate"

@@ -43,7 +43,7 @@ _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerC
 def arg(default: Any = None, *, to: str | tuple[str, ...] | None, help: str | None = None,
         flags: tuple[str, ...] = (), parse: Any = None, choices: Any = None,
         metavar: str | None = None, action: str | type[argparse.Action] | None = None,
-        scope: str = ENGINE) -> Any:
+        scope: str = ENGINE, nargs: str | None = None) -> Any:
     """A field of ``EngineArgs``.
 
     ``to``: the config field(s) it lands in, ``section.name`` (``"scheduler.max_num_seqs"``)
@@ -54,7 +54,8 @@ def arg(default: Any = None, *, to: str | tuple[str, ...] | None, help: str | No
     """
     targets = (to,) if isinstance(to, str) else (to or ())
     metadata = {"to": targets, "help": help, "flags": flags, "parse": parse,
-                "choices": choices, "metavar": metavar, "action": action, "scope": scope}
+                "choices": choices, "metavar": metavar, "action": action, "scope": scope,
+                "nargs": nargs}
     return field(default=default, metadata=metadata)
 
 
@@ -172,6 +173,17 @@ class EngineArgs:
              'config, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (fields: '
              'pooling_type LAST|MEAN|CLS, normalize, matryoshka_dimensions, '
              'classifier_from_token, score_template, instruction)')
+    enable_lora: bool = arg(
+        False, to="model.enable_lora", action="store_true",
+        help="serve LoRA adapters beside the base model, batched together (loom/lora.py)")
+    lora_modules: tuple[tuple[str, str], ...] | list[str] = arg(
+        (), to="model.lora_modules", nargs="+", metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) loaded at start-up, each served under its "
+             "NAME (a request's model)")
+    max_loras: int = arg(1, to="model.max_loras", parse=arg_types.positive_int,
+                         help="LoRA adapters held at once")
+    max_lora_rank: int = arg(16, to="model.max_lora_rank", parse=arg_types.positive_int,
+                             help="the largest LoRA rank an adapter may have")
     lm_head_fp32: bool = arg(
         False, to="model.lm_head_fp32", action="store_true",
         help="compute logits in float32 from a float32 copy of the LM head (dequantized if "
@@ -312,7 +324,7 @@ class EngineArgs:
                 options["action"] = meta["action"]
             else:
                 for key, option in (("parse", "type"), ("choices", "choices"),
-                                    ("metavar", "metavar")):
+                                    ("metavar", "metavar"), ("nargs", "nargs")):
                     if meta[key] is not None:
                         options[option] = meta[key]
             if meta["help"] is not None:

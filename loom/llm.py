@@ -19,6 +19,7 @@ from loom.default_model import default_model_path
 from loom.engine_args import EngineArgs, llm_kwargs_to_fields
 from loom.errors import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
+from loom.lora import LoRARequest
 from loom.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
                           ScoringOutput, ScoringRequestOutput)
 from loom.pooling import score_pairs, score_prompt
@@ -57,6 +58,8 @@ class LLM:
                 raise RuntimeError(_MISSING_MAIN_GUARD) from None
             raise
         self._request_counter = itertools.count()
+        # LoRA adapters loaded on the ranks, by name (loom/lora.py)
+        self._loras = dict(self.engine.config.model.lora_modules)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
@@ -81,9 +84,13 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. ``priority``: one per prompt, as
-        vLLM's (lower runs first; needs ``scheduling_policy="priority"``)."""
+        vLLM's (lower runs first; needs ``scheduling_policy="priority"``).
+        ``lora_request``: the LoRA adapter to run with (one, or one per prompt; None the
+        base; needs ``enable_lora``), loaded on first use."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -102,7 +109,24 @@ class LLM:
                 raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; "
                                  "give one per prompt")
             params = [p.clone(priority=value) for p, value in zip(params, priority)]
+        if lora_request is not None:
+            loras = ([lora_request] * len(prompts) if isinstance(lora_request, LoRARequest)
+                     else list(lora_request))
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+            params = [p if lora is None else p.clone(lora_name=self._lora_name(lora))
+                      for p, lora in zip(params, loras)]
         return self._run(prompts, params, use_tqdm)
+
+    def _lora_name(self, lora: LoRARequest) -> str:
+        """``lora``'s adapter loaded on every rank (now, if it is new); its name."""
+        if not self.engine.config.model.enable_lora:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        if self._loras.get(lora.lora_name) != lora.lora_path:
+            self.collective_rpc("add_lora", (lora.lora_name, lora.lora_path))
+            self._loras[lora.lora_name] = lora.lora_path
+        return lora.lora_name
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, use_tqdm: bool = True,

@@ -154,6 +154,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A pooling request (loom's carrier of vLLM's PoolingParams): prefilled and pooled,
     # finished with its vector and no generated token; the other fields do not apply.
     pooling: PoolingParams | None = None
+    # The LoRA adapter this request runs with (loom/lora.py), by name; None: the base.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

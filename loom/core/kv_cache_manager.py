@@ -289,9 +289,15 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
+            # a LoRA adapter's blocks are its own: its name seeds the chain
+            parent = hashes[-1] if hashes else _chain_seed(request)
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(hash_block_tokens(parent, chunk))
+
+
+def _chain_seed(request: Request) -> int | None:
+    name = request.sampling_params.lora_name
+    return None if name is None else hash(("lora", name))
 
 
 def _cache_key(block_hash: int, group: int) -> Hashable:

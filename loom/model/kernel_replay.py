@@ -581,6 +581,17 @@ def install(model: nn.Module, num_ranks: int = 1) -> KernelReplay | None:
     return replay
 
 
+def uninstall(model: nn.Module, reason: str) -> None:
+    """Run ``model``'s forward as modules from now on (a feature whose ops a recording
+    would not hold), saying why once."""
+    replay = getattr(model, "kernel_replay", None)
+    if replay is None:
+        return
+    model.forward = replay.forward
+    del model.kernel_replay
+    logger.info("forward: PyTorch modules, as %s", reason)
+
+
 def forget_recordings(model: nn.Module) -> None:
     """The model's weights or KV caches changed: its recordings hold the old ones."""
     replay = getattr(model, "kernel_replay", None)

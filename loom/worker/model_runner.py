@@ -26,6 +26,8 @@ from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers import logits_processors
+from loom.model.kernel_replay import uninstall as uninstall_kernel_replay
+from loom.model.layers.lora import lora_step
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
 from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
@@ -34,6 +36,7 @@ from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
 from loom.spec_decode.rejection_sampler import RejectionSampler
 from loom.worker.cuda_graphs import DecodeGraphs, graphs_memory_estimate
+from loom.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ class ModelRunner:
         # Pure decode steps replayed from CUDA graphs (cuda_graphs.py); made with each
         # real KV cache where they apply, dropped when the cache or the weights change.
         self.cuda_graphs: DecodeGraphs | None = None
+        self.lora: LoRAManager | None = None  # LoRA adapters' slots (load_model)
         self._graphs_said: str | None = ""  # what was last logged of them: said once
         self._graphs_failed: str | None = None  # a capture's failure: none again
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
@@ -118,9 +122,25 @@ class ModelRunner:
             logger.info("attention backend: %s%s", backend,
                         " (auto)" if chosen == "auto" else "")
         self.vocab_size = self.hf_config.vocab_size
+        self.lora = self._load_loras()
         self._bind_expert_counts()
         if self.draft_proposer is not None:
             self.draft_proposer.load_model()
+
+    def _load_loras(self) -> LoRAManager | None:
+        """LoRA slots on the decoder's linears and the adapters named at start-up
+        (loom/lora.py); the forward is then not replayed (its adapter products are
+        PyTorch ops)."""
+        config = self.config.model
+        if not config.enable_lora:
+            return None
+        manager = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype,
+                              self.device)
+        for name, path in config.lora_modules:
+            manager.add(name, path)
+        uninstall_kernel_replay(self.model, "LoRA adapters are enabled (their products run "
+                                "as PyTorch ops)")
+        return manager
 
     def _bind_expert_counts(self) -> None:
         """MoE models: one (E,) tensor every FusedMoE layer adds its routing counts to,
@@ -303,7 +323,10 @@ class ModelRunner:
             self._prepare_inputs(req_ids, scheduler_output.num_scheduled_tokens, spec_tokens)
         if self.expert_step_tokens is not None:
             self.expert_step_tokens.zero_()
-        with set_forward_context(metadata):
+        groups = (self.lora.groups([self.requests[r].sampling_params.lora_name
+                                    for r in req_ids], metadata.query_start_loc_cpu)
+                  if self.lora is not None else [])
+        with set_forward_context(metadata), lora_step(groups):
             hidden_states = None
             if self.cuda_graphs is not None:
                 hidden_states = self.cuda_graphs.run(input_ids, positions, metadata)

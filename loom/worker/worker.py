@@ -311,6 +311,15 @@ class Worker:
         return {"captured": sorted(map(list, graphs.graphs)), "replays": graphs.replays,
                 "disabled": graphs.disabled, "made": True}
 
+    def add_lora(self, name: str, path: str) -> int:
+        """Load LoRA adapter ``name`` from ``path`` on this rank (loom/lora.py); its slot."""
+        if self.model_runner.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        return self.model_runner.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.model_runner.lora is not None and self.model_runner.lora.remove(name)
+
     def memory_usage(self) -> dict:
         """This rank's resident bytes (CPU: the process's RSS), and the bytes of its KV
         cache and of its parameters."""

@@ -338,10 +338,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "loom", "root": engine.config.model.model,
-            "max_model_len": engine.config.model.max_model_len}]}
+        base = {"id": state.served_model_name, "object": "model", "created": state.created,
+                "owned_by": "loom", "root": engine.config.model.model,
+                "max_model_len": engine.config.model.max_model_len}
+        adapters = [{**base, "id": name, "root": path, "parent": state.served_model_name}
+                    for name, path in engine.config.model.lora_modules]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

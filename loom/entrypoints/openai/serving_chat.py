@@ -49,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, body: bytes) -> Response:
         request = ChatCompletionRequest.parse(body)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         token_ids = self.render(request)
         structured_outputs, output_builder = self._output_constraints(
             request, self._opens_thinking(token_ids))
@@ -60,6 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         if structured_outputs is not None and output_builder.reasoning_parser is not None \
                 and think_ids is not None:  # the grammar constrains the answer only
             params.grammar_after_thinking = GrammarAfterThinking(*think_ids)
+        params.lora_name = lora_name
         self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.submit(request_id, None, token_ids, params, request.stream)

@@ -36,7 +36,7 @@ Prompt = tuple[str | None, list[int]]  # (text, token ids); text None for token 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: bytes) -> Response:
         request = CompletionRequest.parse(body)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         prompts = self._prompts(request)
         if request.use_beam_search:
             return await self._beam_search(request, prompts)
@@ -49,6 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        structured_outputs, self.max_logprobs)
             if transfer is not request.kv_transfer_params:  # one of a prefill batch's
                 prompt_params = prompt_params.clone(kv_transfer_params=transfer)
+            prompt_params.lora_name = lora_name
             params.append(prompt_params)
         for prompt_params, (_, token_ids) in zip(params, prompts):
             self.check_params(prompt_params, len(token_ids))

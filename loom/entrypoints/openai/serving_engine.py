@@ -36,10 +36,17 @@ class OpenAIServing:
         self.effort_budgets = engine.config.model.reasoning_effort_budgets
         # The model's generation config: what a request leaves out.
         self.default_sampling_params = engine.config.model.default_sampling_params
+        # LoRA adapters served beside the base, by name (a request's model)
+        self.lora_names = frozenset(name for name, _ in engine.config.model.lora_modules)
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise model_not_found(requested)
+    def check_model(self, requested: str | None) -> str | None:
+        """The LoRA adapter ``requested`` names (loom/lora.py), None for the base model; a
+        404 for a name the server does not serve."""
+        if requested is None or requested == self.model_name:
+            return None
+        if requested in self.lora_names:
+            return requested
+        raise model_not_found(requested)
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """What the request alone cannot tell: its token ids against this vocabulary,

@@ -74,7 +74,7 @@ class ScoreRequest(OpenAIModel):
 class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, body: bytes) -> Response:
         request = EmbeddingRequest.parse(body)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         prompts = request.input
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -85,7 +85,7 @@ class OpenAIServingPooling(OpenAIServing):
                                 dimensions=request.dimensions)
         token_ids = [self._token_ids(prompt, "input", request.truncate_prompt_tokens)
                      for prompt in prompts]
-        outputs = await self._pool("embd", token_ids, pooling)
+        outputs = await self._pool("embd", token_ids, pooling, lora_name)
         data = []
         for index, output in enumerate(outputs):
             vector = output.pooled
@@ -98,13 +98,14 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def rerank(self, body: bytes) -> Response:
         request = RerankRequest.parse(body)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         if not request.documents:
             raise RequestError("documents is empty; give at least one", param="documents")
         documents = [d if isinstance(d, str) else d.text for d in request.documents]
         if request.top_n is not None and request.top_n < 1:
             raise RequestError(f"top_n must be at least 1, got {request.top_n}", param="top_n")
-        scores, num_tokens = await self._scores([(request.query, d) for d in documents])
+        scores, num_tokens = await self._scores([(request.query, d) for d in documents],
+                                                lora_name)
         results = [{"index": i, "relevance_score": score} |
                    ({"document": {"text": documents[i]}} if request.return_documents else {})
                    for i, score in enumerate(scores)]
@@ -116,12 +117,12 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def score(self, body: bytes) -> Response:
         request = ScoreRequest.parse(body)
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         try:
             pairs = score_pairs(request.text_1, request.text_2)
         except ValueError as error:
             raise RequestError(str(error), param="text_2") from None
-        scores, num_tokens = await self._scores(pairs)
+        scores, num_tokens = await self._scores(pairs, lora_name)
         return JSONResponse({
             "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": self.model_name,
@@ -130,7 +131,8 @@ class OpenAIServingPooling(OpenAIServing):
 
     # ------------------------------------------------------------------ the steps
 
-    async def _scores(self, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+    async def _scores(self, pairs: list[tuple[str, str]],
+                      lora_name: str | None) -> tuple[list[float], int]:
         pooler = self.engine.config.model.pooler
         if pooler is None or self.engine.config.model.task != "score":
             raise RequestError(f"this model serves --task {self.engine.config.model.task}; "
@@ -138,7 +140,7 @@ class OpenAIServingPooling(OpenAIServing):
                                param="model")
         token_ids = [self._token_ids(score_prompt(pooler, query, document), "documents")
                      for query, document in pairs]
-        outputs = await self._pool("score", token_ids, PoolingParams(task="score"))
+        outputs = await self._pool("score", token_ids, PoolingParams(task="score"), lora_name)
         return [output.pooled[0] for output in outputs], sum(len(ids) for ids in token_ids)
 
     def _token_ids(self, prompt: str | list[int], param: str,
@@ -154,10 +156,11 @@ class OpenAIServingPooling(OpenAIServing):
             raise RequestError.from_invalid_input(error) from None
         return token_ids
 
-    async def _pool(self, prefix: str, prompts: list[list[int]],
-                    pooling: PoolingParams) -> list[RequestOutput]:
+    async def _pool(self, prefix: str, prompts: list[list[int]], pooling: PoolingParams,
+                    lora_name: str | None) -> list[RequestOutput]:
         """Every prompt one engine request, all submitted, then awaited together."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling,
+                                lora_name=lora_name)
         self.check_params(params, max(len(ids) for ids in prompts))
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.layers.lora import LoRASlots
 from loom.model.layers.quantization import (QuantizedTensor, fitting_group_size,
                                             parse_weight_quantization, quantize)
 from loom.model.layers.weight_forms import (PlainWeight, QuantizedReference, RowBlocks,
@@ -96,6 +97,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._staging: RowBlocks | None = None  # quantized shards while loading
+        # LoRA adapters applied beside the weight (layers/lora.py), when LoRA is enabled
+        self.lora: LoRASlots | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -208,8 +211,12 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                float_output: bool = False) -> torch.Tensor:
         """``x W^T (+ bias)`` on this rank's weight, however it is held; with
-        ``float_output``, float32 (the kernels' sums unrounded where they have them)."""
-        return self.form.apply(x, bias, float_output)
+        ``float_output``, float32 (the kernels' sums unrounded where they have them); plus
+        the step's LoRA adapters on their rows."""
+        y = self.form.apply(x, bias, float_output)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
 
 class ReplicatedLinear(LinearBase):

@@ -1,0 +1,115 @@
+"""LoRA adapters: many fine-tunes of one base model served together (torch-free).
+
+An adapter in PEFT's format (a directory with ``adapter_config.json`` and
+``adapter_model.safetensors``) adds ``scale * B (A x)`` to each linear layer it targets,
+``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). loom applies it
+beside the base weight, never merged into it, so requests for different adapters and for
+the base share a step (loom/model/layers/lora.py: each step's rows grouped by adapter,
+each group's shrink and expand products in turn).
+
+An engine started with ``enable_lora`` holds up to ``max_loras`` adapters of rank up to
+``max_lora_rank`` at once (loaded at start-up from ``--lora-modules name=path``, or on
+first use from an offline ``LoRARequest``); a request names one by its name (the
+OpenAI routes' ``model``; ``SamplingParams.lora_name``), the base by the served model
+name. Prefix caching keys a request's blocks by its adapter.
+
+Targets: the attention and MLP projections of the dense families and the attention of
+the mixtures of experts (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``).
+An adapter on anything else (embeddings, the LM head, experts), with a rank above
+``max_lora_rank``, with ``modules_to_save`` or DoRA, is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: the adapter a request runs with (``lora_int_id`` is vLLM's handle, unused
+    by loom beyond being kept)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What loom reads of an adapter's ``adapter_config.json``."""
+
+    rank: int
+    scale: float
+    target_modules: tuple[str, ...]
+    base_model: str | None
+
+
+class AdapterError(ValueError):
+    """An adapter loom cannot serve: the message names the adapter and the reason."""
+
+
+def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
+    """``path``'s adapter configuration, checked against what loom serves."""
+    config_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        raise AdapterError(f"LoRA adapter {path!r} has no adapter_config.json (PEFT's format: "
+                           "adapter_config.json and adapter_model.safetensors)")
+    if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+        raise AdapterError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
+    try:
+        with open(config_file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as error:
+        raise AdapterError(f"LoRA adapter {path!r}: adapter_config.json is not JSON: "
+                           f"{error}") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"LoRA adapter {path!r} is a {raw.get('peft_type')} adapter; loom "
+                           "serves LORA")
+    rank = int(raw.get("r", 0))
+    if not 1 <= rank <= max_rank:
+        raise AdapterError(f"LoRA adapter {path!r} has rank {rank}, above --max-lora-rank "
+                           f"{max_rank}; raise --max-lora-rank")
+    if raw.get("use_dora"):
+        raise AdapterError(f"LoRA adapter {path!r} uses DoRA, which loom does not serve")
+    if raw.get("modules_to_save"):
+        raise AdapterError(f"LoRA adapter {path!r} saves whole modules "
+                           f"({', '.join(raw['modules_to_save'])}), which loom does not serve")
+    targets = raw.get("target_modules") or []
+    if isinstance(targets, str):
+        raise AdapterError(f"LoRA adapter {path!r} names its targets by pattern ({targets!r}); "
+                           "loom takes a list of module names")
+    unsupported = sorted(set(targets) - set(SUPPORTED_TARGETS))
+    if unsupported:
+        raise AdapterError(f"LoRA adapter {path!r} targets {', '.join(unsupported)}; loom "
+                           f"applies adapters to {', '.join(SUPPORTED_TARGETS)}")
+    alpha = float(raw.get("lora_alpha", rank))
+    scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
+    return AdapterConfig(rank, scale, tuple(targets), raw.get("base_model_name_or_path"))
+
+
+def parse_lora_modules(values: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules name=path ...`` (or vLLM's JSON ``{"name", "path"}``) as pairs."""
+    pairs = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                raw = json.loads(value)
+                pairs.append((str(raw["name"]), str(raw["path"])))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {value!r}: give name=path or "
+                                 '{"name": ..., "path": ...}') from None
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {value!r}: give name=path")
+        pairs.append((name, path))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    return tuple(pairs)
