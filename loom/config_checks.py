@@ -142,7 +142,7 @@ def check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_s
     from loom.model.loader.hf_config import kv_cache_bytes_per_block
 
     bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size, dtype,
-                                               tensor_parallel_size)
+                                               tensor_parallel_size, cache.kv_cache_dtype)
     needed = -(-max_model_len // cache.block_size)
     if cache.num_gpu_blocks_override is not None:
         num_blocks, flag = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom import arg_types
-from loom.config import (DTYPE_CHOICES, CacheConfig, EarlyStopConfig, EngineConfig,
-                         KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                         SpeculativeConfig, StructuredOutputsConfig)
+from loom.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, CacheConfig, EarlyStopConfig,
+                         EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,10 @@ class EngineArgs:
         flags=("--memory-utilization", "--gpu-memory-utilization"), parse=arg_types.fraction,
         help="share of available memory the KV cache may take (0, 1]; default: 0.5 on CUDA; "
              "on the CPU max-num-seqs x max-model-len tokens, at most 512 MiB")
+    kv_cache_dtype: str = arg(
+        "auto", to="cache.kv_cache_dtype", choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; int8: K and V quantized per token and head (a float32 "
+             "scale each), about twice the tokens in the same memory")
     tensor_parallel_size: int = arg(1, to="parallel.tensor_parallel_size",
                                     flags=("--tensor-parallel-size", "-tp"),
                                     parse=arg_types.positive_int)

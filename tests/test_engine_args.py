@@ -96,7 +96,8 @@ def test_flags_reach_their_config_fields(tmp_path):
     make_tiny_tokenizer(path)
     args = build_parser().parse_args([
         "serve", path, "--max-num-seqs", "7", "--block-size", "32", "--no-enable-prefix-caching",
-        "--kv-cache-memory", "8MiB", "--max-model-len", "96", "--seed", "5",
+        "--kv-cache-memory", "8MiB", "--kv-cache-dtype", "int8", "--max-model-len", "96",
+        "--seed", "5",
         "--structured-outputs-disable-any-whitespace", "--watchdog-timeout", "9",
         "--served-model-name", "tiny", "-dp", "2", "--quantization-group-size", "64",
         "--no-enable-warm-up", "--dtype", "float"])
@@ -105,6 +106,7 @@ def test_flags_reach_their_config_fields(tmp_path):
     assert config.scheduler.max_num_seqs == 7
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
     assert config.cache.kv_cache_memory_bytes == 8 * 2**20
+    assert config.cache.kv_cache_dtype == "int8"
     assert config.model.max_model_len == config.scheduler.max_model_len == 96
     assert config.model.seed == 5 and config.model.name == "tiny"
     assert config.structured_outputs.disable_any_whitespace

@@ -75,8 +75,8 @@ def lean_cpu_kv_cache_bytes(config: EngineConfig, bytes_per_block: int,
 
 def kv_cache_summary(config: EngineConfig, num_blocks: int, bytes_per_block: int,
                      kv_cache_groups: Sequence[int | None] = (None,)) -> str:
-    """One line for the start-up log: size, tokens, and how many max_model_len
-    requests fit at once (as vLLM's "Maximum concurrency" line). A hybrid cache's
+    """One line for the start-up log: size, the cache's dtype, tokens, and how many
+    max_model_len requests fit at once (as vLLM's "Maximum concurrency" line). A hybrid cache's
     blocks are shared by its groups: tokens counted as one sequence holds them."""
     max_model_len = config.model.max_model_len
     concurrency = num_blocks / blocks_per_sequence(config, kv_cache_groups)
@@ -84,6 +84,8 @@ def kv_cache_summary(config: EngineConfig, num_blocks: int, bytes_per_block: int
               f"attention)" if len(kv_cache_groups) > 1 else "")
     tokens = (num_blocks * config.cache.block_size if not groups
               else int(concurrency * max_model_len))
-    return (f"KV cache {num_blocks * bytes_per_block / 2**30:.2f} GiB, {tokens:,} tokens "
+    dtype = config.cache.kv_cache_dtype
+    dtype = config.model.dtype if dtype == "auto" else dtype
+    return (f"KV cache {num_blocks * bytes_per_block / 2**30:.2f} GiB in {dtype}, {tokens:,} tokens "
             f"({num_blocks:,} blocks of {config.cache.block_size}{groups}); maximum concurrency "
             f"for {max_model_len:,} tokens per request: {concurrency:.2f}x")

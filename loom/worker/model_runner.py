@@ -24,6 +24,7 @@ from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.kv_cache_groups import KVCacheGroups
+from loom.model.attention.kv_layout import kv_cache_dtype
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers import logits_processors
 from loom.model.kernel_replay import uninstall as uninstall_kernel_replay
@@ -162,7 +163,8 @@ class ModelRunner:
         of one KV cache group: the groups' blocks share one pool), plus a draft
         model's K/V (counted on every rank, so that all size their pools alike)."""
         target = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
-                                          self.tp_group.world_size)
+                                          self.tp_group.world_size,
+                                          self.config.cache.kv_cache_dtype)
         if self.model is not None:
             target = (target // self.hf_config.num_hidden_layers
                       * self.kv_cache_groups.layers_per_block)
@@ -204,7 +206,9 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.disabled:
             self._graphs_failed = self.cuda_graphs.disabled  # off for the process
         self.cuda_graphs = None  # graphs and their inputs, made again for this cache
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)  # see kv_layout.py
+        dtype = kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size,  # see kv_layout.py
+                                          quantized=dtype == torch.int8)
         # Not zeroed: attention never reads a slot before writing it (padding repeats a
         # request's last key). One allocation for all layers: on the CPU a large one is
         # fresh mmap'd memory, resident only once written or populated (the Worker
@@ -213,8 +217,8 @@ class ModelRunner:
         groups = self.kv_cache_groups
         full_shape = (groups.layers_per_block, *shape)
         self.kv_cache_storage = (
-            self.kv_cache_allocator(full_shape, self.dtype) if self.kv_cache_allocator
-            else torch.empty(full_shape, dtype=self.dtype, device=self.device))
+            self.kv_cache_allocator(full_shape, dtype) if self.kv_cache_allocator
+            else torch.empty(full_shape, dtype=dtype, device=self.device))
         slots = self.kv_cache_storage.unbind(0)
         self.kv_caches = [slots[slot] for slot in groups.slot_of_layer]
         for attention, group in zip(self.model.attention_layers, groups.group_of_layer):

@@ -15,7 +15,8 @@ from loom.engine_args import make_engine_config
 from loom.core.wire import NewRequestData, SchedulerOutput
 from loom.kernels import native_ops_for
 from loom.model.attention import get_attn_backend
-from loom.model.attention.kv_layout import KEY, VALUE, kv_cache_index, kv_cache_shape
+from loom.model.attention.kv_layout import (KEY, KV_SCALE_BYTES, VALUE, kv_cache_index,
+                                           kv_cache_shape)
 from loom.model.attention.metadata import AttentionMetadata
 from loom.sampling_params import SamplingParams
 from loom.worker.model_runner import ModelRunner
@@ -44,6 +45,11 @@ def test_declared_index_is_the_documented_map():
             for slot in range(20):
                 assert cache[kv_cache_index(kind, head, slot, 4)][0] == \
                     ((kind * 2 + head) * 20 + slot) * 8
+
+
+def test_an_int8_row_holds_its_scale_after_the_values():
+    # head_dim 8: 8 int8 values, then the float32 scale's 4 bytes
+    assert kv_cache_shape(5, 4, 2, 8, quantized=True) == (2, 2, 5, 4, 8 + KV_SCALE_BYTES)
 
 
 # ---------------------------------------------------------------- a backend's KV write
@@ -114,10 +120,10 @@ def checkpoint(tmp_path_factory) -> str:
     return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))  # head_dim 32
 
 
-def make_runner(path: str, backend: str, dtype: str) -> ModelRunner:
+def make_runner(path: str, backend: str, dtype: str, **kwargs) -> ModelRunner:
     config = make_engine_config(path, dtype=dtype, max_model_len=64, max_num_seqs=4,
                                 block_size=BLOCK_SIZE, num_gpu_blocks_override=16,
-                                skip_tokenizer_init=True, attention_backend=backend)
+                                skip_tokenizer_init=True, attention_backend=backend, **kwargs)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     return runner
@@ -166,3 +172,14 @@ def test_runner_allocates_the_declared_shape_and_writes_there(checkpoint, backen
                 for head in range(attn.num_kv_heads):
                     stored = runner.kv_caches[0][kv_cache_index(VALUE, head, slot, BLOCK_SIZE)]
                     torch.testing.assert_close(stored, v[t, head], atol=1e-5, rtol=0)
+
+
+def test_runner_allocates_int8_rows_with_their_scales(checkpoint):
+    runner = make_runner(checkpoint, "torch", "bfloat16", kv_cache_dtype="int8")
+    runner.initialize_kv_cache(16)
+    attn = runner.model.model.layers[0].self_attn
+    declared = kv_cache_shape(16, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, quantized=True)
+    assert declared == (2, 2, 16, BLOCK_SIZE, 32 + KV_SCALE_BYTES)
+    for layer, kv_cache in zip(runner.model.attention_layers, runner.kv_caches):
+        assert kv_cache.shape == declared and kv_cache.dtype == torch.int8
+        assert layer.kv_cache is kv_cache

@@ -43,7 +43,7 @@ def start(model_dir: str, **kwargs) -> UniProcExecutor:
 
 def smollm2_config(max_num_seqs: int = 64, max_model_len: int = 4096) -> EngineConfig:
     return EngineConfig(model=ModelConfig(model="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                          max_model_len=max_model_len),
+                                          max_model_len=max_model_len, dtype="bfloat16"),
                         cache=CacheConfig(),
                         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                   max_model_len=max_model_len))
@@ -58,7 +58,7 @@ def test_the_cap_wins_over_what_the_default_concurrency_could_fill():
     assert lean_cpu_kv_cache_bytes(config, SMOLLM2_BYTES_PER_BLOCK) == 512 * 2**20
     num_blocks = 512 * 2**20 // SMOLLM2_BYTES_PER_BLOCK
     assert kv_cache_summary(config, num_blocks, SMOLLM2_BYTES_PER_BLOCK) == (
-        "KV cache 0.50 GiB, 23,296 tokens (1,456 blocks of 16); maximum concurrency for "
+        "KV cache 0.50 GiB in bfloat16, 23,296 tokens (1,456 blocks of 16); maximum concurrency for "
         "4,096 tokens per request: 5.69x")
     # two sequences of 1,024 need 45 MiB: no more is taken
     small = smollm2_config(max_num_seqs=2, max_model_len=1024)
@@ -86,7 +86,7 @@ def test_cpu_default_is_sized_to_the_concurrency_without_profiling(model_dir, mo
     finally:
         executor.shutdown()
     err = capfd.readouterr().err
-    assert ("loom: KV cache 0.00 GiB, 512 tokens (32 blocks of 16); maximum concurrency for "
+    assert ("loom: KV cache 0.00 GiB in float32, 512 tokens (32 blocks of 16); maximum concurrency for "
             "128 tokens per request: 4.00x") in err
     # the resident weight bytes, on stderr whatever the log level
     assert re.search(r"loom: weights read in [0-9.]+ s; resident: [0-9.]+ MiB float32", err), err
@@ -103,7 +103,7 @@ def test_worker_processes_report_the_bytes_of_a_block_for_the_summary(model_dir,
         assert list(executor.signals.kv_cache_bytes_per_block) == [BYTES_PER_BLOCK]
     finally:
         executor.shutdown()
-    assert ("loom: KV cache 0.00 GiB, 512 tokens (32 blocks of 16); maximum concurrency for "
+    assert ("loom: KV cache 0.00 GiB in float32, 512 tokens (32 blocks of 16); maximum concurrency for "
             "128 tokens per request: 4.00x") in capfd.readouterr().err
 
 

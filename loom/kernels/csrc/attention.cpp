@@ -143,9 +143,9 @@ inline float softmax_row(float* s, int64_t n) {
 }
 
 template <typename T>
-void attention_item(T* out, const T* query, const T* cache, const int32_t* blocks,
-                    int64_t q_stride0, int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
-                    int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
+void attention_item(T* out, const T* query, const T* keys, const T* values,
+                    const int32_t* blocks, int64_t q_stride0, int64_t q_stride1,
+                    int64_t kv_heads, int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
                     int64_t first_token, int64_t q_len, int64_t context, int64_t j0, int64_t j1,
                     float scale, int64_t window, std::vector<float>& buf,
                     BlockPrefetcher& prefetcher) {
@@ -161,8 +161,6 @@ void attention_item(T* out, const T* query, const T* cache, const int32_t* block
     for (int64_t g = 0; g < group; ++g)
       load_row(query + (first_token + j) * q_stride0 + (kv_head * group + g) * q_stride1,
                q + ((j - j0) * group + g) * head_dim, head_dim);
-  const T* keys = cache + kv_head * num_slots * head_dim;
-  const T* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
   // Keys before the tile's first window are never read: their blocks may be back in
   // the pool (KVCacheManager frees blocks every window has left behind).
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, past + j0 + 1 - window) : 0;
@@ -348,9 +346,9 @@ void weighted_values(float* acc, const uint16_t* probs, int64_t probs_stride,
 // vdpbf16ps too, float32 sums in registers. head_dim is 32, 64 or 128.
 template <int VC>  // head_dim / 16
 void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
-                         const c10::BFloat16* cache, const int32_t* blocks, int64_t q_stride0,
-                         int64_t q_stride1, int64_t kv_heads, int64_t num_slots,
-                         int64_t block_size, int64_t group, int64_t kv_head,
+                         const c10::BFloat16* keys, const c10::BFloat16* values,
+                         const int32_t* blocks, int64_t q_stride0, int64_t q_stride1,
+                         int64_t kv_heads, int64_t block_size, int64_t group, int64_t kv_head,
                          int64_t first_token, int64_t q_len, int64_t context, int64_t j0,
                          int64_t j1, float scale, int64_t window, std::vector<float>& buf,
                          std::vector<const c10::BFloat16*>& rows_ptr,
@@ -373,8 +371,6 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
                 query + (first_token + j0 + r / group) * q_stride0 +
                     (kv_head * group + r % group) * q_stride1,
                 head_dim * sizeof(c10::BFloat16));
-  const c10::BFloat16* keys = cache + kv_head * num_slots * head_dim;
-  const c10::BFloat16* values = cache + (kv_heads + kv_head) * num_slots * head_dim;
   rows_ptr.resize(2 * key_stride);
   const c10::BFloat16** key_rows = rows_ptr.data();
   const c10::BFloat16** value_rows = key_rows + key_stride;
@@ -472,15 +468,23 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                               int64_t sliding_window) {
   check_cpu(kv_cache, "kv_cache");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-              out.scalar_type() == kv_cache.scalar_type(), "query/out/kv_cache dtypes differ");
+  // An int8 cache (rows of head_dim values and their scale, common.h), or a bf16 one
+  // under a float32 model, is read in the query's dtype: each item's keys converted
+  // once, then attended to as a cache in that dtype would be.
+  const bool quantized = kv_cache.scalar_type() == at::kChar;
+  const bool converted = quantized || (query.scalar_type() == at::kFloat &&
+                                       kv_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
+              (converted || query.scalar_type() == kv_cache.scalar_type()),
+              "query/out/kv_cache dtypes differ");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be (T, H, D), last dim contiguous");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous, shaped as query");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               query_start_loc.scalar_type() == at::kInt, "block_table, seq_lens, query_start_loc must be int32");
   block_table = block_table.contiguous();
   const int64_t kv_heads = kv_cache.size(1), block_size = kv_cache.size(3);
-  const int64_t head_dim = kv_cache.size(4), num_slots = kv_cache.size(2) * block_size;
+  const int64_t row = kv_cache.size(4), num_slots = kv_cache.size(2) * block_size;
+  const int64_t head_dim = quantized ? row - kKvScaleBytes : row;
   const int64_t heads = query.size(1), group = heads / kv_heads;
   TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == head_dim, "head counts/dims do not match");
   seq_lens = seq_lens.contiguous();
@@ -506,10 +510,12 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
     work += kv_heads * q_len * group * lens[b];
   }
   [[maybe_unused]] const bool avx512 = use_avx512();
-  LOOM_DISPATCH(kv_cache.scalar_type(), "paged_attention", [&] {
+  const char* cache_bytes = static_cast<const char*>(kv_cache.data_ptr());
+  const int64_t row_bytes = row * kv_cache.element_size();
+  LOOM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* qp = query.data_ptr<scalar_t>();
-    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    const scalar_t* cache = converted ? nullptr : kv_cache.data_ptr<scalar_t>();
     const int64_t num_items = static_cast<int64_t>(items.size());
     auto q_len_of = [&](const Item& it) -> int64_t { return starts[it.req + 1] - starts[it.req]; };
     // Each thread takes a contiguous run of items of about equal work (query rows x
@@ -542,44 +548,81 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
         std::vector<float> buf;
         std::vector<const c10::BFloat16*> ptrs;
         (void)ptrs;
+        std::vector<scalar_t> item_kv;   // (2, num_keys, D): a converted item's K, then V
+        std::vector<int32_t> identity;   // block b of item_kv is block b
         BlockPrefetcher prefetcher;
         for (int64_t i = begin; i < end; ++i) {
           const Item& it = items[i];
           if (i + 1 < end) {
             const Item& next = items[i + 1];
             const int64_t next_q_len = starts[next.req + 1] - starts[next.req];
-            prefetcher.reset(reinterpret_cast<const char*>(cache), table + next.req * width,
+            prefetcher.reset(cache_bytes, table + next.req * width,
                              lens[next.req] - next_q_len + next.j1, next.kv_head, kv_heads,
-                             num_slots, block_size, head_dim * sizeof(scalar_t),
+                             num_slots, block_size, row_bytes,
                              (lens[it.req] - q_len_of(it) + it.j1 + 15) / 16 * 2);
           } else {
             prefetcher.clear();
           }
           const int64_t q_len = q_len_of(it);
+          const int32_t* blocks = table + it.req * width;
+          const scalar_t* keys = nullptr;
+          const scalar_t* values = nullptr;
+          if (converted) {
+            // The keys the item reads, [first key of its first window, last query's
+            // position], in the query's dtype, as rows 0 .. num_keys - 1.
+            const int64_t past = lens[it.req] - q_len, num_keys = past + it.j1;
+            const int64_t first_key =
+                sliding_window > 0 ? std::max<int64_t>(0, past + it.j0 + 1 - sliding_window) : 0;
+            item_kv.resize(2 * num_keys * head_dim);
+            identity.resize((num_keys + block_size - 1) / block_size);
+            for (size_t b = 0; b < identity.size(); ++b) identity[b] = static_cast<int32_t>(b);
+            const char* k_rows = cache_bytes + it.kv_head * num_slots * row_bytes;
+            const char* v_rows = cache_bytes + (kv_heads + it.kv_head) * num_slots * row_bytes;
+            for (int64_t p = first_key; p < num_keys; ++p) {
+              const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+              scalar_t* k = item_kv.data() + p * head_dim;
+              scalar_t* v = item_kv.data() + (num_keys + p) * head_dim;
+              if (quantized) {
+                dequantize_kv_row(reinterpret_cast<const int8_t*>(k_rows + slot * row_bytes), k, head_dim);
+                dequantize_kv_row(reinterpret_cast<const int8_t*>(v_rows + slot * row_bytes), v, head_dim);
+              } else {  // a bf16 cache under a float32 model
+                for (int64_t d = 0; d < head_dim; ++d) {
+                  k[d] = from_float<scalar_t>(to_float(reinterpret_cast<const c10::BFloat16*>(k_rows + slot * row_bytes)[d]));
+                  v[d] = from_float<scalar_t>(to_float(reinterpret_cast<const c10::BFloat16*>(v_rows + slot * row_bytes)[d]));
+                }
+              }
+            }
+            keys = item_kv.data();
+            values = keys + num_keys * head_dim;
+            blocks = identity.data();
+          } else {
+            keys = cache + it.kv_head * num_slots * head_dim;
+            values = cache + (kv_heads + it.kv_head) * num_slots * head_dim;
+          }
 #if LOOM_HAVE_AVX512_BF16
           if (avx512 && std::is_same_v<scalar_t, c10::BFloat16> &&
               (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
             using bf16 = c10::BFloat16;
             auto* o = reinterpret_cast<bf16*>(op);
             auto* q = reinterpret_cast<const bf16*>(qp);
-            auto* kv = reinterpret_cast<const bf16*>(cache);
-            const int32_t* blocks = table + it.req * width;
+            auto* k = reinterpret_cast<const bf16*>(keys);
+            auto* v = reinterpret_cast<const bf16*>(values);
             const float sc = static_cast<float>(scale);
             const int64_t s0 = query.stride(0), s1 = query.stride(1);
             if (head_dim == 32)
-              attention_item_bf16<2>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+              attention_item_bf16<2>(o, q, k, v, blocks, s0, s1, kv_heads, block_size, group,
                                      it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, sliding_window, buf, ptrs, prefetcher);
             else if (head_dim == 64)
-              attention_item_bf16<4>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+              attention_item_bf16<4>(o, q, k, v, blocks, s0, s1, kv_heads, block_size, group,
                                      it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, sliding_window, buf, ptrs, prefetcher);
             else
-              attention_item_bf16<8>(o, q, kv, blocks, s0, s1, kv_heads, num_slots, block_size, group,
+              attention_item_bf16<8>(o, q, k, v, blocks, s0, s1, kv_heads, block_size, group,
                                      it.kv_head, starts[it.req], q_len, lens[it.req], it.j0, it.j1, sc, sliding_window, buf, ptrs, prefetcher);
             continue;
           }
 #endif
-          attention_item(op, qp, cache, table + it.req * width, query.stride(0), query.stride(1),
-                         kv_heads, num_slots, block_size, head_dim, group, it.kv_head,
+          attention_item(op, qp, keys, values, blocks, query.stride(0), query.stride(1),
+                         kv_heads, block_size, head_dim, group, it.kv_head,
                          starts[it.req], q_len, lens[it.req], it.j0, it.j1,
                          static_cast<float>(scale), sliding_window, buf, prefetcher);
         }

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -116,6 +117,33 @@ template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// An int8 KV cache row (kv_layout.py): head_dim int8 values, then their float32 scale
+// in the row's last 4 bytes; value = q * scale. Quantized per (token, head): scale =
+// max |x| / 127 (at least FLT_MIN), q = x / scale rounded to nearest even, as the
+// torch backend's quantize_kv_rows does it, bit for bit.
+constexpr int64_t kKvScaleBytes = 4;
+
+template <typename T>
+inline void quantize_kv_row(const T* src, int8_t* dst, int64_t head_dim) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_float(src[d])));
+  const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float q = std::nearbyint(to_float(src[d]) / scale);
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
+// A quantized row back in the model's dtype: float32 q * scale, rounded once to T.
+template <typename T>
+inline void dequantize_kv_row(const int8_t* src, T* dst, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, src + head_dim, sizeof(scale));
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(static_cast<float>(src[d]) * scale);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

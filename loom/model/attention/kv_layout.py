@@ -2,7 +2,7 @@
 
 One attention layer's cache is one contiguous tensor
 
-    (2, num_kv_heads, num_blocks, block_size, head_dim)
+    (2, num_kv_heads, num_blocks, block_size, row)
      │  │             │           │           └ one token's vector of one head
      │  │             │           └ offset in the block: position % block_size
      │  │             └ block id: block_table[request][position // block_size]
@@ -18,23 +18,50 @@ A new token's slot (``AttentionMetadata.slot_mapping``) is
 Heads outside blocks, so that each head's slots are the rows of one
 ``(num_slots, head_dim)`` matrix: gathering a context's slots gives each head's keys
 as one contiguous ``(S, head_dim)`` matrix, ready for a matmul. The native kernels
-address K of head ``h`` at slot ``s`` at element ``(h * num_slots + s) * head_dim`` and
-its V at ``((num_kv_heads + h) * num_slots + s) * head_dim`` (``csrc/cache.cpp``,
+address K of head ``h`` at slot ``s`` at element ``(h * num_slots + s) * row`` and
+its V at ``((num_kv_heads + h) * num_slots + s) * row`` (``csrc/cache.cpp``,
 ``csrc/attention.cpp``). tests/model/test_kv_layout.py holds the allocation and every
 backend's KV write to this map.
+
+A row is ``head_dim`` elements in the cache's dtype: the model's, or bfloat16
+(``--kv-cache-dtype``). An int8 cache quantizes each (token, head) vector on its own and
+keeps its scale beside it, in the row:
+
+    | q_0 .. q_{head_dim-1}: int8 | scale: float32, as 4 bytes |     row = head_dim + 4
+
+    scale = max(max |x| / 127, FLT_MIN)     q = round_half_even(x / scale), in [-127, 127]
+    x ~ q * scale   (float32, then rounded once to the model's dtype)
+
+The kernels (``csrc/common.h``: ``quantize_kv_row``, ``dequantize_kv_row``) and the torch
+backend (``quantize_kv_rows``, ``dequantize_kv_rows``) compute it bit for bit alike. A
+scale per token rather than per block keeps a new token from rescaling its block's
+earlier ones, and costs 4 bytes per head_dim bytes (6% at head_dim 64). A block is
+still one run of bytes per (kind, head), so a KV transfer ships the scales with it.
+
+This module imports no torch: the API process sizes the cache from it.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 KEY, VALUE = 0, 1
+KV_SCALE_BYTES = 4  # an int8 row's float32 scale
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[int, int, int, int, int]:
+def kv_cache_row(head_dim: int, quantized: bool = False) -> int:
+    """Elements of one (token, head) row: ``head_dim``, and in an int8 cache its scale's
+    4 bytes after the values."""
+    return head_dim + KV_SCALE_BYTES if quantized else head_dim
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   quantized: bool = False) -> tuple[int, int, int, int, int]:
     """One layer's cache shape; the model runner allocates it, backends read it."""
-    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+    return (2, num_kv_heads, num_blocks, block_size, kv_cache_row(head_dim, quantized))
 
 
 def kv_cache_index(kind: int, kv_head: int, slot: int,
@@ -45,7 +72,15 @@ def kv_cache_index(kind: int, kv_head: int, slot: int,
 
 
 def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """``kv_cache`` viewed as ``(2, num_kv_heads, num_slots, head_dim)``: row ``s`` of a
+    """``kv_cache`` viewed as ``(2, num_kv_heads, num_slots, row)``: row ``s`` of a
     head is slot ``s``. A view; writing through it writes the cache."""
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-    return kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+    _, num_kv_heads, num_blocks, block_size, row = kv_cache.shape
+    return kv_cache.view(2, num_kv_heads, num_blocks * block_size, row)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensor's dtype for ``--kv-cache-dtype`` ``name`` (config.py's
+    KV_CACHE_DTYPES) under a model in ``model_dtype``."""
+    import torch
+
+    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8}[name]

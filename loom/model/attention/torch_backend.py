@@ -9,6 +9,11 @@ step (``AttentionMetadata.cached``) and shared by all layers.
 GQA without copying K/V: the G = H / Hkv query heads that share a KV head are laid
 out as G "query rows" of that KV head, ``(…, H, D) -> (…, Hkv, G, D)``, which is how
 Hugging Face's ``repeat_kv`` pairs them (query head h reads KV head h // G).
+
+A cache in another dtype than the model's (``--kv-cache-dtype``: bfloat16 under a float32
+model, or int8) is written converted (int8: ``quantize_kv_rows``, kv_layout.py's rows)
+and read back in the model's dtype; with int8 every query reads K/V as the cache holds
+them, a prompt's own tokens included, as the native kernels do.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.attention.backend import AttentionBackend
-from loom.model.attention.kv_layout import KEY, VALUE, slot_rows
+from loom.model.attention.kv_layout import KEY, KV_SCALE_BYTES, VALUE, slot_rows
 from loom.model.attention.metadata import AttentionMetadata
 
 
@@ -55,14 +60,15 @@ class TorchAttentionBackend(AttentionBackend):
                          metadata: AttentionMetadata, output: torch.Tensor) -> None:
         """Request ``i``'s new tokens by one SDPA over its context, into ``output``."""
         start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
-        if kv_cache is None or metadata.seq_lens_cpu[i] == end - start:
+        fresh = metadata.seq_lens_cpu[i] == end - start
+        if kv_cache is None or (fresh and kv_cache.dtype == query.dtype):
             # nothing cached before these tokens: attend to them directly
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
             slots = metadata.cached(("context", i, self.sliding_window),
                                     partial(_context_slots, metadata, i, end - start,
                                             self.sliding_window))
-            k, v = self._gather(kv_cache, slots)
+            k, v = self._gather(kv_cache, slots, query.dtype)
         mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype,
                                 self.sliding_window),
                                partial(_prefill_mask, end - start, k.shape[1], self.group,
@@ -76,16 +82,23 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-        rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, D)
-        # (Hkv, num_slots, D) <- (Hkv, T, D)
-        rows[KEY].index_copy_(1, slot_mapping, key.transpose(0, 1))
-        rows[VALUE].index_copy_(1, slot_mapping, value.transpose(0, 1))
+        rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, row)
+        if kv_cache.dtype == torch.int8:
+            key, value = quantize_kv_rows(key), quantize_kv_rows(value)
+        # (Hkv, num_slots, row) <- (Hkv, T, row)
+        rows[KEY].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
+        rows[VALUE].index_copy_(1, slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
     @staticmethod
-    def _gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V of ``slots`` (N,), each (Hkv, N, D), contiguous."""
-        rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, D)
+    def _gather(kv_cache: torch.Tensor, slots: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of ``slots`` (N,), each (Hkv, N, D) in ``dtype``, contiguous."""
+        rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, row)
         kv = rows.flatten(0, 1).index_select(1, slots).view(*rows.shape[:2], -1, rows.shape[3])
+        if kv_cache.dtype == torch.int8:
+            kv = dequantize_kv_rows(kv, dtype)
+        elif kv_cache.dtype != dtype:
+            kv = kv.to(dtype)
         return kv[KEY], kv[VALUE]
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -108,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
         Two batched matmuls, not SDPA: at one query row per head, CPU SDPA kernels
         are several times slower. Softmax in float32, as Hugging Face's eager path."""
         batch = query.shape[0]
-        key, value = self._gather(kv_cache, slots)  # (Hkv, B*L, D) each
+        key, value = self._gather(kv_cache, slots, query.dtype)  # (Hkv, B*L, D) each
         key = key.view(self.num_kv_heads, batch, -1, self.head_dim)  # (Hkv, B, L, D)
         value = value.view(self.num_kv_heads, batch, -1, self.head_dim)
         q = query.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
@@ -116,6 +129,23 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.add(mask, scores, alpha=self.scale).softmax(-1, dtype=torch.float32)
         out = torch.matmul(probs.to(query.dtype), value)  # (Hkv, B, G, D)
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) K or V in the model's dtype -> (..., D + 4) int8 cache rows: each vector
+    scaled by its own max |x| / 127, its float32 scale's bytes after it (kv_layout.py;
+    the kernels' quantize_kv_row, bit for bit)."""
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    values = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(..., D + 4) int8 cache rows -> (..., D) in ``dtype``: float32 q * scale, rounded
+    once."""
+    values, scale = rows[..., :-KV_SCALE_BYTES], rows[..., -KV_SCALE_BYTES:]
+    return (values.float() * scale.contiguous().view(torch.float32)).to(dtype)
 
 
 class _StepPlan:

@@ -29,9 +29,10 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_group = 0
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int,
+                       quantized: bool = False) -> tuple[int, ...]:
         """This layer's cache, as its backend lays it out."""
-        return self.impl.kv_cache_shape(num_blocks, block_size)
+        return self.impl.kv_cache_shape(num_blocks, block_size, quantized)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import functools
 import os
 from typing import Any
 
+from loom.model.attention.kv_layout import kv_cache_row
 from loom.model.loader.gguf_configs import config_from_metadata
 from loom.model.loader.gguf_file import GGUFFile
 from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
@@ -43,15 +44,19 @@ def load_hf_config(model_path: str) -> Any:
 
 
 def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: Any,
-                             tp_size: int) -> int:
+                             tp_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V for one block of ``block_size`` tokens over all layers, per rank;
-    ``dtype`` a ``torch.dtype`` or its name."""
+    ``dtype`` (the model's) a ``torch.dtype`` or its name, ``kv_cache_dtype`` the
+    cache's (``--kv-cache-dtype``; int8 rows carry their scale, kv_layout.py)."""
     head_dim = getattr(hf_config, "head_dim", None) or \
         hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads_per_rank = max(1, hf_config.num_key_value_heads // tp_size)
-    element_size = _ELEMENT_SIZES[dtype] if isinstance(dtype, str) else dtype.itemsize
-    return (hf_config.num_hidden_layers * 2 * block_size * kv_heads_per_rank * head_dim
-            * element_size)
+    if kv_cache_dtype == "int8":
+        row_bytes = kv_cache_row(head_dim, quantized=True)
+    else:
+        name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        row_bytes = head_dim * (_ELEMENT_SIZES[name] if isinstance(name, str) else name.itemsize)
+    return hf_config.num_hidden_layers * 2 * block_size * kv_heads_per_rank * row_bytes
 
 
 def load_gguf_config(path: str) -> Any:

@@ -306,9 +306,11 @@ class LlamaForCausalLM(nn.Module):
     def num_attention_layers(self) -> int:
         return len(self.model.layers)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache, as its attention backend lays it out (kv_layout.py)."""
-        return self.attention_layers[0].kv_cache_shape(num_blocks, block_size)
+    def kv_cache_shape(self, num_blocks: int, block_size: int,
+                       quantized: bool = False) -> tuple[int, ...]:
+        """One layer's cache, as its attention backend lays it out (kv_layout.py);
+        ``quantized``: an int8 cache, a scale beside each row."""
+        return self.attention_layers[0].kv_cache_shape(num_blocks, block_size, quantized)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         layers = self.attention_layers

@@ -1,0 +1,255 @@
+"""--kv-cache-dtype int8 (``LLM(kv_cache_dtype=...)``): K and V quantized per token and
+head, each row's float32 scale beside it (kv_layout.py). The native write kernel
+quantizes exactly as the torch reference does, the native attention reads an int8 cache
+exactly as it reads that cache dequantized, greedy tokens of the two backends agree over
+chunked prefill and prefix hits, the replayed forward equals the modules, the int8 cache
+keeps the bf16 cache's top-1 token, and a KV budget holds about twice the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom import LLM, SamplingParams
+from loom.kernels import native_ops
+from loom.model.attention.kv_layout import KV_SCALE_BYTES, kv_cache_dtype
+from loom.model.attention.torch_backend import (TorchAttentionBackend, dequantize_kv_rows,
+                                                quantize_kv_rows)
+from loom.model.loader import kv_cache_bytes_per_block, load_hf_config, load_model
+from tokenizer_fixtures import make_tiny_tokenizer
+
+from .checkpoints import make_tiny_checkpoint
+from .paged import PagedDriver
+from .test_kernels import _paged_case
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = native_ops()
+    if module is None:
+        pytest.skip("native kernels unavailable")
+    return module
+
+
+def test_rows_hold_values_and_their_scale():
+    x = torch.tensor([[0.0, 0.5, -2.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    rows = quantize_kv_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (2, 4 + KV_SCALE_BYTES)
+    assert rows[0, :4].tolist() == [0, 32, -127, 64]  # 0.5 / (2 / 127) = 31.75 -> 32
+    assert rows[0, 4:].view(torch.float32).item() == pytest.approx(2 / 127)
+    assert rows[1, :4].tolist() == [0, 0, 0, 0]  # an all-zero row stays zero
+    back = dequantize_kv_rows(rows, torch.float32)
+    assert torch.all((back - x).abs() <= (2 / 127) / 2 + 1e-7)
+    assert torch.equal(back[1], x[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kernel_quantizes_as_the_reference(ops, dtype):
+    torch.manual_seed(0)
+    key = torch.randn(9, 3, 64).to(dtype)
+    value = (torch.randn(9, 3, 64) * 40).to(dtype)
+    key[4, 1] = 0  # a zero vector: scale FLT_MIN, values 0
+    value[2, 0, 5] = 1e4  # an outlier takes its row's scale
+    slots = torch.tensor([3, 17, 0, 9, 30, 4, 22, 11, 8])
+    shape = TorchAttentionBackend(6, 3, 64, 0.125).kv_cache_shape(8, 4, quantized=True)
+    assert shape == (2, 3, 8, 4, 64 + KV_SCALE_BYTES)
+    native, reference = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    ops.write_kv_cache(key, value, native, slots)
+    TorchAttentionBackend._write_kv(key, value, reference, slots)
+    assert torch.equal(native, reference)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, 0),   # SmolLM2-135M's heads: the bf16 kernel's AVX-512 path
+    (4, 2, 16, 4, 0),    # the tiny checkpoints' heads
+    (4, 2, 32, 4, 7),    # a sliding window
+    (6, 2, 48, 8, 0),    # a head_dim the AVX-512 path does not take
+])
+def test_native_attention_reads_int8_as_the_dequantized_cache(ops, dtype, heads, kv_heads,
+                                                              head_dim, block_size, window):
+    """Decodes, a verify of 4, a chunk over a cached prefix, a prefill from scratch: the
+    kernel over the int8 cache gives the bits it gives over that cache dequantized to
+    the model's dtype, and the torch backend over the int8 cache agrees as it does
+    over a cache in the model's dtype (tests/model/test_kernels.py's tolerances)."""
+    context_lens, query_lens = [1, 37, 120, 50 + 31, 40, 20], [1, 1, 4, 31, 40, 1]
+    cache, metadata, q, k, v = _paged_case(context_lens, query_lens, heads, kv_heads,
+                                           head_dim, block_size, dtype)
+    cache = quantize_kv_rows(cache)
+    scale = head_dim ** -0.5
+    reference_cache = cache.clone()
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale, window or None)
+    expected = backend.forward(q, k, v, reference_cache, metadata)
+    ops.write_kv_cache(k, v, cache, metadata.slot_mapping)
+    assert torch.equal(cache, reference_cache)
+    dequantized = dequantize_kv_rows(cache, dtype)
+    out, out_dequantized = (torch.full(q.shape, float("nan"), dtype=dtype) for _ in range(2))
+    for result, kv_cache in ((out, cache), (out_dequantized, dequantized)):
+        ops.paged_attention_windowed(result, q, kv_cache, metadata.block_table,
+                                     metadata.seq_lens, metadata.query_start_loc, scale,
+                                     1 << 30, window)
+    assert torch.equal(out, out_dequantized)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_bfloat16_cache_under_a_float32_model(ops):
+    """--kv-cache-dtype bfloat16 with a float32 model: rows rounded to bf16 on write and
+    read back as float32, alike in both backends."""
+    context_lens, query_lens = [1, 37, 50 + 31], [1, 1, 31]
+    cache, metadata, q, k, v = _paged_case(context_lens, query_lens, 4, 2, 32, 4,
+                                           torch.float32)
+    cache = cache.to(torch.bfloat16)
+    reference_cache = cache.clone()
+    expected = TorchAttentionBackend(4, 2, 32, 0.2).forward(q, k, v, reference_cache, metadata)
+    ops.write_kv_cache(k, v, cache, metadata.slot_mapping)
+    assert torch.equal(cache, reference_cache)
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, cache, metadata.block_table, metadata.seq_lens,
+                        metadata.query_start_loc, 0.2, 1 << 30)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+# Chunked prefill (16 tokens a step), mixed steps, batched decodes; the last prompt
+# repeats the first's 32-token prefix, so it starts from a prefix-cache hit.
+PROMPTS = [list(range(3, 40)), [7, 8, 9], list(range(100, 130)), list(range(3, 35)) + [5] * 9]
+MAX_TOKENS = 10
+ENGINE_KWARGS = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
+                     num_gpu_blocks_override=64, enable_warm_up=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {family: make_tiny_tokenizer(make_tiny_checkpoint(
+        family, tmp_path_factory.mktemp(family))) for family in ("llama", "gemma3")}
+
+
+def greedy(path: str, **kwargs) -> tuple[list[list[int]], int]:
+    """Greedy tokens of PROMPTS (the last one after the others), and the prefix-cache
+    hits in tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(path, **ENGINE_KWARGS, **kwargs) as llm:
+        worker = getattr(llm.engine.engine_core.executor, "worker", None)  # one rank
+        if worker is not None:
+            runner = worker.model_runner
+            assert runner.kv_caches[0].dtype == kv_cache_dtype(kwargs["kv_cache_dtype"],
+                                                               runner.dtype)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:-1]], params,
+                               use_tqdm=False)
+        outputs += llm.generate([{"prompt_token_ids": PROMPTS[-1]}], params, use_tqdm=False)
+        hits = outputs[-1].num_cached_tokens
+    return [list(o.outputs[0].token_ids) for o in outputs], hits
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_float32_int8_greedy_tokens_equal_under_torch_and_cpu(checkpoints, family):
+    """Gemma 3: sliding-window layers in their own KV cache groups (hybrid cache)."""
+    torch_tokens, torch_hits = greedy(checkpoints[family], dtype="float32",
+                                      attention_backend="torch", kv_cache_dtype="int8")
+    cpu_tokens, cpu_hits = greedy(checkpoints[family], dtype="float32",
+                                  attention_backend="cpu", kv_cache_dtype="int8")
+    assert torch_hits == cpu_hits == 32
+    assert cpu_tokens == torch_tokens
+
+
+def test_bfloat16_int8_greedy_tokens_under_torch_and_cpu(checkpoints):
+    """bf16 matmuls round differently along the two paths (as with a bf16 cache,
+    tests/model/test_attention_backends.py), the cache's values do not: at least 90% of
+    positions agree (a divergence counts for every later position)."""
+    torch_tokens, _ = greedy(checkpoints["llama"], dtype="bfloat16", attention_backend="torch",
+                             kv_cache_dtype="int8")
+    cpu_tokens, _ = greedy(checkpoints["llama"], dtype="bfloat16", attention_backend="cpu",
+                           kv_cache_dtype="int8")
+    same = sum(a == b for x, y in zip(torch_tokens, cpu_tokens) for a, b in zip(x, y))
+    assert same >= 0.9 * len(PROMPTS) * MAX_TOKENS, (torch_tokens, cpu_tokens)
+
+
+def test_tensor_parallel_and_ngram_speculation_over_an_int8_cache(checkpoints):
+    """Each of 2 ranks quantizes and reads its own KV head; an ngram speculation's
+    verify reads several new tokens at once: both give one rank's plain greedy tokens."""
+    path = checkpoints["llama"]
+    plain, _ = greedy(path, dtype="float32", kv_cache_dtype="int8")
+    tp2, hits = greedy(path, dtype="float32", kv_cache_dtype="int8", tensor_parallel_size=2)
+    speculated, _ = greedy(path, dtype="float32", kv_cache_dtype="int8", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
+    assert hits == 32
+    assert tp2 == plain and speculated == plain
+
+
+def test_replayed_forward_over_an_int8_cache_equals_the_modules(checkpoints, monkeypatch):
+    """bf16 on the CPU: the same steps with the forward run by its modules and replayed
+    from loom's kernels (kernel_replay.py) give the same logits, bit for bit."""
+    from loom.envs import settings
+    from loom.model import kernel_replay
+
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("no native bf16 kernels on this CPU")
+    monkeypatch.setattr(kernel_replay, "RECORD_AFTER", 0)
+    path = checkpoints["llama"]
+    config = load_hf_config(path)
+    results = {}
+    for setting in ("0", "1"):
+        prompts = [[5, 9, 11, 3, 7], list(range(20, 31))]
+        monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        settings.cache_clear()  # loom.envs reads the environment once
+        model = load_model(path, config, dtype=torch.bfloat16)
+        driver = PagedDriver(model, num_blocks=32, block_size=4, dtype=torch.int8)
+        # request 1 prefilled in two chunks, the first beside request 0's prompt
+        logits = [driver.step([(0, prompts[0], 5), (1, prompts[1][:6], 6)])]
+        prompts[0].append(int(logits[-1][4].argmax()))
+        logits.append(driver.step([(1, prompts[1], 5)]))
+        prompts[1].append(int(logits[-1][-1].argmax()))
+        for _ in range(4):
+            step = driver.step([(0, prompts[0], 1), (1, prompts[1], 1)])
+            logits.append(step)
+            for tokens, row in zip(prompts, step):
+                tokens.append(int(row.argmax()))
+        results[setting] = logits
+        replay = getattr(model, "kernel_replay", None)
+        assert (replay is not None) == (setting == "1")
+        if replay is not None:
+            assert replay.refusal is None and replay.stats.replayed >= 3
+    for python, native in zip(results["0"], results["1"]):
+        assert torch.equal(python, native)
+    settings.cache_clear()
+
+
+def test_int8_cache_keeps_the_bf16_caches_top1(checkpoints):
+    """A few hundred positions of a bf16 model, one prefill each, over a bf16 cache and
+    an int8 one (torch backend): the top-1 token agrees at nearly every position."""
+    path = checkpoints["llama"]
+    config = load_hf_config(path)
+    model = load_model(path, config, dtype=torch.bfloat16, attention_backend="torch")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, config.vocab_size, (100,), generator=gen).tolist()
+               for _ in range(4)]
+    top1 = {}
+    for cache_dtype in (torch.bfloat16, torch.int8):
+        driver = PagedDriver(model, num_blocks=128, block_size=4, dtype=cache_dtype)
+        # in chunks of 25, so that each chunk reads the earlier ones from the cache
+        top1[cache_dtype] = torch.cat([
+            driver.step([(i, prompt[:end], 25)]).argmax(-1)
+            for i, prompt in enumerate(prompts) for end in range(25, 101, 25)])
+    agreement = (top1[torch.bfloat16] == top1[torch.int8]).float().mean().item()
+    assert top1[torch.int8].numel() == 400
+    assert agreement >= 0.97, agreement
+
+
+def test_a_kv_budget_holds_about_twice_the_tokens_in_int8(checkpoints):
+    config = load_hf_config(checkpoints["llama"])
+    # 2 layers x K,V x 4 tokens x 2 KV heads x (16 values + a 4-byte scale)
+    assert kv_cache_bytes_per_block(config, 4, "bfloat16", 1, "int8") == 2 * 2 * 4 * 2 * 20
+    # SmolLM2-135M's head_dim of 64: 68 bytes a row instead of 128
+    bf16 = 2 * 64
+    assert bf16 / (64 + KV_SCALE_BYTES) == pytest.approx(1.88, abs=0.01)
+    blocks = {}
+    for cache_dtype in ("auto", "int8"):  # 1 MiB: 256 blocks of 16 bf16 tokens
+        with LLM(checkpoints["llama"], dtype="bfloat16", max_model_len=64, max_num_seqs=256,
+                 kv_cache_memory_bytes=2**20, enable_warm_up=False,
+                 kv_cache_dtype=cache_dtype) as llm:
+            blocks[cache_dtype] = llm.engine.engine_core.executor.worker.num_blocks
+    assert blocks["auto"] == 256
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(32 / 20, rel=0.01)
