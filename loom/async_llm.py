@@ -68,6 +68,7 @@ class ControlError(RuntimeError):
 class _TrackedRequest:
     queue: asyncio.Queue
     num_sequences: int
+    lora_name: str | None = None
 
 
 class RequestStream:
@@ -117,6 +118,10 @@ class AsyncLLM:
         """``tokenizer`` and ``metrics`` are given by a data-parallel server
         (``DPAsyncLLM``), whose replicas share one tokenizer and one registry; ``core``
         for a replica whose engine core runs on another host."""
+        # the LoRA adapters served, by name, each with its load id (loom/lora.py;
+        # SamplingParams.lora_id); the load/unload routes change it
+        self.lora_names: dict[str, int] = {name: 0 for name, _ in config.model.lora_modules}
+        self._lora_done = asyncio.Event()  # a request with an adapter finished
         self.config = config
         self.tokenizer: Tokenizer = tokenizer or load_tokenizer(
             config.model.model, config.model.tokenizer, config.model.chat_template)
@@ -209,7 +214,7 @@ class AsyncLLM:
         engine_request_ids = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params, stream)
         queue: asyncio.Queue = asyncio.Queue()
-        self._requests[request_id] = _TrackedRequest(queue, params.n)
+        self._requests[request_id] = _TrackedRequest(queue, params.n, params.lora_name)
         self._num_sequences += params.n
         if self._idle.is_set():
             self._busy_since = time.monotonic()
@@ -226,7 +231,7 @@ class AsyncLLM:
                         params)
         return RequestStream(self, request_id, queue)
 
-    async def control(self, method: str, **kwargs: Any) -> Any:
+    async def control(self, method: str, /, **kwargs: Any) -> Any:
         """Run the control call ``method`` with ``kwargs`` (``wire.Control`` by its tag:
         pause_generation, resume_generation, update_weights, sleep, wake_up,
         reset_prefix_cache, collective_rpc, status) in the core process, between steps;
@@ -247,6 +252,12 @@ class AsyncLLM:
             return await future  # the answer's handler forgets the call, even if cancelled
         finally:
             self._busy_since = time.monotonic()  # requests waited on the call, not a hang
+
+    async def wait_until_lora_idle(self, name: str) -> None:
+        """Return once no request with LoRA adapter ``name`` is in flight."""
+        while self.lora_in_flight(name):
+            self._lora_done.clear()
+            await self._lora_done.wait()
 
     async def wait_until_idle(self) -> None:
         """Return once no request is in flight."""
@@ -271,12 +282,18 @@ class AsyncLLM:
         for request_id in list(self._requests):
             self.abort(request_id, reason)
 
+    def lora_in_flight(self, name: str) -> bool:
+        """Whether a request running with LoRA adapter ``name`` is in flight."""
+        return any(tracked.lora_name == name for tracked in self._requests.values())
+
     def _untrack(self, request_id: str) -> _TrackedRequest | None:
         tracked = self._requests.pop(request_id, None)
         if tracked is not None:
             self._num_sequences -= tracked.num_sequences
             if not self._requests:
                 self._idle.set()
+            if tracked.lora_name is not None:
+                self._lora_done.set()
             for callback in self.on_request_done:
                 callback(request_id)
         return tracked

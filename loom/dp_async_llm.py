@@ -62,6 +62,9 @@ class DPAsyncLLM:
     def __init__(self, config: EngineConfig, *, max_num_waiting: int | None = None,
                  log_requests: bool = True, affinity: bool = True) -> None:
         """``affinity`` False: route by load only (``--routing-policy load``)."""
+        # the LoRA adapters served, by name, each with its load id (loom/lora.py;
+        # SamplingParams.lora_id); the load/unload routes change it
+        self.lora_names: dict[str, int] = {name: 0 for name, _ in config.model.lora_modules}
         self.config = config
         size = config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
@@ -179,7 +182,10 @@ class DPAsyncLLM:
     async def wait_until_idle(self) -> None:
         await asyncio.gather(*(replica.wait_until_idle() for replica in self.replicas))
 
-    async def control(self, method: str, **kwargs: Any) -> Any:
+    async def wait_until_lora_idle(self, name: str) -> None:
+        await asyncio.gather(*(replica.wait_until_lora_idle(name) for replica in self.replicas))
+
+    async def control(self, method: str, /, **kwargs: Any) -> Any:
         """``AsyncLLM.control`` on every replica at once; the merged answer once all
         have answered, or a ControlError naming each replica that failed."""
         if self.dead_error is not None:

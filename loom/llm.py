@@ -115,7 +115,8 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
-            params = [p if lora is None else p.clone(lora_name=self._lora_name(lora))
+            params = [p if lora is None else p.clone(lora_name=self._lora_name(lora),
+                                                     lora_id=lora.lora_int_id)
                       for p, lora in zip(params, loras)]
         return self._run(prompts, params, use_tqdm)
 

@@ -155,7 +155,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # finished with its vector and no generated token; the other fields do not apply.
     pooling: PoolingParams | None = None
     # The LoRA adapter this request runs with (loom/lora.py), by name; None: the base.
+    # ``lora_id`` tells loads of one name apart (vLLM's lora_int_id): the prefix cache
+    # keys blocks by both, so an adapter loaded again never hits its old blocks.
     lora_name: str | None = None
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -296,8 +296,9 @@ class KVCacheManager:
 
 
 def _chain_seed(request: Request) -> int | None:
-    name = request.sampling_params.lora_name
-    return None if name is None else hash(("lora", name))
+    params = request.sampling_params
+    return None if params.lora_name is None else hash(("lora", params.lora_name,
+                                                        params.lora_id))
 
 
 def _cache_key(block_hash: int, group: int) -> Hashable:

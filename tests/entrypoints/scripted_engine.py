@@ -62,6 +62,7 @@ class ScriptedEngine:
 
     def __post_init__(self) -> None:
         self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.lora_names: dict[str, int] = {}  # AsyncLLM's LoRA adapters served by name
         self.metrics = ServerMetrics(self.config.model.name)
         self._in_flight: set[str] = set()
 

@@ -47,3 +47,67 @@ def test_the_server_serves_adapters_by_name(case):
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     finally:
         server.kill()
+
+
+def test_adapters_load_and_unload_while_serving(case, tmp_path):
+    """/v1/load_lora_adapter serves a new adapter by name at once; loading a name again
+    serves the new files (not the old ones' cached blocks); /v1/unload_lora_adapter
+    answers once the requests running with it have finished, and then the name is a
+    404; a bad adapter is a 400 naming lora_path."""
+    import threading
+
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+
+    base, paths = case
+    make_adapter(base, str(tmp_path / "a2"), 2, 4, ["q_proj", "o_proj", "gate_proj"])
+    with LLM(base, **ENGINE) as llm:
+        texts = {name: llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, use_tqdm=False,
+                                    lora_request=LoRARequest(name, 1, path))[0].outputs[0].text
+                 for name, path in (("a1", paths["a1"]), ("a2", str(tmp_path / "a2")))}
+    server = LoomServer(base, *TINY_SERVER_ARGS, "--dtype", "float32", "--enable-lora",
+                        "--max-loras", "2", "--max-lora-rank", "8",
+                        "--enable-control-endpoints", "--served-model-name", "tiny")
+    url = server.url
+
+    def complete(model: str) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+
+    try:
+        assert complete("a1").status_code == 404
+        for name in ("a1", "a2"):
+            loaded = httpx.post(url + "/v1/load_lora_adapter", timeout=60, json={
+                "lora_name": name, "lora_path": paths.get(name, str(tmp_path / name))})
+            assert loaded.status_code == 200, loaded.text
+        assert complete("a1").json()["choices"][0]["text"] == texts["a1"]
+        assert complete("a2").json()["choices"][0]["text"] == texts["a2"]
+        # a1 again, from a2's files: a2's answer, none of a1's cached blocks
+        httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                   json={"lora_name": "a1", "lora_path": str(tmp_path / "a2")})
+        assert complete("a1").json()["choices"][0]["text"] == texts["a2"]
+        # unload while a long request streams with it: it finishes whole first
+        chunks: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": "a2", "prompt": PROMPTS[0], "max_tokens": 64,
+                    "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+                chunks.extend(line for line in response.iter_lines() if line.startswith("data:"))
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        while not chunks and streamer.is_alive():
+            threading.Event().wait(0.01)
+        unloaded = httpx.post(url + "/v1/unload_lora_adapter", timeout=60,
+                              json={"lora_name": "a2"})
+        streamer.join()
+        assert unloaded.status_code == 200 and chunks[-1] == "data: [DONE]"
+        assert complete("a2").status_code == 404
+        bad = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                         json={"lora_name": "x", "lora_path": str(tmp_path / "nothing")})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        gone = httpx.post(url + "/v1/unload_lora_adapter", timeout=60, json={"lora_name": "x"})
+        assert gone.status_code == 404
+    finally:
+        server.kill()

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse
 
 from loom.async_llm import AsyncLLM, ControlError
 from loom.entrypoints.openai.errors import OpenAIError, RequestError
+from loom.lora import AdapterError, read_adapter_config
 
 
 def add_control_routes(app: FastAPI, engine: AsyncLLM,
@@ -43,9 +44,9 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
     """``default_weights_path``: what an update without a path loads (None: the last
     checkpoint loaded; --load-strategy ipc: the model directory, for its manifest)."""
 
-    async def call(method: str, **kwargs: Any) -> Any:
+    async def call(control: str, **kwargs: Any) -> Any:
         try:
-            return await engine.control(method, **kwargs)
+            return await engine.control(control, **kwargs)
         except ControlError as error:
             if error.exc_type in ("ValueError", "FileNotFoundError"):
                 raise RequestError(str(error)) from None
@@ -54,7 +55,7 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
             if error.exc_type == "PartialFailure":  # data parallel: the replicas now differ
                 raise OpenAIError(500, str(error), "server_error",
                                   code="replicas_differ") from None
-            raise OpenAIError(500, f"{method} failed: {error}", "server_error") from None
+            raise OpenAIError(500, f"{control} failed: {error}", "server_error") from None
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> JSONResponse:
@@ -114,6 +115,9 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
     async def reset_prefix_cache() -> JSONResponse:
         return JSONResponse({"success": True, "reset": bool(await call("reset_prefix_cache"))})
 
+    if engine.config.model.enable_lora:
+        add_lora_routes(app, engine, call)
+
     # FastDeploy's names, as its RL integrations call them.
     @app.get("/clear_load_weight")
     @app.post("/clear_load_weight")
@@ -130,6 +134,51 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
         result = await call("update_weights", path=path)
         return JSONResponse({"success": True, "status": "normal",
                              "seconds": time.perf_counter() - started, **(result or {})})
+
+
+def add_lora_routes(app: FastAPI, engine: AsyncLLM, call: Any) -> None:
+    """vLLM's runtime LoRA routes (an engine started with --enable-lora; loom/lora.py):
+
+        POST /v1/load_lora_adapter    {"lora_name", "lora_path"}  loaded on every rank (a
+                                      name loaded again takes the new files), then served
+        POST /v1/unload_lora_adapter  {"lora_name"}  no longer served; answers once the
+                                      requests already running with it have finished
+    """
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name must be a non-empty string", param="lora_name")
+        if not isinstance(path, str) or not path:
+            raise RequestError("lora_path must be a PEFT adapter directory", param="lora_path")
+        try:  # checked here first: a bad adapter is the caller's 400, not a rank's error
+            read_adapter_config(path, engine.config.model.max_lora_rank)
+        except AdapterError as error:
+            raise RequestError(str(error), param="lora_path") from None
+        try:
+            await call("collective_rpc", method="add_lora", args=[name, path])
+        except OpenAIError as error:
+            if "AdapterError" in error.message or "do not fit" in error.message \
+                    or "slots hold" in error.message:
+                raise RequestError(error.message, param="lora_path") from None
+            raise
+        # a name loaded again is another adapter: its own prefix blocks
+        engine.lora_names[name] = max(engine.lora_names.values(), default=0) + 1
+        return JSONResponse({"success": True, "lora_name": name})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body = await _body(request)
+        name = body.get("lora_name")
+        if name not in engine.lora_names:
+            raise OpenAIError(404, f"no LoRA adapter {name!r} is loaded", "NotFoundError",
+                              param="lora_name")
+        engine.lora_names.pop(name)  # new requests naming it: 404 from here on
+        await engine.wait_until_lora_idle(name)  # those running with it finish with it
+        await call("collective_rpc", method="remove_lora", args=[name])
+        return JSONResponse({"success": True, "lora_name": name})
 
 
 async def _body(request: Request) -> dict[str, Any]:

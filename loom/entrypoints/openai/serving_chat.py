@@ -60,7 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         if structured_outputs is not None and output_builder.reasoning_parser is not None \
                 and think_ids is not None:  # the grammar constrains the answer only
             params.grammar_after_thinking = GrammarAfterThinking(*think_ids)
-        params.lora_name = lora_name
+        self.use_lora(params, lora_name)
         self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.submit(request_id, None, token_ids, params, request.stream)

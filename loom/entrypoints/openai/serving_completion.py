@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        structured_outputs, self.max_logprobs)
             if transfer is not request.kv_transfer_params:  # one of a prefill batch's
                 prompt_params = prompt_params.clone(kv_transfer_params=transfer)
-            prompt_params.lora_name = lora_name
+            self.use_lora(prompt_params, lora_name)
             params.append(prompt_params)
         for prompt_params, (_, token_ids) in zip(params, prompts):
             self.check_params(prompt_params, len(token_ids))

@@ -36,17 +36,23 @@ class OpenAIServing:
         self.effort_budgets = engine.config.model.reasoning_effort_budgets
         # The model's generation config: what a request leaves out.
         self.default_sampling_params = engine.config.model.default_sampling_params
-        # LoRA adapters served beside the base, by name (a request's model)
-        self.lora_names = frozenset(name for name, _ in engine.config.model.lora_modules)
+        # LoRA adapters served beside the base, by name (a request's model): the engine's
+        # live set, which /v1/load_lora_adapter and /v1/unload_lora_adapter change
+        self.lora_names = engine.lora_names
 
     def check_model(self, requested: str | None) -> str | None:
         """The LoRA adapter ``requested`` names (loom/lora.py), None for the base model; a
-        404 for a name the server does not serve."""
+        404 for a name the server does not serve. (``use_lora`` sets it on the params.)"""
         if requested is None or requested == self.model_name:
             return None
         if requested in self.lora_names:
             return requested
         raise model_not_found(requested)
+
+    def use_lora(self, params: SamplingParams, lora_name: str | None) -> None:
+        """Run ``params``' request with adapter ``lora_name`` (None: the base), as loaded."""
+        params.lora_name = lora_name
+        params.lora_id = self.lora_names.get(lora_name, 0) if lora_name else 0
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """What the request alone cannot tell: its token ids against this vocabulary,

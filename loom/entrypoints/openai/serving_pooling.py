@@ -159,8 +159,8 @@ class OpenAIServingPooling(OpenAIServing):
     async def _pool(self, prefix: str, prompts: list[list[int]], pooling: PoolingParams,
                     lora_name: str | None) -> list[RequestOutput]:
         """Every prompt one engine request, all submitted, then awaited together."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling,
-                                lora_name=lora_name)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        self.use_lora(params, lora_name)
         self.check_params(params, max(len(ids) for ids in prompts))
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
