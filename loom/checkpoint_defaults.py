@@ -110,7 +110,7 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
                     "sampling_defaults": tuple(sampling_defaults.items()),
                     "hf_config": hf_config_values(hf_config)}
     if args.enable_lora or args.lora_modules:
-        resolved = _check_lora(resolved, args.tensor_parallel_size)
+        resolved = _check_lora(resolved)
     if args.task != "generate":
         from loom.pooling import pooler_config
 
@@ -127,15 +127,12 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
     return ResolvedArgs(resolved, model_fields, hf_config)
 
 
-def _check_lora(args: EngineArgs, tensor_parallel_size: int) -> EngineArgs:
+def _check_lora(args: EngineArgs) -> EngineArgs:
     """The adapters named at start-up, read and checked (a bad one is the start-up's
     error, naming it); ``--lora-modules`` alone enables LoRA."""
     from loom.lora import AdapterError, parse_lora_modules, read_adapter_config
 
     modules = parse_lora_modules(args.lora_modules)
-    if tensor_parallel_size != 1:
-        raise ValueError(f"LoRA adapters run on one rank; --tensor-parallel-size "
-                         f"{tensor_parallel_size} with --enable-lora is not supported yet")
     if len(modules) > args.max_loras:
         raise ValueError(f"--lora-modules names {len(modules)} adapters, more than "
                          f"--max-loras {args.max_loras}; raise --max-loras")

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from loom.lora import AdapterError, read_adapter_config
-from loom.model.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from loom.model.layers.linear import (ColumnParallelLinear, LinearBase,
+                                      MergedColumnParallelLinear, QKVParallelLinear,
+                                      RowParallelLinear)
 from loom.model.layers.lora import LoRASlots
 
 logger = logging.getLogger(__name__)
@@ -134,14 +136,47 @@ class LoRAManager:
                 raise AdapterError(f"LoRA adapter {name!r} targets {module}, which this base "
                                    "model does not have (or loom does not adapt)")
             a, b = pair["lora_A"], pair["lora_B"]
-            if a.shape[1] != layer.input_size or b.shape[0] != layer.lora.part_sizes[part] \
-                    or a.shape[0] != b.shape[1]:
+            inputs, outputs = _full_sizes(layer, part)
+            if a.shape[1] != inputs or b.shape[0] != outputs or a.shape[0] != b.shape[1]:
                 raise AdapterError(
                     f"LoRA adapter {name!r}: {module}'s A {tuple(a.shape)} and B "
-                    f"{tuple(b.shape)} do not fit this base's layer of "
-                    f"{layer.input_size} inputs and {layer.lora.part_sizes[part]} outputs; was "
-                    "it trained on another base model?")
+                    f"{tuple(b.shape)} do not fit this base's layer of {inputs} inputs and "
+                    f"{outputs} outputs; was it trained on another base model?")
+            a, b = _shard(layer, part, a, b)
             placed.append((layer, part, a, b))
         if not placed:
             raise AdapterError(f"LoRA adapter {name!r} ({path}) holds no LoRA weights")
         return placed
+
+
+def _full_sizes(layer: LinearBase, part: int) -> tuple[int, int]:
+    """The whole model's inputs and ``part``'s outputs of ``layer`` (this rank holds a
+    shard of one of them under tensor parallel)."""
+    ranks = layer.tp_group.world_size
+    if isinstance(layer, RowParallelLinear):
+        return layer.input_size * ranks, layer.output_size
+    if isinstance(layer, QKVParallelLinear):
+        heads = layer.num_heads if part == 0 else layer.num_kv_heads
+        replicas = 1 if part == 0 else layer.num_kv_head_replicas
+        return layer.input_size, heads * layer.head_size * ranks // replicas
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.input_size, layer.lora.part_sizes[part] * ranks
+    return layer.input_size, layer.output_size
+
+
+def _shard(layer: LinearBase, part: int, a: torch.Tensor,
+           b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of an adapter's A and B, cut as the base layer is: a
+    row-parallel layer's inputs (A's columns; the partial products sum in its
+    all-reduce), a column-parallel one's outputs (B's rows; a KV head replicated over
+    ranks is the same rows on each)."""
+    group = layer.tp_group
+    if group.world_size == 1:
+        return a, b
+    if isinstance(layer, RowParallelLinear):
+        return a[:, group.rank * layer.input_size:(group.rank + 1) * layer.input_size], b
+    size = layer.lora.part_sizes[part]
+    index = group.rank
+    if isinstance(layer, QKVParallelLinear) and part > 0:
+        index = group.rank // layer.num_kv_head_replicas
+    return a, b[index * size:(index + 1) * size]

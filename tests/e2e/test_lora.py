@@ -2,7 +2,8 @@
 merged model (float32) for dense families and a mixture of experts' attention; a batch
 mixing two adapters and the base equals each served alone; prefix caching does not
 share blocks across adapters; the server serves adapters by name; each bad adapter is
-refused naming it. (The server: tests/entrypoints/test_lora_serving.py.)"""
+refused naming it; tensor parallel over 2 ranks gives the same tokens. (The server:
+tests/entrypoints/test_lora_serving.py.)"""
 
 from __future__ import annotations
 
@@ -85,6 +86,17 @@ def test_adapters_equal_peft_merged_and_mix_in_one_batch(case):
             assert generate(llm, requests.get(name)) == want[name], name
         mixed = generate(llm, [requests["a1"], None, requests["a2"]])
     assert mixed == [want["a1"][0], want[None][1], want["a2"][2]]
+
+
+def test_tensor_parallel_2_equals_peft_merged(case):
+    """Each rank holds its share of an adapter, cut as its base layer is: q/k/v and
+    gate/up by output rows, o and down by input columns (summed in the all-reduce)."""
+    base, paths, want, family = case
+    if family == "qwen3_moe":
+        pytest.skip("the dense families show the split")
+    requests = [LoRARequest("a1", 1, paths["a1"]), None, LoRARequest("a2", 2, paths["a2"])]
+    with LLM(base, tensor_parallel_size=2, **ENGINE) as llm:
+        assert generate(llm, requests) == [want["a1"][0], want[None][1], want["a2"][2]]
 
 
 def test_prefix_cache_is_not_shared_across_adapters(case):
