@@ -327,14 +327,17 @@ class _KernelCalls:
 
 
 _TENSOR_FIELDS = tuple(f.name for f in fields(AttentionMetadata)
-                       if f.type in ("torch.Tensor", torch.Tensor))
+                       if str(f.type).startswith("torch.Tensor"))
 
 
 def _metadata_inputs(metadata: AttentionMetadata) -> list[tuple[str, torch.Tensor]]:
-    """The step's tensors in the metadata, every KV cache group's, by name."""
-    named = [(name, getattr(metadata, name)) for name in _TENSOR_FIELDS]
+    """The step's tensors in the metadata, every KV cache group's, by name (an optional
+    one that is None is not an input: the shape key then differs)."""
+    named = [(name, value) for name in _TENSOR_FIELDS
+             if (value := getattr(metadata, name)) is not None]
     for group, meta in enumerate(metadata.group_metadata, start=1):
-        named += [(f"{group}.{name}", getattr(meta, name)) for name in _TENSOR_FIELDS]
+        named += [(f"{group}.{name}", value) for name in _TENSOR_FIELDS
+                  if (value := getattr(meta, name)) is not None]
     return named
 
 
@@ -579,17 +582,6 @@ def install(model: nn.Module, num_ranks: int = 1) -> KernelReplay | None:
     model.kernel_replay = replay
     model.forward = replay
     return replay
-
-
-def uninstall(model: nn.Module, reason: str) -> None:
-    """Run ``model``'s forward as modules from now on (a feature whose ops a recording
-    would not hold), saying why once."""
-    replay = getattr(model, "kernel_replay", None)
-    if replay is None:
-        return
-    model.forward = replay.forward
-    del model.kernel_replay
-    logger.info("forward: PyTorch modules, as %s", reason)
 
 
 def forget_recordings(model: nn.Module) -> None:

@@ -82,18 +82,17 @@ class LoRAManager:
             layer.lora.clear(slot)
         return True
 
-    def groups(self, lora_names: list[str | None],
-               query_start_loc: list[int]) -> list[tuple[int, torch.Tensor]]:
-        """Each adapter slot in this step with the token rows of its requests."""
-        rows: dict[int, list[int]] = {}
-        for i, name in enumerate(lora_names):
-            if name is None:
-                continue
-            slot = self.slots.get(name)
-            if slot is None:
-                raise AdapterError(f"LoRA adapter {name!r} is not loaded on this rank")
-            rows.setdefault(slot, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
-        return [(slot, torch.tensor(ids, dtype=torch.long)) for slot, ids in rows.items()]
+    def token_slots(self, lora_names: list[str | None], query_lens: list[int]) -> torch.Tensor:
+        """Each token's adapter slot this step (-1: the base), requests in step order."""
+        slots = []
+        for name, count in zip(lora_names, query_lens):
+            slot = -1
+            if name is not None:
+                slot = self.slots.get(name, -2)
+                if slot == -2:
+                    raise AdapterError(f"LoRA adapter {name!r} is not loaded on this rank")
+            slots += [slot] * count
+        return torch.tensor(slots, dtype=torch.long)
 
     # ------------------------------------------------------------------ loading
 

@@ -27,8 +27,7 @@ from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.kv_layout import kv_cache_dtype
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers import logits_processors
-from loom.model.kernel_replay import uninstall as uninstall_kernel_replay
-from loom.model.layers.lora import lora_step
+from loom.model.kernel_replay import forget_recordings
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
 from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
@@ -130,8 +129,7 @@ class ModelRunner:
 
     def _load_loras(self) -> LoRAManager | None:
         """LoRA slots on the decoder's linears and the adapters named at start-up
-        (loom/lora.py); the forward is then not replayed (its adapter products are
-        PyTorch ops)."""
+        (loom/lora.py)."""
         config = self.config.model
         if not config.enable_lora:
             return None
@@ -139,8 +137,7 @@ class ModelRunner:
                               self.device)
         for name, path in config.lora_modules:
             manager.add(name, path)
-        uninstall_kernel_replay(self.model, "LoRA adapters are enabled (their products run "
-                                "as PyTorch ops)")
+        forget_recordings(self.model)  # recorded without the adapters' slots
         return manager
 
     def _bind_expert_counts(self) -> None:
@@ -327,10 +324,12 @@ class ModelRunner:
             self._prepare_inputs(req_ids, scheduler_output.num_scheduled_tokens, spec_tokens)
         if self.expert_step_tokens is not None:
             self.expert_step_tokens.zero_()
-        groups = (self.lora.groups([self.requests[r].sampling_params.lora_name
-                                    for r in req_ids], metadata.query_start_loc_cpu)
-                  if self.lora is not None else [])
-        with set_forward_context(metadata), lora_step(groups):
+        if self.lora is not None:
+            starts = metadata.query_start_loc_cpu
+            metadata.lora_slots = self.lora.token_slots(
+                [self.requests[r].sampling_params.lora_name for r in req_ids],
+                [end - start for start, end in zip(starts, starts[1:])])
+        with set_forward_context(metadata):
             hidden_states = None
             if self.cuda_graphs is not None:
                 hidden_states = self.cuda_graphs.run(input_ids, positions, metadata)

@@ -46,13 +46,11 @@ def make_adapter(base: str, path: str, seed: int, rank: int, targets: list[str])
 
 
 def hf_greedy(model, prompt: list[int], steps: int = 8) -> list[int]:
-    ids, out = torch.tensor([prompt]), []
+    """transformers' greedy tokens, ``steps`` of them whatever they are (eos included)."""
     with torch.no_grad():
-        for _ in range(steps):
-            token = int(model(ids).logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
@@ -151,3 +149,30 @@ def test_an_adapter_of_another_base_is_refused(case, tmp_path):
         with pytest.raises(Exception, match="do not fit this base"):
             generate(llm, LoRARequest("foreign", 9, str(tmp_path / "foreign")))
         assert generate(llm, None) == want[None]
+
+
+def test_a_lora_forward_replays_natively(case, monkeypatch):
+    """bf16 on the CPU: a step's adapters run in loom's lora_add kernel, so a recorded
+    forward holds them and replays them (each token's slot an input of the replay), with
+    the modules' tokens, batches mixing adapters and the base included."""
+    from loom.envs import settings
+    from loom.kernels import native_ops
+    from loom.model import kernel_replay
+
+    base, paths, _, family = case
+    ops = native_ops()
+    if family != "llama" or ops is None or not ops.bf16_gemm_available():
+        pytest.skip("one family on the native bf16 kernels shows it")
+    monkeypatch.setattr(kernel_replay, "RECORD_AFTER", 0)
+    a1, a2 = LoRARequest("a1", 1, paths["a1"]), LoRARequest("a2", 2, paths["a2"])
+    tokens = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        settings.cache_clear()
+        with LLM(base, **ENGINE | {"dtype": "bfloat16"}) as llm:
+            tokens[setting] = generate(llm, [a1, None, a2]) + generate(llm, [a2, a2, a1])
+            model = llm.engine.engine_core.executor.worker.model_runner.model
+            replay = getattr(model, "kernel_replay", None)
+            assert (replay is not None and replay.refusal is None
+                    and replay.stats.replayed > 0) == (setting == "1")
+    assert tokens["0"] == tokens["1"]

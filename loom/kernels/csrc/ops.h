@@ -60,4 +60,9 @@ std::vector<at::Tensor> moe_route(at::Tensor x, at::Tensor router,
                                   const std::string& scoring, bool renormalize,
                                   double renormalize_min);
 
+// lora.cpp: y (T, N) += each row's LoRA adapter: (x_t a[s]^T) b[s]^T for s = token_slot[t]
+// >= 0 and active[s]; a (S, R, K), b (S, N, R) (layers/lora.py)
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& token_slot, const at::Tensor& active);
+
 }  // namespace loom

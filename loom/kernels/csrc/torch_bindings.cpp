@@ -345,6 +345,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "a mixture of experts' router: x (T, H) bf16 -> [weights (T, K) float32, ids (T, K)]",
              py::arg("x"), py::arg("router"), py::arg("correction_bias"), py::arg("top_k"),
              py::arg("scoring"), py::arg("renormalize"), py::arg("renormalize_min"));
+  def_kernel(m, "lora_add", &loom::lora_add,
+             "y (T, N) += each row's LoRA adapter (x_t a[s]^T) b[s]^T, s = token_slot[t] "
+             "(-1: none)", py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"),
+             py::arg("token_slot"), py::arg("active"));
   def_kernel(m, "argmax_rows", &loom::argmax_rows,
              "logits (R, V) float32 -> (R,) int64, each row's first largest (torch.argmax)",
              py::arg("logits"));

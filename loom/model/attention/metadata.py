@@ -42,6 +42,9 @@ class AttentionMetadata:
     block_size: int
     # KV cache groups 1.. (a hybrid model): this step with each group's slots and tables
     group_metadata: list[AttentionMetadata] = field(default_factory=list)
+    # LoRA adapters (model/layers/lora.py): each token's adapter slot, -1 for the base;
+    # None where LoRA is off. Not attention's, but the step's, as everything here.
+    lora_slots: torch.Tensor | None = None
     # Per-step values derived by the attention backend (gather indices, masks), built
     # by the first layer that needs them and reused by the others; see ``cached``.
     _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,

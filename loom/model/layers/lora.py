@@ -5,47 +5,43 @@ A ``LoRASlots`` hangs on a ``LinearBase`` (``linear.lora``) and holds every adap
 A and B for it: for a fused layer (q|k|v, gate|up) one A per projection stacked along
 the rank, and B block-diagonal (projection p's rank columns write only its output rows),
 so one shrink and one expand product serve all of a fused layer's projections. The
-model runner says, for each step, which rows run which slot (``lora_step``): rows are
-grouped by adapter (Punica's segments), and each group's ``x A^T`` (shrink) and
-``(x A^T) B^T`` (expand, the scale folded into B) are added to its rows of the base
-output. Rows of the base model and steps without adapters cost nothing.
+model runner says, for each step, which slot each token row runs
+(``AttentionMetadata.lora_slots``: -1 for the base): rows are grouped by adapter
+(Punica's segments), and each group's ``x A^T`` (shrink) and ``(x A^T) B^T`` (expand, the
+scale folded into B) are added to its rows of the base output, by loom's ``lora_add``
+kernel on the CPU (a recorded forward replays it: kernel_replay.py) or the same steps in
+PyTorch elsewhere. Rows of the base model and steps without adapters cost one pass
+over the slots.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
+from torch import nn
 
-# The step's groups: (slot, the token rows that run it), set by the model runner
-_groups: list[tuple[int, torch.Tensor]] = []
-
-
-@contextlib.contextmanager
-def lora_step(groups: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
-    """Apply each slot's adapter to its rows in the forward run inside the block."""
-    global _groups
-    previous, _groups = _groups, groups
-    try:
-        yield
-    finally:
-        _groups = previous
+from loom.kernels import native_ops_for
+from loom.model.attention.metadata import get_forward_context
 
 
-class LoRASlots:
+class LoRASlots(nn.Module):
     """Every adapter slot's A and B for one linear layer of ``input_size`` inputs whose
-    outputs are ``part_sizes`` (the fused projections, top to bottom)."""
+    outputs are ``part_sizes`` (the fused projections, top to bottom); buffers, so that
+    a recorded forward holds them as the model's own."""
 
     def __init__(self, input_size: int, part_sizes: list[int], max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
         self.max_rank = max_rank
         rank = len(part_sizes) * max_rank
-        self.a = torch.zeros(max_loras, rank, input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(part_sizes), rank, dtype=dtype, device=device)
-        self.active = [False] * max_loras
+        self.register_buffer("a", torch.zeros(max_loras, rank, input_size, dtype=dtype,
+                                              device=device), persistent=False)
+        self.register_buffer("b", torch.zeros(max_loras, sum(part_sizes), rank, dtype=dtype,
+                                              device=device), persistent=False)
+        # the slots whose adapter targets this layer (the others' rows are left alone)
+        self.register_buffer("active", torch.zeros(max_loras, dtype=torch.bool, device=device),
+                             persistent=False)
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor,
              scale: float) -> None:
@@ -63,10 +59,18 @@ class LoRASlots:
         self.active[slot] = False
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y`` (T, N) += each of this step's groups' adapter on its rows of ``x`` (T, K)."""
-        for slot, rows in _groups:
+        """``y`` (T, N) += the step's adapters on their rows of ``x`` (T, K)."""
+        slots = get_forward_context().lora_slots
+        if slots is None:
+            return
+        ops = native_ops_for(x.device, x.dtype)
+        if ops is not None:
+            ops.lora_add(y, x, self.a, self.b, slots, self.active)
+            return
+        for slot in slots[slots >= 0].unique().tolist():
             if not self.active[slot]:
                 continue  # the adapter does not target this layer
+            rows = (slots == slot).nonzero().flatten()
             xs = x.index_select(0, rows).to(self.a.dtype)
             delta = (xs @ self.a[slot].t()) @ self.b[slot].t()
             y.index_add_(0, rows, delta.to(y.dtype))
