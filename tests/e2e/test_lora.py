@@ -2,7 +2,8 @@
 merged model (float32) for dense families and a mixture of experts' attention; a batch
 mixing two adapters and the base equals each served alone; prefix caching does not
 share blocks across adapters; the server serves adapters by name; each bad adapter is
-refused naming it; tensor parallel over 2 ranks gives the same tokens. (The server:
+refused naming it; tensor parallel over 2 ranks gives the same tokens, and a wint4 base
+with an adapter its dequantized self with it merged. (The server:
 tests/entrypoints/test_lora_serving.py.)"""
 
 from __future__ import annotations
@@ -176,3 +177,35 @@ def test_a_lora_forward_replays_natively(case, monkeypatch):
             assert (replay is not None and replay.refusal is None
                     and replay.stats.replayed > 0) == (setting == "1")
     assert tokens["0"] == tokens["1"]
+
+
+def test_a_quantized_base_with_an_adapter_equals_its_dequantized_self(case, tmp_path):
+    """QLoRA's deployment: a wint4 base (its linears in groups of 32, its tables wint8,
+    quantized at load) with a full-precision adapter gives transformers' tokens on the
+    same weights dequantized, with PEFT's adapter merged on top."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loom.model.layers.quantization import quantize_wint4, quantize_wint8
+
+    base, paths, _, family = case
+    if family != "llama":
+        pytest.skip("one family shows it")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in ALL:
+                module.weight.copy_(quantize_wint4(module.weight, 32).dequantize())
+        tables = {id(t): t for t in (model.get_input_embeddings().weight,
+                                     model.get_output_embeddings().weight)}
+        for table in tables.values():
+            table.copy_(quantize_wint8(table).dequantize())
+    dequantized = str(tmp_path / "dequantized")
+    model.save_pretrained(dequantized, safe_serialization=True)
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32),
+        paths["a1"]).merge_and_unload().eval()
+    want = [hf_greedy(merged, p) for p in PROMPTS]
+    with LLM(base, quantization="wint4", quantization_group_size=32, **ENGINE) as llm:
+        assert generate(llm, LoRARequest("a1", 1, paths["a1"])) == want
+    assert want != case[2]["a1"]  # the test has teeth: the quantized base answers otherwise
