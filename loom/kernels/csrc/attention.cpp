@@ -145,7 +145,8 @@ inline float softmax_row(float* s, int64_t n) {
 template <typename T>
 void attention_item(T* out, const T* query, const T* keys, const T* values,
                     const int32_t* blocks, int64_t q_stride0, int64_t q_stride1,
-                    int64_t kv_heads, int64_t block_size, int64_t head_dim, int64_t group, int64_t kv_head,
+                    int64_t kv_heads, int64_t block_size, int64_t head_dim, int64_t group,
+                    int64_t kv_head,
                     int64_t first_token, int64_t q_len, int64_t context, int64_t j0, int64_t j1,
                     float scale, int64_t window, std::vector<float>& buf,
                     BlockPrefetcher& prefetcher) {
@@ -449,6 +450,26 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
 }
 #endif
 
+// Rows first .. num_keys - 1 of one head's keys (or values), read through the request's
+// `blocks` from `rows` (rows of row_bytes: int8 with their scale if `quantized`, else
+// bf16) into `out` (num_keys, head_dim) in the query's dtype T.
+template <typename T>
+void convert_rows(const char* rows, int64_t row_bytes, const int32_t* blocks,
+                  int64_t block_size, int64_t first, int64_t num_keys, bool quantized, T* out,
+                  int64_t head_dim) {
+  for (int64_t p = first; p < num_keys; ++p) {
+    const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+    const char* row = rows + slot * row_bytes;
+    T* dst = out + p * head_dim;
+    if (quantized) {
+      dequantize_kv_row(reinterpret_cast<const int8_t*>(row), dst, head_dim);
+    } else {
+      const auto* src = reinterpret_cast<const c10::BFloat16*>(row);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(to_float(src[d]));
+    }
+  }
+}
+
 }  // namespace
 
 // Requests with more than max_query_len new tokens are skipped (their rows of out
@@ -548,8 +569,10 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
         std::vector<float> buf;
         std::vector<const c10::BFloat16*> ptrs;
         (void)ptrs;
-        std::vector<scalar_t> item_kv;   // (2, num_keys, D): a converted item's K, then V
-        std::vector<int32_t> identity;   // block b of item_kv is block b
+        // (2, num_keys, D): a converted item's K, then V, kept by the thread between
+        // calls (fresh pages each step cost more than the conversion)
+        static thread_local std::vector<float> item_kv_floats;
+        static thread_local std::vector<int32_t> identity;  // block b of it is block b
         BlockPrefetcher prefetcher;
         for (int64_t i = begin; i < end; ++i) {
           const Item& it = items[i];
@@ -573,26 +596,17 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
             const int64_t past = lens[it.req] - q_len, num_keys = past + it.j1;
             const int64_t first_key =
                 sliding_window > 0 ? std::max<int64_t>(0, past + it.j0 + 1 - sliding_window) : 0;
-            item_kv.resize(2 * num_keys * head_dim);
+            item_kv_floats.resize(2 * num_keys * head_dim);  // (room for bf16 too)
+            scalar_t* item_kv = reinterpret_cast<scalar_t*>(item_kv_floats.data());
             identity.resize((num_keys + block_size - 1) / block_size);
             for (size_t b = 0; b < identity.size(); ++b) identity[b] = static_cast<int32_t>(b);
             const char* k_rows = cache_bytes + it.kv_head * num_slots * row_bytes;
             const char* v_rows = cache_bytes + (kv_heads + it.kv_head) * num_slots * row_bytes;
-            for (int64_t p = first_key; p < num_keys; ++p) {
-              const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-              scalar_t* k = item_kv.data() + p * head_dim;
-              scalar_t* v = item_kv.data() + (num_keys + p) * head_dim;
-              if (quantized) {
-                dequantize_kv_row(reinterpret_cast<const int8_t*>(k_rows + slot * row_bytes), k, head_dim);
-                dequantize_kv_row(reinterpret_cast<const int8_t*>(v_rows + slot * row_bytes), v, head_dim);
-              } else {  // a bf16 cache under a float32 model
-                for (int64_t d = 0; d < head_dim; ++d) {
-                  k[d] = from_float<scalar_t>(to_float(reinterpret_cast<const c10::BFloat16*>(k_rows + slot * row_bytes)[d]));
-                  v[d] = from_float<scalar_t>(to_float(reinterpret_cast<const c10::BFloat16*>(v_rows + slot * row_bytes)[d]));
-                }
-              }
-            }
-            keys = item_kv.data();
+            convert_rows(k_rows, row_bytes, blocks, block_size, first_key, num_keys, quantized,
+                         item_kv, head_dim);
+            convert_rows(v_rows, row_bytes, blocks, block_size, first_key, num_keys, quantized,
+                         item_kv + num_keys * head_dim, head_dim);
+            keys = item_kv;
             values = keys + num_keys * head_dim;
             blocks = identity.data();
           } else {
