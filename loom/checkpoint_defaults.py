@@ -57,7 +57,13 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
                        "own implementations serve the architectures it supports")
     check_architecture_before_loading(model)
     hf_config = load_hf_config(model)
-    get_model_architecture(hf_config)  # unsupported: a ValueError naming the supported
+    architecture = get_model_architecture(hf_config)  # unsupported: a ValueError naming them
+    classifier = architecture.endswith("ForSequenceClassification")
+    if classifier != (args.task == "classify"):
+        raise ValueError(f"{model} is a {architecture} checkpoint: start it with --task "
+                         f"classify" if classifier else
+                         f"--task classify needs a *ForSequenceClassification checkpoint; "
+                         f"{model} is a {architecture}")
     check_quantization(hf_config, args.quantization, model)
     if not args.skip_tokenizer_init:
         check_tokenizer_files(model, args.tokenizer)

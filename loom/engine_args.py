@@ -165,11 +165,12 @@ class EngineArgs:
         128, to="model.quantization_group_size", parse=int, metavar="32|64|128",
         help="wint4: input features per scale and offset (default 128)")
     task: str = arg(
-        "generate", to="model.task", choices=["generate", "embed", "score"],
+        "generate", to="model.task", choices=["generate", "embed", "score", "classify"],
         help="what the engine answers: generate (completions, chat; the default), embed "
-             "(/v1/embeddings, LLM.embed: the prompt's hidden states pooled) or score "
-             "(/v1/rerank, /score, LLM.score: a decoder reranker's yes/no probability); "
-             "loom/pooling.py")
+             "(/v1/embeddings, LLM.embed: the prompt's hidden states pooled), score "
+             "(/v1/rerank, /score, LLM.score: a decoder reranker's yes/no probability) or "
+             "classify (/classify, LLM.classify: a *ForSequenceClassification checkpoint's "
+             "label probabilities); loom/pooling.py")
     pooler_config: dict[str, Any] | str | None = arg(
         None, to=None, parse=arg_types.json_object,
         flags=("--pooler-config", "--override-pooler-config"),

@@ -30,6 +30,11 @@ class ContextLengthError(InvalidInputError):
         super().__init__(message, param, code="context_length_exceeded")
 
 
+# what a pooling engine answers, by task (loom/pooling.py)
+_TASK_ROUTES = {"embed": "/v1/embeddings", "score": "/v1/rerank or /score",
+                "classify": "/classify"}
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
@@ -138,8 +143,8 @@ class InputProcessor:
             if self.task != "generate":
                 raise InvalidInputError(
                     f"this model serves --task {self.task}: it pools prompts and generates "
-                    f"nothing; use {'/v1/embeddings' if self.task == 'embed' else '/v1/rerank or /score'}"
-                    " (or start an engine with --task generate)", "model")
+                    f"nothing; use {_TASK_ROUTES[self.task]} (or start an engine with --task "
+                    "generate)", "model")
             return
         if self.task != pooling.task:
             raise InvalidInputError(

@@ -20,8 +20,9 @@ from loom.engine_args import EngineArgs, llm_kwargs_to_fields
 from loom.errors import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
 from loom.lora import LoRARequest
-from loom.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
-                          ScoringOutput, ScoringRequestOutput)
+from loom.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                          EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                          ScoringRequestOutput)
 from loom.pooling import score_pairs, score_prompt
 from loom.sampling_params import PoolingParams, SamplingParams
 
@@ -142,6 +143,17 @@ class LLM:
                             [params] * len(prompts), use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.pooled or []), o.finished)
+                for o in outputs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities, in input order (an engine started with
+        ``task="classify"`` on a ``*ForSequenceClassification`` checkpoint)."""
+        prompts = _prompt_list(prompts)
+        params = _pooling_sampling_params(PoolingParams(task="classify"), "classify")
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(o.pooled or []), o.finished)
                 for o in outputs]
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],

@@ -19,6 +19,10 @@ for a causal LM run as an embedding model). ``--pooler-config`` overrides any of
 token at the next position, ``softmax([logit_no, logit_yes])[1]``
 (``classifier_from_token``, default ``["no", "yes"]``).
 
+``--task classify`` serves a sequence classifier (``*ForSequenceClassification``: a score
+head in place of the LM head; models/classification.py): the last token's final hidden
+state through the head, softmax over the labels; ``id2label`` names them.
+
 A request's ``dimensions`` cuts a Matryoshka model's embedding to its first values (then
 normalized); the model says it is one with ``is_matryoshka`` or
 ``matryoshka_dimensions`` in its config.json, or in ``--pooler-config``.
@@ -31,7 +35,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-TASKS = ("generate", "embed", "score")
+TASKS = ("generate", "embed", "score", "classify")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 # Qwen3-Reranker's prompt: a judgement of the document against the query, answered by

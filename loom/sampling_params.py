@@ -78,13 +78,15 @@ class GrammarAfterThinking(msgspec.Struct, frozen=True):
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A pooling request (an engine started with ``--task embed`` or ``score``): its
-    prompt is prefilled and pooled into one vector, nothing is generated. vLLM's names.
+    """A pooling request (an engine started with ``--task embed``, ``score`` or
+    ``classify``): its prompt is prefilled and pooled into one vector, nothing is
+    generated. vLLM's names.
 
     ``task``: ``embed`` (the prompt's hidden states pooled as the model's pooler config
-    says: last token, mean or first token) or ``score`` (the probability of the yes
-    token against the no token after the prompt, ``classifier_token_ids``, which the
-    API side resolves from the model's pooler config). ``normalize``: L2-normalize the
+    says: last token, mean or first token), ``score`` (the probability of the yes token
+    against the no token after the prompt, ``classifier_token_ids``, which the API side
+    resolves from the model's pooler config) or ``classify`` (a sequence classifier's
+    label probabilities). ``normalize``: L2-normalize the
     embedding (None: as the model's pooler config says). ``dimensions``: keep the first
     this many values (Matryoshka models only), normalized after cutting.
     """
@@ -95,8 +97,8 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     classifier_token_ids: tuple[int, int] | None = None  # (no, yes)
 
     def __post_init__(self) -> None:
-        _check(self.task in ("embed", "score"), "pooling.task",
-               f"must be embed or score, got {self.task!r}")
+        _check(self.task in ("embed", "score", "classify"), "pooling.task",
+               f"must be embed, score or classify, got {self.task!r}")
         if self.dimensions is not None:
             _check(isinstance(self.dimensions, int) and self.dimensions >= 1, "dimensions",
                    f"must be a positive integer, got {self.dimensions!r}")

@@ -624,6 +624,8 @@ class ModelRunner:
                 no, yes = params.classifier_token_ids
                 logits = self.model.compute_logits(rows[-1:]).float()[0]
                 vector = torch.softmax(logits[[no, yes]], dim=0)[1:]
+            elif params.task == "classify":  # a sequence classifier: its labels' logits
+                vector = torch.softmax(self.model.compute_logits(rows[-1:]).float()[0], dim=0)
             else:
                 vector = (rows[-1].float() if kind == "LAST" else
                           state.pooled / state.num_prompt_tokens if kind == "MEAN" else

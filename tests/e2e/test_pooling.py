@@ -140,3 +140,35 @@ def test_tasks_refuse_each_other(qwen3):
     with LLM(qwen3, **ENGINE) as llm:
         with pytest.raises(InvalidInputError, match="--task embed"):
             llm.embed("hello", use_tqdm=False)
+
+
+def test_classify_equals_transformers(tmp_path):
+    """--task classify on a *ForSequenceClassification checkpoint: each prompt's label
+    probabilities as transformers computes them (softmax of the score head at the last
+    token); the checkpoint refuses any other task, and a causal LM refuses classify."""
+    from transformers import AutoModelForSequenceClassification, Qwen3Config
+
+    from checkpoints import _COMMON
+
+    config = Qwen3Config(**_COMMON, vocab_size=512, head_dim=32, num_labels=3,
+                         id2label={0: "neg", 1: "neu", 2: "pos"},
+                         label2id={"neg": 0, "neu": 1, "pos": 2})
+    torch.manual_seed(0)
+    hf = AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 2.0)
+    path = str(tmp_path / "classifier")
+    hf.save_pretrained(path)
+    make_tiny_tokenizer(path)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60)), [300, 301]]
+    with LLM(path, task="classify", **ENGINE) as llm:
+        got = [o.outputs.probs for o in llm.classify(
+            [{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+    for prompt, probs in zip(prompts, got):
+        with torch.no_grad():
+            want = torch.softmax(hf(torch.tensor([prompt])).logits[0], dim=0)
+        assert torch.allclose(torch.tensor(probs), want, atol=1e-5)
+    with pytest.raises(ValueError, match="start it with --task classify"):
+        LLM(path, **ENGINE)
+    with pytest.raises(ValueError, match="needs a \\*ForSequenceClassification checkpoint"):
+        LLM(make_tiny_checkpoint("llama", tmp_path / "llama"), task="classify", **ENGINE)

@@ -103,3 +103,32 @@ def test_wrong_requests_to_a_reranker(score_server):
     with pytest.raises(openai.BadRequestError):
         score_server.openai().chat.completions.create(
             model="tiny-rerank", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_classify_route(tmp_path):
+    """/classify on a *ForSequenceClassification checkpoint: each input's probabilities
+    as LLM.classify gives them, labelled by the checkpoint's id2label."""
+    import torch
+    from checkpoints import _COMMON
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+    from tokenizer_fixtures import make_tiny_tokenizer
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    config = LlamaConfig(**_COMMON, vocab_size=256, num_labels=2,
+                         id2label={0: "no", 1: "yes"}, label2id={"no": 0, "yes": 1})
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    make_tiny_tokenizer(str(tmp_path))
+    with LLM(str(tmp_path), task="classify", max_model_len=512, enable_warm_up=False) as llm:
+        want = [o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)]
+    server = LoomServer(str(tmp_path), *TINY_SERVER_ARGS, "--task", "classify")
+    try:
+        answer = httpx.post(server.url + "/classify", timeout=60, json={"input": TEXTS}).json()
+        np.testing.assert_allclose([d["probs"] for d in answer["data"]], want, atol=1e-5)
+        assert [d["label"] for d in answer["data"]] == [
+            "yes" if probs[1] > probs[0] else "no" for probs in want]
+        assert answer["data"][0]["num_classes"] == 2 and answer["usage"]["prompt_tokens"] > 0
+        wrong = httpx.post(server.url + "/v1/embeddings", timeout=60, json={"input": "hi"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+    finally:
+        server.kill()

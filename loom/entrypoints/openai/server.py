@@ -55,8 +55,9 @@ from loom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRe
 from loom.entrypoints.openai.responses import cancel_on_disconnect
 from loom.entrypoints.openai.serving_chat import OpenAIServingChat
 from loom.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from loom.entrypoints.openai.serving_pooling import (EmbeddingRequest, OpenAIServingPooling,
-                                                    RerankRequest, ScoreRequest)
+from loom.entrypoints.openai.serving_pooling import (ClassificationRequest, EmbeddingRequest,
+                                                    OpenAIServingPooling, RerankRequest,
+                                                    ScoreRequest)
 from loom.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
                                                       OpenAIServingTokenization,
                                                       TokenizeChatRequest,
@@ -365,6 +366,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def rerank(request: Request) -> Response:
         """--task score: Jina's and Cohere's rerank."""
         return await cancel_on_disconnect(request, pooling.rerank(await request.body()))
+
+    @app.post("/classify", openapi_extra=_json_body(ClassificationRequest))
+    @app.post("/v1/classify", openapi_extra=_json_body(ClassificationRequest))
+    async def classify(request: Request) -> Response:
+        """--task classify: vLLM's classify."""
+        return await cancel_on_disconnect(request, pooling.classify(await request.body()))
 
     @app.post("/score", openapi_extra=_json_body(ScoreRequest))
     @app.post("/v1/score", openapi_extra=_json_body(ScoreRequest))

@@ -7,6 +7,7 @@
     POST /v2/rerank        ``query`` and ``documents``, the results best first, ``top_n``
     POST /score            vLLM's: ``text_1`` against each ``text_2`` (or pairs one to
     POST /v1/score         one), in input order
+    POST /classify         vLLM's: each input's label probabilities (--task classify)
 
 Each prompt (a text, or a query and document put in the reranker's template) is one
 engine request, prefilled and pooled, all of a request's prompts submitted before any
@@ -71,6 +72,12 @@ class ScoreRequest(OpenAIModel):
     model: str | None = None
 
 
+class ClassificationRequest(OpenAIModel):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    truncate_prompt_tokens: Int64 | None = None
+
+
 class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, body: bytes) -> Response:
         request = EmbeddingRequest.parse(body)
@@ -94,6 +101,34 @@ class OpenAIServingPooling(OpenAIServing):
             data.append({"object": "embedding", "index": index, "embedding": vector})
         num_tokens = sum(len(ids) for ids in token_ids)
         return JSONResponse({"object": "list", "data": data, "model": self.model_name,
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+    async def classify(self, body: bytes) -> Response:
+        """vLLM's /classify: each input's label probabilities, its label the likeliest
+        (the checkpoint's id2label names it)."""
+        request = ClassificationRequest.parse(body)
+        lora_name = self.check_model(request.model)
+        prompts = request.input
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("input is empty; give a string, token ids or a batch of them",
+                               param="input")
+        token_ids = [self._token_ids(prompt, "input", request.truncate_prompt_tokens)
+                     for prompt in prompts]
+        outputs = await self._pool("classify", token_ids, PoolingParams(task="classify"),
+                                   lora_name)
+        labels = (self.engine.config.model.hf_config or {}).get("id2label") or {}
+        data = []
+        for index, output in enumerate(outputs):
+            probs = output.pooled
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": index, "label": labels.get(str(best), labels.get(best, str(best))),
+                         "probs": probs, "num_classes": len(probs)})
+        num_tokens = sum(len(ids) for ids in token_ids)
+        return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                             "created": int(time.time()), "model": self.model_name,
+                             "data": data,
                              "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
     async def rerank(self, body: bytes) -> Response:

@@ -19,6 +19,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    # --task classify (models/classification.py)
+    "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("classification", "Qwen3ForSequenceClassification"),
 }
 
 # Configs read from GGUF carry no ``architectures``; fall back on ``model_type``.
