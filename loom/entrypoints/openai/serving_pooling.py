@@ -82,16 +82,9 @@ class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, body: bytes) -> Response:
         request = EmbeddingRequest.parse(body)
         lora_name = self.check_model(request.model)
-        prompts = request.input
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise RequestError("input is empty; give a string, token ids or a batch of them",
-                               param="input")
         pooling = PoolingParams(task="embed", normalize=request.normalize,
                                 dimensions=request.dimensions)
-        token_ids = [self._token_ids(prompt, "input", request.truncate_prompt_tokens)
-                     for prompt in prompts]
+        token_ids = self._inputs(request.input, request.truncate_prompt_tokens)
         outputs = await self._pool("embd", token_ids, pooling, lora_name)
         data = []
         for index, output in enumerate(outputs):
@@ -108,14 +101,7 @@ class OpenAIServingPooling(OpenAIServing):
         (the checkpoint's id2label names it)."""
         request = ClassificationRequest.parse(body)
         lora_name = self.check_model(request.model)
-        prompts = request.input
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise RequestError("input is empty; give a string, token ids or a batch of them",
-                               param="input")
-        token_ids = [self._token_ids(prompt, "input", request.truncate_prompt_tokens)
-                     for prompt in prompts]
+        token_ids = self._inputs(request.input, request.truncate_prompt_tokens)
         outputs = await self._pool("classify", token_ids, PoolingParams(task="classify"),
                                    lora_name)
         labels = (self.engine.config.model.hf_config or {}).get("id2label") or {}
@@ -177,6 +163,16 @@ class OpenAIServingPooling(OpenAIServing):
                      for query, document in pairs]
         outputs = await self._pool("score", token_ids, PoolingParams(task="score"), lora_name)
         return [output.pooled[0] for output in outputs], sum(len(ids) for ids in token_ids)
+
+    def _inputs(self, inputs: str | list[str] | list[int] | list[list[int]],
+                keep_last: int | None) -> list[list[int]]:
+        """An ``input`` field (a text, token ids, or a batch of either) as token ids."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not inputs:
+            raise RequestError("input is empty; give a string, token ids or a batch of them",
+                               param="input")
+        return [self._token_ids(prompt, "input", keep_last) for prompt in inputs]
 
     def _token_ids(self, prompt: str | list[int], param: str,
                    keep_last: int | None = None) -> list[int]:
