@@ -214,6 +214,27 @@ def test_prefill_then_decode_with_two_ranks_each(tiny_llama, reference, transpor
         decode.shutdown()
 
 
+def test_int8_kv_cache_ships_its_rows_with_their_scales(tiny_llama):
+    """--kv-cache-dtype int8 on both sides: a block's bytes are its int8 rows, each with
+    its scale after the values, so the decode instance reads what the prefill instance
+    wrote: greedy tokens equal a mixed int8 instance's."""
+    mixed = make_core(tiny_llama, "mixed", kv_cache_dtype="int8")
+    try:
+        want, _, _ = run(mixed, [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    finally:
+        mixed.shutdown()
+    prefill = make_core(tiny_llama, "prefill", kv_cache_dtype="int8")
+    decode = make_core(tiny_llama, "decode", kv_cache_dtype="int8")
+    try:
+        results, _ = disaggregated(prefill, decode, PROMPTS)
+        assert results.tokens() == want.tokens()
+        assert_empty(prefill)
+        assert_empty(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_sliding_window_model(tmp_path_factory):
     """Mistral with a 12-token window, blocks of 4, prompts chunked by 16: the prefill
     side frees the blocks behind the window before the last chunk and answers -1 for
