@@ -143,13 +143,15 @@ def greedy(path: str, **kwargs) -> tuple[list[list[int]], int]:
     return [list(o.outputs[0].token_ids) for o in outputs], hits
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_float32_int8_greedy_tokens_equal_under_torch_and_cpu(checkpoints, family):
-    """Gemma 3: sliding-window layers in their own KV cache groups (hybrid cache)."""
+@pytest.mark.parametrize("family,cache_dtype", [("llama", "int8"), ("gemma3", "int8"),
+                                               ("llama", "bfloat16")])
+def test_float32_greedy_tokens_equal_under_torch_and_cpu(checkpoints, family, cache_dtype):
+    """Gemma 3: sliding-window layers in their own KV cache groups (hybrid cache). A
+    bfloat16 cache under a float32 model: rows rounded on write, read as float32."""
     torch_tokens, torch_hits = greedy(checkpoints[family], dtype="float32",
-                                      attention_backend="torch", kv_cache_dtype="int8")
+                                      attention_backend="torch", kv_cache_dtype=cache_dtype)
     cpu_tokens, cpu_hits = greedy(checkpoints[family], dtype="float32",
-                                  attention_backend="cpu", kv_cache_dtype="int8")
+                                  attention_backend="cpu", kv_cache_dtype=cache_dtype)
     assert torch_hits == cpu_hits == 32
     assert cpu_tokens == torch_tokens
 
