@@ -217,7 +217,8 @@ def _json_body(*models: type[BaseModel]) -> dict[str, Any]:
 
 # Request bodies declared with _json_body, added to the schema's components.
 _BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
-                TokenizeChatRequest, DetokenizeRequest)
+                TokenizeChatRequest, DetokenizeRequest, EmbeddingRequest, RerankRequest,
+                ScoreRequest, ClassificationRequest)
 
 
 def _install_openapi(app: FastAPI, bearer_auth: bool) -> None:
