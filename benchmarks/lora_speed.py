@@ -44,14 +44,14 @@ def write_adapters(model: str, directory: str, rank: int, count: int) -> list[st
     return paths
 
 
-def run(model: str, adapters: list[str], case: str, batch: int) -> dict:
+def run(model: str, adapters: list[str], case: str, batch: int, rank: int = 16) -> dict:
     """One figure in this process: ``case`` base (no LoRA) or lora, ``batch`` requests."""
     from loom import LLM, LoRARequest, SamplingParams
 
     lora = case == "lora"
     kwargs = dict(dtype="bfloat16", enable_warm_up=False, max_model_len=256)
     if lora:
-        kwargs |= dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=64,
+        kwargs |= dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=rank,
                        lora_modules=[f"a{i}={p}" for i, p in enumerate(adapters)])
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(32)]}
                for i in range(batch)]
@@ -68,10 +68,10 @@ def run(model: str, adapters: list[str], case: str, batch: int) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child(model: str, adapters: list[str], case: str, batch: int) -> dict:
+def child(model: str, adapters: list[str], case: str, batch: int, rank: int) -> dict:
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"import lora_speed as b; print('RESULT ' + json.dumps("
-            f"b.run({model!r}, {adapters!r}, {case!r}, {batch})))")
+            f"b.run({model!r}, {adapters!r}, {case!r}, {batch}, {rank})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{case} batch {batch} failed:\n{done.stderr[-3000:]}")
@@ -93,7 +93,8 @@ def main() -> None:
     memory: dict[str, list] = {key: [] for key in figures}
     for index in range(args.rounds):
         for case, batch in cases:
-            result = child(args.model, adapters[:1] if batch == 1 else adapters, case, batch)
+            result = child(args.model, adapters[:1] if batch == 1 else adapters, case, batch,
+                           args.rank)
             key = f"{case} b={batch}"
             figures[key].append(round(result["tok_s"], 2))
             memory[key].append(round(result["peak_rss_mib"]))
