@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from fresh_process import run_in_child
 
 WORDS = ("the of and a to in is you that it he was for on are as with his they at be this "
          "from have or by one had not but what all were when we there can an your which "
@@ -78,19 +78,6 @@ def run_st(model: str, count: int, dtype: str) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child(which: str, model: str, count: int, dtype: str) -> dict:
-    """One side in a fresh process: its figures, its own peak RSS and, for loom, its
-    worker processes' RSS at the end."""
-    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import embed_speed as e; print('RESULT ' + json.dumps("
-            f"e.run_{which}({model!r}, {count}, {dtype!r})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{which} failed:\n{done.stderr[-3000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
@@ -104,7 +91,10 @@ def main() -> None:
     first = {}
     for index in range(args.rounds):
         for name, which in (("loom", "loom"), ("sentence-transformers", "st")):
-            result = child(which, args.model, args.texts, args.dtype)
+            # one side in a fresh process: its figures, its own peak RSS and, for loom,
+            # its worker processes' RSS at the end
+            result = run_in_child("embed_speed", f"run_{which}", args.model, args.texts,
+                                  args.dtype)
             rounds[name].append(args.texts / result["seconds"])
             rss[name].append({"process_peak": round(result["peak_rss_mib"]),
                               "workers_at_end": round(result["worker_rss_mib"])})

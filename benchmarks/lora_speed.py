@@ -18,9 +18,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from fresh_process import run_in_child
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -68,17 +69,6 @@ def run(model: str, adapters: list[str], case: str, batch: int, rank: int = 16) 
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child(model: str, adapters: list[str], case: str, batch: int, rank: int) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import lora_speed as b; print('RESULT ' + json.dumps("
-            f"b.run({model!r}, {adapters!r}, {case!r}, {batch}, {rank})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{case} batch {batch} failed:\n{done.stderr[-3000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
@@ -93,8 +83,9 @@ def main() -> None:
     memory: dict[str, list] = {key: [] for key in figures}
     for index in range(args.rounds):
         for case, batch in cases:
-            result = child(args.model, adapters[:1] if batch == 1 else adapters, case, batch,
-                           args.rank)
+            result = run_in_child("lora_speed", "run", args.model,
+                                  adapters[:1] if batch == 1 else adapters, case, batch,
+                                  args.rank)
             key = f"{case} b={batch}"
             figures[key].append(round(result["tok_s"], 2))
             memory[key].append(round(result["peak_rss_mib"]))
