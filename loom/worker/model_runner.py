@@ -601,6 +601,8 @@ class ModelRunner:
         at the chunk that ends its prompt, its vector: the embedding (normalized and cut
         to ``dimensions`` as asked) or, for a score, ``softmax([logit_no, logit_yes])[1]``
         at the last position."""
+        if not self.config.model.is_pooling:
+            return None  # a generating engine has no pooling request: no loop per step
         result: list[list[float] | None] | None = None
         starts = metadata.query_start_loc_cpu
         pooler = self.config.model.pooler
