@@ -32,7 +32,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from loom.entrypoints.openai.errors import OpenAIError
-from loom.entrypoints.openai.responses import SSEResponse
+from loom.entrypoints.openai.responses import SSEResponse, sse_payloads
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -202,11 +202,7 @@ async def message_events(chunks: AsyncIterator[str], body: dict[str, Any],
         index, block = block[0], None
         return [_event("content_block_stop", {"type": "content_block_stop", "index": index})]
 
-    async for text in chunks:
-        data = text.removeprefix("data: ").strip()
-        if not data or data == "[DONE]":
-            continue
-        chunk = json.loads(data)
+    async for chunk in sse_payloads(chunks):
         if "error" in chunk:  # the engine failed mid-stream
             yield _event("error", {"type": "error", "error": {
                 "type": "api_error", "message": chunk["error"].get("message", "")}})

@@ -54,7 +54,7 @@ from starlette.responses import JSONResponse, Response
 
 from loom.entrypoints.openai.errors import OpenAIError, RequestError
 from loom.entrypoints.openai.protocol import Int64, OpenAIModel
-from loom.entrypoints.openai.responses import SSEResponse
+from loom.entrypoints.openai.responses import SSEResponse, sse_payloads
 from loom.entrypoints.openai.serving_chat import OpenAIServingChat
 from loom.entrypoints.openai_response_events import ResponseEvents, new_id, output_items
 
@@ -423,11 +423,7 @@ class OpenAIResponses:
         yield events.event("response.created", response=response)
         yield events.event("response.in_progress", response=response)
         finish_reason, usage, reasoning = None, None, []
-        async for text in chunks:
-            data = text.removeprefix("data: ").strip()
-            if not data or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
+        async for chunk in sse_payloads(chunks):
             if "error" in chunk:  # the engine failed mid-stream
                 response.update(status="failed", output=events.output, error={
                     "code": "server_error", "message": chunk["error"].get("message", "")})

@@ -51,6 +51,15 @@ class SSEResponse(StreamingResponse):
             self.abort()
 
 
+async def sse_payloads(chunks: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a route's own SSE events (``sse``), ``[DONE]`` left out: what
+    the APIs over the chat route (Messages, Responses) translate, chunk by chunk."""
+    async for text in chunks:
+        data = text.removeprefix("data: ").strip()
+        if data and data != "[DONE]":
+            yield json.loads(data)
+
+
 async def cancel_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
     """Run a route's handler; if the client leaves first, cancel it (aborting its
     requests) and answer nothing, as no one is listening. A handler that returns an
