@@ -1,0 +1,190 @@
+"""Qwen2.5-VL's vision tower gives the rows of transformers' ``get_image_features``.
+
+A tiny random Qwen2_5_VLForConditionalGeneration (float32, seeded): 3 vision blocks, the
+middle one full attention, the others in windows of 56 pixels (2 x 2 merge units), so a
+56 x 84 image splits into 2 windows and a 112 x 112 one into 4. Images go through the
+checkpoint's own PIL image processor. transformers is imported inside the tests only:
+the tensor-parallel ranks import this module and need none of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
+from loom.model.vision.qwen2_5_vl import Qwen2_5_VLVisionTower, _WindowLayout
+
+IMAGE_SIZES = ((56, 84), (112, 112))  # (height, width) in pixels
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_tower(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                tp_group: TPGroup = SINGLE) -> Qwen2_5_VLVisionTower:
+    """As the model loader builds a model: in ``dtype``, loaded, then each module's hook."""
+    with default_dtype(dtype):
+        tower = Qwen2_5_VLVisionTower(config, tp_group)
+    with torch.no_grad():
+        loaded = tower.load_weights(state_dict.items())
+    assert loaded == set(dict(tower.named_parameters()))
+    for module in tower.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+    return tower.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": 40, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256,
+                     "bos_token_id": None, "eos_token_id": None},
+        vision_config={"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
+                       "out_hidden_size": 40, "window_size": 56, "fullatt_block_indexes": [1]})
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # weights of unit-scale outputs (the init's are near zero)
+        for param in model.model.visual.parameters():
+            if param.dim() == 1:  # norms and biases
+                param.add_(torch.randn_like(param) * 0.2)
+            else:
+                param.copy_(torch.randn_like(param) / param[0].numel() ** 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def visual_weights(hf_model) -> dict[str, torch.Tensor]:
+    """The tower's tensors as a checkpoint names them under its ``visual.`` prefix."""
+    return dict(hf_model.model.visual.state_dict())
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, dict[str, torch.Tensor]]:
+    """The processor's pixel_values and image_grid_thw for both images in one batch
+    (``pair``) and for the second alone (``alone``)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+                for height, width in IMAGE_SIZES]
+    processor = Qwen2VLImageProcessorPil()
+    return {"pair": dict(processor(images=pictures, return_tensors="pt")),
+            "alone": dict(processor(images=pictures[1:], return_tensors="pt"))}
+
+
+def hf_rows(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        features = model.model.get_image_features(batch["pixel_values"],
+                                                  batch["image_grid_thw"])
+    return torch.cat(features.pooler_output)
+
+
+def test_window_layout_is_transformers(images):
+    """Row order, windows, frames and rope positions as transformers' vision_utils make
+    them, for the test's grids and for a 2-frame grid that no window divides."""
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_position_ids,
+        get_vision_window_index,
+    )
+
+    assert images["pair"]["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 8]]
+    for grid_thw in (images["pair"]["image_grid_thw"], torch.tensor([[2, 6, 10], [1, 2, 2]])):
+        layout = _WindowLayout.of_grids(grid_thw, merge=2, window_units=2,
+                                        device=torch.device("cpu"))
+        window_index, cu_window_seqlens = get_vision_window_index(
+            grid_thw, spatial_merge_size=2, window_size=56, patch_size=14)
+        assert layout.unit_order.tolist() == window_index.tolist()
+        positions = get_vision_position_ids(grid_thw, 2)
+        assert layout.positions.tolist() == positions[layout.patch_order].tolist()
+        for segments, cu_seqlens in ((layout.windows, cu_window_seqlens),
+                                     (layout.frames, get_vision_cu_seqlens(grid_thw))):
+            spans = sorted((int(rows[0]), int(rows[-1]) + 1)
+                           for group in segments.groups for rows in group)
+            bounds = cu_seqlens.tolist()
+            assert spans == list(itertools.pairwise(bounds))
+    pair = _WindowLayout.of_grids(images["pair"]["image_grid_thw"], 2, 2, torch.device("cpu"))
+    assert sum(len(group) for group in pair.windows.groups) == 2 + 4
+
+
+@pytest.mark.parametrize("batch", ["pair", "alone"])
+def test_matches_transformers(hf_model, visual_weights, images, batch):
+    tower = build_tower(hf_model.config, visual_weights)
+    inputs = images[batch]
+    expected = hf_rows(hf_model, inputs)
+    with torch.no_grad():
+        rows = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+    grid_thw = inputs["image_grid_thw"]
+    assert rows.shape == (int(grid_thw.prod(-1).sum()) // 4, 40)
+    assert rows.dtype == torch.float32
+    torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_runs_close(hf_model, visual_weights, images):
+    tower = build_tower(hf_model.config, visual_weights, dtype=torch.bfloat16)
+    inputs = images["pair"]
+    with torch.no_grad():
+        rows = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert rows.dtype == torch.bfloat16
+    expected = hf_rows(hf_model, inputs)
+    torch.testing.assert_close(rows.float(), expected, atol=5e-2, rtol=5e-2)
+
+
+def test_refuses_pixels_that_do_not_fit_the_grid(hf_model, visual_weights, images):
+    tower = build_tower(hf_model.config, visual_weights)
+    inputs = images["pair"]
+    with pytest.raises(ValueError, match="makes 88 patches but pixel_values has 64 rows"):
+        tower(inputs["pixel_values"][:64], inputs["image_grid_thw"])
+
+
+def _tp_worker(rank: int, world_size: int, store_path: str, config: HFConfigView,
+               inputs_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}",
+                            rank=rank, world_size=world_size)
+    try:
+        weights, inputs = torch.load(inputs_path)
+        tower = build_tower(config, weights, tp_group=TPGroup(rank, world_size,
+                                                              dist.group.WORLD))
+        with torch.no_grad():
+            rows = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+        if rank == 0:
+            torch.save(rows, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as test_tensor_parallel.py's ranks leave (no gloo teardown at exit)
+
+
+def test_tp2_matches_tp1(hf_model, visual_weights, images, tmp_path):
+    """Two gloo ranks, one head, half the MLP and half the merger each, built from the
+    plain-values config a rank receives (HFConfigView)."""
+    config = HFConfigView.from_values(hf_config_values(hf_model.config))
+    inputs_path, out_path = str(tmp_path / "inputs.pt"), str(tmp_path / "rows.pt")
+    torch.save((visual_weights, images["pair"]), inputs_path)
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "store"), config, inputs_path, out_path),
+             nprocs=2, join=True)
+    torch.testing.assert_close(torch.load(out_path), hf_rows(hf_model, images["pair"]),
+                               atol=1e-5, rtol=1e-5)
