@@ -1,0 +1,1 @@
+"""Multimodal inputs: the images a request refers to, from reference to model input."""
