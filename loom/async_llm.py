@@ -32,7 +32,7 @@ from loom.config import EngineConfig
 from loom.core.engine_core_proc import core_step_bound_s
 from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, EngineCoreFailed,
                             EngineCoreInput, EngineCoreOutputs, EngineCoreRequest,
-                            FinishRequests, make_control)
+                            FinishRequests, MultiModalFeature, make_control)
 from loom.errors import EngineDeadError
 from loom.input_processor import InputProcessor
 from loom.ipc.engine_core_client import EngineCoreClient
@@ -195,7 +195,8 @@ class AsyncLLM:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, stream: bool = True) -> RequestStream:
+                    params: SamplingParams, stream: bool = True,
+                    mm_features: list[MultiModalFeature] | None = None) -> RequestStream:
         """Send a request to the engine core; its outputs come as deltas if ``stream``,
         else as one final RequestOutput.
 
@@ -225,7 +226,7 @@ class AsyncLLM:
             self._send(EngineCoreRequest(
                 request_id=engine_request_id, prompt_token_ids=prompt_token_ids,
                 sampling_params=params, eos_token_ids=self._eos_token_ids, arrival_time=now,
-                parent_request_id=request_id, index=index))
+                parent_request_id=request_id, index=index, mm_features=mm_features or []))
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids),
                         params)

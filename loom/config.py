@@ -95,6 +95,13 @@ class ModelConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Images in (loom/multimodal): at most this many items of a modality in one prompt
+    # (vLLM's --limit-mm-per-prompt; none given: no limit but the context); the hosts a
+    # server may fetch image URLs from (none: data: URLs only), and the directory local
+    # files may be read from (None: none).
+    limit_mm_per_prompt: dict[str, int] | None = field(default=None, hash=False)
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
     # What the engine answers (loom/pooling.py): generate (completions, chat), embed
     # (embeddings) or score (rerank, score); a request for another task is a 400.
     task: str = "generate"
@@ -128,6 +135,11 @@ class ModelConfig:
         if type(self.reasoning_budget) is not int or self.reasoning_budget < -1:
             raise ValueError(f"reasoning_budget must be -1 (unlimited), 0 or positive, got "
                              f"{self.reasoning_budget!r}")
+        limits = self.limit_mm_per_prompt
+        if limits is not None and (not isinstance(limits, dict) or not set(limits) <= {
+                "image", "video"} or not all(type(v) is int and v >= 0 for v in limits.values())):
+            raise ValueError('limit_mm_per_prompt gives "image" (and "video") a count of 0 or '
+                             f'more, e.g. {{"image": 2}}; got {limits!r}')
         efforts = self.reasoning_effort_budgets
         if not isinstance(efforts, dict) or set(efforts) != {"low", "medium", "high"} or not all(
                 type(v) is int and v >= -1 for v in efforts.values()):

@@ -142,7 +142,8 @@ class DPAsyncLLM:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, stream: bool = True) -> RequestStream:
+                    params: SamplingParams, stream: bool = True,
+                    mm_features: list | None = None) -> RequestStream:
         """As ``AsyncLLM.add_request``, on the replica the policy chooses."""
         if self.dead_error is not None:
             raise self.dead_error
@@ -156,7 +157,8 @@ class DPAsyncLLM:
         self._tickets[request_id] = (rank, ticket)
         try:
             request_stream = self.replicas[rank].add_request(request_id, prompt,
-                                                             prompt_token_ids, params, stream)
+                                                             prompt_token_ids, params, stream,
+                                                             mm_features)
         except BaseException:
             self._release(request_id)
             raise

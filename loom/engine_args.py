@@ -189,6 +189,17 @@ class EngineArgs:
                          help="LoRA adapters held at once")
     max_lora_rank: int = arg(16, to="model.max_lora_rank", parse=arg_types.positive_int,
                              help="the largest LoRA rank an adapter may have")
+    limit_mm_per_prompt: dict[str, int] = arg(
+        None, to="model.limit_mm_per_prompt", parse=arg_types.json_object,
+        help='images (and video) one prompt may hold, JSON, e.g. \'{"image": 2}\' (default: '
+             "no limit but the context)")
+    allowed_media_domains: tuple[str, ...] = arg(
+        (), to="model.allowed_media_domains", parse=arg_types.comma_list, scope=SERVE,
+        help="hosts (and their subdomains) image URLs may be fetched from, comma-separated "
+             "(default: none; data: URLs only). Never a private or loopback address")
+    allowed_local_media_path: str | None = arg(
+        None, to="model.allowed_local_media_path", scope=SERVE,
+        help="a directory whose files image URLs (file://) may name (default: none)")
     lm_head_fp32: bool = arg(
         False, to="model.lm_head_fp32", action="store_true",
         help="compute logits in float32 from a float32 copy of the LM head (dequantized if "

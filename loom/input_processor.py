@@ -7,9 +7,10 @@ field at fault, so the server can answer 400 with ``param`` filled in.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from loom.config import ModelConfig, StructuredOutputsConfig
+from loom.core.wire import MultiModalFeature
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -35,6 +36,12 @@ _TASK_ROUTES = {"embed": "/v1/embeddings", "score": "/v1/rerank or /score",
                 "classify": "/classify"}
 
 
+class ProcessedPrompt(NamedTuple):
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
@@ -51,9 +58,86 @@ class InputProcessor:
         self.task = model_config.task
         self.pooler = model_config.pooler
         self._classifier_ids: tuple[int, int] | None = None
+        self.model_path = model_config.model
+        self.hf_config = model_config.hf_config
+        self.limit_mm_per_prompt = dict(model_config.limit_mm_per_prompt or {})
+        self._mm_processor: Any = False  # False: not looked up yet; None: text only
+
+    @property
+    def mm_processor(self) -> Any:
+        """The family's ``MultiModalProcessor`` (loom/multimodal/processor.py), or None
+        for a text-only model."""
+        if self._mm_processor is False:
+            self._mm_processor = None
+            if self.hf_config is not None:
+                from loom.model.loader.hf_config_values import HFConfigView
+                from loom.model.models.registry import get_model_architecture
+                from loom.multimodal.processor import is_multimodal, processor_for
+
+                hf_config = HFConfigView.from_values(self.hf_config)
+                architecture = get_model_architecture(hf_config)
+                if is_multimodal(architecture):
+                    self._mm_processor = processor_for(self.model_path, architecture,
+                                                       hf_config)
+        return self._mm_processor
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, validated prompt token ids)."""
+        """(prompt text or None, validated prompt token ids) of a text-only prompt."""
+        text, token_ids, mm_features = self.process(prompt)
+        if mm_features:
+            raise InvalidInputError("this call takes text prompts only; give prompts with "
+                                    "images to generate or chat", "multi_modal_data")
+        return text, token_ids
+
+    def process(self, prompt: PromptType) -> ProcessedPrompt:
+        """A prompt's text (or None), validated token ids and images (vLLM's
+        ``{"prompt": ..., "multi_modal_data": {"image": image_or_list}}``), each image's
+        placeholder token repeated once per row of it."""
+        images = None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            images = self.check_images(prompt["multi_modal_data"])
+        text, token_ids = self._prompt_tokens(prompt)
+        features: list[MultiModalFeature] = []
+        if images:
+            token_ids, features = self.apply_images(token_ids, images)
+        self.validate_prompt(token_ids)
+        return ProcessedPrompt(text, token_ids, features)
+
+    def check_images(self, data: Any, param: str = "multi_modal_data") -> list[Any]:
+        """The images of ``multi_modal_data`` as a list; a 400's error where the model
+        takes none, another modality is given, or there are more than the limit."""
+        if not isinstance(data, dict):
+            raise InvalidInputError("multi_modal_data is a dict such as {'image': image}",
+                                    param)
+        other = sorted(set(data) - {"image"})
+        if self.mm_processor is None:
+            raise InvalidInputError("this model is text-only: it takes no images; serve a "
+                                    "multimodal checkpoint to send images", param)
+        if other:
+            raise InvalidInputError(f"this model takes images only, not {', '.join(other)}",
+                                    param)
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple))             else [images]
+        limit = self.limit_mm_per_prompt.get("image")
+        if limit is not None and len(images) > limit:
+            raise InvalidInputError(f"{len(images)} images in one prompt, but at most {limit} "
+                                    "are allowed (--limit-mm-per-prompt)", param)
+        return images
+
+    def apply_images(self, token_ids: list[int], images: list[Any],
+                     param: str = "multi_modal_data") -> tuple[list[int],
+                                                               list[MultiModalFeature]]:
+        from loom.multimodal.processor import MultiModalInputError
+
+        try:
+            return self.mm_processor.apply(token_ids, images)
+        except MultiModalInputError as error:
+            raise InvalidInputError(str(error), param) from None
+        except Exception as error:  # noqa: BLE001 — the image processor failed on an image
+            raise InvalidInputError(f"an image could not be processed: "
+                                    f"{type(error).__name__}: {error}", param) from None
+
+    def _prompt_tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -68,7 +152,6 @@ class InputProcessor:
         else:
             raise TypeError(f"a prompt is a string, a list of token ids or a dict, "
                             f"not {type(prompt).__name__}")
-        self.validate_prompt(token_ids)
         return text, token_ids
 
     def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> None:

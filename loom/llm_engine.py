@@ -49,7 +49,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, stream: bool = False) -> None:
         params = params or SamplingParams(**self.config.model.default_sampling_params)
-        text, token_ids = self.process_prompt(prompt)
+        text, token_ids, mm_features = self.input_processor.process(prompt)
         self.input_processor.validate_params(params)
         if isinstance(self.tokenizer, TokenIdsOnly):
             self.tokenizer.check_params(params)
@@ -58,7 +58,7 @@ class LLMEngine:
         for index, engine_id in enumerate(engine_ids):
             self.engine_core.add_request(Request(
                 engine_id, token_ids, params, eos_token_ids,
-                parent_request_id=request_id, index=index))
+                parent_request_id=request_id, index=index, mm_features=mm_features))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):

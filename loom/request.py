@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from loom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loom.core.wire import MultiModalFeature
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +65,7 @@ class Request:
         arrival_time: float | None = None,
         parent_request_id: str | None = None,
         index: int = 0,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -79,6 +84,10 @@ class Request:
         # For n > 1 the output side fans one user request out into n of these.
         self.parent_request_id = parent_request_id or request_id
         self.index = index
+        # Its images, in prompt order: each fills a span of placeholder tokens
+        # (loom/multimodal); the scheduler budgets their encoding, the prefix cache keys
+        # their blocks by their content.
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

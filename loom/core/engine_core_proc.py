@@ -175,7 +175,8 @@ class EngineCoreProc:
             self.engine_core.add_request(Request(
                 message.request_id, message.prompt_token_ids, message.sampling_params,
                 frozenset(message.eos_token_ids), arrival_time=message.arrival_time,
-                parent_request_id=message.parent_request_id, index=message.index))
+                parent_request_id=message.parent_request_id, index=message.index,
+                mm_features=message.mm_features))
         except ValueError as error:  # the API side validates, so this is a bug there
             self._send(EngineCoreOutputs(
                 [EngineCoreOutput(req_id=message.request_id, new_token_ids=[],

@@ -4,6 +4,10 @@ A full block is identified by a chained hash, so equal hashes mean equal prefixe
 
     hash_i = hash((hash_{i-1}, tokens of block i, extra_keys))      hash_{-1} = None
 
+where extra_keys name the images whose placeholder tokens the block holds (their
+content hashes): two images of one size have the same placeholder tokens, not the same
+K/V. A LoRA adapter's name seeds hash_{-1}: its blocks are its own.
+
 A new request looks up its hashes in order and stops at the first miss; those hits
 are its computed prefix. The last prompt token is always recomputed, because its
 logits are what the first sampled token comes from.
@@ -289,10 +293,11 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
-            # a LoRA adapter's blocks are its own: its name seeds the chain
             parent = hashes[-1] if hashes else _chain_seed(request)
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(hash_block_tokens(parent, chunk))
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            images = tuple(feature.identifier for feature in request.mm_features
+                           if feature.overlaps(start, end)) or None
+            hashes.append(hash_block_tokens(parent, tuple(tokens[start:end]), images))
 
 
 def _chain_seed(request: Request) -> int | None:

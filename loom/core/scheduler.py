@@ -150,12 +150,20 @@ class Scheduler:
         preempted = False
 
         # 1. Running requests, oldest first. If one does not fit, preempt from the tail.
+        encoder_budget = self.config.max_num_batched_tokens
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
                                  token_budget)
             assert num_new_tokens > 0, f"{request} is running with nothing to compute"
+            if request.mm_features:
+                num_new_tokens, encoder_budget = self._fit_images(
+                    request, request.num_computed_tokens, num_new_tokens, encoder_budget,
+                    fresh=False)
+                if num_new_tokens == 0:  # its next image waits for the next step
+                    index += 1
+                    continue
             new_blocks = self._allocate(request, num_new_tokens)
             while new_blocks is None:
                 victim = self._victim()
@@ -213,6 +221,11 @@ class Scheduler:
             if (not self.config.enable_chunked_prefill
                     and num_new_tokens < request.num_tokens - num_hit_tokens):
                 break  # chunked prefill off: the whole prompt next step, or later
+            if request.mm_features:
+                num_new_tokens, encoder_budget = self._fit_images(
+                    request, num_hit_tokens, num_new_tokens, encoder_budget, fresh=True)
+                if num_new_tokens == 0:
+                    break  # its first image waits for the next step; nobody overtakes it
             new_blocks = self._allocate(request, num_new_tokens, computed_blocks, num_hit_tokens)
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -564,6 +577,31 @@ class Scheduler:
                                      logprobs=[values[:k + 1] for values in logprobs.logprobs],
                                      ranks=logprobs.ranks))]
 
+    def _fit_images(self, request: Request, start: int, num_new_tokens: int, encoder_budget: int,
+                    fresh: bool) -> tuple[int, int]:
+        """The tokens of ``num_new_tokens`` from ``start`` that run this step, and the
+        step's encoder budget (placeholder tokens the vision towers may make, as vLLM's
+        ``max_num_encoder_input_tokens``) left after them.
+
+        An image's embeddings are made once, when its first placeholder token runs, and
+        kept by the workers until every token of its span has run (across chunks of a
+        prefill): one whose encoding does not fit in what is left waits for the next
+        step, and the chunk stops before it. ``fresh``: the request was just admitted
+        (new, or after a preemption), so the workers hold none of its images and an
+        image this chunk resumes inside is made again. An image larger than the whole
+        budget runs alone."""
+        end = start + num_new_tokens
+        for feature in request.mm_features:
+            if feature.offset >= end:
+                break
+            if feature.end <= start or (feature.offset < start and not fresh):
+                continue  # done, or its embeddings are kept from an earlier step
+            nothing_encoded = encoder_budget == self.config.max_num_batched_tokens
+            if feature.length > encoder_budget and not nothing_encoded:
+                return max(feature.offset - start, 0), encoder_budget
+            encoder_budget = max(encoder_budget - feature.length, 0)
+        return num_new_tokens, encoder_budget
+
     def _forget_on_workers(self, request: Request) -> None:
         if self._num_tokens_sent.pop(request.request_id, None) is not None:
             self._forgotten_req_ids.add(request.request_id)
@@ -579,7 +617,8 @@ class Scheduler:
             eos_token_ids=sorted(request.eos_token_ids),
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
             group_block_ids=[self.kv_cache.get_block_ids(request.request_id, group)
-                             for group in range(1, self.kv_cache.num_groups)])
+                             for group in range(1, self.kv_cache.num_groups)],
+            mm_features=request.mm_features)
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:
         req_id = request.request_id

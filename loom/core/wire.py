@@ -24,6 +24,49 @@ import msgspec
 
 from loom.sampling_params import SamplingParams
 
+# ================================================================= multimodal inputs
+# Made by the API side's processor (loom/multimodal), carried by a request to the ranks.
+
+class TensorData(msgspec.Struct, array_like=True):
+    """An array as its raw bytes (msgpack bin, never pickled): what an image processor
+    made of one image."""
+
+    dtype: str  # numpy's name: float32, int64
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_array(cls, array: Any) -> TensorData:
+        import numpy as np
+
+        array = np.ascontiguousarray(array)
+        return cls(dtype=array.dtype.name, shape=list(array.shape), data=array.tobytes())
+
+    def to_array(self) -> Any:
+        """A writable numpy array of these bytes."""
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy()
+
+
+class MultiModalFeature(msgspec.Struct, kw_only=True):
+    """One image (or video) of a prompt: the span of placeholder tokens it fills, and
+    what the model's vision tower makes those tokens' embeddings from."""
+
+    modality: str  # "image" or "video"
+    identifier: str  # its content's hash: keys the prefix cache and the encoder cache
+    offset: int  # the prompt index of its first placeholder token
+    length: int  # its placeholder tokens: one per row its tower makes
+    data: dict[str, TensorData] = {}  # the processor's arrays for this item alone
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+
 # ================================================================= one step's data
 # The engine core's scheduler -> every rank's model runner, and rank 0 -> back.
 
@@ -37,6 +80,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in block_ids
     # Groups 1.. of a hybrid KV cache (core/kv_cache_manager.py), each as block_ids.
     group_block_ids: list[list[int]] = []
+    mm_features: list[MultiModalFeature] = []  # its images, in prompt order
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -258,6 +302,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     arrival_time: float
     parent_request_id: str
     index: int = 0
+    mm_features: list[MultiModalFeature] = []  # its images, in prompt order
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

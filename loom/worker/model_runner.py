@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from loom.config import EngineConfig
-from loom.core.wire import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
+from loom.core.wire import (ModelRunnerOutput, MultiModalFeature, NewRequestData,
+                            SampleLogprobs, SchedulerOutput)
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.kv_layout import kv_cache_dtype
@@ -65,6 +66,11 @@ class CachedRequestState:
     # A pooling request's running pool over the chunks prefilled so far (MEAN: the sum
     # of its hidden states in float32; CLS: the first token's)
     pooled: torch.Tensor | None = None
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # M-RoPE models, a request with images: its prompt's (3, P) positions, and the
+    # delta of every position after them (i + delta on all three axes)
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -94,6 +100,10 @@ class ModelRunner:
         # real KV cache where they apply, dropped when the cache or the weights change.
         self.cuda_graphs: DecodeGraphs | None = None
         self.lora: LoRAManager | None = None  # LoRA adapters' slots (load_model)
+        # Multimodal models: each image's rows by its content hash, made when its first
+        # placeholder token runs and kept while a request still has tokens of it to run
+        # (vLLM's encoder cache; the scheduler budgets the encoding, core/scheduler.py)
+        self.encoder_cache: dict[str, torch.Tensor] = {}
         self._graphs_said: str | None = ""  # what was last logged of them: said once
         self._graphs_failed: str | None = None  # a capture's failure: none again
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
@@ -329,9 +339,14 @@ class ModelRunner:
             metadata.lora_slots = self.lora.token_slots(
                 [self.requests[r].sampling_params.lora_name for r in req_ids],
                 [end - start for start, end in zip(starts, starts[1:])])
+        mm_embeds = (self._multimodal_embeds(req_ids, metadata.query_start_loc_cpu)
+                     if self.encoder_cache or any(self.requests[r].mm_features
+                                                  for r in req_ids) else None)
         with set_forward_context(metadata):
             hidden_states = None
-            if self.cuda_graphs is not None:
+            if mm_embeds is not None:  # image tokens in the step: their rows go in
+                hidden_states = self.model(input_ids, positions, mm_embeds=mm_embeds)
+            elif self.cuda_graphs is not None:
                 hidden_states = self.cuda_graphs.run(input_ids, positions, metadata)
             if hidden_states is None:
                 hidden_states = self.model(input_ids, positions)
@@ -377,12 +392,18 @@ class ModelRunner:
             generator = None
             if params.seed is not None and not params.is_greedy:
                 generator = torch.Generator(device=self.device)
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=new.prompt_token_ids + new.output_token_ids,
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
                 stop_ids_for_min_tokens=stop_ids, block_ids=list(new.block_ids),
                 group_block_ids=[list(ids) for ids in new.group_block_ids],
-                num_computed_tokens=new.num_computed_tokens, generator=generator)
+                num_computed_tokens=new.num_computed_tokens, generator=generator,
+                mm_features=list(new.mm_features))
+            if new.mm_features:
+                self._check_multimodal(new.mm_features)
+                if hasattr(self.model, "mrope_positions"):
+                    state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
+                        len(new.prompt_token_ids), new.mm_features)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
@@ -390,6 +411,69 @@ class ModelRunner:
             for block_ids, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
                 block_ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    # ----------------------------------------------------------------- images
+
+    def _check_multimodal(self, features: list[MultiModalFeature]) -> None:
+        if not hasattr(self.model, "embed_multimodal"):
+            raise ValueError(f"{type(self.model).__name__} takes no images")
+
+    def _mrope(self, states: list[CachedRequestState], positions: np.ndarray,
+               query_start_loc: np.ndarray) -> np.ndarray:
+        """The step's positions as the model's rope takes them: ``positions`` (T,) as
+        they are, but for M-RoPE requests with images, whose prompt tokens take their
+        (3,) positions and later tokens ``i + delta``. (3, T) where some token's three
+        differ (an image's tokens in the step), else (T,)."""
+        if not any(state.mrope_positions is not None for state in states):
+            return positions
+        axes = np.broadcast_to(positions, (3, len(positions))).copy()
+        for i, state in enumerate(states):
+            if state.mrope_positions is None:
+                continue
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            index = positions[start:end]
+            in_prompt = index < state.num_prompt_tokens
+            axes[:, start:end] = index + state.mrope_delta
+            axes[:, start:end][:, in_prompt] = state.mrope_positions[:, index[in_prompt]]
+        if (axes[0] == axes[1]).all() and (axes[0] == axes[2]).all():
+            return axes[0]
+        return axes
+
+    def _multimodal_embeds(self, req_ids: list[str], query_start_loc: list[int]
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(indices in the step, rows) of the image tokens this step runs, each image's
+        rows made by the model's tower once (``encoder_cache``), or None where the step
+        holds no image token. Images no request needs any more leave the cache."""
+        index_parts: list[torch.Tensor] = []
+        row_parts: list[torch.Tensor] = []
+        needed: set[str] = set()
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            end = start + query_start_loc[i + 1] - query_start_loc[i]
+            for feature in state.mm_features:
+                if feature.end > end:
+                    needed.add(feature.identifier)
+                if not feature.overlaps(start, end):
+                    continue
+                rows = self.encoder_cache.get(feature.identifier)
+                if rows is None:
+                    rows = self.encoder_cache[feature.identifier] = \
+                        self.model.embed_multimodal(feature)
+                first, last = max(start, feature.offset), min(end, feature.end)
+                row_parts.append(rows[first - feature.offset:last - feature.offset])
+                at = query_start_loc[i] + first - start
+                index_parts.append(torch.arange(at, at + last - first, device=self.device))
+        in_step = set(req_ids)
+        for req_id, state in self.requests.items():  # waiting for a later step
+            if req_id not in in_step:
+                needed.update(f.identifier for f in state.mm_features
+                              if f.end > state.num_computed_tokens)
+        for identifier in [k for k in self.encoder_cache if k not in needed]:
+            del self.encoder_cache[identifier]
+        if not row_parts:
+            return None
+        return torch.cat(index_parts), torch.cat(row_parts)
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int],
                         spec_tokens: dict[str, list[int]] | None = None):
@@ -411,6 +495,8 @@ class ModelRunner:
             positions = (np.arange(num_tokens) - query_start_loc[req_of_token]
                          + context_starts[req_of_token])
 
+        token_positions = positions  # each token's index in its sequence
+        positions = self._mrope(states, positions, query_start_loc)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), np.int64)
         input_ids = np.empty(num_tokens, np.int64)
@@ -431,7 +517,8 @@ class ModelRunner:
             if end >= len(state.token_ids) and state.sampling_params.pooling is None:
                 sample_rows.append(i)  # (a pooling request is pooled, not sampled: _pool)
         # a token's slot through a block table: its block's id * block_size + offset
-        token_block, token_offset = positions // self.block_size, positions % self.block_size
+        token_block, token_offset = (token_positions // self.block_size,
+                                     token_positions % self.block_size)
         slot_mapping = block_table[req_of_token, token_block] * self.block_size + token_offset
         # Last positions first (one per sampling request), then each one's draft rows:
         # drafts [2, 0, 1], queries ending before [10, 13, 21] -> [9, 12, 20, 7, 8, 19]
@@ -455,7 +542,8 @@ class ModelRunner:
             metadata.group_metadata.append(metadata.with_blocks(
                 group_table[req_of_token, token_block] * self.block_size + token_offset,
                 group_table, device))
-        return (torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
+        return (torch.from_numpy(input_ids).to(device),
+                torch.from_numpy(np.ascontiguousarray(positions)).to(device),
                 metadata, sample_rows,
                 None if logits_indices is None else torch.from_numpy(logits_indices).to(device))
 

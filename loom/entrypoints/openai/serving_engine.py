@@ -73,11 +73,13 @@ class OpenAIServing:
             raise RequestError(str(error), param=error.param) from None
 
     def submit(self, request_id: str, prompt: str | None, token_ids: list[int],
-               params: SamplingParams, stream: bool) -> RequestStream:
+               params: SamplingParams, stream: bool,
+               mm_features: list | None = None) -> RequestStream:
         """Hand a checked request to the engine; a 503 when its queue is full, a 500 when
         it is dead."""
         try:
-            return self.engine.add_request(request_id, prompt, token_ids, params, stream=stream)
+            return self.engine.add_request(request_id, prompt, token_ids, params, stream=stream,
+                                           mm_features=mm_features)
         except Exception as error:  # noqa: BLE001 — queue full or engine dead
             raise engine_error(error) from None
 

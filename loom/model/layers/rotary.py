@@ -185,7 +185,51 @@ class RotaryEmbedding(nn.Module):
         return self.apply(x, step.cos, step.sin)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rope (Qwen2-VL's M-RoPE): each token has three positions, temporal,
+    height and width, and each frequency turns by one of them: ``mrope_section`` splits
+    the ``rotary_dim / 2`` frequencies into three runs (t, h, w), or, with
+    ``mrope_interleaved`` (Qwen3-VL), deals them out: h at frequencies 1, 4, 7, ... below
+    ``3 * section[1]``, w at 2, 5, 8, ... below ``3 * section[2]``, t at the others.
+
+    A text token's three positions are equal, which makes this the plain rope at that
+    position: a step whose positions are (T,) runs as ``RotaryEmbedding`` (the native
+    kernel on the CPU), one with (3, T) positions (image tokens in it) gathers each
+    frequency's cos and sin at its own axis's position."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int,
+                 inv_freq: torch.Tensor, attention_scaling: float, section: list[int],
+                 interleaved: bool = False) -> None:
+        super().__init__(head_dim, rotary_dim, max_position, inv_freq, attention_scaling)
+        half = rotary_dim // 2
+        if sum(section) != half:
+            raise ValueError(f"mrope_section {section} must add up to rotary_dim / 2 = {half}")
+        if interleaved:
+            axis = [0] * half
+            for which in (1, 2):
+                for j in range(which, 3 * section[which], 3):
+                    axis[j] = which
+        else:
+            axis = [which for which, size in enumerate(section) for _ in range(size)]
+        self.register_buffer("axis_of_freq", torch.tensor(axis, dtype=torch.long),
+                             persistent=False)
+
+    def step_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        if positions.dim() == 1:
+            return super().step_inputs(positions, dtype)
+        # (3, T) -> each frequency's position (T, F) -> cos and sin (2, T, F)
+        per_freq = positions[self.axis_of_freq].t()
+        freqs = torch.arange(per_freq.shape[1], device=positions.device)
+        cos_sin = self.cos_sin_cache[:, per_freq, freqs].to(dtype)
+        return RopeStep(positions[0], cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1))
+
+
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
     inv_freq, attention_scaling, rotary_dim = compute_inv_freq(config, head_dim)
+    section = rope_parameters(config).get("mrope_section")
+    if section:
+        return MRotaryEmbedding(head_dim, rotary_dim, config.max_position_embeddings,
+                                inv_freq, attention_scaling, list(section),
+                                bool(rope_parameters(config).get("mrope_interleaved")))
     return RotaryEmbedding(head_dim, rotary_dim, config.max_position_embeddings,
                            inv_freq, attention_scaling)

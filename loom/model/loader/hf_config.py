@@ -40,7 +40,28 @@ def load_hf_config(model_path: str) -> Any:
                                 "directory nor a .gguf file")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path)
+    return with_text_fields(AutoConfig.from_pretrained(model_path))
+
+
+def with_text_fields(config: Any) -> Any:
+    """A multimodal config (``text_config`` beside a ``vision_config``) answering its
+    language model's fields itself, as vLLM's ``hf_text_config``: the engine sizes the KV
+    cache, the vocabulary and the context from ``num_hidden_layers``, ``vocab_size``,
+    ``max_position_embeddings`` and the like, wherever the checkpoint keeps them. A
+    field the top level has itself (``tie_word_embeddings``) is its own."""
+    text = getattr(config, "text_config", None)
+    if text is None or getattr(config, "vision_config", None) is None:
+        return config
+    for name in dir(text):
+        if name.startswith("_") or hasattr(config, name):
+            continue
+        try:
+            value = getattr(text, name)
+        except Exception:  # noqa: BLE001 — a property that does not apply
+            continue
+        if not callable(value):
+            setattr(config, name, value)
+    return config
 
 
 def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: Any,

@@ -235,8 +235,11 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs_embeds``: the step's input embeddings where a multimodal model put an
+        image's rows in place of its placeholder tokens' (``input_ids`` unused then)."""
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.step_inputs(positions, hidden_states.dtype)
         ropes = {id(self.rotary_emb): rope} | {
             id(other): other.step_inputs(positions, hidden_states.dtype)

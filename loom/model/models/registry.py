@@ -19,6 +19,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    # multimodal: images in (loom/multimodal)
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     # --task classify (models/classification.py)
     "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),

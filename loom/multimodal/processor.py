@@ -1,0 +1,119 @@
+"""A prompt's images into its placeholder tokens and the features the workers embed.
+
+Each multimodal family's chat template writes one placeholder per image (Qwen2.5-VL:
+``<|vision_start|><|image_pad|><|vision_end|>``); the checkpoint's own ``transformers``
+image processor (its PIL backend: this runs in the API process, without torch) turns
+each image into pixel arrays, and says how many rows the vision tower will make of them.
+``MultiModalProcessor.apply`` repeats each image's placeholder token that many times and
+describes the span as a ``MultiModalFeature``: where it starts, how long it is, its
+arrays, and a hash of them that keys the prefix cache and the workers' encoder cache.
+
+The processors are assembled from the image processor, the tokenizer and the chat
+template, not ``AutoProcessor``: the families' processors include a video processor
+that needs torchvision, which does not import beside loom's torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+from loom.core.wire import MultiModalFeature, TensorData
+
+logger = logging.getLogger(__name__)
+
+
+class MultiModalInputError(ValueError):
+    """Images a prompt cannot take; ``param`` names the part at fault."""
+
+    def __init__(self, message: str, param: str = "multi_modal_data") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def content_hash(arrays: dict[str, Any], modality: str) -> str:
+    """A stable hash of an item's processed arrays: equal pixels give equal hashes."""
+    digest = hashlib.blake2b(modality.encode(), digest_size=16)
+    for name in sorted(arrays):
+        array = arrays[name]
+        digest.update(f"{name}:{array.dtype.name}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+class MultiModalProcessor:
+    """What one family does with images. Subclasses set ``placeholder_token_id`` and
+    ``process_image``."""
+
+    modalities: tuple[str, ...] = ("image",)
+
+    def __init__(self, model_path: str, hf_config: Any) -> None:
+        self.model_path = model_path
+        self.hf_config = hf_config
+
+    placeholder_token_id: int
+
+    def process_image(self, image: Any) -> tuple[dict[str, Any], int]:
+        """(the image processor's numpy arrays for this image alone, its rows)."""
+        raise NotImplementedError
+
+    def apply(self, token_ids: list[int], images: list[Any]) -> tuple[list[int],
+                                                                      list[MultiModalFeature]]:
+        """``token_ids`` with each image's placeholder token repeated once per row its
+        tower makes, and the images' features, in prompt order. The prompt must hold one
+        placeholder per image."""
+        found = [i for i, token in enumerate(token_ids) if token == self.placeholder_token_id]
+        if len(found) != len(images):
+            raise MultiModalInputError(
+                f"the prompt has {len(found)} image placeholders but {len(images)} images "
+                "were given; write one placeholder per image (the chat template does this "
+                "for image parts)")
+        out: list[int] = []
+        features: list[MultiModalFeature] = []
+        previous = 0
+        for at, image in zip(found, images):
+            arrays, length = self.process_image(image)
+            out += token_ids[previous:at]
+            features.append(MultiModalFeature(
+                modality="image", identifier=content_hash(arrays, "image"), offset=len(out),
+                length=length,
+                data={name: TensorData.from_array(array) for name, array in arrays.items()}))
+            out += [self.placeholder_token_id] * length
+            previous = at + 1
+        out += token_ids[previous:]
+        return out, features
+
+
+class QwenVLProcessor(MultiModalProcessor):
+    """Qwen2.5-VL (and Qwen2-VL): patches of ``patch_size`` pixels, 2x2 of them merged
+    into one row; ``<|image_pad|>`` is the placeholder."""
+
+    def __init__(self, model_path: str, hf_config: Any) -> None:
+        super().__init__(model_path, hf_config)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+            Qwen2VLImageProcessorPil
+
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        self.placeholder_token_id = hf_config.image_token_id
+        self.merge_size = hf_config.vision_config.spatial_merge_size
+
+    def process_image(self, image: Any) -> tuple[dict[str, Any], int]:
+        out = self.image_processor(images=[image], return_tensors="np")
+        grid = out["image_grid_thw"]
+        length = int(grid.prod()) // self.merge_size ** 2
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, length
+
+
+# architecture -> its processor
+_PROCESSORS: dict[str, type[MultiModalProcessor]] = {
+    "Qwen2_5_VLForConditionalGeneration": QwenVLProcessor,
+}
+
+
+def is_multimodal(architecture: str | None) -> bool:
+    return architecture in _PROCESSORS
+
+
+def processor_for(model_path: str, architecture: str, hf_config: Any) -> MultiModalProcessor:
+    return _PROCESSORS[architecture](model_path, hf_config)
