@@ -16,6 +16,7 @@ that needs torchvision, which does not import beside loom's torch.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 from typing import Any
 
@@ -85,29 +86,9 @@ class MultiModalProcessor:
         return out, features
 
 
-class QwenVLProcessor(MultiModalProcessor):
-    """Qwen2.5-VL (and Qwen2-VL): patches of ``patch_size`` pixels, 2x2 of them merged
-    into one row; ``<|image_pad|>`` is the placeholder."""
-
-    def __init__(self, model_path: str, hf_config: Any) -> None:
-        super().__init__(model_path, hf_config)
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
-            Qwen2VLImageProcessorPil
-
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
-        self.placeholder_token_id = hf_config.image_token_id
-        self.merge_size = hf_config.vision_config.spatial_merge_size
-
-    def process_image(self, image: Any) -> tuple[dict[str, Any], int]:
-        out = self.image_processor(images=[image], return_tensors="np")
-        grid = out["image_grid_thw"]
-        length = int(grid.prod()) // self.merge_size ** 2
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, length
-
-
-# architecture -> its processor
-_PROCESSORS: dict[str, type[MultiModalProcessor]] = {
-    "Qwen2_5_VLForConditionalGeneration": QwenVLProcessor,
+# architecture -> (module under loom.multimodal, its processor class), imported lazily
+_PROCESSORS: dict[str, tuple[str, str]] = {
+    "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "QwenVLProcessor"),
 }
 
 
@@ -116,4 +97,6 @@ def is_multimodal(architecture: str | None) -> bool:
 
 
 def processor_for(model_path: str, architecture: str, hf_config: Any) -> MultiModalProcessor:
-    return _PROCESSORS[architecture](model_path, hf_config)
+    module_name, class_name = _PROCESSORS[architecture]
+    module = importlib.import_module(f"loom.multimodal.{module_name}")
+    return getattr(module, class_name)(model_path, hf_config)
