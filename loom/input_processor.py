@@ -91,49 +91,63 @@ class InputProcessor:
 
     def process(self, prompt: PromptType) -> ProcessedPrompt:
         """A prompt's text (or None), validated token ids and images (vLLM's
-        ``{"prompt": ..., "multi_modal_data": {"image": image_or_list}}``), each image's
+        ``{"prompt": ..., "multi_modal_data": {"image": image_or_list}}``; ``"video"``:
+        a video's frames, or a list of videos, where the model takes video), each item's
         placeholder token repeated once per row of it."""
-        images = None
+        items = None
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            images = self.check_images(prompt["multi_modal_data"])
+            items = self.check_multi_modal_data(prompt["multi_modal_data"])
         text, token_ids = self._prompt_tokens(prompt)
         features: list[MultiModalFeature] = []
-        if images:
-            token_ids, features = self.apply_images(token_ids, images)
+        if items:
+            token_ids, features = self.apply_images(token_ids, items["image"],
+                                                    videos=items["video"])
         self.validate_prompt(token_ids)
         return ProcessedPrompt(text, token_ids, features)
 
     def check_images(self, data: Any, param: str = "multi_modal_data") -> list[Any]:
-        """The images of ``multi_modal_data`` as a list; a 400's error where the model
-        takes none, another modality is given, or there are more than the limit."""
+        """The images of ``multi_modal_data`` (``{"image": image_or_list}``) as a list;
+        see ``check_multi_modal_data``."""
+        return self.check_multi_modal_data(data, param)["image"]
+
+    def check_multi_modal_data(self, data: Any, param: str = "multi_modal_data"
+                               ) -> dict[str, list[Any]]:
+        """``multi_modal_data``'s items by modality ("image", "video"), each a list; a
+        400's error where the model takes none, takes another modality, or there are
+        more than the limit. A video is a list of frames (or a (T, H, W, 3) array), so
+        ``"video"`` is one video unless it is a list of such."""
         if not isinstance(data, dict):
             raise InvalidInputError("multi_modal_data is a dict such as {'image': image}",
                                     param)
-        other = sorted(set(data) - {"image"})
-        if self.mm_processor is None:
+        processor = self.mm_processor
+        if processor is None:
             raise InvalidInputError("this model is text-only: it takes no images; serve a "
                                     "multimodal checkpoint to send images", param)
+        other = sorted(set(data) - set(processor.modalities))
         if other:
-            raise InvalidInputError(f"this model takes images only, not {', '.join(other)}",
-                                    param)
-        images = data.get("image")
-        images = [] if images is None else list(images) if isinstance(images, (list, tuple))             else [images]
-        limit = self.limit_mm_per_prompt.get("image")
-        if limit is not None and len(images) > limit:
-            raise InvalidInputError(f"{len(images)} images in one prompt, but at most {limit} "
-                                    "are allowed (--limit-mm-per-prompt)", param)
-        return images
+            raise InvalidInputError(f"this model takes {' and '.join(processor.modalities)} "
+                                    f"only, not {', '.join(other)}", param)
+        items = {"image": _as_list(data.get("image")), "video": _videos(data.get("video"))}
+        for modality, given in items.items():
+            limit = self.limit_mm_per_prompt.get(modality)
+            if limit is not None and len(given) > limit:
+                raise InvalidInputError(f"{len(given)} {modality}s in one prompt, but at most "
+                                        f"{limit} are allowed (--limit-mm-per-prompt)", param)
+        return items
 
     def apply_images(self, token_ids: list[int], images: list[Any],
-                     param: str = "multi_modal_data") -> tuple[list[int],
-                                                               list[MultiModalFeature]]:
+                     param: str = "multi_modal_data", videos: list[Any] = ()
+                     ) -> tuple[list[int], list[MultiModalFeature]]:
+        """``token_ids`` with each placeholder expanded, and the items' features."""
         from loom.multimodal.processor import MultiModalInputError
 
         try:
+            if videos:
+                return self.mm_processor.apply(token_ids, images, videos)
             return self.mm_processor.apply(token_ids, images)
         except MultiModalInputError as error:
             raise InvalidInputError(str(error), param) from None
-        except Exception as error:  # noqa: BLE001 — the image processor failed on an image
+        except Exception as error:  # noqa: BLE001 — the image processor failed on an item
             raise InvalidInputError(f"an image could not be processed: "
                                     f"{type(error).__name__}: {error}", param) from None
 
@@ -287,6 +301,20 @@ class InputProcessor:
             ids = (vocab.get("<think>"), vocab.get("</think>"))
             self._think_ids = ids if None not in ids else None
         return self._think_ids
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _videos(value: Any) -> list[Any]:
+    """One video (its frames: a list of images, or an array) or a list of videos."""
+    if value is None:
+        return []
+    if isinstance(value, list) and value and (
+            isinstance(value[0], (list, tuple)) or getattr(value[0], "ndim", 0) == 4):
+        return value
+    return [value]
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer: Tokenizer) -> list[list[int]]:

@@ -44,8 +44,9 @@ def content_hash(arrays: dict[str, Any], modality: str) -> str:
 
 
 class MultiModalProcessor:
-    """What one family does with images. Subclasses set ``placeholder_token_id`` and
-    ``process_image``."""
+    """What one family does with images (and videos, where it takes them). Subclasses
+    set ``placeholder_token_id`` and ``process_image`` (``video_placeholder_token_id``
+    and ``process_video`` for video)."""
 
     modalities: tuple[str, ...] = ("image",)
 
@@ -54,33 +55,47 @@ class MultiModalProcessor:
         self.hf_config = hf_config
 
     placeholder_token_id: int
+    video_placeholder_token_id: int | None = None
 
     def process_image(self, image: Any) -> tuple[dict[str, Any], int]:
         """(the image processor's numpy arrays for this image alone, its rows)."""
         raise NotImplementedError
 
-    def apply(self, token_ids: list[int], images: list[Any]) -> tuple[list[int],
-                                                                      list[MultiModalFeature]]:
-        """``token_ids`` with each image's placeholder token repeated once per row its
-        tower makes, and the images' features, in prompt order. The prompt must hold one
-        placeholder per image."""
-        found = [i for i, token in enumerate(token_ids) if token == self.placeholder_token_id]
-        if len(found) != len(images):
-            raise MultiModalInputError(
-                f"the prompt has {len(found)} image placeholders but {len(images)} images "
-                "were given; write one placeholder per image (the chat template does this "
-                "for image parts)")
+    def process_video(self, video: Any) -> tuple[dict[str, Any], int]:
+        """(the arrays for this video alone, its rows): a video is its sampled frames."""
+        raise NotImplementedError
+
+    def apply(self, token_ids: list[int], images: list[Any], videos: list[Any] = ()
+              ) -> tuple[list[int], list[MultiModalFeature]]:
+        """``token_ids`` with each item's placeholder token repeated once per row its
+        tower makes, and the items' features, in prompt order. The prompt must hold one
+        placeholder per image and per video."""
+        placeholders = {self.placeholder_token_id: "image"}
+        if self.video_placeholder_token_id is not None:
+            placeholders[self.video_placeholder_token_id] = "video"
+        items = {"image": list(images), "video": list(videos)}
+        found = [(i, placeholders[token]) for i, token in enumerate(token_ids)
+                 if token in placeholders]
+        for modality, given in items.items():
+            count = sum(kind == modality for _, kind in found)
+            if count != len(given):
+                raise MultiModalInputError(
+                    f"the prompt has {count} {modality} placeholders but {len(given)} "
+                    f"{modality}s were given; write one placeholder per {modality} (the chat "
+                    f"template does this for {modality} parts)")
+        process = {"image": self.process_image, "video": self.process_video}
+        taken = {"image": iter(items["image"]), "video": iter(items["video"])}
         out: list[int] = []
         features: list[MultiModalFeature] = []
         previous = 0
-        for at, image in zip(found, images):
-            arrays, length = self.process_image(image)
+        for at, modality in found:
+            arrays, length = process[modality](next(taken[modality]))
             out += token_ids[previous:at]
             features.append(MultiModalFeature(
-                modality="image", identifier=content_hash(arrays, "image"), offset=len(out),
-                length=length,
+                modality=modality, identifier=content_hash(arrays, modality),
+                offset=len(out), length=length,
                 data={name: TensorData.from_array(array) for name, array in arrays.items()}))
-            out += [self.placeholder_token_id] * length
+            out += [token_ids[at]] * length
             previous = at + 1
         out += token_ids[previous:]
         return out, features

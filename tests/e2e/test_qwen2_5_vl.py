@@ -69,17 +69,23 @@ def reference(checkpoint):
         checkpoint, dtype=torch.float32).eval()
     processor = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
 
-    def greedy(token_ids: list[int], images: list) -> list[int]:
+    def greedy(token_ids: list[int], images: list, video: dict | None = None) -> list[int]:
+        """``video``: the video's arrays as loom's processor made them (transformers'
+        video processor needs torchvision), fed to transformers' model as they are."""
         input_ids = torch.tensor([token_ids])
         kwargs = {}
         if images:
             pixels = processor(images=images, return_tensors="pt")
             kwargs = dict(pixel_values=pixels["pixel_values"],
                           image_grid_thw=pixels["image_grid_thw"])
+        if video:
+            kwargs |= {name: torch.from_numpy(array) for name, array in video.items()}
+        types = ((input_ids == model.config.image_token_id).int()
+                 + 2 * (input_ids == model.config.video_token_id).int())
         with torch.no_grad():
             out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
-                                 max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **kwargs)
+                                 mm_token_type_ids=types, max_new_tokens=MAX_NEW_TOKENS,
+                                 do_sample=False, **kwargs)
         return out[0, len(token_ids):].tolist()
 
     return greedy
@@ -141,8 +147,29 @@ def test_bad_images_are_the_requests_errors(checkpoint):
                                          "placeholders but 1 images"):
         llm.generate({"prompt": "no placeholder here",
                       "multi_modal_data": {"image": image(56, 56, 0)}}, use_tqdm=False)
-    with pytest.raises(ValueError, match="takes images only, not video"):
-        llm.generate({"prompt": IMAGE, "multi_modal_data": {"video": [image(56, 56, 0)]}},
+    with pytest.raises(ValueError, match="takes image and video only, not audio"):
+        llm.generate({"prompt": IMAGE, "multi_modal_data": {"audio": [b"\0" * 16]}},
                      use_tqdm=False)
     # the engine serves on
     assert generate(llm, [as_request(*PROMPTS[0])])[0].outputs[0].token_ids
+
+
+def test_video_as_sampled_frames(checkpoint, reference):
+    """A video of 5 frames at 1 fps (three temporal patches, the last frame repeated),
+    beside an image: its rows and its temporal positions spaced by tokens_per_second x
+    seconds per patch give transformers' tokens; chunks cut its span."""
+    from loom.multimodal.qwen_vl import QwenVLProcessor
+    from loom.model.loader import load_hf_config
+
+    frames = [image(56, 84, 20 + i) for i in range(5)]
+    video = "<|vision_start|><|video_pad|><|vision_end|>"
+    llm = LLM(checkpoint, dtype="float32", max_model_len=256, seed=0, max_num_batched_tokens=8)
+    request = {"prompt": f"watch {video} then {IMAGE} what changed",
+               "multi_modal_data": {"video": (frames, {"fps": 1.0}), "image": image(56, 56, 9)}}
+    output = generate(llm, [request])[0]
+    arrays, rows = QwenVLProcessor(checkpoint, load_hf_config(checkpoint)).process_video(
+        (frames, {"fps": 1.0}))
+    assert rows == 3 * 6 and list(arrays["video_grid_thw"][0]) == [3, 4, 6]
+    assert list(output.prompt_token_ids).count(259) == rows
+    assert list(output.outputs[0].token_ids) == reference(
+        list(output.prompt_token_ids), [image(56, 56, 9)], arrays)

@@ -6,7 +6,8 @@ the Qwen2 decoder (``model.``) and the LM head (``lm_head.``).
 
 A prompt holds ``<|vision_start|>``, then one ``<|image_pad|>`` per row the tower makes
 of the image (its patch grid merged 2x2), then ``<|vision_end|>``
-(loom/multimodal/processor.py expands them). Those rows take the place of the pad tokens'
+(loom/multimodal/qwen_vl.py expands them); a video, ``<|video_pad|>`` per row of its
+frames, two frames to a temporal patch. Those rows take the place of the pad tokens'
 embeddings. Positions are M-RoPE's (``mrope_positions``): text counts up as usual, an
 image's tokens share one temporal position and take their row and column in the
 merged grid as height and width positions, and the text after an image resumes past
@@ -27,6 +28,9 @@ from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.models.qwen2 import Qwen2ForCausalLM
 
 _DEFAULT_MROPE_SECTION = [16, 24, 24]  # Hugging Face's default where the config names none
+# a feature's arrays by modality: (pixels, grid)
+_ARRAYS = {"image": ("pixel_values", "image_grid_thw"),
+           "video": ("pixel_values_videos", "video_grid_thw")}
 
 
 def _with_mrope(config: Any) -> Any:
@@ -46,26 +50,35 @@ def _with_mrope(config: Any) -> Any:
 
 
 def qwen_vl_mrope_positions(num_tokens: int, features: list[MultiModalFeature],
-                            spatial_merge_size: int) -> tuple[np.ndarray, int]:
-    """(3, ``num_tokens``) M-RoPE positions of a prompt whose images are ``features``,
-    and the delta that continues them (position ``i`` past the prompt is ``i + delta``
-    on all three axes), as ``Qwen2_5_VLModel.get_rope_index`` for images: text counts
-    up from where the last image left off; an image of merged grid (t, h, w) starting
-    at position p takes (p + t_i, p + h_i, p + w_i), and the text after it resumes at
-    p + max(h, w)."""
+                            spatial_merge_size: int, tokens_per_second: float = 2
+                            ) -> tuple[np.ndarray, int]:
+    """(3, ``num_tokens``) M-RoPE positions of a prompt whose images and videos are
+    ``features``, and the delta that continues them (position ``i`` past the prompt is
+    ``i + delta`` on all three axes), as ``Qwen2_5_VLModel.get_rope_index``: text counts
+    up from where the last item left off; an item of merged grid (t, h, w) starting at
+    position p takes (p + t_i * interval, p + h_i, p + w_i), and the text after it
+    resumes at p + max(h, w). An image's interval is 1; a video's is
+    ``tokens_per_second`` times its seconds per temporal patch (float32, truncated, as
+    transformers computes it)."""
     positions = np.empty((3, num_tokens), np.int64)
     current = previous_end = 0
     for feature in sorted(features, key=lambda f: f.offset):
         text = feature.offset - previous_end
         positions[:, previous_end:feature.offset] = np.arange(text) + current
         current += text
-        t, h, w = (int(v) for v in feature.data["image_grid_thw"].to_array().reshape(-1))
+        grid_name = _ARRAYS[feature.modality][1]
+        t, h, w = (int(v) for v in feature.data[grid_name].to_array().reshape(-1))
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(h), np.arange(w),
-                                             indexing="ij")
         if t * h * w != feature.length:
-            raise ValueError(f"an image of grid {t}x{h}x{w} fills {t * h * w} placeholder "
+            raise ValueError(f"an item of grid {t}x{h}x{w} fills {t * h * w} placeholder "
                              f"tokens, not {feature.length}")
+        temporal = np.arange(t)
+        if feature.modality == "video":
+            seconds = feature.data["second_per_grid_ts"].to_array().reshape(-1)[0]
+            interval = np.float32(tokens_per_second) * np.float32(seconds)
+            temporal = (temporal.astype(np.float32) * interval).astype(np.int64)
+        grid_t, grid_h, grid_w = np.meshgrid(temporal, np.arange(h), np.arange(w),
+                                             indexing="ij")
         for axis, grid in enumerate((grid_t, grid_h, grid_w)):
             positions[axis, feature.offset:feature.end] = grid.reshape(-1) + current
         current += max(h, w)
@@ -88,21 +101,26 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                          weight_quantization, expert_parallel)
         self.visual = Qwen2_5_VLVisionTower(config, tp_group)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
+        self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", 2)
 
     # ---- what the model runner asks of a multimodal model --------------------------
 
     def embed_multimodal(self, feature: MultiModalFeature) -> torch.Tensor:
-        """The rows of ``feature``'s placeholder tokens: (length, hidden_size)."""
-        if feature.modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {feature.modality}")
+        """The rows of ``feature``'s placeholder tokens (an image's, or a video's: its
+        frames in pairs through the same tower): (length, hidden_size)."""
+        if feature.modality not in _ARRAYS:
+            raise ValueError(f"{type(self).__name__} takes images and videos, not "
+                             f"{feature.modality}")
+        pixels_name, grid_name = _ARRAYS[feature.modality]
         dtype = self.model.embed_tokens.weight.dtype
-        pixels = torch.from_numpy(feature.data["pixel_values"].to_array()).to(dtype)
-        grid = torch.from_numpy(feature.data["image_grid_thw"].to_array()).reshape(-1, 3)
+        pixels = torch.from_numpy(feature.data[pixels_name].to_array()).to(dtype)
+        grid = torch.from_numpy(feature.data[grid_name].to_array()).reshape(-1, 3)
         return self.visual(pixels, grid)
 
     def mrope_positions(self, num_tokens: int, features: list[MultiModalFeature]
                         ) -> tuple[np.ndarray, int]:
-        return qwen_vl_mrope_positions(num_tokens, features, self.spatial_merge_size)
+        return qwen_vl_mrope_positions(num_tokens, features, self.spatial_merge_size,
+                                       self.tokens_per_second)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
