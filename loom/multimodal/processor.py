@@ -104,6 +104,7 @@ class MultiModalProcessor:
 # architecture -> (module under loom.multimodal, its processor class), imported lazily
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "QwenVLProcessor"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLProcessor"),
 }
 
 

@@ -21,6 +21,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     # multimodal: images in (loom/multimodal)
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
     # --task classify (models/classification.py)
     "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),
