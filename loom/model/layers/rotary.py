@@ -206,8 +206,8 @@ class MRotaryEmbedding(RotaryEmbedding):
             raise ValueError(f"mrope_section {section} must add up to rotary_dim / 2 = {half}")
         if interleaved:
             axis = [0] * half
-            for which in (1, 2):
-                for j in range(which, 3 * section[which], 3):
+            for which in (1, 2):  # (cut at the last frequency, as transformers does)
+                for j in range(which, min(3 * section[which], half), 3):
                     axis[j] = which
         else:
             axis = [which for which, size in enumerate(section) for _ in range(size)]
