@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from loom.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from loom.default_model import default_model_path
 from loom.engine_args import EngineArgs, llm_kwargs_to_fields
+from loom.entrypoints.chat_images import load_chat_image, media_policy, take_images
 from loom.errors import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
 from loom.lora import LoRARequest
@@ -204,15 +205,29 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the chat template."""
+        """Generate replies to one conversation or a list of them, with the chat template.
+
+        A multimodal model takes images in the messages' content, beside text parts:
+        ``{"type": "image_url", "image_url": {"url": ...}}`` (a data: URL; http(s) from
+        ``allowed_media_domains``; a file under ``allowed_local_media_path``),
+        ``{"type": "image_pil", "image_pil": image}`` or ``{"type": "image", "image":
+        image}`` (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
+        policy = media_policy(self.engine.config.model)
         prompts = []
         for conversation in conversations:
+            conversation, images = take_images(conversation)
+            if images:  # a text-only model, too many images: before any is loaded
+                self.engine.input_processor.check_images({"image": images})
             text = tokenizer.render_chat_template(conversation, add_generation_prompt,
                                                   **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text,
+                      "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            if images:
+                prompt["multi_modal_data"] = {
+                    "image": [load_chat_image(image, policy) for image in images]}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ----------------------------------------------------------------- weights that change

@@ -33,7 +33,7 @@ _GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # Architectures whose config transformers does not read from a GGUF file (loom does:
 # model/loader/gguf_configs.py), so its AutoTokenizer cannot choose a class for them;
 # their vocabulary is converted by the same code into a plain fast tokenizer.
-_GGUF_ARCHITECTURES_WITHOUT_HF_CONFIG = ("ernie4_5", "ernie4_5-moe")
+_GGUF_ARCHITECTURES_WITHOUT_HF_CONFIG = ("ernie4_5", "ernie4_5-moe", "qwen2vl")
 _CACHE_META_FILE = "loom_tokenizer.json"
 
 
@@ -93,7 +93,10 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """One OpenAI chat message as chat templates expect it, as vLLM renders it.
 
     - content: null or missing -> "" (an assistant turn that only calls tools sends null);
-      a list of text parts ([{"type": "text", "text": ...}, ...]) -> the texts joined by "\n".
+      a list of text parts ([{"type": "text", "text": ...}, ...]) -> the texts joined by "\n";
+      a list with image parts (``{"type": "image"}``, which the chat layer writes for each
+      image it takes out of the messages) -> the parts as they are, in order, for the
+      template to write each image's placeholder where it stands.
     - tool_calls: each call's ``function.arguments``, a JSON string from the client, -> the
       object it encodes (templates write ``arguments | tojson`` or iterate its items);
       missing, empty or not a JSON object -> {}, since failing here would fail every later
@@ -102,7 +105,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
 
     The caller's message is not modified.
     """
-    rendered = {**message, "content": _content_text(message.get("content"))}
+    rendered = {**message, "content": _template_content(message.get("content"))}
     tool_calls = message.get("tool_calls")
     if tool_calls is None or tool_calls == []:
         rendered.pop("tool_calls", None)
@@ -113,7 +116,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     return rendered
 
 
-def _content_text(content: Any) -> str:
+def _template_content(content: Any) -> str | list[dict[str, Any]]:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -121,15 +124,21 @@ def _content_text(content: Any) -> str:
     if not isinstance(content, list):
         raise ValueError(f"message content must be a string or a list of text parts, "
                          f"not {type(content).__name__}")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str)):
+        if isinstance(part, dict) and part.get("type") == "text" \
+                and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif isinstance(part, dict) and part.get("type") == "image":
+            parts.append({"type": "image"})
+        else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"message content part of type {kind!r} is not supported; "
-                             "only text parts ({'type': 'text', 'text': ...}) are")
-        texts.append(part["text"])
-    return "\n".join(texts)
+                             "only text parts ({'type': 'text', 'text': ...}) and image "
+                             "parts ({'type': 'image'}) are")
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
 
 
 def _template_tool_call(call: Any) -> dict[str, Any]:

@@ -5,6 +5,8 @@ code (template, sampling, tools, reasoning, limits), and the answer translated b
     Messages                               chat completions
     system (text or text blocks)           a system message
     user text / tool_result blocks         user content / tool messages
+    user image blocks (source base64       image_url parts (a data: URL / the URL),
+      or url)                                beside the text in order
     assistant text / tool_use blocks       assistant content / tool_calls
     tools {name, description,              tools {function: {name, description,
            input_schema}                          parameters}}
@@ -63,6 +65,19 @@ def _text(content: Any, where: str) -> str:
     raise MessagesError(f"{where} must be a string or a list of text blocks")
 
 
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, or the URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) \
+            and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise MessagesError(f"{where}: an image block's source is {{type: base64, media_type, "
+                        "data}} or {type: url, url}")
+
+
 def chat_request(body: Any) -> dict[str, Any]:
     """The chat completion request of a Messages request (a MessagesError if malformed)."""
     if not isinstance(body, dict):
@@ -85,11 +100,14 @@ def chat_request(body: Any) -> dict[str, Any]:
             continue
         if not isinstance(content, list):
             raise MessagesError(f"{where}.content must be a string or a list of blocks")
-        text, calls, results = [], [], []
+        parts, calls, results = [], [], []
         for block in content:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
-                text.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and message["role"] == "user":
+                parts.append({"type": "image_url",
+                              "image_url": {"url": _image_url(block, f"{where}.content")}})
             elif kind == "tool_use" and message["role"] == "assistant":
                 calls.append({"id": str(block.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"),
                               "type": "function",
@@ -103,8 +121,10 @@ def chat_request(body: Any) -> dict[str, Any]:
                 raise MessagesError(f"{where}.content: a {kind!r} block is not supported in a "
                                     f"{message['role']} message")
         messages += results
-        if text or calls or not results:
-            entry: dict[str, Any] = {"role": message["role"], "content": "".join(text)}
+        if parts or calls or not results:
+            images = any(part["type"] == "image_url" for part in parts)
+            entry: dict[str, Any] = {"role": message["role"], "content": (
+                parts if images else "".join(part["text"] for part in parts))}
             if calls:
                 entry["tool_calls"] = calls
             messages.append(entry)
@@ -283,7 +303,7 @@ async def create_message(chat, raw: bytes) -> Response:
     return JSONResponse(message_response(json.loads(response.body), body))
 
 
-def count_tokens(chat, raw: bytes) -> Response:
+async def count_tokens(chat, raw: bytes) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens as the template renders it."""
     from loom.entrypoints.openai.protocol import ChatCompletionRequest
 
@@ -294,7 +314,7 @@ def count_tokens(chat, raw: bytes) -> Response:
         request = ChatCompletionRequest.parse(json.dumps(
             {**chat_request({**body, "max_tokens": body.get("max_tokens", 1)}),
              "stream": False}).encode())
-        return JSONResponse({"input_tokens": len(chat.render(request))})
+        return JSONResponse({"input_tokens": len((await chat.render(request)).token_ids)})
     except MessagesError as error:
         return error_response(error.status_code, str(error))
     except OpenAIError as error:

@@ -7,8 +7,8 @@ structured outputs, limits), and the answer translated back::
     instructions                               a system message, first
     input: a string                            one user message
     input items: message (user, system,        messages (developer as system), text
-      developer, assistant; input_text /         parts joined
-      output_text parts)
+      developer, assistant; input_text /         parts joined; input_image {image_url}
+      output_text / input_image parts)           an image_url part, beside the text
       function_call {call_id, name, arguments} an assistant message's tool_calls
       function_call_output {call_id, output}   a tool message
       reasoning {content: reasoning_text}      an assistant message's reasoning_content
@@ -154,7 +154,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             if role is None:
                 raise RequestError(f"{where}.role must be user, system, developer or "
                                    f"assistant, not {item.get('role')!r}", param="input")
-            content = _text(item.get("content"), f"{where}.content")
+            content = _message_content(item.get("content"), f"{where}.content")
             last = _open_assistant(messages)
             if role == "assistant" and last is not None and not last["content"] \
                     and "tool_calls" not in last:  # after its reasoning item
@@ -193,6 +193,24 @@ def _open_assistant(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
     return messages[-1] if messages and messages[-1]["role"] == "assistant" else None
 
 
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, text parts joined, or, where it holds input_image
+    parts, the chat route's text and image_url parts in order."""
+    if not isinstance(content, list) or not any(
+            isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "input_image":
+            parts.append({"type": "text", "text": _text_part(part, f"{where}.{index}")})
+        elif isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise RequestError(f"{where}.{index}: an input_image needs image_url (a data: URL "
+                               "or an http(s) URL); file_id is not supported", param="input")
+    return parts
+
+
 def _text(content: Any, where: str) -> str:
     """A string, or text parts joined."""
     if isinstance(content, str):
@@ -200,14 +218,17 @@ def _text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise RequestError(f"{where} must be a string or a list of input_text parts",
                            param="input")
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise RequestError(f"{where}.{index}: loom takes text parts (input_text, "
-                               f"output_text), not {kind!r}", param="input")
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.{index}.text must be a string", param="input")
-    return "".join(part["text"] for part in content)
+    return "".join(_text_part(part, f"{where}.{index}") for index, part in enumerate(content))
+
+
+def _text_part(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise RequestError(f"{where}: loom takes text parts (input_text, output_text) and "
+                           f"input_image parts, not {kind!r}", param="input")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text must be a string", param="input")
+    return part["text"]
 
 
 def _string(item: dict[str, Any], name: str, where: str) -> str:

@@ -7,7 +7,8 @@ What the server uses of AsyncLLM (server.py, serving_*.py), and so all this impl
     tokenizer             a real one (the tiny ChatML tokenizer)
     input_processor       the real InputProcessor over that tokenizer
     metrics.render()      a real ServerMetrics
-    add_request(...)      -> a stream of RequestOutputs with abort() / aclose()
+    add_request(...)      -> a stream of RequestOutputs with abort() / aclose() (the
+                             prompt's images, mm_features, are kept, not run)
     is_dead, dead_error, on_dead, num_requests_in_flight, wait_until_idle(), abort_all()
 
 Every sequence of a request generates ``replies[index % len(replies)]``, one text
@@ -41,6 +42,7 @@ class SubmittedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
+    mm_features: list = field(default_factory=list)  # the images' (loom/core/wire.py)
 
 
 @dataclass
@@ -99,10 +101,12 @@ class ScriptedEngine:
             self.aborted.append(request_id)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, stream: bool = True) -> ScriptedStream:
+                    params: SamplingParams, stream: bool = True,
+                    mm_features: list | None = None) -> ScriptedStream:
         if self.refuse_with is not None:
             raise self.refuse_with
-        self.requests[request_id] = SubmittedRequest(prompt, prompt_token_ids, params, stream)
+        self.requests[request_id] = SubmittedRequest(prompt, prompt_token_ids, params, stream,
+                                                     list(mm_features or []))
         self._in_flight.add(request_id)
         outputs = self._outputs(request_id, prompt, prompt_token_ids, params)
         if not stream:

@@ -13,10 +13,11 @@ against the context.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
-                      ValidationInfo, field_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError, ValidationInfo, field_validator)
 
 from loom.entrypoints.openai.errors import RequestError
 from loom.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
@@ -310,6 +311,21 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    # data:image/...;base64,...; http(s) from --allowed-media-domains; a file under
+    # --allowed-local-media-path (loom/multimodal/media.py)
+    url: str
+    detail: str | None = None  # OpenAI's auto, low, high: accepted; the processor sizes images
+
+
+class ImageURLContentPart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+
+
 class FunctionCall(OpenAIModel):
     name: str
     # A JSON string from OpenAI's clients; the chat template gets the object it encodes.
@@ -330,10 +346,39 @@ class ChatMessage(OpenAIModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # role "assistant"
     tool_call_id: str | None = None  # role "tool": the call this turn answers
+
+
+_PART_SHAPES = ('{"type": "text", "text": ...} or {"type": "image_url", "image_url": '
+                '{"url": ...}}')
+
+
+def _check_content_parts(messages: Any) -> Any:
+    """A content part of a type loom does not take, or an image_url that is not an object
+    with a url, is a 400 naming the part (pydantic's own message would name a branch of
+    the content's union instead)."""
+    for index, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for number, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            image_url = part.get("image_url") if kind == "image_url" else None
+            if not ((kind == "text" and isinstance(part.get("text"), str))
+                    or (isinstance(image_url, dict) and isinstance(image_url.get("url"), str))):
+                raise ValueError(f"messages.{index}.content.{number}: a content part is "
+                                 f"{_PART_SHAPES}; got {_shown(part)}")
+    return messages
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float)) else repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+ChatMessages = Annotated[list[ChatMessage], BeforeValidator(_check_content_parts),
+                         Field(min_length=1)]
 
 
 class FunctionDefinition(OpenAIModel):
@@ -358,7 +403,7 @@ class NamedToolChoice(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ChatMessages
     max_tokens: Int64 | None = None  # None: up to the context limit
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False

@@ -393,7 +393,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
-        return count_tokens(chat, await request.body())
+        return await count_tokens(chat, await request.body())
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
@@ -418,7 +418,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}},
               openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request) -> Response:
-        return tokenization.tokenize(await request.body())
+        return await tokenization.tokenize(await request.body())
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}},
               openapi_extra=_json_body(DetokenizeRequest))
@@ -617,7 +617,11 @@ async def _start_engine(args: argparse.Namespace, config: EngineConfig,
         config, max_num_waiting=args.max_num_waiting, log_requests=args.enable_log_requests,
         **options))
     try:
+        # A multimodal model's image processor (seconds of imports) loads in a thread while
+        # the core loads the model, not on the event loop at the first image.
+        image_processor = loop.run_in_executor(None, lambda: engine.input_processor.mm_processor)
         num_blocks = await engine.start()
+        await image_processor
     except BaseException:
         await engine.shutdown(timeout=2.0)
         raise

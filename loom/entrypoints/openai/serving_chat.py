@@ -1,7 +1,13 @@
 """POST /v1/chat/completions: messages through the chat template, then one prompt.
 
-    create   parse -> check model -> output constraints (tool choice, response_format)
-             -> render the messages -> SamplingParams -> submit -> _full or _stream
+    create   parse -> check model -> render the messages (their images loaded and
+             expanded) -> output constraints (tool choice, response_format)
+             -> SamplingParams -> submit -> _full or _stream
+
+Images: each ``image_url`` part reaches the template as ``{"type": "image"}`` (its
+placeholder), the images are loaded in worker threads under the server's media policy
+and each placeholder is expanded into the image's tokens, which ``usage.prompt_tokens``
+counts (loom/entrypoints/chat_images.py).
 
 A stream opens each choice with a ``{"role": "assistant", "content": ""}`` delta, as
 OpenAI and vLLM do, then sends text deltas; the last delta of a choice carries its
@@ -13,11 +19,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import AsyncLLM, RequestStream
+from loom.core.wire import MultiModalFeature
+from loom.entrypoints.chat_images import ChatImage, take_images
 from loom.entrypoints.openai.chat_output import ChatOutputBuilder
 from loom.entrypoints.openai.errors import RequestError, engine_error, raise_if_failed
 from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
@@ -36,6 +44,14 @@ from loom.sampling_params import (GrammarAfterThinking, StructuredOutputsParams,
 from loom.tokenizer import Tokenizer
 
 
+class ChatPrompt(NamedTuple):
+    """A chat request's prompt: its token ids (each image's placeholder expanded into its
+    tokens) and its images' features."""
+
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, served_model_name: str, *,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
@@ -50,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, body: bytes) -> Response:
         request = ChatCompletionRequest.parse(body)
         lora_name = self.check_model(request.model)
-        token_ids = self.render(request)
+        token_ids, mm_features = await self.render(request)
         structured_outputs, output_builder = self._output_constraints(
             request, self._opens_thinking(token_ids))
         params = request.to_sampling_params(len(token_ids), self.max_model_len,
@@ -63,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         self.use_lora(params, lora_name)
         self.check_params(params, len(token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.submit(request_id, None, token_ids, params, request.stream)
+        stream = self.submit(request_id, None, token_ids, params, request.stream, mm_features)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, len(token_ids), stream,
                                             output_builder), abort=stream.abort)
@@ -111,20 +127,27 @@ class OpenAIServingChat(OpenAIServing):
         return structured_outputs, ChatOutputBuilder(tool_choice, tool_name, self.tool_parser,
                                                      reasoning_parser)
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
-        """The request's prompt token ids, as the template renders its messages."""
+    async def render(self, request: ChatCompletionRequest) -> ChatPrompt:
+        """The request's prompt, as the template renders its messages, with its images."""
         kwargs = dict(request.chat_template_kwargs or {})
         if request.thinking_budget(self.effort_budgets) == 0:  # no thinking, where the
             kwargs.setdefault("enable_thinking", False)       # template can leave it out
+        images = chat_images(request.messages)
+        if images:  # a text-only model, too many images: before any is loaded
+            self.check_images(images)
         text = render_chat_prompt(self.engine.tokenizer, request.messages, request.tools,
                                   request.add_generation_prompt, kwargs)
         # The template writes any BOS token itself.
         token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        mm_features: list[MultiModalFeature] = []
         try:
             self.engine.input_processor.validate_prompt(token_ids, param="messages")
+            if images:
+                token_ids, mm_features = await self.apply_images(token_ids, images)
+                self.engine.input_processor.validate_prompt(token_ids, param="messages")
         except InvalidInputError as error:
             raise RequestError.from_invalid_input(error) from None
-        return token_ids
+        return ChatPrompt(token_ids, mm_features)
 
     async def _full(self, request: ChatCompletionRequest, request_id: str,
                     num_prompt_tokens: int, stream: RequestStream,
@@ -192,15 +215,23 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
+def chat_images(messages: list[ChatMessage]) -> list[ChatImage]:
+    """The images of chat messages (their image_url parts), in order."""
+    return take_images([message.model_dump(exclude_none=True) for message in messages])[1]
+
+
 def render_chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
                        tools: list[ChatTool] | None, add_generation_prompt: bool,
                        template_kwargs: dict[str, Any]) -> str:
-    """The prompt text of chat messages (also what /tokenize counts); a 400 when the
+    """The prompt text of chat messages (also what /tokenize counts), each image part an
+    ``{"type": "image"}`` for the template to write its placeholder; a 400 when the
     template fails on them: whatever a template raises (a ZeroDivisionError as well as
     raise_exception's TemplateError), it raised on what this request gave it."""
+    template_messages, _ = take_images([message.model_dump(exclude_none=True)
+                                        for message in messages])
     try:
         return tokenizer.render_chat_template(
-            [message.model_dump(exclude_none=True) for message in messages],
+            template_messages,
             add_generation_prompt,
             tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
             **template_kwargs)

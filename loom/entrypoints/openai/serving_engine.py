@@ -11,12 +11,16 @@ Below the class: the two pieces of output formatting both generation routes use.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from loom.async_llm import AsyncLLM, RequestStream
 from loom.core.kv_transfer import KVTransferParamsError, check_kv_transfer_params
+from loom.core.wire import MultiModalFeature
+from loom.entrypoints.chat_images import ChatImage, load_chat_image, media_policy
 from loom.entrypoints.openai.errors import RequestError, engine_error, model_not_found
 from loom.input_processor import InvalidInputError
+from loom.multimodal.media import MediaError
 from loom.outputs import Logprob
 from loom.sampling_params import SamplingParams
 
@@ -39,6 +43,8 @@ class OpenAIServing:
         # LoRA adapters served beside the base, by name (a request's model): the engine's
         # live set, which /v1/load_lora_adapter and /v1/unload_lora_adapter change
         self.lora_names = engine.lora_names
+        # where image URLs may be read from (--allowed-media-domains, --allowed-local-media-path)
+        self.media_policy = media_policy(engine.config.model)
 
     def check_model(self, requested: str | None) -> str | None:
         """The LoRA adapter ``requested`` names (loom/lora.py), None for the base model; a
@@ -72,9 +78,35 @@ class OpenAIServing:
         except KVTransferParamsError as error:
             raise RequestError(str(error), param=error.param) from None
 
+    def check_images(self, images: list[ChatImage]) -> None:
+        """Before any is loaded: a 400 where the model takes no images, or more than
+        --limit-mm-per-prompt are given."""
+        try:
+            self.engine.input_processor.check_images({"image": images}, param="messages")
+        except InvalidInputError as error:
+            raise RequestError.from_invalid_input(error) from None
+
+    async def apply_images(self, token_ids: list[int], images: list[ChatImage]
+                           ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt with each image's placeholder expanded into its tokens, and the
+        images' features. Loading (the network, decoding) and the image processor run in
+        worker threads, never on the event loop; an image that cannot be loaded or
+        processed is a 400 naming it."""
+        processor = self.engine.input_processor
+        try:
+            loaded = await asyncio.gather(*(asyncio.to_thread(load_chat_image, image,
+                                                              self.media_policy)
+                                            for image in images))
+            return await asyncio.to_thread(processor.apply_images, token_ids, list(loaded),
+                                           "messages")
+        except MediaError as error:
+            raise RequestError(str(error), param="messages") from None
+        except InvalidInputError as error:
+            raise RequestError.from_invalid_input(error) from None
+
     def submit(self, request_id: str, prompt: str | None, token_ids: list[int],
                params: SamplingParams, stream: bool,
-               mm_features: list | None = None) -> RequestStream:
+               mm_features: list[MultiModalFeature] | None = None) -> RequestStream:
         """Hand a checked request to the engine; a 503 when its queue is full, a 500 when
         it is dead."""
         try:

@@ -2,7 +2,9 @@
 
     /tokenize    {"prompt": "..."}              -> {"count", "max_model_len", "tokens", "token_strs"?}
                  {"messages": [...], ...}       -> the same, for the chat prompt /v1/chat/completions
-                                                   would build (same template, same rendering)
+                                                   would build (same template, same rendering,
+                                                   each image's placeholder expanded into the
+                                                   image's tokens)
     /detokenize  {"tokens": [ids]}              -> {"prompt": "..."}
 
 A prompt longer than the context is still counted (clients use /tokenize to find out
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import json
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 from starlette.responses import JSONResponse, Response
 
+from loom.entrypoints.chat_images import ChatImage
 from loom.entrypoints.openai.errors import RequestError
-from loom.entrypoints.openai.protocol import (ChatMessage, ChatTemplateKwargs, ChatTool,
+from loom.entrypoints.openai.protocol import (ChatMessages, ChatTemplateKwargs, ChatTool,
                                              OpenAIModel, TokenId)
-from loom.entrypoints.openai.serving_chat import render_chat_prompt
+from loom.entrypoints.openai.serving_chat import chat_images, render_chat_prompt
 from loom.entrypoints.openai.serving_engine import OpenAIServing
 
 
@@ -32,7 +35,7 @@ class TokenizeCompletionRequest(OpenAIModel):
 
 class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ChatMessages
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
     continue_final_message: bool = False
@@ -69,20 +72,26 @@ class DetokenizeResponse(OpenAIModel):
 class OpenAIServingTokenization(OpenAIServing):
     """Needs only the engine's tokenizer, never its core."""
 
-    def tokenize(self, body: bytes) -> Response:
+    async def tokenize(self, body: bytes) -> Response:
         request = _tokenize_request_type(body).parse(body)
         self.check_model(request.model)
         tokenizer = self.engine.tokenizer
+        images: list[ChatImage] = []
         if isinstance(request, TokenizeChatRequest):
             template_kwargs = dict(request.chat_template_kwargs or {})
             template_kwargs["continue_final_message"] = request.continue_final_message
             if request.chat_template is not None:
                 template_kwargs["chat_template"] = request.chat_template
+            images = chat_images(request.messages)
+            if images:
+                self.check_images(images)
             text = render_chat_prompt(tokenizer, request.messages, request.tools,
                                       request.add_generation_prompt, template_kwargs)
         else:
             text = request.prompt
         token_ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        if images:
+            token_ids, _ = await self.apply_images(token_ids, images)
         token_strs = (tokenizer.hf.convert_ids_to_tokens(token_ids)
                       if request.return_token_strs else None)
         return JSONResponse(TokenizeResponse(

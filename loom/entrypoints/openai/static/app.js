@@ -1,5 +1,8 @@
 // loom's chat page: one conversation, streamed from /v1/chat/completions.
 //
+// Images (attached, pasted or dropped) go with the next message as data: URLs in
+// OpenAI's image_url parts; the conversation keeps them, so later turns send them again.
+//
 // Every URL is relative to the page, so the page works under --root-path. Model text
 // only ever reaches the DOM as text nodes (renderMarkdown builds elements itself and
 // never assigns innerHTML), so nothing a model writes can become markup.
@@ -10,7 +13,8 @@ const KEYS = { settings: "loom.settings", conversation: "loom.conversation", api
 const NUMBER_SETTINGS = { temperature: "temperature", "top-p": "top_p", "max-tokens": "max_tokens", seed: "seed" };
 const RENDER_INTERVAL_MS = 40;
 
-let conversation = readJson(sessionStorage, KEYS.conversation, []); // [{role, content, ...}]
+let conversation = readJson(sessionStorage, KEYS.conversation, []); // [{role, content, images?, ...}]
+let attachments = []; // data: URLs of the images the next message sends
 let modelName = null;
 let controller = null; // the AbortController of the reply being streamed
 
@@ -161,7 +165,21 @@ function requestFields() {
 
 function saveConversation() {
   const withoutViews = (key, value) => (key === "view" ? undefined : value);
-  sessionStorage.setItem(KEYS.conversation, JSON.stringify(conversation, withoutViews));
+  try {
+    sessionStorage.setItem(KEYS.conversation, JSON.stringify(conversation, withoutViews));
+  } catch {
+    // Over the tab's storage quota (images are large): keep the text for a reload.
+    const withoutImages = (key, value) => (key === "view" || key === "images" ? undefined : value);
+    sessionStorage.setItem(KEYS.conversation, JSON.stringify(conversation, withoutImages));
+    setStatus("The images are too large to keep across a reload of this page; the text is kept.", true);
+  }
+}
+
+// A message as the API takes it: its images (if any) as image_url parts, then its text.
+function apiMessage({ role, content, images }) {
+  if (!images?.length) return { role, content };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return { role, content: content ? [...parts, { type: "text", text: content }] : parts };
 }
 
 function addView(message) {
@@ -180,7 +198,13 @@ function renderMessage(message) {
   const content = item.querySelector(".content");
   item.dataset.state = message.state ?? "done";
   if (message.role === "user") {
-    content.textContent = message.content;
+    content.replaceChildren();
+    if (message.images?.length) {
+      const images = element("div", "images");
+      message.images.forEach((url, index) => images.append(imageElement(url, `Image ${index + 1} sent`)));
+      content.append(images);
+    }
+    content.append(message.content);
   } else {
     renderMarkdown(message.content, content);
     if (message.reasoning) {
@@ -222,8 +246,55 @@ function newConversation() {
   $("prompt").focus();
 }
 
+// ------------------------------------------------------------------ images
+
+function imageElement(url, alt) {
+  const image = element("img");
+  Object.assign(image, { src: url, alt });
+  return image;
+}
+
+// Read image files into data: URLs for the next message; anything else is refused.
+async function attachFiles(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  if (images.length < files.length) setStatus("Only images can be attached.", true);
+  for (const file of images) {
+    try {
+      attachments.push(await new Promise((resolve, reject) => {
+        const reader = new FileReader();
+        reader.onload = () => resolve(reader.result);
+        reader.onerror = () => reject(reader.error);
+        reader.readAsDataURL(file);
+      }));
+    } catch (error) {
+      setStatus(`Cannot read ${file.name}: ${error.message}`, true);
+    }
+  }
+  renderAttachments();
+}
+
+function renderAttachments() {
+  const list = $("attachments");
+  list.replaceChildren(...attachments.map((url, index) => {
+    const item = element("li");
+    const remove = element("button", "", "×");
+    Object.assign(remove, { type: "button", title: "Remove" });
+    remove.setAttribute("aria-label", `Remove image ${index + 1}`);
+    remove.addEventListener("click", () => {
+      attachments.splice(index, 1);
+      renderAttachments();
+      $("prompt").focus();
+    });
+    item.append(imageElement(url, `Image ${index + 1} to send`), remove);
+    return item;
+  }));
+  list.hidden = attachments.length === 0;
+}
+
+// ------------------------------------------------------------------ sending
+
 async function send(text) {
-  if (controller || !text.trim()) return;
+  if (controller || (!text.trim() && !attachments.length)) return;
   let fields;
   try {
     fields = requestFields();
@@ -232,15 +303,16 @@ async function send(text) {
     return;
   }
   const system = $("system-prompt").value.trim();
+  const user = { role: "user", content: text, ...(attachments.length ? { images: attachments } : {}) };
   const messages = [...(system ? [{ role: "system", content: system }] : []),
-                    ...conversation.map(({ role, content }) => ({ role, content })),
-                    { role: "user", content: text }];
-  const user = { role: "user", content: text };
+                    ...conversation.map(apiMessage), apiMessage(user)];
   const reply = { role: "assistant", content: "", state: "streaming", figures: {} };
   conversation.push(user, reply);
   addView(user);
   addView(reply);
   $("prompt").value = "";
+  attachments = [];
+  renderAttachments();
   scrollToEnd();
   setBusy(new AbortController());
 
@@ -293,10 +365,15 @@ async function send(text) {
     }
     const turn = conversation.indexOf(user);
     if (!reply.content && turn >= 0) {
-      // Nothing came back: take the turn out of the conversation and give the text back.
+      // Nothing came back: take the turn out of the conversation and give the text and
+      // the images back.
       conversation.splice(turn, 2);
       user.view.classList.add("failed");
       if (!$("prompt").value) $("prompt").value = text;
+      if (!attachments.length && user.images) {
+        attachments = user.images;
+        renderAttachments();
+      }
     }
   } finally {
     clearTimeout(renderTimer);
@@ -452,6 +529,35 @@ document.addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", () => controller?.abort());
+$("attach").addEventListener("click", () => $("image-input").click());
+$("image-input").addEventListener("change", async (event) => {
+  await attachFiles(event.target.files);
+  event.target.value = "";
+  $("prompt").focus();
+});
+$("prompt").addEventListener("paste", (event) => {
+  const files = [...(event.clipboardData?.files ?? [])];
+  if (files.some((file) => file.type.startsWith("image/"))) {
+    event.preventDefault(); // the images, not their file names as text
+    attachFiles(files);
+  }
+});
+// Dropped files anywhere on the page attach; the browser would otherwise open them.
+const carriesFiles = (event) => event.dataTransfer?.types.includes("Files");
+document.addEventListener("dragover", (event) => {
+  if (!carriesFiles(event)) return;
+  event.preventDefault();
+  $("composer").classList.add("dropping");
+});
+document.addEventListener("dragleave", (event) => {
+  if (!event.relatedTarget) $("composer").classList.remove("dropping");
+});
+document.addEventListener("drop", (event) => {
+  $("composer").classList.remove("dropping");
+  if (!carriesFiles(event)) return;
+  event.preventDefault();
+  attachFiles(event.dataTransfer.files);
+});
 $("new-chat").addEventListener("click", newConversation);
 $("open-settings").addEventListener("click", () => $("settings").showModal());
 $("key-form").addEventListener("submit", () => {

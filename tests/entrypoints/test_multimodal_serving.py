@@ -1,0 +1,296 @@
+"""Images through ``loom serve`` (loom/entrypoints/chat_images.py, serving_chat.py) on a
+tiny random Qwen2.5-VL, with OpenAI's SDK: an image_url part (a data: URL, a local file)
+gives the greedy tokens LLM.generate gives with multi_modal_data, full and streamed, and
+usage, /tokenize and the Messages and Responses APIs count its tokens; every bad image
+is a 400 naming the messages while a request in flight runs on; the chat page sends an
+image. Offline, LLM.chat takes the same parts and PIL images. A text-only model answers
+an image part with a 400 (in process, over ScriptedEngine).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+import test_web_ui
+
+from loom import LLM, SamplingParams
+
+QUESTION = "what is in the picture"
+MAX_TOKENS = 8
+LIMIT = 2  # --limit-mm-per-prompt
+browser = test_web_ui.browser  # Chromium through selenium; skips where it is not installed
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def random_image(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that claims width x height pixels and holds none: refused from its header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
+                                                            0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+# Seeds whose greedy replies decode to text without U+FFFD: the text compared shows
+# every token.
+IMAGE = random_image(56, 84, seed=3)
+OTHER_IMAGE = random_image(112, 112, seed=1)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from vlm_checkpoints import make_tiny_qwen2_5_vl
+
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("media")
+    (path / "picture.png").write_bytes(png_bytes(IMAGE))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, media_dir):
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+
+    server = LoomServer(model_dir, *TINY_SERVER_ARGS, "--dtype", "float32",
+                        "--served-model-name", "tiny-vl", "--limit-mm-per-prompt",
+                        json.dumps({"image": LIMIT}), "--allowed-local-media-path",
+                        str(media_dir))
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir, media_dir):
+    """The offline engine's answers, to hold the server to."""
+    with LLM(model_dir, dtype="float32", max_model_len=512, enable_warm_up=False,
+             allowed_local_media_path=str(media_dir)) as llm:
+        yield llm
+
+
+def offline_generate(llm: LLM, images: list[Image.Image]):
+    """LLM.generate on the template's text for ``images`` then QUESTION, with the images
+    as multi_modal_data: the reference every image path is held to."""
+    text = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [*({"type": "image"} for _ in images),
+                                      {"type": "text", "text": QUESTION}]}],
+        tokenize=False, add_generation_prompt=True)
+    [output] = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return output
+
+
+# ----------------------------------------------------------------- the images' tokens
+
+def test_an_image_gives_the_offline_tokens(server, offline, media_dir):
+    from vlm_checkpoints import IMAGE_PAD_ID
+
+    want = offline_generate(offline, [IMAGE])
+    reply = want.outputs[0]
+    assert "\ufffd" not in reply.text and len(reply.token_ids) == MAX_TOKENS
+    assert offline_generate(offline, [OTHER_IMAGE]).outputs[0].text != reply.text
+    num_image_tokens = want.prompt_token_ids.count(IMAGE_PAD_ID)
+    assert num_image_tokens == (56 // 28) * (84 // 28)  # 14-pixel patches merged 2 x 2
+    client = server.openai()
+    for url in (data_url(png_bytes(IMAGE)), "picture.png", f"file://{media_dir}/picture.png"):
+        answer = client.chat.completions.create(
+            model="tiny-vl", messages=user(image_part(url)), max_tokens=MAX_TOKENS,
+            temperature=0)
+        assert answer.choices[0].message.content == reply.text, url
+        assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert answer.usage.completion_tokens == len(reply.token_ids)
+
+    chunks = list(client.chat.completions.create(
+        model="tiny-vl", messages=user(image_part(data_url(png_bytes(IMAGE)))),
+        max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.text
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+    counted = httpx.post(f"{server.url}/tokenize", timeout=60, json={
+        "model": "tiny-vl", "messages": user(image_part(data_url(png_bytes(IMAGE))))}).json()
+    assert counted["tokens"] == want.prompt_token_ids
+    assert counted["count"] == len(want.prompt_token_ids)
+
+
+def test_two_images_in_order(server, offline):
+    want = offline_generate(offline, [IMAGE, OTHER_IMAGE])
+    swapped = offline_generate(offline, [OTHER_IMAGE, IMAGE])
+    assert want.prompt_token_ids != swapped.prompt_token_ids  # the sizes differ
+    answer = server.openai().chat.completions.create(
+        model="tiny-vl", max_tokens=MAX_TOKENS, temperature=0,
+        messages=user(image_part(data_url(png_bytes(IMAGE))),
+                      image_part(data_url(png_bytes(OTHER_IMAGE)))))
+    assert answer.choices[0].message.content == want.outputs[0].text
+    assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_offline_chat_takes_image_parts(offline, media_dir):
+    want = offline_generate(offline, [IMAGE]).outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for part in (image_part(data_url(png_bytes(IMAGE))),
+                 image_part(str(media_dir / "picture.png")),
+                 {"type": "image_pil", "image_pil": IMAGE},
+                 {"type": "image", "image": IMAGE}):
+        [output] = offline.chat(user(part), params, use_tqdm=False)
+        assert output.outputs[0].token_ids == want, part["type"]
+    with pytest.raises(ValueError, match="outside the allowed local media directory"):
+        offline.chat(user(image_part("/etc/hostname")), params, use_tqdm=False)
+    with pytest.raises(ValueError, match="remote images are off"):
+        offline.chat(user(image_part("https://example.com/cat.png")), params, use_tqdm=False)
+    with pytest.raises(ValueError, match="messages.0.content.0: an image_pil part"):
+        offline.chat(user({"type": "image_pil", "image_pil": "cat.png"}), params,
+                     use_tqdm=False)
+
+
+def test_messages_and_responses_apis_take_images(server, offline):
+    want = offline_generate(offline, [IMAGE])
+    encoded = base64.b64encode(png_bytes(IMAGE)).decode()
+    body = {"model": "tiny-vl", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [{
+        "role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": encoded}},
+            {"type": "text", "text": QUESTION}]}]}
+    message = httpx.post(f"{server.url}/v1/messages", timeout=60, json=body).json()
+    assert message["content"][0]["text"] == want.outputs[0].text, message
+    assert message["usage"]["input_tokens"] == len(want.prompt_token_ids)
+    counted = httpx.post(f"{server.url}/v1/messages/count_tokens", timeout=60, json=body)
+    assert counted.json() == {"input_tokens": len(want.prompt_token_ids)}
+    response = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": "tiny-vl", "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [{
+            "role": "user", "content": [
+                {"type": "input_image", "image_url": data_url(png_bytes(IMAGE))},
+                {"type": "input_text", "text": QUESTION}]}]}).json()
+    assert response["output"][0]["content"][0]["text"] == want.outputs[0].text, response
+    assert response["usage"]["input_tokens"] == len(want.prompt_token_ids)
+
+
+# ----------------------------------------------------------------- bad images
+
+BAD_IMAGES = [
+    ("not an image", [image_part(data_url(b"hello world"))], "the bytes are not an image"),
+    ("corrupt base64", [image_part("data:image/png;base64,@@@@")], "base64 is corrupt"),
+    ("a text data URL", [image_part(data_url(b"hi", "text/plain"))], "is not an image"),
+    ("too many", [image_part(data_url(png_bytes(IMAGE)))] * (LIMIT + 1),
+     f"at most {LIMIT} are allowed (--limit-mm-per-prompt)"),
+    ("over the pixel cap", [image_part(data_url(png_header_only(8000, 8000)))],
+     "64,000,000 pixels, over this server's limit"),
+    ("remote", [image_part("https://example.com/cat.png")], "remote images are off"),
+    ("a file outside the directory", [image_part("/etc/hostname")],
+     "outside the allowed local media directory"),
+    ("a missing file", [image_part("missing.png")], "no file missing.png"),
+    ("an aspect ratio the processor refuses",
+     [image_part(data_url(png_bytes(Image.new("RGB", (600, 2)))))], "aspect ratio"),
+    ("another modality", [{"type": "video_url", "video_url": {"url": "x"}}],
+     "messages.0.content.0: a content part is"),
+    ("no url", [{"type": "image_url", "image_url": {}}], "a content part is"),
+]
+
+
+def test_bad_images_are_400s_and_the_server_keeps_serving(server):
+    client = server.openai()
+    # A long reply in flight meanwhile, streamed: it must run to its end.
+    in_flight = iter(client.completions.create(
+        model="tiny-vl", prompt="hello", max_tokens=400, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert next(in_flight).choices
+    for what, parts, message in BAD_IMAGES:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as raised:
+                client.chat.completions.create(model="tiny-vl", messages=user(*parts),
+                                               max_tokens=MAX_TOKENS, stream=stream)
+            assert raised.value.status_code == 400, what
+            assert raised.value.param == "messages", what
+            assert message in raised.value.message, (what, raised.value.message)
+        counted = httpx.post(f"{server.url}/tokenize", timeout=60,
+                             json={"messages": user(*parts)})
+        assert counted.status_code == 400, what
+        assert counted.json()["error"]["param"] == "messages", what
+    assert list(in_flight)[-1].usage.completion_tokens == 400
+    good = client.chat.completions.create(model="tiny-vl", max_tokens=2,
+                                          messages=user(image_part(data_url(png_bytes(IMAGE)))))
+    assert good.usage.completion_tokens == 2
+
+
+# ----------------------------------------------------------------- a text-only model
+
+def test_a_text_only_model_answers_an_image_with_a_400(tmp_path):
+    from fastapi.testclient import TestClient
+    from scripted_engine import ScriptedEngine
+    from tokenizer_fixtures import make_tiny_tokenizer
+
+    from loom.entrypoints.openai.server import ServerState, build_app
+    from loom.tokenizer import load_tokenizer
+
+    tokenizer_dir = make_tiny_tokenizer(str(tmp_path))
+    engine = ScriptedEngine.on(load_tokenizer(tokenizer_dir), tokenizer_dir)
+    with TestClient(build_app(ServerState(engine, "tiny", None, 1.0))) as client:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            response = client.post(path, json={"messages": user(image_part(
+                data_url(png_bytes(IMAGE))))})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "messages"
+            assert "this model is text-only: it takes no images" in error["message"]
+        assert engine.requests == {}
+        assert client.post("/v1/chat/completions", json={"messages": user()}).status_code == 200
+
+
+# ----------------------------------------------------------------- the chat page
+
+def test_chat_page_sends_an_image(server, offline, media_dir, browser):
+    want = offline_generate(offline, [IMAGE])
+    page = test_web_ui.Page(browser, f"{server.url}/", None, None)
+    browser.get(page.url)
+    page.wait(lambda: "tiny-vl" in page.by_id("status").text, 30, "the model in the status")
+    page.set_settings(temperature="0", max_tokens=str(MAX_TOKENS))
+    page.by_id("image-input").send_keys(str(media_dir / "picture.png"))
+    page.wait(lambda: browser.execute_script(
+        "return document.querySelectorAll('#attachments img').length") == 1, 10,
+        "the image's thumbnail")
+    page.type_and_send(QUESTION)
+    reply = page.wait_for_reply("done")
+    assert f"prompt {len(want.prompt_token_ids)} tokens" in reply["figures"], reply
+    sent = browser.execute_script(
+        "return [...document.querySelectorAll('#conversation .message.user img')]"
+        ".map(image => image.src)")
+    assert sent == [data_url(png_bytes(IMAGE))]
+    assert browser.execute_script(
+        "return document.getElementById('attachments').hidden") is True
