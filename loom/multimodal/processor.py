@@ -105,6 +105,7 @@ class MultiModalProcessor:
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "QwenVLProcessor"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLProcessor"),
+    "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl", "Ernie4_5_VLProcessor"),
 }
 
 

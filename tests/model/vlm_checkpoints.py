@@ -160,3 +160,101 @@ def _build_qwen3_vl() -> str:
     hf.save_pretrained(path)
     _move_chat_template_into_tokenizer_config(path, QWEN_VL_CHAT_TEMPLATE)
     return path
+
+
+ERNIE_VL_TOKENS = ["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>",
+                   "<|VIDEO_START|>", "<|VIDEO_END|>", "<|VIDEO_PLACEHOLDER|>"]
+(ERNIE_IMAGE_START_ID, ERNIE_IMAGE_END_ID, ERNIE_IMAGE_ID, ERNIE_VIDEO_START_ID,
+ ERNIE_VIDEO_END_ID, ERNIE_VIDEO_ID) = range(256, 262)
+# the published template's image part (pictures numbered), in ChatML
+ERNIE_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
+    "{{ 'Picture ' + image_count.value|string + ':<|IMAGE_START|><|IMAGE_PLACEHOLDER|>"
+    "<|IMAGE_END|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def ernie4_5_vl_config():
+    from transformers import Ernie4_5_VLMoeConfig
+
+    return Ernie4_5_VLMoeConfig(
+        text_config=dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=264,
+            max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
+            moe_num_experts=4, moe_k=2, moe_intermediate_size=[32, 16],
+            moe_num_shared_experts=2, mlp_layer_types=["dense", "sparse", "sparse"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [3, 3, 2]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           patch_size=14, spatial_merge_size=2),
+        image_start_token_id=ERNIE_IMAGE_START_ID, image_end_token_id=ERNIE_IMAGE_END_ID,
+        image_token_id=ERNIE_IMAGE_ID, video_start_token_id=ERNIE_VIDEO_START_ID,
+        video_end_token_id=ERNIE_VIDEO_END_ID, video_token_id=ERNIE_VIDEO_ID)
+
+
+def _randomize_ernie4_5_vl(model) -> None:
+    """Wider weights than ``randomize`` (whose ERNIE repeats one token whatever the
+    image): text 0.2, vision 0.3, norms about 1, the final norm times 4, so that the
+    image, the 3D positions and the experts each move the greedy tokens. The image and
+    video markers' embedding rows (the LM head's, tied) are scaled down, so that greedy
+    decoding never writes one: transformers routes a generated marker to the text
+    experts, loom to the vision experts (loom/model/models/ernie4_5_vl.py)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln.weight")):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif "vision_tower." in name or "resampler_model." in name:
+                param.normal_(0.0, 0.3)
+            else:
+                param.normal_(0.0, 0.2)
+        model.model.language_model.norm.weight.mul_(4.0)
+        model.model.language_model.embed_tokens.weight[ERNIE_IMAGE_START_ID:].mul_(0.05)
+
+
+def make_tiny_ernie4_5_vl(path: str | os.PathLike) -> str:
+    """A tiny random ERNIE 4.5 VL (float32, seeded) in ``path``: text 3 layers of 64 (a
+    dense first layer, then text and vision experts, 4 each, top 2, two shared experts,
+    3D rope on sections [3, 3, 2]), vision 2 blocks of 32; images of 28 x 28 to 112 x 112
+    pixels after resizing (1 to 16 rows each)."""
+    path = str(path)
+    if "ernie4_5_vl" not in _BUILT:
+        _BUILT["ernie4_5_vl"] = _build_ernie4_5_vl()
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(_BUILT["ernie4_5_vl"]):
+        shutil.copyfile(os.path.join(_BUILT["ernie4_5_vl"], name), os.path.join(path, name))
+    return path
+
+
+def _build_ernie4_5_vl() -> str:
+    from transformers import Ernie4_5_VLMoeForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import \
+        Ernie4_5_VLMoeImageProcessorPil
+
+    path = tempfile.mkdtemp(prefix="loom-tiny-ernie4_5_vl-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    torch.manual_seed(4500)
+    model = Ernie4_5_VLMoeForConditionalGeneration(ernie4_5_vl_config()).to(torch.float32)
+    _randomize_ernie4_5_vl(model)
+    model.save_pretrained(path)
+    Ernie4_5_VLMoeImageProcessorPil(
+        size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}).save_pretrained(path)
+    make_tiny_tokenizer(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(path)
+    hf.add_special_tokens({"additional_special_tokens": ERNIE_VL_TOKENS})
+    assert hf.convert_tokens_to_ids(ERNIE_VL_TOKENS) == list(range(256, 262))
+    hf.save_pretrained(path)
+    _move_chat_template_into_tokenizer_config(path, ERNIE_VL_CHAT_TEMPLATE)
+    return path

@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     # multimodal: images in (loom/multimodal)
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl",
+                                               "Ernie4_5_VLMoeForConditionalGeneration"),
     # --task classify (models/classification.py)
     "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),

@@ -1,0 +1,32 @@
+"""ERNIE 4.5 VL's images: the checkpoint's ``Ernie4_5_VLMoeImageProcessor`` (PIL).
+
+The chat template writes ``Picture N:<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>``
+per image; as transformers' ``Ernie4_5_VLMoeProcessor``, the placeholder becomes one
+token per row the tower makes (the image's 14-pixel patch grid merged 2x2), between the
+start and end markers the template wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.multimodal.processor import MultiModalProcessor
+
+
+class Ernie4_5_VLProcessor(MultiModalProcessor):
+    """``<|IMAGE_PLACEHOLDER|>`` (the config's ``image_token_id``) is the placeholder."""
+
+    def __init__(self, model_path: str, hf_config: Any) -> None:
+        super().__init__(model_path, hf_config)
+        from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import \
+            Ernie4_5_VLMoeImageProcessorPil
+
+        self.image_processor = Ernie4_5_VLMoeImageProcessorPil.from_pretrained(model_path)
+        self.placeholder_token_id = hf_config.image_token_id
+        self.merge_size = self.image_processor.merge_size
+
+    def process_image(self, image: Any) -> tuple[dict[str, Any], int]:
+        out = self.image_processor(images=[image], return_tensors="np")
+        grid = out["image_grid_thw"]
+        length = int(grid.prod()) // self.merge_size ** 2
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, length
