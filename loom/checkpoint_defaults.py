@@ -56,7 +56,7 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         logger.warning("--trust-remote-code: loom never runs code from a checkpoint; its "
                        "own implementations serve the architectures it supports")
     check_architecture_before_loading(model)
-    hf_config = load_hf_config(model)
+    hf_config = load_hf_config(model, args.mmproj)
     architecture = get_model_architecture(hf_config)  # unsupported: a ValueError naming them
     classifier = architecture.endswith("ForSequenceClassification")
     if classifier != (args.task == "classify"):

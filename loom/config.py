@@ -36,6 +36,9 @@ _QUANTIZATION_NOT_BUILT = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 class ModelConfig:
     model: str  # a Hugging Face directory or a .gguf file
     tokenizer: str | None = None
+    # A GGUF model's llama.cpp vision projector (loom/model/loader/gguf_mmproj.py): the
+    # multimodal config is the two files', the vision tower's weights are the projector's.
+    mmproj: str | None = None
     dtype: str = "auto"  # resolved to a concrete name (checkpoint_defaults.py)
     max_model_len: int = 2048
     seed: int = 0

@@ -12,6 +12,7 @@ torchvision, this one through PIL, as images are).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -21,16 +22,31 @@ from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor
 DEFAULT_VIDEO_FPS = 2.0
 
 
+def image_processor(model_path: str, hf_config: Any) -> Any:
+    """The checkpoint's ``Qwen2VLImageProcessorPil``: its preprocessor_config.json (for
+    a .gguf model, the one beside the file); a .gguf model with a llama.cpp projector
+    (``--mmproj``) and no such file beside it takes the projector's settings
+    (loom/model/loader/gguf_mmproj.py)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+
+    directory = (model_path if os.path.isdir(model_path)
+                 else os.path.dirname(os.path.abspath(model_path)))
+    mmproj = getattr(hf_config, "mmproj", None)
+    if mmproj is None or os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
+        return Qwen2VLImageProcessorPil.from_pretrained(directory)
+    from loom.model.loader.gguf_mmproj import image_processor_kwargs
+
+    return Qwen2VLImageProcessorPil(**image_processor_kwargs(mmproj))
+
+
 class QwenVLProcessor(MultiModalProcessor):
     """Qwen2.5-VL (and Qwen2-VL): patches of ``patch_size`` pixels, 2x2 of them merged
     into one row; ``<|image_pad|>`` is the placeholder."""
 
     def __init__(self, model_path: str, hf_config: Any) -> None:
         super().__init__(model_path, hf_config)
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
-            Qwen2VLImageProcessorPil
-
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        self.image_processor = image_processor(model_path, hf_config)
         self.placeholder_token_id = hf_config.image_token_id
         self.merge_size = hf_config.vision_config.spatial_merge_size
         if getattr(hf_config, "video_token_id", None) is not None:

@@ -1,6 +1,6 @@
 """Hugging Face configs of GGUF files whose architecture ``transformers`` does not read
-from GGUF (``ernie4_5``, ``ernie4_5-moe``) or reads without the keys loom needs
-(``qwen3moe``: transformers drops ``expert_feed_forward_length``), built from the
+from GGUF (``ernie4_5``, ``ernie4_5-moe``, ``qwen2vl``) or reads without the keys loom
+needs (``qwen3moe``: transformers drops ``expert_feed_forward_length``), built from the
 metadata llama.cpp's converter writes (convert_hf_to_gguf.py: ``TextModel``'s keys,
 plus each model class's own) and from which tensors the file holds:
 
@@ -12,7 +12,10 @@ plus each model class's own) and from which tensors the file holds:
 A layer is a mixture of experts where the file has its router (``blk.N.ffn_gate_inp``).
 What the metadata does not say is the converter's fixed choice: Qwen3-MoE renormalizes
 its top-k weights (llama.cpp's qwen3moe graph does), ERNIE's MoE layers run to the
-last layer.
+last layer. A ``qwen2vl`` file is Qwen2.5-VL's (or Qwen2-VL's) language model: alone it
+runs as Qwen2, text only (a text token's three M-RoPE positions are equal: plain rope);
+with ``--mmproj`` it is the text half of the multimodal config, its
+``rope.dimension_sections`` the M-RoPE sections (gguf_mmproj.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+    "qwen2vl": ("Qwen2Config", "Qwen2ForCausalLM"),
 }
 _ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 

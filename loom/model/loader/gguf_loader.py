@@ -10,6 +10,9 @@ they come out here as the per-expert tensors of a Hugging Face checkpoint
 (``model.layers.N.mlp.experts.<e>.gate_proj.weight``): dequantized, or with
 ``keep_quantized`` each expert's rows of the stacked bytes as its own ``QuantizedTensor``
 when loom keeps the format (FusedMoE then holds its experts quantized).
+
+A vision projector beside the text file (``--mmproj``) streams after it
+(``mmproj_weights_iterator``), under the checkpoint's ``visual.`` names (gguf_mmproj.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from loom.model.layers.quantization import QuantizedTensor
 from loom.model.loader.gguf_dequant import dequantize
+from loom.model.loader.gguf_mmproj import PATCH_EMBED, mmproj_tensor_target
 from loom.model.loader.gguf_quantized import GGUF_KEPT, gguf_quantized
 from loom.model.loader.hf_config import close_gguf_files, open_gguf
 
@@ -218,4 +222,32 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
                     ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items())))
     # Every tensor is in the model now: unmap the file, whose pages read so far would
     # otherwise stay in the resident set (the file's size) as long as the process.
+    close_gguf_files()
+
+
+def mmproj_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A llama.cpp vision projector's tensors under the checkpoint's names, dequantized
+    to float32 (gguf_mmproj.py): the parts the converter split are joined back, the
+    patch embedding's two kernels stacked as its Conv3d's temporal axis, q, k and v
+    concatenated into the fused qkv rows."""
+    gguf_file = open_gguf(path)
+    held: dict[str, dict[int, torch.Tensor]] = {}  # checkpoint name -> its parts so far
+    for info in gguf_file.tensors.values():
+        hf_name, part, num_parts = mmproj_tensor_target(info.name)
+        weights = dequantize(gguf_file.tensor_bytes(info), info.ggml_type, info.shape)
+        gguf_file.release(info)
+        if num_parts == 1:
+            yield hf_name, weights
+            continue
+        parts = held.setdefault(hf_name, {})
+        parts[part] = weights
+        if len(parts) == num_parts:
+            ordered = [parts[i] for i in range(num_parts)]
+            del held[hf_name]
+            # (E, C, P, P) x 2 -> (E, C, 2, P, P); rows | q | k | v |
+            yield hf_name, (torch.stack(ordered, dim=2) if hf_name == PATCH_EMBED
+                            else torch.cat(ordered))
+    if held:
+        raise ValueError(f"{path} lacks parts of {', '.join(sorted(held))}; convert the "
+                         "projector again with llama.cpp's convert_hf_to_gguf.py --mmproj")
     close_gguf_files()

@@ -20,6 +20,7 @@ from typing import Any
 from loom.model.attention.kv_layout import kv_cache_row
 from loom.model.loader.gguf_configs import config_from_metadata
 from loom.model.loader.gguf_file import GGUFFile
+from loom.model.loader.gguf_mmproj import multimodal_config, open_mmproj
 from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
 from loom.torch_free import call_with_torch, torch_forbidden
 
@@ -31,8 +32,14 @@ def is_gguf(model_path: str) -> bool:
     return os.path.isfile(model_path) and model_path.endswith(".gguf")
 
 
-def load_hf_config(model_path: str) -> Any:
-    """A ``transformers`` config from an HF checkpoint dir or a ``.gguf`` file."""
+def load_hf_config(model_path: str, mmproj: str | None = None) -> Any:
+    """A ``transformers`` config from an HF checkpoint dir or a ``.gguf`` file; with
+    ``mmproj`` (a llama.cpp vision projector beside a .gguf file), the multimodal config
+    the two make (gguf_mmproj.py)."""
+    if mmproj is not None:
+        projector = open_mmproj(model_path, mmproj)
+        return with_text_fields(multimodal_config(load_gguf_config(model_path),
+                                                  open_gguf(model_path), projector))
     if is_gguf(model_path):
         return load_gguf_config(model_path)
     if not os.path.isdir(model_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,8 @@ from loom.model.layers.embedding import VocabParallelEmbedding
 from loom.model.layers.linear import LinearBase
 from loom.model.layers.weight_forms import MixedFormats, OneDnnWeight
 from loom.model.layers.quantization import linear_weight_quantization, table_quantization
-from loom.model.loader.gguf_loader import gguf_quantized_formats, gguf_weights_iterator
+from loom.model.loader.gguf_loader import (gguf_quantized_formats, gguf_weights_iterator,
+                                           mmproj_weights_iterator)
 from loom.model.loader.hf_config import is_gguf, load_hf_config
 from loom.model.kernel_replay import install as install_kernel_replay
 from loom.model.loader.hf_config_values import HFConfigView
@@ -35,7 +37,7 @@ def model_hf_config(model_config: ModelConfig | SpeculativeConfig) -> Any:
     its plain values (no ``transformers`` import in this process); read from the
     checkpoint when the config was built without them."""
     if model_config.hf_config is None:
-        return load_hf_config(model_config.model)
+        return load_hf_config(model_config.model, getattr(model_config, "mmproj", None))
     return HFConfigView.from_values(model_config.hf_config)
 
 
@@ -86,6 +88,9 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                            "runs the file's own formats", quantization, "/".join(rounded))
         weights = gguf_weights_iterator(model_path, hf_config,
                                         keep_quantized=quantization == "auto")
+        mmproj = getattr(hf_config, "mmproj", None)
+        if mmproj is not None:  # the vision tower, from its llama.cpp projector file
+            weights = itertools.chain(weights, mmproj_weights_iterator(mmproj))
     else:
         weights = safetensors_weights_iterator(model_path)
     with torch.no_grad():
