@@ -55,10 +55,14 @@ class LLMEngine:
             self.tokenizer.check_params(params)
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         engine_ids = self.output_processor.add_request(request_id, text, token_ids, params, stream)
-        for index, engine_id in enumerate(engine_ids):
-            self.engine_core.add_request(Request(
-                engine_id, token_ids, params, eos_token_ids,
-                parent_request_id=request_id, index=index, mm_features=mm_features))
+        try:
+            for index, engine_id in enumerate(engine_ids):
+                self.engine_core.add_request(Request(
+                    engine_id, token_ids, params, eos_token_ids,
+                    parent_request_id=request_id, index=index, mm_features=mm_features))
+        except BaseException:  # refused (the scheduler's admission checks): forgotten here too
+            self.abort_request(request_id)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):

@@ -93,6 +93,13 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens but max_model_len is "
                              f"{self.max_model_len}; shorten it or raise --max-model-len")
+        budget = self.config.max_num_batched_tokens
+        for feature in request.mm_features:
+            if feature.bidirectional and feature.length > budget:  # see _fit_images
+                raise ValueError(
+                    f"an image of the prompt fills {feature.length} tokens, which attend to "
+                    f"each other and so run in one step, but max_num_batched_tokens is "
+                    f"{budget}; raise --max-num-batched-tokens to {feature.length} or more")
         if self.kv_transfer is not None:
             self.kv_transfer.prepare_request(request)
         else:  # refuses any transfer
@@ -589,11 +596,18 @@ class Scheduler:
         step, and the chunk stops before it. ``fresh``: the request was just admitted
         (new, or after a preemption), so the workers hold none of its images and an
         image this chunk resumes inside is made again. An image larger than the whole
-        budget runs alone."""
+        budget runs alone.
+
+        An image whose tokens attend to each other both ways (``bidirectional``) runs in
+        one step: a chunk never ends inside it but stops before it (and where the chunk
+        starts inside it, after a prefix-cache hit, the request waits for a step with room
+        for the rest). ``add_request`` refuses one longer than a step's budget."""
         end = start + num_new_tokens
         for feature in request.mm_features:
             if feature.offset >= end:
                 break
+            if feature.bidirectional and feature.end > end:
+                return max(feature.offset - start, 0), encoder_budget
             if feature.end <= start or (feature.offset < start and not fresh):
                 continue  # done, or its embeddings are kept from an earlier step
             nothing_encoded = encoder_budget == self.config.max_num_batched_tokens

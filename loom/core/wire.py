@@ -58,6 +58,10 @@ class MultiModalFeature(msgspec.Struct, kw_only=True):
     offset: int  # the prompt index of its first placeholder token
     length: int  # its placeholder tokens: one per row its tower makes
     data: dict[str, TensorData] = {}  # the processor's arrays for this item alone
+    # Its tokens attend to each other both ways, the earlier ones to the later (Gemma 3;
+    # its processor sets it): the scheduler never ends a step inside its span, and the
+    # runner tells attention where it lies in the step (AttentionMetadata).
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:

@@ -342,6 +342,10 @@ class ModelRunner:
         mm_embeds = (self._multimodal_embeds(req_ids, metadata.query_start_loc_cpu)
                      if self.encoder_cache or any(self.requests[r].mm_features
                                                   for r in req_ids) else None)
+        if mm_embeds is not None:
+            spans = self._bidirectional_spans(req_ids, metadata.query_start_loc_cpu)
+            for group_metadata in (metadata, *metadata.group_metadata):
+                group_metadata.bidirectional_spans = spans
         with set_forward_context(metadata):
             hidden_states = None
             if mm_embeds is not None:  # image tokens in the step: their rows go in
@@ -474,6 +478,30 @@ class ModelRunner:
         if not row_parts:
             return None
         return torch.cat(index_parts), torch.cat(row_parts)
+
+    def _bidirectional_spans(self, req_ids: list[str], query_start_loc: list[int]
+                             ) -> tuple[tuple[int, int], ...]:
+        """The step token ranges of the images in it whose tokens attend to each other
+        both ways (``MultiModalFeature.bidirectional``). The scheduler ends no step inside
+        such an image, so each range runs to its image's end; it starts where the image
+        does, or where a prefix-cache hit left off inside it (the cached tokens' K/V were
+        computed with all of the image, and the step's queries see them as earlier keys)."""
+        spans = []
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            end = start + query_start_loc[i + 1] - query_start_loc[i]
+            for feature in state.mm_features:
+                if not (feature.bidirectional and feature.overlaps(start, end)):
+                    continue
+                if feature.end > end:
+                    raise RuntimeError(
+                        f"request {req_id}: the step runs tokens {start}..{end - 1}, ending "
+                        f"inside an image whose tokens {feature.offset}..{feature.end - 1} "
+                        "attend to each other; the scheduler must run them in one step")
+                first = query_start_loc[i] + max(feature.offset, start) - start
+                spans.append((first, query_start_loc[i] + feature.end - start))
+        return tuple(spans)
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int],
                         spec_tokens: dict[str, list[int]] | None = None):

@@ -7,7 +7,9 @@ reading each context where it lies in the block pool (a sliding-window layer's k
 outside its window masked). In float32, prefill chunks longer than
 ``MAX_NATIVE_QUERY_LEN`` run one SDPA each, as in the torch backend, whose
 matmuls win there. Without the kernels (no compiler, ``LOOM_NATIVE_KERNELS=0``), on CUDA, in
-float16, and in the profiling run before the cache exists, it is the torch backend.
+float16, in the profiling run before the cache exists, and for a step with bidirectional
+spans (an image whose tokens see each other, which the kernels' causal masks do not
+open), it is the torch backend.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
         ops = native_ops_for(query.device, query.dtype)
-        if kv_cache is None or ops is None:
+        if kv_cache is None or ops is None or metadata.bidirectional_spans:
             return super().forward(query, key, value, kv_cache, metadata)
         ops.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -45,6 +45,11 @@ class AttentionMetadata:
     # LoRA adapters (model/layers/lora.py): each token's adapter slot, -1 for the base;
     # None where LoRA is off. Not attention's, but the step's, as everything here.
     lora_slots: torch.Tensor | None = None
+    # Step token ranges [start, end) whose queries see all of the range's keys, not only
+    # the earlier ones: an image of a family whose image tokens attend to each other
+    # both ways (MultiModalFeature.bidirectional). Each lies within one request's new
+    # tokens; a sliding window still hides keys too far behind a query.
+    bidirectional_spans: tuple[tuple[int, int], ...] = ()
     # Per-step values derived by the attention backend (gather indices, masks), built
     # by the first layer that needs them and reused by the others; see ``cached``.
     _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,

@@ -3,8 +3,10 @@
 Decode requests (one new token) are batched: one gather of their contexts from the
 paged cache and two matmuls with a length mask. Requests with several new tokens
 (prefill, chunked prefill) run one SDPA each with a causal mask offset by the
-number of tokens already in the cache. Gather indices and masks are built once per
-step (``AttentionMetadata.cached``) and shared by all layers.
+number of tokens already in the cache, opened within the request's bidirectional spans
+(``AttentionMetadata.bidirectional_spans``: an image whose tokens see each other). Gather
+indices and masks are built once per step (``AttentionMetadata.cached``) and shared by
+all layers.
 
 GQA without copying K/V: the G = H / Hkv query heads that share a KV head are laid
 out as G "query rows" of that KV head, ``(…, H, D) -> (…, Hkv, G, D)``, which is how
@@ -69,10 +71,13 @@ class TorchAttentionBackend(AttentionBackend):
                                     partial(_context_slots, metadata, i, end - start,
                                             self.sliding_window))
             k, v = self._gather(kv_cache, slots, query.dtype)
+        # its spans whose queries see all their keys, as query indices [first, last)
+        spans = tuple((first - start, last - start)
+                      for first, last in metadata.bidirectional_spans if start <= first < end)
         mask = metadata.cached(("prefill_mask", end - start, k.shape[1], query.dtype,
-                                self.sliding_window),
+                                self.sliding_window, spans),
                                partial(_prefill_mask, end - start, k.shape[1], self.group,
-                                       query.dtype, query.device, self.sliding_window))
+                                       query.dtype, query.device, self.sliding_window, spans))
         output[start:end] = self._prefill(query[start:end], k, v, mask)
 
     @property
@@ -217,13 +222,19 @@ def _context_slots(metadata: AttentionMetadata, i: int, q_len: int,
 
 
 def _prefill_mask(q_len: int, seq_len: int, group: int, dtype: torch.dtype,
-                  device: torch.device, sliding_window: int | None = None) -> torch.Tensor:
+                  device: torch.device, sliding_window: int | None = None,
+                  bidirectional: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """(G*Q, S) additive causal mask: query j sits at position S - Q + j and sees keys
-    0 .. S - Q + j (with a ``sliding_window`` W, only the last W of them); repeated for
-    the G query rows of each KV head."""
+    0 .. S - Q + j, and, where j lies in a span [first, last) of ``bidirectional``, the
+    span's later keys too (Hugging Face's causal OR same image block); with a
+    ``sliding_window`` W, only keys less than W behind the query, whichever rule shows
+    them. Repeated for the G query rows of each KV head."""
     query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
     key_pos = torch.arange(seq_len, device=device)[None, :]
     hidden = key_pos > query_pos[:, None]  # (Q, S)
+    context = seq_len - q_len  # the key of query j is key context + j
+    for first, last in bidirectional:
+        hidden[first:last, context + first:context + last] = False
     if sliding_window is not None:
         hidden |= key_pos <= query_pos[:, None] - sliding_window
     mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
