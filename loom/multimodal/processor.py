@@ -104,6 +104,7 @@ class MultiModalProcessor:
 # architecture -> (module under loom.multimodal, its processor class), imported lazily
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "QwenVLProcessor"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3Processor"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLProcessor"),
     "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl", "Ernie4_5_VLProcessor"),
 }

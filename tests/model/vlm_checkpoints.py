@@ -258,3 +258,81 @@ def _build_ernie4_5_vl() -> str:
     hf.save_pretrained(path)
     _move_chat_template_into_tokenizer_config(path, ERNIE_VL_CHAT_TEMPLATE)
     return path
+
+
+# Gemma 3: its image tokens, then the turn markers of its chat template
+GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>", "<start_of_turn>",
+                 "<end_of_turn>"]
+BOI_ID, IMAGE_SOFT_ID, EOI_ID = 256, 257, 258
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
+    " + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+GEMMA3_IMAGE_SIZE = 112  # an 8x8 grid of 14-pixel patches, pooled 2x2 to 16 rows
+
+
+def gemma3_vl_config():
+    from transformers import Gemma3Config
+
+    return Gemma3Config(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=262,
+            max_position_embeddings=1024, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            bos_token_id=None, eos_token_id=None, pad_token_id=0),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=GEMMA3_IMAGE_SIZE, patch_size=14),
+        mm_tokens_per_image=16, boi_token_index=BOI_ID, image_token_index=IMAGE_SOFT_ID,
+        eoi_token_index=EOI_ID)
+
+
+def make_tiny_gemma3_vl(path: str | os.PathLike) -> str:
+    """A tiny random Gemma 3 with images (float32, seeded) in ``path``: text 3 layers of 64
+    (sliding, full, sliding; a window of 8, shorter than an image's 16 soft tokens),
+    SigLIP 2 layers of 32 over 112 x 112 pixels, 16 rows per image."""
+    path = str(path)
+    if "gemma3_vl" not in _BUILT:
+        _BUILT["gemma3_vl"] = _build_gemma3_vl()
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(_BUILT["gemma3_vl"]):
+        shutil.copyfile(os.path.join(_BUILT["gemma3_vl"], name), os.path.join(path, name))
+    return path
+
+
+def _build_gemma3_vl() -> str:
+    from transformers import Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    path = tempfile.mkdtemp(prefix="loom-tiny-gemma3_vl-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    torch.manual_seed(3300)
+    model = Gemma3ForConditionalGeneration(gemma3_vl_config()).to(torch.float32)
+    randomize(model, model.model.language_model.norm)
+    with torch.no_grad():  # SigLIP's LayerNorms near one too, so its layers count
+        for name, param in model.model.vision_tower.named_parameters():
+            if name.endswith(("layer_norm1.weight", "layer_norm2.weight")):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE,
+                                  "width": GEMMA3_IMAGE_SIZE}).save_pretrained(path)
+    make_tiny_tokenizer(path)
+    # named as Gemma's tokenizer names them, for transformers' Gemma3Processor
+    hf = PreTrainedTokenizerFast.from_pretrained(path, extra_special_tokens={
+        "boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>"})
+    hf.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+    assert hf.convert_tokens_to_ids(GEMMA3_TOKENS) == list(range(256, 261))
+    hf.save_pretrained(path)
+    _move_chat_template_into_tokenizer_config(path, GEMMA3_CHAT_TEMPLATE)
+    return path

@@ -12,6 +12,10 @@ Llama's layer with these differences, each declared once:
   logits soft-capped where ``final_logit_softcapping`` is set;
 - RMSNorm weights stored as offsets from 1 (``x * (1 + w)``): 1 is added at load, so
   the layers run loom's RMSNorm (a GGUF file already stores ``1 + w``).
+
+``Gemma3ForConditionalGeneration`` is this decoder reading images too: the SigLIP tower
+and projector of loom/model/vision/gemma3.py make each image's rows, which take the place
+of its ``<image_soft_token>`` embeddings; those tokens attend to each other both ways.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 
 import torch
 
+from loom.core.wire import MultiModalFeature
+from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.layers.layernorm import RMSNorm, residual_stream
 from loom.model.layers.rotary import RopeStep
 from loom.model.models.llama import (DecoderLayerSpec, LlamaDecoderLayer, LlamaForCausalLM,
@@ -108,3 +114,84 @@ def _norms_from_offsets(
         if name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0
         yield name, tensor
+
+
+# checkpoint prefix of the decoder -> ours: published checkpoints' names, then the ones
+# transformers 5 gives the model in memory
+_LANGUAGE_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                      "model.language_model.": "model."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 with images: the text decoder above, and the vision tower beside it.
+
+    A prompt holds, per image, ``\\n\\n<start_of_image>``, ``mm_tokens_per_image``
+    ``<image_soft_token>``, ``<end_of_image>\\n\\n`` (loom/multimodal/gemma3.py expands
+    the template's ``<start_of_image>`` so). The soft tokens' embeddings are the tower's
+    rows, put in after the embeddings' ``sqrt(hidden_size)`` scaling (rows unscaled, as
+    Hugging Face merges them). Those tokens attend to each other both ways, as Hugging
+    Face's ``token_type_ids`` mask (causal, or the same image; on sliding layers still
+    within the window): the processor marks their features ``bidirectional``, and the
+    scheduler and the attention layers take it from there (core/wire.py). Positions are
+    plain: an image's tokens count up as text does.
+
+    Checkpoint names: the decoder under ``language_model.model.`` (published) or
+    ``model.language_model.`` (transformers 5), the tower under ``vision_tower.`` and
+    ``multi_modal_projector.`` (either bare or under ``model.``).
+    """
+
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 attention_backend: str = "torch", weight_quantization: str = "none",
+                 expert_parallel: EPGroup = NO_EP) -> None:
+        from loom.model.vision.gemma3 import Gemma3VisionTower
+
+        super().__init__(config, tp_group, attention_backend, weight_quantization,
+                         expert_parallel)
+        self.vision = Gemma3VisionTower(config, tp_group)
+
+    # ---- what the model runner asks of a multimodal model --------------------------
+
+    def embed_multimodal(self, feature: MultiModalFeature) -> torch.Tensor:
+        """The rows of ``feature``'s soft tokens: (mm_tokens_per_image, hidden_size)."""
+        if feature.modality != "image":
+            raise ValueError(f"{type(self).__name__} takes images, not {feature.modality}")
+        if not feature.bidirectional:
+            raise ValueError("Gemma 3's image tokens attend to each other both ways, but this "
+                             "image's feature is not marked bidirectional; make it with "
+                             "loom/multimodal/gemma3.py")
+        pixels = torch.from_numpy(feature.data["pixel_values"].to_array())
+        rows = self.vision(pixels.to(self.model.embed_tokens.weight.device))
+        if rows.shape[0] != feature.length:
+            raise ValueError(f"an image makes {rows.shape[0]} rows but fills "
+                             f"{feature.length} placeholder tokens")
+        return rows
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``mm_embeds``: (indices in the step, rows) of image tokens, whose rows take
+        the place of their scaled embeddings."""
+        if mm_embeds is None:
+            return self.model(input_ids, positions)
+        index, rows = mm_embeds
+        # the image token may lie past the text vocabulary: embed id 0 there, as Hugging
+        # Face does, before the rows replace it
+        inputs_embeds = self.model.embed(input_ids.index_fill(0, index, 0))
+        inputs_embeds[index] = rows.to(inputs_embeds.dtype)
+        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        language, vision = [], []
+        for name, tensor in weights:
+            if name.startswith("model.") and name[len("model."):].startswith(_VISION_PREFIXES):
+                name = name[len("model."):]
+            if name.startswith(_VISION_PREFIXES):
+                vision.append((name, tensor))
+                continue
+            for prefix, ours in _LANGUAGE_PREFIXES.items():
+                if name.startswith(prefix):
+                    name = ours + name[len(prefix):]
+                    break
+            language.append((name, tensor))
+        loaded = super().load_weights(language)
+        return loaded | {f"vision.{name}" for name in self.vision.load_weights(vision)}

@@ -1,0 +1,87 @@
+"""Gemma 3's images: the checkpoint's ``Gemma3ImageProcessor`` (PIL), no pan-and-scan.
+
+The chat template writes ``<start_of_image>`` where an image goes. As Hugging Face's
+``Gemma3Processor`` does, each becomes
+
+    \\n\\n <start_of_image> <image_soft_token> x mm_tokens_per_image <end_of_image> \\n\\n
+
+and the soft tokens are the span the tower's rows fill (``MultiModalFeature``, marked
+``bidirectional``: Gemma 3's image tokens attend to each other both ways). Hugging Face
+expands the prompt's text before tokenizing it, so the inserted newlines join the
+newlines next to them into one run, which Gemma's tokenizer writes as one token ("\\n" +
+"\\n\\n" is the token for three); working on token ids, ``apply`` re-encodes each run of
+newline tokens around an image whole (as vLLM does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.core.wire import MultiModalFeature, TensorData
+from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor, content_hash
+
+
+class Gemma3Processor(MultiModalProcessor):
+    """Gemma 3: every image resized to the tower's square, ``mm_tokens_per_image`` rows;
+    ``<start_of_image>`` is the placeholder the prompt holds."""
+
+    def __init__(self, model_path: str, hf_config: Any) -> None:
+        super().__init__(model_path, hf_config)
+        from transformers import AutoTokenizer
+        from transformers.models.gemma3.image_processing_pil_gemma3 import \
+            Gemma3ImageProcessorPil
+
+        self.image_processor = Gemma3ImageProcessorPil.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.placeholder_token_id = hf_config.boi_token_id
+        self.image_token_id = hf_config.image_token_id
+        self.end_token_id = hf_config.eoi_token_id
+        self.tokens_per_image = hf_config.mm_tokens_per_image
+
+    def process_image(self, image: Any) -> tuple[dict[str, Any], int]:
+        out = self.image_processor(images=[image], do_pan_and_scan=False, return_tensors="np")
+        return {"pixel_values": out["pixel_values"]}, self.tokens_per_image
+
+    def apply(self, token_ids: list[int], images: list[Any], videos: list[Any] = ()
+              ) -> tuple[list[int], list[MultiModalFeature]]:
+        """``token_ids`` with each ``<start_of_image>`` expanded into the image's whole
+        sequence, and the images' features (their soft tokens), in prompt order."""
+        if videos:
+            raise MultiModalInputError("Gemma 3 takes images only, not videos")
+        found = [i for i, token in enumerate(token_ids) if token == self.placeholder_token_id]
+        if len(found) != len(images):
+            raise MultiModalInputError(
+                f"the prompt has {len(found)} image placeholders (<start_of_image>) but "
+                f"{len(images)} images were given; write one per image (the chat template "
+                "does this for image parts)")
+        out: list[int] = []
+        features: list[MultiModalFeature] = []
+        previous = 0
+        for at, image in zip(found, images):
+            arrays, length = self.process_image(image)
+            out += token_ids[previous:at]
+            # | ... newlines before | \n\n <boi> | soft x length | <eoi> \n\n | newlines after ... |
+            before = 0
+            while out and self._newlines_in(out[-1]):
+                before += self._newlines_in(out.pop())
+            out += self._newline_run(before + 2) + [self.placeholder_token_id]
+            features.append(MultiModalFeature(
+                modality="image", identifier=content_hash(arrays, "image"), offset=len(out),
+                length=length, bidirectional=True,
+                data={name: TensorData.from_array(array) for name, array in arrays.items()}))
+            out += [self.image_token_id] * length + [self.end_token_id]
+            previous, after = at + 1, 0
+            while previous < len(token_ids) and self._newlines_in(token_ids[previous]):
+                after += self._newlines_in(token_ids[previous])
+                previous += 1
+            out += self._newline_run(after + 2)
+        out += token_ids[previous:]
+        return out, features
+
+    def _newlines_in(self, token_id: int) -> int:
+        """The newlines ``token_id`` stands for where it is nothing else, else 0."""
+        text = self.tokenizer.decode([token_id])
+        return len(text) if text and text == "\n" * len(text) else 0
+
+    def _newline_run(self, count: int) -> list[int]:
+        return self.tokenizer.encode("\n" * count, add_special_tokens=False)
