@@ -346,10 +346,17 @@ class ModelRunner:
             spans = self._bidirectional_spans(req_ids, metadata.query_start_loc_cpu)
             for group_metadata in (metadata, *metadata.group_metadata):
                 group_metadata.bidirectional_spans = spans
+        mm_kwargs = {}
+        if mm_embeds is not None:  # image tokens in the step: their rows go in
+            mm_kwargs["mm_embeds"] = mm_embeds
+        if getattr(self.model, "mm_marker_token_ids", None):
+            markers = self._prompt_markers(req_ids, metadata.query_start_loc_cpu)
+            if markers is not None:
+                mm_kwargs["mm_markers"] = markers
         with set_forward_context(metadata):
             hidden_states = None
-            if mm_embeds is not None:  # image tokens in the step: their rows go in
-                hidden_states = self.model(input_ids, positions, mm_embeds=mm_embeds)
+            if mm_kwargs:  # (a step without them may replay natively)
+                hidden_states = self.model(input_ids, positions, **mm_kwargs)
             elif self.cuda_graphs is not None:
                 hidden_states = self.cuda_graphs.run(input_ids, positions, metadata)
             if hidden_states is None:
@@ -478,6 +485,25 @@ class ModelRunner:
         if not row_parts:
             return None
         return torch.cat(index_parts), torch.cat(row_parts)
+
+    def _prompt_markers(self, req_ids: list[str], query_start_loc: list[int]
+                        ) -> torch.Tensor | None:
+        """Step indices of the prompt tokens a model treats as part of an image beside
+        its rows (``model.mm_marker_token_ids``: ERNIE 4.5 VL's start and end markers,
+        which its vision experts take), in requests with images; None where the step
+        has none. A marker the model generated is text, as transformers treats it."""
+        markers = self.model.mm_marker_token_ids
+        found: list[int] = []
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            if not state.mm_features:
+                continue
+            start = state.num_computed_tokens
+            end = min(start + query_start_loc[i + 1] - query_start_loc[i],
+                      state.num_prompt_tokens)
+            found += [query_start_loc[i] + j - start for j in range(start, end)
+                      if state.token_ids[j] in markers]
+        return torch.tensor(found, device=self.device) if found else None
 
     def _bidirectional_spans(self, req_ids: list[str], query_start_loc: list[int]
                              ) -> tuple[tuple[int, int], ...]:

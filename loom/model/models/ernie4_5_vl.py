@@ -19,11 +19,10 @@ the placeholders' embeddings. Three things differ from a text ERNIE 4.5 MoE:
   ``mlp.gate.weight_1`` are the two routers stored (hidden, E); ``moe_statics.
   e_score_correction_bias`` is (2, E), text row first.
 - **Which tokens are vision.** The image's placeholder tokens (those whose rows the step
-  takes, ``mm_embeds``) and every image or video start/end marker in the step, as
-  transformers' processor marks ``moe_mm_token_type_ids`` over the prompt. transformers
-  drops that mask after the prompt (its decode steps route every token to the text
-  experts); loom marks a *generated* start/end marker as vision too, the one place
-  where the two can differ (a model that writes an image marker itself).
+  takes, ``mm_embeds``) and the prompt's image and video start/end markers in requests
+  with images (``mm_markers``: the model runner finds them, ``mm_marker_token_ids``), as
+  transformers' processor marks ``moe_mm_token_type_ids`` over the prompt. A marker
+  the model generates is text, as in transformers' decode steps.
 - **3D rope.** Positions are transformers' ``get_rope_index`` for images: text counts up
   on all three axes; an image starting at position s takes (s, s + row, s + column) in
   its merged grid; the text after it resumes at s + max(rows, columns)
@@ -32,8 +31,9 @@ the placeholders' embeddings. Three things differ from a text ERNIE 4.5 MoE:
   j < 2s and j is even, by the width position if j < 2s and odd, by the temporal one
   from 2s on (``Ernie4_5_VLRotaryEmbedding``).
 
-Splitting a step by modality reads its vision mask into Python, so this model's forward
-runs as PyTorch modules on the CPU, never replayed from loom's kernels (kernel_replay.py).
+A step with vision tokens runs as PyTorch modules (splitting it by modality reads its
+mask into Python); any other step, text or decode, routes every token to the text
+experts and is replayed from loom's kernels on the CPU (kernel_replay.py).
 """
 
 from __future__ import annotations
@@ -229,9 +229,11 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
                          expert_parallel)
         self.vision_tower = Ernie4_5_VLVisionTower(config, tp_group)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
-        markers = [config.image_start_token_id, config.image_end_token_id,
-                   config.video_start_token_id, config.video_end_token_id]
-        self.register_buffer("vision_markers", torch.tensor(markers), persistent=False)
+        # prompt tokens the vision experts take beside an image's rows (the runner finds
+        # them: _prompt_markers)
+        self.mm_marker_token_ids = frozenset((
+            config.image_start_token_id, config.image_end_token_id,
+            config.video_start_token_id, config.video_end_token_id))
 
     # ---- what the model runner asks of a multimodal model --------------------------
 
@@ -249,11 +251,17 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
         return qwen_vl_mrope_positions(num_tokens, features, self.spatial_merge_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mm_markers: torch.Tensor | None = None) -> torch.Tensor:
         """``mm_embeds``: (indices in the step, rows) of image tokens, whose rows take
         the place of their embeddings; ``positions`` (3, T) where the step has them.
-        The vision experts take those tokens and the step's image/video markers."""
-        vision = torch.isin(input_ids, self.vision_markers)
+        ``mm_markers``: indices of the prompt's image/video markers in the step. The
+        vision experts take both; without either, every token is text."""
+        if mm_embeds is None and mm_markers is None:
+            return self.model(input_ids, positions)
+        vision = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        if mm_markers is not None:
+            vision[mm_markers] = True
         if mm_embeds is None:
             return self.model(input_ids, positions, vision=vision)
         index, rows = mm_embeds
