@@ -458,19 +458,19 @@ class ModelRunner:
         index_parts: list[torch.Tensor] = []
         row_parts: list[torch.Tensor] = []
         needed: set[str] = set()
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            end = start + query_start_loc[i + 1] - query_start_loc[i]
+        spans = [(i, state, state.num_computed_tokens,
+                  state.num_computed_tokens + query_start_loc[i + 1] - query_start_loc[i])
+                 for i, state in enumerate(self.requests[r] for r in req_ids)]
+        self._encode({f.identifier: f for _, state, start, end in spans
+                      for f in state.mm_features
+                      if f.overlaps(start, end) and f.identifier not in self.encoder_cache})
+        for i, state, start, end in spans:
             for feature in state.mm_features:
                 if feature.end > end:
                     needed.add(feature.identifier)
                 if not feature.overlaps(start, end):
                     continue
-                rows = self.encoder_cache.get(feature.identifier)
-                if rows is None:
-                    rows = self.encoder_cache[feature.identifier] = \
-                        self.model.embed_multimodal(feature)
+                rows = self.encoder_cache[feature.identifier]
                 first, last = max(start, feature.offset), min(end, feature.end)
                 row_parts.append(rows[first - feature.offset:last - feature.offset])
                 at = query_start_loc[i] + first - start
@@ -485,6 +485,22 @@ class ModelRunner:
         if not row_parts:
             return None
         return torch.cat(index_parts), torch.cat(row_parts)
+
+    def _encode(self, features: dict[str, MultiModalFeature]) -> None:
+        """Each item's rows into the encoder cache: the step's items of one modality in
+        one call where the model batches them (``embed_multimodal_batch``: one tower
+        pass over 8 images is larger matmuls than 8 passes), else one by one."""
+        batched = getattr(self.model, "embed_multimodal_batch", None)
+        by_modality: dict[str, list[MultiModalFeature]] = {}
+        for feature in features.values():
+            by_modality.setdefault(feature.modality, []).append(feature)
+        for group in by_modality.values():
+            if batched is not None and len(group) > 1:
+                rows = batched(group)
+            else:
+                rows = [self.model.embed_multimodal(feature) for feature in group]
+            for feature, item_rows in zip(group, rows):
+                self.encoder_cache[feature.identifier] = item_rows
 
     def _prompt_markers(self, req_ids: list[str], query_start_loc: list[int]
                         ) -> torch.Tensor | None:

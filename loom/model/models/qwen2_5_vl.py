@@ -117,6 +117,17 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         grid = torch.from_numpy(feature.data[grid_name].to_array()).reshape(-1, 3)
         return self.visual(pixels, grid)
 
+    def embed_multimodal_batch(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Items of one modality through the tower in one pass (their patches side by
+        side, each attending within itself), each item's rows."""
+        pixels_name, grid_name = _ARRAYS[features[0].modality]
+        dtype = self.model.embed_tokens.weight.dtype
+        pixels = torch.cat([torch.from_numpy(f.data[pixels_name].to_array())
+                            for f in features]).to(dtype)
+        grid = torch.cat([torch.from_numpy(f.data[grid_name].to_array()).reshape(-1, 3)
+                          for f in features])
+        return list(self.visual(pixels, grid).split([f.length for f in features]))
+
     def mrope_positions(self, num_tokens: int, features: list[MultiModalFeature]
                         ) -> tuple[np.ndarray, int]:
         return qwen_vl_mrope_positions(num_tokens, features, self.spatial_merge_size,
