@@ -336,3 +336,102 @@ def _build_gemma3_vl() -> str:
     hf.save_pretrained(path)
     _move_chat_template_into_tokenizer_config(path, GEMMA3_CHAT_TEMPLATE)
     return path
+
+
+# PaddleOCR-VL: its image markers and placeholder (the published tokenizer's names)
+PADDLEOCR_VL_TOKENS = ["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>",
+                       "<|VIDEO_PLACEHOLDER|>"]
+(PADDLEOCR_IMAGE_START_ID, PADDLEOCR_IMAGE_END_ID, PADDLEOCR_IMAGE_ID,
+ PADDLEOCR_VIDEO_ID) = range(256, 260)
+# the published template's shape ("User: <images>text\nAssistant: answer" and its end
+# of turn), the tiny tokenizer's <|im_end|> for the published </s>
+PADDLEOCR_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ 'User: ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}"
+    "{{ '<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' }}"
+    "{{ message['content'] if message['content'] is string else message['content'][0]['text'] }}"
+    "{{ '<|im_end|>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+)
+
+
+def paddleocr_vl_config():
+    from transformers import PaddleOCRVLConfig
+
+    return PaddleOCRVLConfig(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=264,
+            max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
+            pad_token_id=0, use_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [2, 3, 3]}),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=70, patch_size=14, spatial_merge_size=2),
+        image_token_id=PADDLEOCR_IMAGE_ID, video_token_id=PADDLEOCR_VIDEO_ID,
+        vision_start_token_id=PADDLEOCR_IMAGE_START_ID,
+        vision_end_token_id=PADDLEOCR_IMAGE_END_ID)
+
+
+def make_tiny_paddleocr_vl(path: str | os.PathLike) -> str:
+    """A tiny random PaddleOCR-VL (float32, seeded) in ``path``: text 2 layers of 64 (biases
+    on every projection, M-RoPE on sections [2, 3, 3]), SigLIP 2 layers of 32 whose 5 x 5
+    table of positions is resampled to each image's grid; images of 28 x 28 to 112 x 112
+    pixels after resizing (1 to 16 rows each)."""
+    path = str(path)
+    if "paddleocr_vl" not in _BUILT:
+        _BUILT["paddleocr_vl"] = _build_paddleocr_vl()
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(_BUILT["paddleocr_vl"]):
+        shutil.copyfile(os.path.join(_BUILT["paddleocr_vl"], name), os.path.join(path, name))
+    return path
+
+
+def _randomize_paddleocr_vl(model) -> None:
+    """Wider weights than ``randomize`` (whose PaddleOCR-VL repeats one token whatever the
+    image): text 0.15, vision and projector 0.3, norms about 1, the final norm times 4,
+    so that the image and its positions move the greedy tokens. The image tokens'
+    embedding rows (the LM head's, tied) are scaled down, so that greedy decoding never
+    writes one."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "layer_norm1.weight", "layer_norm2.weight")):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif ".visual." in name or ".projector." in name:
+                param.normal_(0.0, 0.3)
+            else:
+                param.normal_(0.0, 0.15)
+        model.model.language_model.norm.weight.mul_(4.0)
+        model.model.language_model.embed_tokens.weight[PADDLEOCR_IMAGE_START_ID:].mul_(0.05)
+
+
+def _build_paddleocr_vl() -> str:
+    from transformers import PaddleOCRVLForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import \
+        PaddleOCRVLImageProcessorPil
+
+    path = tempfile.mkdtemp(prefix="loom-tiny-paddleocr_vl-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    torch.manual_seed(6100)
+    model = PaddleOCRVLForConditionalGeneration(paddleocr_vl_config()).to(torch.float32)
+    _randomize_paddleocr_vl(model)
+    model.save_pretrained(path)
+    PaddleOCRVLImageProcessorPil(
+        size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112}).save_pretrained(path)
+    make_tiny_tokenizer(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(path)
+    hf.add_special_tokens({"additional_special_tokens": PADDLEOCR_VL_TOKENS})
+    assert hf.convert_tokens_to_ids(PADDLEOCR_VL_TOKENS) == list(range(256, 260))
+    hf.save_pretrained(path)
+    _move_chat_template_into_tokenizer_config(path, PADDLEOCR_VL_CHAT_TEMPLATE)
+    return path

@@ -25,6 +25,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl",
                                                "Ernie4_5_VLMoeForConditionalGeneration"),
+    "PaddleOCRVLForConditionalGeneration": ("paddleocr_vl", "PaddleOCRVLForConditionalGeneration"),
     # --task classify (models/classification.py)
     "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),
