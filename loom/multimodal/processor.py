@@ -108,6 +108,7 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLProcessor"),
     "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl", "Ernie4_5_VLProcessor"),
     "PaddleOCRVLForConditionalGeneration": ("paddleocr_vl", "PaddleOCRVLProcessor"),
+    "SmolVLMForConditionalGeneration": ("smolvlm", "SmolVLMProcessor"),
 }
 
 

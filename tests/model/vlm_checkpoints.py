@@ -338,6 +338,90 @@ def _build_gemma3_vl() -> str:
     return path
 
 
+# SmolVLM: its image tokens and its chat template's end-of-turn token (the published
+# tokenizer's names), then the row/column markers of a tiled image (up to 2 x 2 tiles)
+SMOLVLM_TILE_TOKENS = [f"<row_{row}_col_{col}>" for row in (1, 2) for col in (1, 2)]
+SMOLVLM_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                  *SMOLVLM_TILE_TOKENS]
+SMOLVLM_FAKE_ID, SMOLVLM_IMAGE_ID, SMOLVLM_GLOBAL_ID = 256, 257, 258
+# the published template (Idefics3's): "User:<image>text<end_of_utterance>\nAssistant:"
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}"
+    "{% else %}{{ ': ' }}{% endif %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+SMOLVLM_TILE_SIZE = 32  # an 8x8 grid of 4-pixel patches, pixel-shuffled 2x2 to 16 rows
+SMOLVLM_IMAGE_SEQ_LEN = 16
+
+
+def smolvlm_config():
+    from transformers import SmolVLMConfig
+
+    return SmolVLMConfig(
+        text_config=dict(
+            model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=272,
+            max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, rms_norm_eps=1e-5),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=SMOLVLM_TILE_SIZE, patch_size=4),
+        scale_factor=2, image_token_id=SMOLVLM_IMAGE_ID, tie_word_embeddings=False)
+
+
+def make_tiny_smolvlm(path: str | os.PathLike) -> str:
+    """A tiny random SmolVLM (float32, seeded) in ``path``: Llama text 2 layers of 64,
+    SigLIP 2 layers of 32 over 32 x 32 tiles, 16 rows per tile; an image's longest edge
+    resized to 64 pixels, then split into up to 2 x 2 tiles beside its global view (a
+    square image: 2 x 2 tiles and the global one, 80 rows; a wide one 1 x 2 and the
+    global one, 48 rows)."""
+    path = str(path)
+    if "smolvlm" not in _BUILT:
+        _BUILT["smolvlm"] = _build_smolvlm()
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(_BUILT["smolvlm"]):
+        shutil.copyfile(os.path.join(_BUILT["smolvlm"], name), os.path.join(path, name))
+    return path
+
+
+def _build_smolvlm() -> str:
+    from transformers import PreTrainedTokenizerFast, SmolVLMForConditionalGeneration
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import \
+        SmolVLMImageProcessorPil
+
+    path = tempfile.mkdtemp(prefix="loom-tiny-smolvlm-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    torch.manual_seed(5200)
+    model = SmolVLMForConditionalGeneration(smolvlm_config()).to(torch.float32)
+    randomize(model, model.model.text_model.norm)
+    with torch.no_grad():  # SigLIP's LayerNorms near one too, so its layers count
+        for name, param in model.model.vision_model.named_parameters():
+            if name.endswith(("layer_norm1.weight", "layer_norm2.weight")):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        # rows near the text embeddings' scale (not ten times it), so that greedy tokens
+        # follow what an image shows and not only that there is one
+        model.model.connector.modality_projection.proj.weight.mul_(0.3)
+    model.save_pretrained(path)
+    SmolVLMImageProcessorPil(
+        size={"longest_edge": 2 * SMOLVLM_TILE_SIZE},
+        max_image_size={"longest_edge": SMOLVLM_TILE_SIZE}).save_pretrained(path)
+    make_tiny_tokenizer(path)
+    # named as SmolVLM's tokenizer names them, for transformers' SmolVLMProcessor
+    hf = PreTrainedTokenizerFast.from_pretrained(path, extra_special_tokens={
+        "fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+        "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"})
+    hf.add_special_tokens({"additional_special_tokens": SMOLVLM_TOKENS})
+    assert hf.convert_tokens_to_ids(SMOLVLM_TOKENS) == list(range(256, 256 + len(SMOLVLM_TOKENS)))
+    hf.save_pretrained(path)
+    _move_chat_template_into_tokenizer_config(path, SMOLVLM_CHAT_TEMPLATE)
+    return path
+
+
 # PaddleOCR-VL: its image markers and placeholder (the published tokenizer's names)
 PADDLEOCR_VL_TOKENS = ["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>",
                        "<|VIDEO_PLACEHOLDER|>"]

@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl",
                                                "Ernie4_5_VLMoeForConditionalGeneration"),
     "PaddleOCRVLForConditionalGeneration": ("paddleocr_vl", "PaddleOCRVLForConditionalGeneration"),
+    "SmolVLMForConditionalGeneration": ("smolvlm", "SmolVLMForConditionalGeneration"),
     # --task classify (models/classification.py)
     "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),
