@@ -166,22 +166,54 @@ ERNIE_VL_TOKENS = ["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>",
                    "<|VIDEO_START|>", "<|VIDEO_END|>", "<|VIDEO_PLACEHOLDER|>"]
 (ERNIE_IMAGE_START_ID, ERNIE_IMAGE_END_ID, ERNIE_IMAGE_ID, ERNIE_VIDEO_START_ID,
  ERNIE_VIDEO_END_ID, ERNIE_VIDEO_ID) = range(256, 262)
-# the published template's image part (pictures numbered), in ChatML
+ERNIE_THINK_START_ID, ERNIE_THINK_END_ID = 262, 263  # <think>, </think>: text, not special
+# the published template's turns ("User: ", "\nAssistant: "), numbered pictures and
+# videos, and its thinking switch: the generation prompt opens <think> where
+# enable_thinking is true, else writes it closed
 ERNIE_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
-    "{{ 'Picture ' + image_count.value|string + ':<|IMAGE_START|><|IMAGE_PLACEHOLDER|>"
-    "<|IMAGE_END|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- set image_count = namespace(value=0) -%}"
+    "{%- set video_count = namespace(value=0) -%}"
+    "{{- '<|begin_of_sentence|>' -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] in ['system', 'user'] -%}"
+    "{%- if message['role'] == 'user' -%}{{- 'User: ' -}}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] in ['image_url', 'image'] -%}"
+    "{%- set image_count.value = image_count.value + 1 -%}"
+    "{{- 'Picture ' ~ image_count.value ~ ':<|IMAGE_START|><|IMAGE_PLACEHOLDER|>"
+    "<|IMAGE_END|>' -}}"
+    "{%- elif part['type'] in ['video_url', 'video'] -%}"
+    "{%- set video_count.value = video_count.value + 1 -%}"
+    "{{- 'Video ' ~ video_count.value ~ ':<|VIDEO_START|><|VIDEO_PLACEHOLDER|>"
+    "<|VIDEO_END|>' -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '\\nAssistant: ' + message['content'] + '<|end_of_sentence|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt is not defined or add_generation_prompt is true -%}"
+    "{{- '\\nAssistant: ' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is true -%}{{- '<think>' -}}"
+    "{%- else -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
 )
+# the video processor's settings (transformers' Ernie4_5_VLMoeVideoProcessor, saved as
+# it saves them; it needs torchvision to be built), frames sized as images, timestamps
+# drawn on them in Pillow's own font
+ERNIE_VIDEO_FONT = "Aileron-Regular.ttf"
+ERNIE_VIDEO_CONFIG = {
+    "video_processor_type": "Ernie4_5_VLMoeVideoProcessor",
+    "size": {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16},
+    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": True,
+    "min_frames": 16, "max_frames": 180, "draw_on_frames": True, "font": ERNIE_VIDEO_FONT,
+}
 
 
 def ernie4_5_vl_config():
@@ -206,10 +238,10 @@ def ernie4_5_vl_config():
 def _randomize_ernie4_5_vl(model) -> None:
     """Wider weights than ``randomize`` (whose ERNIE repeats one token whatever the
     image): text 0.2, vision 0.3, norms about 1, the final norm times 4, so that the
-    image, the 3D positions and the experts each move the greedy tokens. The image and
-    video markers' embedding rows (the LM head's, tied) are scaled down, so that greedy
-    decoding never writes one: transformers routes a generated marker to the text
-    experts, loom to the vision experts (loom/model/models/ernie4_5_vl.py)."""
+    image, the 3D positions and the experts each move the greedy tokens. The embedding
+    rows (the LM head's, tied) of the image and video markers and of <think> and </think>
+    are scaled down, so that greedy decoding never writes one (a </think> in the output
+    is a reasoning budget's)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln.weight")):
@@ -227,8 +259,10 @@ def _randomize_ernie4_5_vl(model) -> None:
 def make_tiny_ernie4_5_vl(path: str | os.PathLike) -> str:
     """A tiny random ERNIE 4.5 VL (float32, seeded) in ``path``: text 3 layers of 64 (a
     dense first layer, then text and vision experts, 4 each, top 2, two shared experts,
-    3D rope on sections [3, 3, 2]), vision 2 blocks of 32; images of 28 x 28 to 112 x 112
-    pixels after resizing (1 to 16 rows each)."""
+    3D rope on sections [3, 3, 2]), vision 2 blocks of 32; images and video frames of
+    28 x 28 to 112 x 112 pixels after resizing (1 to 16 rows each, per frame pair for a
+    video), timestamps drawn on the frames; a tokenizer with <think> and </think> and
+    the published template's thinking switch."""
     path = str(path)
     if "ernie4_5_vl" not in _BUILT:
         _BUILT["ernie4_5_vl"] = _build_ernie4_5_vl()
@@ -239,6 +273,9 @@ def make_tiny_ernie4_5_vl(path: str | os.PathLike) -> str:
 
 
 def _build_ernie4_5_vl() -> str:
+    import json
+
+    from PIL import ImageFont
     from transformers import Ernie4_5_VLMoeForConditionalGeneration, PreTrainedTokenizerFast
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import \
         Ernie4_5_VLMoeImageProcessorPil
@@ -251,10 +288,16 @@ def _build_ernie4_5_vl() -> str:
     model.save_pretrained(path)
     Ernie4_5_VLMoeImageProcessorPil(
         size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}).save_pretrained(path)
+    with open(os.path.join(path, "video_preprocessor_config.json"), "w") as f:
+        json.dump(ERNIE_VIDEO_CONFIG, f, indent=2)
+    with open(os.path.join(path, ERNIE_VIDEO_FONT), "wb") as f:
+        f.write(ImageFont.load_default(size=10).font_bytes)
     make_tiny_tokenizer(path)
     hf = PreTrainedTokenizerFast.from_pretrained(path)
     hf.add_special_tokens({"additional_special_tokens": ERNIE_VL_TOKENS})
-    assert hf.convert_tokens_to_ids(ERNIE_VL_TOKENS) == list(range(256, 262))
+    hf.add_tokens(["<think>", "</think>"], special_tokens=False)
+    assert hf.convert_tokens_to_ids(ERNIE_VL_TOKENS + ["<think>", "</think>"]) == \
+        list(range(256, 264))
     hf.save_pretrained(path)
     _move_chat_template_into_tokenizer_config(path, ERNIE_VL_CHAT_TEMPLATE)
     return path

@@ -1,32 +1,36 @@
 """ERNIE 4.5 VL (``Ernie4_5_VLMoeForConditionalGeneration``): an ERNIE 4.5 MoE language
-model that reads images, with modality-isolated experts and 3D rope.
+model that reads images and videos, with modality-isolated experts and 3D rope.
 
 The checkpoint is three parts: the vision tower and its resampler (``model.vision_model.``,
 ``model.resampler_model.``; loom/model/vision/ernie4_5_vl.py), the decoder (``model.``)
 and the LM head (tied to the embeddings by default).
 
 A prompt holds ``<|IMAGE_START|>``, one ``<|IMAGE_PLACEHOLDER|>`` per row the tower makes
-of the image (its 14-pixel patch grid merged 2x2), then ``<|IMAGE_END|>``
-(loom/multimodal/ernie4_5_vl.py expands the placeholder). Those rows take the place of
-the placeholders' embeddings. Three things differ from a text ERNIE 4.5 MoE:
+of the image (its 14-pixel patch grid merged 2x2), then ``<|IMAGE_END|>``; a video,
+``<|VIDEO_START|>``, one ``<|VIDEO_PLACEHOLDER|>`` per row (its frames' grids merged 2x2
+and frame pairs merged), ``<|VIDEO_END|>`` (loom/multimodal/ernie4_5_vl.py expands the
+placeholders). Those rows take the place of the placeholders' embeddings. Three things
+differ from a text ERNIE 4.5 MoE:
 
 - **Experts by modality.** Each sparse layer (``mlp_layer_types``) holds two sets of
   routed experts, each with its own router and correction bias: text experts
   (``mlp``, intermediate ``moe_intermediate_size[0]``) for text tokens, vision experts
-  (``vision_moe``, ``moe_intermediate_size[1]``) for an image's tokens *and* its start
-  and end markers; the shared experts run on every token. Checkpoint experts
+  (``vision_moe``, ``moe_intermediate_size[1]``) for an image's or a video's tokens
+  *and* its start and end markers; the shared experts run on every token. Checkpoint experts
   ``0 .. E-1`` are the text ones, ``E .. 2E-1`` the vision ones; ``mlp.gate.weight`` and
   ``mlp.gate.weight_1`` are the two routers stored (hidden, E); ``moe_statics.
   e_score_correction_bias`` is (2, E), text row first.
-- **Which tokens are vision.** The image's placeholder tokens (those whose rows the step
-  takes, ``mm_embeds``) and the prompt's image and video start/end markers in requests
-  with images (``mm_markers``: the model runner finds them, ``mm_marker_token_ids``), as
-  transformers' processor marks ``moe_mm_token_type_ids`` over the prompt. A marker
-  the model generates is text, as in transformers' decode steps.
-- **3D rope.** Positions are transformers' ``get_rope_index`` for images: text counts up
-  on all three axes; an image starting at position s takes (s, s + row, s + column) in
-  its merged grid; the text after it resumes at s + max(rows, columns)
-  (``qwen_vl_mrope_positions``, the same rule as Qwen2.5-VL for images). With
+- **Which tokens are vision.** The placeholder tokens of images and videos (those whose
+  rows the step takes, ``mm_embeds``) and the prompt's image and video start/end markers
+  in requests with either (``mm_markers``: the model runner finds them,
+  ``mm_marker_token_ids``), as transformers' processor marks ``moe_mm_token_type_ids``
+  over the prompt. A marker the model generates is text, as in transformers' decode
+  steps.
+- **3D rope.** Positions are transformers' ``get_rope_index`` (``ernie_mrope_positions``):
+  text counts up on all three axes; an image starting at position s takes
+  (s, s + row, s + column) in its merged grid, a video (s + pair, s + row, s + column),
+  its frame pairs one position apart; the text after either resumes at
+  s + max(rows, columns), however many pairs a video has. With
   ``mrope_section`` [s, s, t], rope frequency j turns by the height position if
   j < 2s and j is even, by the width position if j < 2s and odd, by the temporal one
   from 2s on (``Ernie4_5_VLRotaryEmbedding``).
@@ -55,13 +59,15 @@ from loom.model.layers.rotary import (MRotaryEmbedding, RopeStep, RotaryEmbeddin
 from loom.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from loom.model.models.ernie4_5_moe import EXPERT_ROLES
 from loom.model.models.llama import DecoderLayerSpec, LlamaDecoderLayer, LlamaModel
-from loom.model.models.qwen2_5_vl import qwen_vl_mrope_positions
 
 _DEFAULT_MROPE_SECTION = [22, 22, 20]  # transformers' where the config names none
 # checkpoint prefixes of the vision tower and its resampler (vision_tower: transformers'
 # in-memory name of vision_model)
 _TOWER_PREFIXES = ("model.vision_model.", "model.vision_tower.", "model.resampler_model.")
 _EXPERT = re.compile(r"^(?P<layer>.*\.)mlp\.experts\.(?P<expert>\d+)\.(?P<rest>.+)$")
+# a feature's arrays by modality: (pixels, grid)
+_ARRAYS = {"image": ("pixel_values", "image_grid_thw"),
+           "video": ("pixel_values_videos", "video_grid_thw")}
 
 
 class Ernie4_5_VLRotaryEmbedding(MRotaryEmbedding):
@@ -171,6 +177,44 @@ class Ernie4_5_VLTextModel(LlamaModel):
         return hidden_states
 
 
+def ernie_mrope_positions(num_tokens: int, features: list[MultiModalFeature],
+                          spatial_merge_size: int, temporal_merge_size: int
+                          ) -> tuple[np.ndarray, int]:
+    """(3, ``num_tokens``) positions of a prompt whose images and videos are
+    ``features``, and the delta that continues them (position ``i`` past the prompt is
+    ``i + delta`` on all three axes), as ``Ernie4_5_VLMoeModel.get_rope_index``: text
+    counts up from where the last item left off; an item of grid (t, h, w) patches
+    starting at position p takes (p + t_i, p + h_i, p + w_i) over its merged grid
+    (t / temporal_merge_size frame pairs for a video, 1 for an image; h and w / the
+    spatial merge), and the text after it resumes at p + max(h, w) merged.
+
+        text a b, a video of 2 pairs of 1x2 merged rows, text c:
+        t  0 1 | 2 2 3 3 | 4      (c at 2 + max(1, 2))
+        h  0 1 | 2 2 2 2 | 4
+        w  0 1 | 2 3 2 3 | 4
+    """
+    positions = np.empty((3, num_tokens), np.int64)
+    current = previous_end = 0
+    for feature in sorted(features, key=lambda f: f.offset):
+        positions[:, previous_end:feature.offset] = \
+            np.arange(feature.offset - previous_end) + current
+        current += feature.offset - previous_end
+        t, h, w = (int(v) for v in feature.data[_ARRAYS[feature.modality][1]]
+                   .to_array().reshape(-1))
+        t //= temporal_merge_size if feature.modality == "video" else 1
+        h, w = h // spatial_merge_size, w // spatial_merge_size
+        if t * h * w != feature.length:
+            raise ValueError(f"an item of merged grid {t}x{h}x{w} fills {t * h * w} "
+                             f"placeholder tokens, not {feature.length}")
+        grids = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        for axis, grid in enumerate(grids):
+            positions[axis, feature.offset:feature.end] = grid.reshape(-1) + current
+        current += max(h, w)
+        previous_end = feature.end
+    positions[:, previous_end:] = np.arange(num_tokens - previous_end) + current
+    return positions, int(positions.max()) + 1 - num_tokens
+
+
 def _split_text_and_vision(weights: Iterable[tuple[str, torch.Tensor]],
                            num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's sparse-layer tensors under loom's names: experts E.. and the
@@ -195,9 +239,9 @@ def _split_text_and_vision(weights: Iterable[tuple[str, torch.Tensor]],
 
 class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
     """The ERNIE 4.5 MoE decoder with the vision tower beside it. The model runner asks
-    it for an image's rows (``embed_multimodal``), for a prompt's positions
+    it for an image's or a video's rows (``embed_multimodal``), for a prompt's positions
     (``mrope_positions``), and runs its forward with ``mm_embeds`` where the step holds
-    image tokens."""
+    their tokens."""
 
     model_cls = Ernie4_5_VLTextModel
 
@@ -229,6 +273,7 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
                          expert_parallel)
         self.vision_tower = Ernie4_5_VLVisionTower(config, tp_group)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
+        self.temporal_merge_size = config.vision_config.temporal_merge_size
         # prompt tokens the vision experts take beside an image's rows (the runner finds
         # them: _prompt_markers)
         self.mm_marker_token_ids = frozenset((
@@ -238,23 +283,27 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
     # ---- what the model runner asks of a multimodal model --------------------------
 
     def embed_multimodal(self, feature: MultiModalFeature) -> torch.Tensor:
-        """The rows of ``feature``'s placeholder tokens: (length, hidden_size)."""
-        if feature.modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {feature.modality}")
+        """The rows of ``feature``'s placeholder tokens (an image's, or a video's: its
+        frames through the same tower, paired in its resampler): (length, hidden_size)."""
+        if feature.modality not in _ARRAYS:
+            raise ValueError(f"{type(self).__name__} takes images and videos, not "
+                             f"{feature.modality}")
+        pixels_name, grid_name = _ARRAYS[feature.modality]
         dtype = self.model.embed_tokens.weight.dtype
-        pixels = torch.from_numpy(feature.data["pixel_values"].to_array()).to(dtype)
-        grid = torch.from_numpy(feature.data["image_grid_thw"].to_array()).reshape(-1, 3)
+        pixels = torch.from_numpy(feature.data[pixels_name].to_array()).to(dtype)
+        grid = torch.from_numpy(feature.data[grid_name].to_array()).reshape(-1, 3)
         return self.vision_tower(pixels, grid)
 
     def mrope_positions(self, num_tokens: int, features: list[MultiModalFeature]
                         ) -> tuple[np.ndarray, int]:
-        return qwen_vl_mrope_positions(num_tokens, features, self.spatial_merge_size)
+        return ernie_mrope_positions(num_tokens, features, self.spatial_merge_size,
+                                     self.temporal_merge_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mm_markers: torch.Tensor | None = None) -> torch.Tensor:
-        """``mm_embeds``: (indices in the step, rows) of image tokens, whose rows take
-        the place of their embeddings; ``positions`` (3, T) where the step has them.
+        """``mm_embeds``: (indices in the step, rows) of image and video tokens, whose
+        rows take the place of their embeddings; ``positions`` (3, T) where the step has them.
         ``mm_markers``: indices of the prompt's image/video markers in the step. The
         vision experts take both; without either, every token is text."""
         if mm_embeds is None and mm_markers is None:
