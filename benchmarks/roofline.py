@@ -61,9 +61,11 @@ def measure_bandwidth(size_mib: int = 512, repeats: int = 10, threads: int | Non
 
 
 def weight_bytes_per_decode_step(model_dir: str, dtype_bytes: int = 2) -> dict:
-    """Bytes of weights a batch-1 decode step reads, from config.json."""
+    """Bytes of weights a batch-1 decode step reads, from config.json (a vision-language
+    checkpoint's ``text_config``: its tower is idle in decode)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
+    c = c.get("text_config", c)
     hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or hidden // heads
@@ -74,7 +76,8 @@ def weight_bytes_per_decode_step(model_dir: str, dtype_bytes: int = 2) -> dict:
     per_layer = attention + mlp + norms
     lm_head = vocab * hidden  # read whole, tied or not
     params_read = layers * per_layer + hidden + lm_head
-    return {"params_read_per_step": params_read, "dtype_bytes": dtype_bytes,
+    return {"params_read_per_step": params_read, "lm_head_params": lm_head,
+            "dtype_bytes": dtype_bytes,
             "weight_bytes_per_step": params_read * dtype_bytes}
 
 
