@@ -34,6 +34,11 @@ _GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # model/loader/gguf_configs.py), so its AutoTokenizer cannot choose a class for them;
 # their vocabulary is converted by the same code into a plain fast tokenizer.
 _GGUF_ARCHITECTURES_WITHOUT_HF_CONFIG = ("ernie4_5", "ernie4_5-moe", "qwen2vl")
+# Architectures whose AutoTokenizer class is SentencePiece's (GemmaTokenizer): a file of
+# theirs with a GPT-2 BPE vocabulary (convert_hf_to_gguf.py writes one for a checkpoint
+# without tokenizer.model) converts into a plain fast tokenizer too, which the cache
+# reloads as saved (GemmaTokenizer reloads it without its byte-level pre-tokenizer).
+_GGUF_SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
 _CACHE_META_FILE = "loom_tokenizer.json"
 
 
@@ -241,8 +246,11 @@ def _convert_gguf_tokenizer(gguf_path: str) -> tuple[PreTrainedTokenizerBase, li
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     metadata = _read_gguf_metadata(gguf_path, (*_GGUF_EOS_KEYS, _GGUF_CHAT_TEMPLATE_KEY,
-                                               "general.architecture"))
-    tokenizer_cls = (PreTrainedTokenizerFast if metadata.get("general.architecture")
+                                               "general.architecture", "tokenizer.ggml.model"))
+    architecture = metadata.get("general.architecture")
+    gpt2_vocabulary = (architecture in _GGUF_SENTENCEPIECE_ARCHITECTURES
+                       and metadata.get("tokenizer.ggml.model") == "gpt2")
+    tokenizer_cls = (PreTrainedTokenizerFast if gpt2_vocabulary or architecture
                      in _GGUF_ARCHITECTURES_WITHOUT_HF_CONFIG else AutoTokenizer)
     hf = tokenizer_cls.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
                                        gguf_file=os.path.basename(gguf_path))

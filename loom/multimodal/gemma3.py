@@ -11,14 +11,48 @@ expands the prompt's text before tokenizing it, so the inserted newlines join th
 newlines next to them into one run, which Gemma's tokenizer writes as one token ("\\n" +
 "\\n\\n" is the token for three); working on token ids, ``apply`` re-encodes each run of
 newline tokens around an image whole (as vLLM does).
+
+A .gguf model with llama.cpp's projector (``--mmproj``) reads its tokenizer from the
+text file (loom/tokenizer.py), and its image processor from a preprocessor_config.json
+beside the file, or else from the projector's metadata (image size, mean, std; bilinear
+resampling: loom/model/loader/gguf_mmproj.py).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from loom.core.wire import MultiModalFeature, TensorData
 from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor, content_hash
+
+
+def image_processor(model_path: str, hf_config: Any) -> Any:
+    """The checkpoint's ``Gemma3ImageProcessorPil``: its preprocessor_config.json (for a
+    .gguf model, the one beside the file); a .gguf model with a llama.cpp projector
+    (``--mmproj``) and no such file beside it takes the projector's settings."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    directory = (model_path if os.path.isdir(model_path)
+                 else os.path.dirname(os.path.abspath(model_path)))
+    mmproj = getattr(hf_config, "mmproj", None)
+    if mmproj is None or os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
+        return Gemma3ImageProcessorPil.from_pretrained(directory)
+    from loom.model.loader.gguf_mmproj import image_processor_kwargs
+
+    return Gemma3ImageProcessorPil(**image_processor_kwargs(mmproj))
+
+
+def _tokenizer(model_path: str) -> Any:
+    """The Hugging Face tokenizer of a checkpoint directory or of a .gguf file's
+    vocabulary (converted once and cached, as the engine's own)."""
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        from loom.tokenizer import load_tokenizer
+
+        return load_tokenizer(model_path).hf
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 class Gemma3Processor(MultiModalProcessor):
@@ -27,12 +61,8 @@ class Gemma3Processor(MultiModalProcessor):
 
     def __init__(self, model_path: str, hf_config: Any) -> None:
         super().__init__(model_path, hf_config)
-        from transformers import AutoTokenizer
-        from transformers.models.gemma3.image_processing_pil_gemma3 import \
-            Gemma3ImageProcessorPil
-
-        self.image_processor = Gemma3ImageProcessorPil.from_pretrained(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.image_processor = image_processor(model_path, hf_config)
+        self.tokenizer = _tokenizer(model_path)
         self.placeholder_token_id = hf_config.boi_token_id
         self.image_token_id = hf_config.image_token_id
         self.end_token_id = hf_config.eoi_token_id

@@ -1,6 +1,8 @@
 """Hugging Face configs of GGUF files whose architecture ``transformers`` does not read
 from GGUF (``ernie4_5``, ``ernie4_5-moe``, ``qwen2vl``) or reads without the keys loom
-needs (``qwen3moe``: transformers drops ``expert_feed_forward_length``), built from the
+needs (``qwen3moe``: transformers drops ``expert_feed_forward_length``; ``gemma3``: it
+drops ``rope.freq_base_swa``, the rope scaling and the final logit soft cap, and scales
+queries by 256 ** -0.5 whatever the head size), built from the
 metadata llama.cpp's converter writes (convert_hf_to_gguf.py: ``TextModel``'s keys,
 plus each model class's own) and from which tensors the file holds:
 
@@ -16,6 +18,21 @@ last layer. A ``qwen2vl`` file is Qwen2.5-VL's (or Qwen2-VL's) language model: a
 runs as Qwen2, text only (a text token's three M-RoPE positions are equal: plain rope);
 with ``--mmproj`` it is the text half of the multimodal config, its
 ``rope.dimension_sections`` the M-RoPE sections (gguf_mmproj.py).
+
+A ``gemma3`` file is read as llama.cpp reads it (src/models/gemma3.cpp), which is what
+the converter's keys mean (a Gemma 3 ``TextModel`` writes no layer pattern and no query
+scale)::
+
+    attention.sliding_window = W             sliding layers attend over W tokens; absent
+                                             or 0: every layer is global
+    attention.sliding_window_pattern = p     every p-th layer global, the others sliding
+                                             (absent: 6, as in every Gemma 3); a list of
+                                             booleans: each layer's "sliding"
+    rope.freq_base, rope.scaling.*           the global layers' rope (linear scaling)
+    rope.freq_base_swa                       the sliding layers' rope base; absent: 10,000
+    final_logit_softcapping                  absent: none
+    query scale                              head_dim ** -0.5, but (hidden / heads) ** -0.5
+                                             for the 62-layer 27B: query_pre_attn_scalar
 """
 
 from __future__ import annotations
@@ -32,7 +49,13 @@ GGUF_ARCHITECTURES = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "qwen2vl": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+# llama.cpp's Gemma 3 constants: the layer pattern and sliding rope base where the file
+# names none, and the 27B's layer count, whose queries scale by hidden / heads
+_GEMMA3_PATTERN = 6
+_GEMMA3_SLIDING_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
 _ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 
 
@@ -100,6 +123,44 @@ def config_from_metadata(gguf_file: GGUFFile) -> Any | None:
         if moe_layers != expected:
             raise ValueError(f"{gguf_file.path}: MoE layers {moe_layers} are not those its "
                              f"metadata implies ({expected})")
+    elif arch == "gemma3":
+        fields.update(_gemma3_fields(metadata, fields))
     config = getattr(transformers, config_name)(architectures=[architecture], **fields)
     config._name_or_path = os.path.dirname(gguf_file.path)
     return config
+
+
+def _gemma3_fields(metadata: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A ``gemma3`` file's layer types, ropes, query scale and soft cap (module docstring)."""
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"gemma3.{name}", default)
+
+    num_layers = fields["num_hidden_layers"]
+    window = int(key("attention.sliding_window", 0))
+    pattern = key("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    if not window:
+        sliding = [False] * num_layers
+    elif hasattr(pattern, "__len__"):  # one flag a layer
+        sliding = [bool(flag) for flag in pattern]
+        if len(sliding) != num_layers:
+            raise ValueError(f"a gemma3 file's sliding_window_pattern has {len(sliding)} "
+                             f"flags for {num_layers} layers; convert the file again")
+    else:  # every pattern-th layer global
+        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
+                   for i in range(num_layers)]
+    full = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1000000.0))}
+    if key("rope.scaling.type", "none") == "linear" and key("rope.scaling.factor"):
+        full |= {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif key("rope.scaling.type", "none") != "none":
+        raise ValueError(f"a gemma3 file with {key('rope.scaling.type')} rope scaling; loom "
+                         "reads Gemma 3's linear scaling only")
+    scalar = (fields["hidden_size"] // fields["num_attention_heads"]
+              if num_layers == _GEMMA3_27B_LAYERS else fields["head_dim"])
+    return dict(
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        sliding_window=window or None, query_pre_attn_scalar=scalar,
+        final_logit_softcapping=(float(key("final_logit_softcapping"))
+                                 if key("final_logit_softcapping") else None),
+        rope_parameters={"full_attention": full, "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": float(key("rope.freq_base_swa", _GEMMA3_SLIDING_ROPE_BASE))}})

@@ -12,7 +12,8 @@ they come out here as the per-expert tensors of a Hugging Face checkpoint
 when loom keeps the format (FusedMoE then holds its experts quantized).
 
 A vision projector beside the text file (``--mmproj``) streams after it
-(``mmproj_weights_iterator``), under the checkpoint's ``visual.`` names (gguf_mmproj.py).
+(``mmproj_weights_iterator``), under the checkpoint's names (gguf_mmproj.py): Qwen2.5-VL's
+``visual.``, Gemma 3's ``vision_tower.vision_model.`` and ``multi_modal_projector.``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 
 from loom.model.layers.quantization import QuantizedTensor
 from loom.model.loader.gguf_dequant import dequantize
-from loom.model.loader.gguf_mmproj import PATCH_EMBED, mmproj_tensor_target
+from loom.model.loader.gguf_mmproj import (GEMMA3_PROJECTOR, PATCH_EMBED,
+                                          gemma3_tensor_target, mmproj_tensor_target)
 from loom.model.loader.gguf_quantized import GGUF_KEPT, gguf_quantized
 from loom.model.loader.hf_config import close_gguf_files, open_gguf
 
@@ -227,10 +229,14 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
 
 def mmproj_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """A llama.cpp vision projector's tensors under the checkpoint's names, dequantized
-    to float32 (gguf_mmproj.py): the parts the converter split are joined back, the
-    patch embedding's two kernels stacked as its Conv3d's temporal axis, q, k and v
-    concatenated into the fused qkv rows."""
+    to float32 (gguf_mmproj.py). Qwen2.5-VL's: the parts the converter split are joined
+    back, the patch embedding's two kernels stacked as its Conv3d's temporal axis, q, k
+    and v concatenated into the fused qkv rows. Gemma 3's: one to one."""
     gguf_file = open_gguf(path)
+    if gguf_file.metadata.get("clip.projector_type") == GEMMA3_PROJECTOR:
+        yield from _gemma3_projector_weights(gguf_file)
+        close_gguf_files()
+        return
     held: dict[str, dict[int, torch.Tensor]] = {}  # checkpoint name -> its parts so far
     for info in gguf_file.tensors.values():
         hf_name, part, num_parts = mmproj_tensor_target(info.name)
@@ -251,3 +257,12 @@ def mmproj_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"{path} lacks parts of {', '.join(sorted(held))}; convert the "
                          "projector again with llama.cpp's convert_hf_to_gguf.py --mmproj")
     close_gguf_files()
+
+
+def _gemma3_projector_weights(gguf_file: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Gemma 3 projector's tensors, one to one, less the offsets the converter added."""
+    for info in gguf_file.tensors.values():
+        hf_name, offset = gemma3_tensor_target(info.name, info.shape, gguf_file.metadata)
+        weights = dequantize(gguf_file.tensor_bytes(info), info.ggml_type, info.shape)
+        gguf_file.release(info)
+        yield hf_name, (weights - offset if offset else weights)
