@@ -72,7 +72,7 @@ class EngineArgs:
         None, to="model.mmproj", metavar="FILE",
         help="a llama.cpp vision projector (mmproj-*.gguf, as convert_hf_to_gguf.py "
              "--mmproj writes it) beside a .gguf MODEL: the model then takes images "
-             "(Qwen2.5-VL)")
+             "(Qwen2.5-VL, Gemma 3)")
     skip_tokenizer_init: bool = arg(False, to="model.skip_tokenizer_init", scope=API)
     dtype: str = arg("auto", to="model.dtype", choices=DTYPE_CHOICES,
                      help="weights and activations; half = float16, float = float32. On the "
