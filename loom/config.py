@@ -189,8 +189,21 @@ class CacheConfig:
     # the CPU a KV cache sized to max_num_seqs x max_model_len under a cap (Worker).
     memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # The KV offload tier (core/kv_tier.py): bytes per rank for prefix-cache blocks the
+    # pool evicts, kept in memory-mapped files under kv_offload_path (None: the system's
+    # temporary directory) and loaded back on a prefix hit; None: no tier.
+    kv_offload_size: int | None = None
+    kv_offload_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_offload_size is not None and self.kv_offload_size < 1:
+            raise ValueError(f"--kv-offload-size must be positive, got {self.kv_offload_size}")
+        if self.kv_offload_path is not None and self.kv_offload_size is None:
+            raise ValueError("--kv-offload-path needs --kv-offload-size (the tier's bytes per "
+                             "rank, e.g. 8GiB)")
+        if self.kv_offload_size is not None and not self.enable_prefix_caching:
+            raise ValueError("--kv-offload-size keeps prefix-cache blocks: it needs prefix "
+                             "caching on (drop --no-enable-prefix-caching)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported; choose "
                              f"one of {', '.join(KV_CACHE_DTYPES)}")
@@ -203,6 +216,14 @@ class CacheConfig:
                              f"got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+    @property
+    def kv_offload_dir(self) -> str:
+        """Where the KV offload tier's files go."""
+        import tempfile
+
+        return self.kv_offload_path or tempfile.gettempdir()
+
 
 
 @dataclass(frozen=True)

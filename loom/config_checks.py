@@ -159,6 +159,43 @@ def check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_s
             f"or lower --max-model-len to at most {num_blocks * cache.block_size}")
 
 
+def check_kv_offload(hf_config, cache: CacheConfig, dtype: str,
+                     tensor_parallel_size: int) -> None:
+    """--kv-offload-size and --kv-offload-path, before the weights load: the directory
+    must take a new file, and the size hold one block. Less free space there than the
+    size is a warning: the tier writes only what it keeps, and drops a block it cannot
+    write."""
+    if cache.kv_offload_size is None:
+        return
+    import shutil
+    import tempfile
+
+    from loom.core.kv_tier import tier_num_slots
+    from loom.model.loader.hf_config import kv_cache_bytes_per_block
+
+    directory = cache.kv_offload_dir
+    flag = "--kv-offload-path" if cache.kv_offload_path else "the temporary directory"
+    if not os.path.isdir(directory):
+        raise ValueError(f"--kv-offload-path {directory} is not a directory; create it or "
+                         "give another")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {directory} is not writable ({error.strerror}); give "
+                         "--kv-offload-path a directory loom may write to") from None
+    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size, dtype,
+                                               tensor_parallel_size, cache.kv_cache_dtype)
+    if tier_num_slots(cache.kv_offload_size, bytes_per_block) < 1:
+        raise ValueError(f"--kv-offload-size {_format_bytes(cache.kv_offload_size)} holds no "
+                         f"KV block ({_format_bytes(bytes_per_block)} each per rank); raise it")
+    free = shutil.disk_usage(directory).free
+    if free < cache.kv_offload_size:
+        logger.warning("--kv-offload-size is %s per rank but %s has %s free: the tier drops "
+                       "blocks it cannot write", _format_bytes(cache.kv_offload_size),
+                       directory, _format_bytes(free))
+
+
 def _format_bytes(num_bytes: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= size:

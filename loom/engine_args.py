@@ -110,6 +110,16 @@ class EngineArgs:
         "auto", to="cache.kv_cache_dtype", choices=KV_CACHE_DTYPES,
         help="auto: the model's dtype; int8: K and V quantized per token and head (a float32 "
              "scale each), about twice the tokens in the same memory")
+    kv_offload_size: int | None = arg(
+        None, to="cache.kv_offload_size", parse=arg_types.byte_size, metavar="BYTES",
+        help="a KV offload tier per rank, e.g. 8GiB: prefix-cache blocks the KV cache evicts "
+             "(a preempted request's too) are kept in memory-mapped files under "
+             "--kv-offload-path and loaded back on a prefix hit instead of recomputed; the "
+             "least recently used go when it is full")
+    kv_offload_path: str | None = arg(
+        None, to="cache.kv_offload_path", metavar="DIR",
+        help="a writable directory for the KV offload tier's files (default: the system's "
+             "temporary directory); each rank's file is removed when it exits")
     tensor_parallel_size: int = arg(1, to="parallel.tensor_parallel_size",
                                     flags=("--tensor-parallel-size", "-tp"),
                                     parse=arg_types.positive_int)
@@ -372,7 +382,7 @@ class EngineArgs:
         without loading weights is checked on the way, cheapest first, so a bad argument
         fails before any process starts."""
         from loom.checkpoint_defaults import resolve_against_checkpoint
-        from loom.config_checks import check_kv_budget
+        from loom.config_checks import check_kv_budget, check_kv_offload
 
         resolved = resolve_against_checkpoint(self)
         args = resolved.args
@@ -389,6 +399,8 @@ class EngineArgs:
         built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
         check_kv_budget(resolved.hf_config, built["cache"], args.dtype,
                         args.tensor_parallel_size, args.max_model_len)
+        check_kv_offload(resolved.hf_config, built["cache"], args.dtype,
+                         args.tensor_parallel_size)
         return EngineConfig(**built, speculative=whole["speculative"],
                             early_stop=EarlyStopConfig.from_value(whole["early_stop"]),
                             kv_transfer=whole["kv_transfer"], device=whole["device"])
@@ -413,7 +425,6 @@ _ONLY_AT = {
 _NO_EFFECT = {
     "disable_log_stats": None,  # the offline API logs no periodic stats
     "disable_custom_all_reduce": None,
-    "swap_space": "loom recomputes a preempted request instead of swapping its KV to the CPU",
     "cpu_offload_gb": "loom does not offload weights to the CPU",
 }
 
@@ -434,6 +445,9 @@ def llm_kwargs_to_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
             if value != _ONLY_AT[name] and not (name == "tokenizer_mode" and value == "hf"):
                 raise ValueError(f"LLM({name}={value!r}) is not supported; loom takes only "
                                  f"{name}={_ONLY_AT[name]!r}")
+        elif name == "swap_space":  # vLLM's and FastDeploy's CPU swap space, in GiB
+            if value:
+                result.setdefault("kv_offload_size", int(value * 2**30))
         elif name in _NO_EFFECT:
             reason = _NO_EFFECT[name]
             if reason is not None and value:
@@ -443,7 +457,7 @@ def llm_kwargs_to_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name in known:
             result[name] = value
         else:
-            valid = sorted({*known, *_ALIASES, *_ONLY_AT, *_NO_EFFECT})
+            valid = sorted({*known, *_ALIASES, *_ONLY_AT, *_NO_EFFECT, "swap_space"})
             close = difflib.get_close_matches(name, valid, n=3)
             hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
                     else f"valid ones: {', '.join(valid)}")

@@ -235,3 +235,27 @@ def test_data_parallel_flags_that_do_not_fit_together(tiny_model):
         check(headless=True, data_parallel_size=1, data_parallel_start_rank=1)
     assert check(headless=True, data_parallel_start_rank=1)["data_parallel_size_local"] == 1
     assert check(data_parallel_size_local=1)["data_parallel_address"] == "10.0.0.1"
+
+
+def test_kv_offload_path_that_cannot_take_a_file(tiny_model, tmp_path):
+    """--kv-offload-path: a directory loom may not write to, one line before any weight
+    loads (root writes anywhere but sysfs); a file, or a size below one block, likewise."""
+    if os.geteuid() == 0:
+        directory = "/sys"
+    else:
+        directory = str(tmp_path / "read-only")
+        os.mkdir(directory, 0o555)
+    assert_one_line_error(generate(tiny_model, "--kv-offload-size", "1MiB",
+                                   "--kv-offload-path", directory),
+                          f"--kv-offload-path {directory} is not writable", "a directory loom "
+                          "may write to")
+    from loom.engine_args import make_engine_config
+
+    with pytest.raises(ValueError, match="--kv-offload-path .* is not a directory"):
+        make_engine_config(tiny_model, kv_offload_size=2**20,
+                           kv_offload_path=os.path.join(tiny_model, "config.json"))
+    # the tiny model's block of 16 tokens: 8 KiB
+    with pytest.raises(ValueError, match=r"--kv-offload-size 4.0 KiB holds no KV block \(8.0 KiB"):
+        make_engine_config(tiny_model, kv_offload_size=4096, kv_offload_path=str(tmp_path))
+    with pytest.raises(ValueError, match="--kv-offload-path needs --kv-offload-size"):
+        make_engine_config(tiny_model, kv_offload_path=str(tmp_path))

@@ -13,7 +13,7 @@ out of the middle, which the doubly linked list does in O(1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 
 class KVBlock:
@@ -70,11 +70,15 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int, Hashable], None] | None = None) -> None:
+        """``on_evict(block_id, key)``: a cached block is being handed out again, and
+        ``key`` leaves the prefix cache with it (the KV offload tier saves it first)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding those tokens
@@ -94,7 +98,9 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
-            self._evict(block)
+            key = self._evict(block)
+            if key is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, key)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
@@ -128,11 +134,18 @@ class BlockPool:
                     self._evict(block)
                 self.free_queue.append(block)
 
-    def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
+    def uncache(self, block: KVBlock) -> None:
+        """Take ``block`` out of the prefix cache (its K/V will not be what its hash says)."""
+        self._evict(block)
+
+    def _evict(self, block: KVBlock) -> Hashable | None:
+        """Forget ``block``'s hash; the hash if it left the prefix cache with it (not when
+        another block of equal contents is the one cached)."""
+        key, block.block_hash = block.block_hash, None
+        if key is not None and self.cached.get(key) is block:
+            del self.cached[key]
+            return key
+        return None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

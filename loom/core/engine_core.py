@@ -52,12 +52,14 @@ class EngineCore:
         self.executor = executor
         self.structured_output = structured_output
         self.num_blocks = executor.initialize()
+        kv_tier_slots = self._start_kv_tier() if config.cache.kv_offload_size else 0
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks,
             speculative_config=config.speculative, early_stop_config=config.early_stop,
             kv_transfer_config=config.kv_transfer,
             tp_size=config.parallel.tensor_parallel_size,
-            kv_cache_groups=getattr(executor, "kv_cache_groups", (None,)))
+            kv_cache_groups=getattr(executor, "kv_cache_groups", (None,)),
+            kv_tier_slots=kv_tier_slots)
         # Prefill/decode disaggregation: the ranks' transfer threads report here.
         self.kv_events = None
         if config.kv_transfer is not None:
@@ -143,7 +145,23 @@ class EngineCore:
     @staticmethod
     def _nothing_to_run(scheduler_output: SchedulerOutput) -> bool:
         return (scheduler_output.is_empty and not scheduler_output.finished_req_ids
-                and scheduler_output.kv_connector_metadata is None)
+                and scheduler_output.kv_connector_metadata is None
+                and scheduler_output.kv_tier_ops is None)
+
+    def _start_kv_tier(self) -> int:
+        """Every rank opens its part of the KV offload tier (worker/kv_tier_io.py) with as
+        many slots as ``--kv-offload-size`` holds blocks; returns that count."""
+        from loom.core.kv_tier import tier_num_slots
+
+        cache = self.config.cache
+        bytes_per_block = self.executor.kv_cache_bytes_per_block
+        num_slots = tier_num_slots(cache.kv_offload_size, bytes_per_block)
+        if num_slots < 1:
+            raise ValueError(f"--kv-offload-size {cache.kv_offload_size:,} bytes holds no KV "
+                             f"block of {bytes_per_block:,} bytes; raise it")
+        self.executor.collective_rpc("init_kv_tier", {"num_slots": num_slots})
+        return num_slots
+
 
     # ----------------------------------------------------------------- KV transfer
     # Prefill/decode disaggregation (core/kv_transfer.py): the ranks move the blocks in
@@ -324,8 +342,9 @@ class EngineCore:
                 "sleep_level": self.sleep_level, "num_held": len(self._held)}
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (nothing done) while a request holds blocks."""
-        return self.scheduler.kv_cache.pool.reset_prefix_cache()
+        """Forget every cached prefix, the KV offload tier's too; False (nothing done)
+        while a request holds blocks."""
+        return self.scheduler.kv_cache.reset_prefix_cache()
 
     def collective_rpc(self, method: str, args: list[Any] | tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

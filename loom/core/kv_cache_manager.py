@@ -40,14 +40,21 @@ and in each sliding group only the blocks the first query to come reads (those
 covering n * block_size - W + 1 onwards): the hit is the longest n all groups agree
 on (vLLM's HybridKVCacheCoordinator over FullAttentionManager and
 SlidingWindowManager).
+
+The KV offload tier (core/kv_tier.py) sits under the pool: a cached block the pool
+hands out again is saved there under its key, and a lookup that asks for it
+(``with_tier``) counts the tier's blocks as hits, as ``TierBlock``s, which
+``fetch_from_tier`` brings back into the pool before the request is admitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from loom.core.block_pool import BlockPool, KVBlock
+from loom.core.kv_tier import KVTier, TierBlock
 from loom.request import Request
 
 
@@ -59,10 +66,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  sliding_window: int | None = None,
-                 group_windows: Sequence[int | None] | None = None) -> None:
+                 group_windows: Sequence[int | None] | None = None,
+                 tier: KVTier | None = None) -> None:
         """``group_windows``: each KV cache group's window (None: full attention);
         ``sliding_window`` is the one-group shorthand (every layer reads only the last
-        W positions; None: every layer reads all)."""
+        W positions; None: every layer reads all). ``tier``: the KV offload tier under
+        the pool (prefix caching on), or None."""
         if group_windows is None:
             group_windows = (sliding_window,)
         elif sliding_window is not None:
@@ -75,7 +84,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows: tuple[int | None, ...] = tuple(group_windows)
-        self.pool = BlockPool(num_blocks, enable_caching)
+        if tier is not None and not enable_caching:
+            raise ValueError("the KV offload tier keeps prefix-cache blocks: it needs prefix "
+                             "caching on (drop --no-enable-prefix-caching or --kv-offload-size)")
+        self.tier = tier
+        self.pool = BlockPool(num_blocks, enable_caching,
+                              on_evict=tier.save if tier is not None else None)
+        # Blocks brought back from the tier this step, with the hits held meanwhile:
+        # each fetch's blocks per group (fetch_from_tier, finish_tier_fetches).
+        self._fetches: list[_TierFetch] = []
         # A request's blocks per group, by position; None where a block left every
         # window of its group (freed).
         self.req_to_blocks: dict[str, list[list[KVBlock | None]]] = {}
@@ -105,10 +122,12 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request
-                            ) -> tuple[list[list[KVBlock | None]], int]:
+    def get_computed_blocks(self, request: Request, with_tier: bool = False
+                            ) -> tuple[list[list[KVBlock | TierBlock | None]], int]:
         """The longest cached prefix of ``request``: each group's blocks for it (None
-        where a sliding group needs none) and its token count.
+        where a sliding group needs none) and its token count. ``with_tier``: blocks the
+        offload tier holds count too, as ``TierBlock``s (``fetch_from_tier`` brings them
+        back into the pool before they can be used).
 
         None for a request that wants prompt logprobs: it computes its whole prompt,
         since a hit would skip the logits those need (as in vLLM)."""
@@ -117,7 +136,8 @@ class KVCacheManager:
         self._update_block_hashes(request)
         # Hits may cover at most num_tokens - 1 tokens: the last one is recomputed.
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
-        cached = [[self.pool.get_cached_block(_cache_key(h, group)) for h in hashes]
+        tier = self.tier if with_tier else None
+        cached = [[self._lookup(_cache_key(h, group), tier) for h in hashes]
                   for group in range(self.num_groups)]
         # Each group's longest hit no longer than the others' agreed one, until all
         # agree (a full group's hits are prefix-closed; a sliding group's are not).
@@ -135,6 +155,84 @@ class KVCacheManager:
             first = 0 if window is None else self._first_needed_block(window, num_hit)
             hits.append([None] * first + cached[group][first:num_hit])
         return hits, num_hit * self.block_size
+
+    def _lookup(self, key: Hashable, tier: KVTier | None) -> KVBlock | TierBlock | None:
+        block = self.pool.get_cached_block(key)
+        if block is None and tier is not None and key in tier:
+            return TierBlock(key)
+        return block
+
+    def fetch_from_tier(self, hits: list[list[KVBlock | TierBlock | None]]) -> bool:
+        """Bring the ``TierBlock``s among a lookup's ``hits`` into the pool: a fresh block
+        each, which every rank fills from the tier before this step (``KVTier``); the
+        other hits are held meanwhile, so that taking the fresh blocks cannot evict them.
+        After the step (``finish_tier_fetches``) all of them are let go, cached, and the
+        request's next lookup finds them in the pool. True: the request waits for the
+        step (its loads are booked, or an earlier request's load of the same blocks is);
+        False: the pool has no room for them now, and nothing was done."""
+        wanted = [(group, block) for group, blocks in enumerate(hits) for block in blocks
+                  if isinstance(block, TierBlock)]
+        if any(self.tier.is_loading(block.key) for _, block in wanted):
+            return True
+        held = [block for blocks in hits for block in blocks if isinstance(block, KVBlock)]
+        num_idle = sum(1 for block in held if block.ref_cnt == 0)
+        if len(wanted) + num_idle > self.pool.num_free_blocks:
+            return False
+        # Pinned before any block is taken: the evictions that taking causes are saved
+        # to the tier, and must not land on the slots read here.
+        self.tier.pin(block.key for _, block in wanted)
+        self.pool.touch(held)
+        fresh = iter(self.pool.get_new_blocks(len(wanted)))
+        fetch = _TierFetch(groups=[[] for _ in hits], loads=[])
+        for group, blocks in enumerate(hits):
+            for block in blocks:
+                if isinstance(block, TierBlock):
+                    new = next(fresh)
+                    fetch.loads.append((self.tier.add_load(new.block_id, block.key), new,
+                                        block.key))
+                    block = new
+                if block is not None:
+                    fetch.groups[group].append(block)
+        self._fetches.append(fetch)
+        return True
+
+    def finish_tier_fetches(self, failed: Collection[int] = ()) -> None:
+        """After the step that ran this step's loads: each loaded block enters the prefix
+        cache, unless a rank refused its record (``failed``: indices of the step's loads),
+        whose key then leaves the tier; every block of the fetch is let go, tail first."""
+        for fetch in self._fetches:
+            for index, block, key in fetch.loads:
+                if index in failed:
+                    self.tier.forget(key)
+                else:
+                    self.pool.cache_block(block, key)
+            for group in sorted(range(len(fetch.groups)),
+                                key=lambda g: self.group_windows[g] is None):
+                self.pool.free_blocks(reversed(fetch.groups[group]))
+        self._fetches.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, the offload tier's too; False (nothing done) while
+        a request holds blocks."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.clear()
+        return True
+
+    def forget_unwritten_blocks(self, request: Request) -> None:
+        """The step that was to fill the request's blocks past ``num_computed_tokens``
+        no longer runs it (it was scheduled, then preempted in the same step): they were
+        registered in the prefix cache when allocated, before their K/V exists, so they
+        leave it."""
+        start = request.num_computed_tokens // self.block_size
+        for blocks in self.req_to_blocks.get(request.request_id, []):
+            for block in blocks[start:]:
+                if block is not None and block.block_hash is not None:
+                    self.pool.uncache(block)
+        if request.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = min(
+                self._num_cached_blocks[request.request_id], start)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[list[KVBlock | None]] | None = None,
@@ -298,6 +396,12 @@ class KVCacheManager:
             images = tuple(feature.identifier for feature in request.mm_features
                            if feature.overlaps(start, end)) or None
             hashes.append(hash_block_tokens(parent, tuple(tokens[start:end]), images))
+
+
+@dataclass
+class _TierFetch:
+    groups: list[list[KVBlock]]  # per group, in block order: hits held and blocks loaded
+    loads: list[tuple[int, KVBlock, Hashable]]  # (index in the step's loads, block, key)
 
 
 def _chain_seed(request: Request) -> int | None:

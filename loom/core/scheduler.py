@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from loom.config import (CacheConfig, EarlyStopConfig, KVTransferConfig, SchedulerConfig,
                          SpeculativeConfig)
 from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.kv_tier import KVTier, TierBlock
 from loom.core.kv_transfer import KVTransferScheduler, check_kv_transfer_params
 from loom.core.wire import (CachedRequestData, EngineCoreOutput, KVTransferEvent,
                             ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput,
@@ -42,13 +43,16 @@ class Scheduler:
                  num_blocks: int, *, speculative_config: SpeculativeConfig | None = None,
                  early_stop_config: EarlyStopConfig | None = None,
                  kv_transfer_config: KVTransferConfig | None = None, tp_size: int = 1,
-                 kv_cache_groups: Sequence[int | None] = (None,)) -> None:
+                 kv_cache_groups: Sequence[int | None] = (None,),
+                 kv_tier_slots: int = 0) -> None:
         """``kv_cache_groups``: the window of each KV cache group (None: full attention),
         as the workers report them; blocks behind a window are freed early. One group
         for most models, ``(W,)`` when every layer reads only the last W positions,
         several for a hybrid model (kv_cache_manager.py).
         ``kv_transfer_config``: this instance's side of prefill/decode disaggregation
-        (core/kv_transfer.py), which moves one-group caches only."""
+        (core/kv_transfer.py), which moves one-group caches only.
+        ``kv_tier_slots``: blocks the KV offload tier holds (core/kv_tier.py; 0: none),
+        as the ranks made it (``init_kv_tier``)."""
         self.config = scheduler_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
@@ -57,7 +61,12 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching,
-                                       group_windows=kv_cache_groups)
+                                       group_windows=kv_cache_groups,
+                                       tier=KVTier(kv_tier_slots) if kv_tier_slots else None)
+        # How often each waiting request had blocks brought back from the offload tier
+        # since it last ran: past _MAX_TIER_FETCHES (its blocks were evicted again before
+        # it was admitted, each time) it computes them instead.
+        self._tier_fetches: dict[str, int] = {}
         if kv_transfer_config is not None and self.kv_cache.num_groups > 1:
             raise ValueError(
                 f"prefill/decode disaggregation moves a KV cache of one group, but this "
@@ -179,6 +188,8 @@ class Scheduler:
                     scheduled_spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     index -= 1
+                    # Its blocks this step was to fill hold no K/V: not a prefix.
+                    self.kv_cache.forget_unwritten_blocks(victim)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -223,7 +234,10 @@ class Scheduler:
             if arrived:
                 computed_blocks, num_hit_tokens = None, request.num_computed_tokens
             else:
-                computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+                computed_blocks, num_hit_tokens = self._lookup_prefix(request)
+                if computed_blocks is None:  # its prefix comes back from the tier this step
+                    skipped.append(self.waiting.popleft())
+                    continue
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             if (not self.config.enable_chunked_prefill
                     and num_new_tokens < request.num_tokens - num_hit_tokens):
@@ -237,6 +251,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self._tier_fetches.pop(request.request_id, None)
             if not arrived:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
@@ -262,11 +277,30 @@ class Scheduler:
             scheduled_spec_decode_tokens=scheduled_spec_tokens,
             kv_connector_metadata=(self.kv_transfer.take_metadata()
                                    if self.kv_transfer is not None else None),
+            kv_tier_ops=(self.kv_cache.tier.take_ops()
+                         if self.kv_cache.tier is not None else None),
         )
+
+    def _lookup_prefix(self, request: Request):
+        """A waiting request's cached prefix (``get_computed_blocks``), or (None, 0) when
+        the offload tier holds more of it than the pool: those blocks are brought back
+        this step, and the request waits for them (``KVCacheManager.fetch_from_tier``)."""
+        tier_fetches = self._tier_fetches.get(request.request_id, 0)
+        with_tier = self.kv_cache.tier is not None and tier_fetches < _MAX_TIER_FETCHES
+        hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request, with_tier)
+        if not with_tier or not any(isinstance(block, TierBlock)
+                                    for blocks in hits for block in blocks):
+            return hits, num_hit_tokens
+        if self.kv_cache.fetch_from_tier(hits):
+            self._tier_fetches[request.request_id] = tier_fetches + 1
+            return None, 0
+        return self.kv_cache.get_computed_blocks(request)  # no room for them now
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled ones, apply stops, free finished."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.finish_tier_fetches(set(runner_output.kv_tier_failed or ()))
         row = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         if runner_output.expert_tokens:
             if not self.expert_tokens:
@@ -485,6 +519,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self._tier_fetches.pop(request.request_id, None)
         self._forget_on_workers(request)
         del self.requests[request.request_id]
         if request.kv_transfer_id is not None:
@@ -646,6 +681,12 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             new_group_block_ids=[self.kv_cache.get_block_ids(req_id, group, num_blocks_sent)
                                  for group in range(1, self.kv_cache.num_groups)])
+
+
+# Times a waiting request may have its blocks brought back from the offload tier before
+# it computes them: each fetch is let go, cached, until the request is admitted, and
+# running requests short of blocks may evict them first.
+_MAX_TIER_FETCHES = 2
 
 
 def _slice_logprobs(logprobs: SampleLogprobs, start: int, end: int) -> SampleLogprobs:

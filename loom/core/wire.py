@@ -127,6 +127,27 @@ class KVConnectorMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
         return not (self.releases or self.holds or self.loads)
 
 
+class KVTierCopy(msgspec.Struct, array_like=True):
+    """One block between the KV cache and a slot of the offload tier (core/kv_tier.py):
+    the pool's block id, the tier's slot, and the key the slot's record holds (the
+    block's chained hash and its KV cache group)."""
+
+    block_id: int
+    slot: int
+    block_hash: int
+    group: int
+
+
+class KVTierOps(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A step's copies between the KV cache and the offload tier, done by every rank
+    before the step's forward, saves first: a block saved here is reused by this step
+    (or filled by one of its loads). A load whose record a rank refuses comes back in
+    ``ModelRunnerOutput.kv_tier_failed``."""
+
+    saves: list[KVTierCopy] = []
+    loads: list[KVTierCopy] = []
+
+
 class SchedulerOutput(msgspec.Struct, kw_only=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -144,6 +165,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # Prefill/decode disaggregation (core/kv_transfer.py): KV blocks to serve or pull.
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # The KV offload tier (core/kv_tier.py): blocks to save before they are reused, and
+    # blocks to load, before the step.
+    kv_tier_ops: KVTierOps | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -188,6 +212,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Pooling requests (loom/pooling.py): the vector of each one whose prompt this step
     # finished (an embedding, or a score as one value); None for the others.
     pooled: list[list[float] | None] | None = None
+    # The KV offload tier: indices into the step's KVTierOps.loads whose record some rank
+    # refused (its key, weights version or checksum did not match); those blocks are misses.
+    kv_tier_failed: list[int] | None = None
 
 
 

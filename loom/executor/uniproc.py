@@ -45,4 +45,5 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if getattr(self, "worker", None) is not None:
             self.worker.shutdown_kv_connector()
+            self.worker.shutdown_kv_tier()
         self.worker = None

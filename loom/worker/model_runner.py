@@ -29,6 +29,7 @@ from loom.model.attention.kv_layout import kv_cache_dtype
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers import logits_processors
 from loom.model.kernel_replay import forget_recordings
+from loom.model.layers.rotary import LengthScaledRotaryEmbedding
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
 from loom.model.loader import kv_cache_bytes_per_block, load_model, model_hf_config
@@ -86,6 +87,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.hf_config = model_hf_config(config.model)
         self.model: torch.nn.Module | None = None
+        self.rope_scales_past: int | None = None  # set by load_model
         self.sampler = Sampler(config.model.logprobs_mode)
         self.logits_processors = logits_processors.load(config.model.logits_processors)
         self.rejection_sampler = RejectionSampler(config.model.logprobs_mode)
@@ -126,7 +128,13 @@ class ModelRunner:
                                 quantization=self.config.model.quantization,
                                 quantization_group_size=self.config.model.quantization_group_size,
                                 lm_head_fp32=self.config.model.lm_head_fp32,
-                                expert_parallel_size=self.config.parallel.expert_parallel_size)
+                                expert_parallel_size=self.config.parallel.expert_parallel_size,
+                                max_model_len=self.config.model.max_model_len)
+        # the original context of a rope whose frequencies depend on the sequence's
+        # length (the shortest, if several): steps past it carry each token's length
+        self.rope_scales_past = min((module.scales_past for module in self.model.modules()
+                                     if isinstance(module, LengthScaledRotaryEmbedding)),
+                                    default=None)
         if self.tp_group.rank == 0:
             backend = self.model.attention_layers[0].impl.name
             logger.info("attention backend: %s%s", backend,
@@ -604,6 +612,8 @@ class ModelRunner:
         device = self.device
         metadata = AttentionMetadata.from_numpy(slot_mapping, query_start_loc, seq_lens,
                                                 block_table, self.block_size, device)
+        if self.rope_scales_past is not None:
+            metadata.rope_lengths = self._rope_lengths(states, req_of_token, token_positions)
         for group in range(len(self.kv_cache_groups.windows) - 1):
             # KV cache groups 1..: the same step through their own block tables
             group_table = np.zeros((num_reqs, max_blocks), np.int64)
@@ -616,6 +626,18 @@ class ModelRunner:
                 torch.from_numpy(np.ascontiguousarray(positions)).to(device),
                 metadata, sample_rows,
                 None if logits_indices is None else torch.from_numpy(logits_indices).to(device))
+
+    def _rope_lengths(self, states: list[CachedRequestState], req_of_token: np.ndarray,
+                      token_positions: np.ndarray) -> torch.Tensor | None:
+        """Each token's length for a length-scaled rope, ``max(prompt length, position +
+        1)``: transformers' generate turns a prompt in one forward at its length, then
+        each new token at its own (layers/rotary.py). None when none is past the rope's
+        original context (the plain rope then)."""
+        prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), np.int64, len(states))
+        lengths = np.maximum(prompt_lens[req_of_token], token_positions + 1)
+        if lengths.max() <= self.rope_scales_past:
+            return None
+        return torch.from_numpy(lengths).to(self.device)
 
     @staticmethod
     def _apply_grammar_bitmask(scheduler_output: SchedulerOutput, req_ids: list[str],

@@ -266,6 +266,8 @@ class WeightUpdater:
         (kernel_replay.py) and CUDA graphs, which hold their addresses."""
         forget_recordings(self.model)
         self.runner.drop_cuda_graphs()
+        if getattr(self.worker, "kv_tier", None) is not None:
+            self.worker.kv_tier.invalidate()  # its records hold the old weights' K/V
 
     def _reallocate_params(self) -> None:
         params = dict(_unique_params(self.model))

@@ -37,6 +37,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.kv_connector = None  # prefill/decode disaggregation (init_kv_connector)
         self.kv_segment = None  # the KV cache's shared-memory segment (kv_transport shm)
+        self.kv_tier = None  # the KV offload tier's half on this rank (init_kv_tier)
         self.weights = WeightUpdater(self)  # update, clear, sleep, wake (weight_updates.py)
 
     def init_device(self) -> None:
@@ -246,13 +247,42 @@ class Worker:
         return self.kv_segment.tensor
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        tier_ops = scheduler_output.kv_tier_ops
+        refused = self._run_kv_tier(tier_ops) if tier_ops is not None else None
         metadata = scheduler_output.kv_connector_metadata
         if metadata is None or self.kv_connector is None:
-            return self.model_runner.execute_model(scheduler_output)
-        self.kv_connector.before_step(metadata)
-        output = self.model_runner.execute_model(scheduler_output)
-        self.kv_connector.after_step(metadata)
+            output = self.model_runner.execute_model(scheduler_output)
+        else:
+            self.kv_connector.before_step(metadata)
+            output = self.model_runner.execute_model(scheduler_output)
+            self.kv_connector.after_step(metadata)
+        if refused:
+            output.kv_tier_failed = refused
         return output
+
+    # ------------------------------------------------- the KV offload tier
+
+    def init_kv_tier(self, num_slots: int) -> None:
+        """Open this rank's part of the KV offload tier (loom/worker/kv_tier_io.py):
+        ``num_slots`` blocks in a file under ``--kv-offload-path``."""
+        from loom.worker.kv_tier_io import KVTierWorker
+
+        self.shutdown_kv_tier()
+        self.kv_tier = KVTierWorker(self.config.cache.kv_offload_dir, num_slots,
+                                    self.model_runner, self.tp_group, self.config.model.model)
+
+    def _run_kv_tier(self, ops) -> list[int]:
+        """A step's copies to and from the tier, before its forward; the loads refused."""
+        if self.kv_tier is None:
+            raise RuntimeError("a step carries KV offload tier copies but this rank has no "
+                               "tier (init_kv_tier was not called)")
+        return self.kv_tier.run(ops)
+
+    def shutdown_kv_tier(self) -> None:
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+            self.kv_tier = None
+
 
     # ------------------------------------------------- KV transfer (collective_rpc)
 

@@ -181,6 +181,7 @@ def run_worker(spec: WorkerSpec) -> int:
     finally:
         if worker is not None:
             worker.shutdown_kv_connector()  # its listener, and its shared-memory cache
+            worker.shutdown_kv_tier()  # its file
         tear_down(status, queue, clean=exit_code == 0)
     return exit_code
 
