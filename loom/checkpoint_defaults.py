@@ -75,12 +75,12 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         expert_parallel_size = args.tensor_parallel_size if args.enable_expert_parallel else 1
     check_expert_parallel(hf_config, expert_parallel_size)
     max_model_len = args.max_model_len
-    limit = max_position_embeddings(hf_config)
+    limit = derived_max_model_len(hf_config)
     if max_model_len is None:
         max_model_len = min(limit, 4096) if limit else 4096
     elif limit and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {limit}; lower --max-model-len")
+                         f"{_describe_limit(hf_config, limit)}; lower --max-model-len")
     enable_chunked_prefill = (True if args.enable_chunked_prefill is None
                               else args.enable_chunked_prefill)
     max_num_batched_tokens = args.max_num_batched_tokens
@@ -115,6 +115,14 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
     model_fields = {"vocab_size": getattr(hf_config, "vocab_size", None),
                     "sampling_defaults": tuple(sampling_defaults.items()),
                     "hf_config": hf_config_values(hf_config)}
+    scales_past = rope_scales_past(hf_config)
+    if scales_past is not None and max_model_len > scales_past and resolved.enable_prefix_caching:
+        # a prompt's keys turn at the prompt's length past it: another prompt's cached
+        # blocks would not hold the keys this one needs (layers/rotary.py)
+        logger.info("prefix caching off: the model's %s rope turns a sequence's keys by "
+                    "its length past %d tokens; --max-model-len %d keeps it on",
+                    _flat_rope_parameters(hf_config)["rope_type"], scales_past, scales_past)
+        resolved = dataclasses.replace(resolved, enable_prefix_caching=False)
     if args.enable_lora or args.lora_modules:
         resolved = _check_lora(resolved)
     if args.task != "generate":
@@ -255,6 +263,58 @@ def max_position_embeddings(hf_config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _flat_rope_parameters(hf_config) -> dict[str, Any] | None:
+    """The config's one rope (``rope_parameters``, or ``rope_scaling`` before
+    transformers 5) with its ``rope_type``; None where it has none or one per layer type
+    (Gemma 3's, whose max_position_embeddings already counts its scaling)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(params, dict) or not ("rope_type" in params or "type" in params):
+        return None
+    return {**params, "rope_type": params.get("rope_type", params.get("type"))}
+
+
+def derived_max_model_len(hf_config) -> int | None:
+    """The longest sequence the checkpoint serves, as vLLM derives it: its
+    max_position_embeddings, times rope scaling's factor for the types that extend the
+    context by it (linear, dynamic; yarn from its original_max_position_embeddings).
+    llama3 and longrope configs (Llama 3.1, Phi-3) state the extended length in
+    max_position_embeddings itself."""
+    limit = max_position_embeddings(hf_config)
+    params = _flat_rope_parameters(hf_config)
+    if limit is None or params is None or params["rope_type"] not in ("linear", "dynamic", "yarn") \
+            or not params.get("factor"):
+        return limit
+    if params["rope_type"] == "yarn":
+        limit = params.get("original_max_position_embeddings") or limit
+    return int(limit * params["factor"])
+
+
+def _describe_limit(hf_config, limit: int) -> str:
+    positions = max_position_embeddings(hf_config)
+    if limit == positions:
+        return f"max_position_embeddings {limit}"
+    params = _flat_rope_parameters(hf_config)
+    base = (f"original_max_position_embeddings {params['original_max_position_embeddings']}"
+            if params["rope_type"] == "yarn" and params.get("original_max_position_embeddings")
+            else f"max_position_embeddings {positions}")
+    return (f"longest sequence {limit} ({base} x {params['rope_type']} rope scaling factor "
+            f"{params['factor']})")
+
+
+def rope_scales_past(hf_config) -> int | None:
+    """Where a rope whose frequencies depend on the sequence's length starts to scale
+    (rotary.py's ``LengthScaledRotaryEmbedding.scales_past``): dynamic NTK past
+    max_position_embeddings, longrope past its original context; None for other ropes."""
+    params = _flat_rope_parameters(hf_config)
+    if params is None or params["rope_type"] not in ("dynamic", "longrope"):
+        return None
+    if params["rope_type"] == "dynamic":
+        return max_position_embeddings(hf_config)
+    return (getattr(hf_config, "original_max_position_embeddings", None)
+            or params.get("original_max_position_embeddings")
+            or max_position_embeddings(hf_config))
 
 
 def _effort_budgets(value: dict[str, int] | str | None) -> dict[str, int]:

@@ -33,7 +33,9 @@ aside: kernels read it through its rows) and every Python value of the attention
 metadata the forward read (``max_query_len``, say), checked before a replay. A forward
 is recorded at its shape's second sighting (``RECORD_AFTER``), up to ``MAX_TOKENS``
 tokens (longer steps spend their time in the matmuls, not in Python), and at most
-``MAX_PROGRAMS`` are kept.
+``MAX_PROGRAMS`` are kept. A step whose rope computes cos and sin per token
+(``rope_lengths``: dynamic NTK or longrope past the original context, layers/rotary.py)
+runs the modules, neither recorded nor replayed.
 
 The one refusal is the recorder's, said once per binding of weights and caches: the
 forward called a PyTorch op with no native kernel (a float32 model's ``F.rms_norm``, an
@@ -415,6 +417,10 @@ class KernelReplay:
             metadata = get_forward_context()
         except RuntimeError:
             metadata = None
+        if metadata is not None and metadata.rope_lengths is not None:
+            # a length-scaled rope computes this step's cos and sin (layers/rotary.py)
+            self.stats.eager += 1
+            return self.forward(*args)
         key = (torch.is_inference_mode_enabled(), _shape_key(args, metadata))
         programs = self._programs.get(key)
         if programs is not None:

@@ -46,7 +46,8 @@ class DraftModelProposer:
     def load_model(self) -> None:
         # Unsharded, on this rank only: a draft model is small.
         self.model = load_model(self.path, self.hf_config, dtype=self.dtype, device=self.device,
-                                tp_group=SINGLE, attention_backend=self.attention_backend)
+                                tp_group=SINGLE, attention_backend=self.attention_backend,
+                                max_model_len=self.max_model_len)
 
     @property
     def kv_cache_bytes_per_block(self) -> int:

@@ -28,7 +28,9 @@ moves: the KV cache is re-allocated, or the weights are updated, freed or re-der
 (``ModelRunner.drop_cuda_graphs``). The KV cache's sizing leaves the pool
 ``graphs_memory_estimate``.
 
-Steps that run eagerly, as before: any with a prefill or draft tokens; models with MoE
+Steps that run eagerly, as before: any with a prefill or draft tokens, or whose rope
+turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the original
+context; layers/rotary.py); models with MoE
 layers (routing counts are read on the host), several KV cache groups (Gemma 3's
 hybrid layout), or tensor parallel (NCCL inside a graph is not proven here); and every
 step under ``enforce_eager``. A capture that fails is logged once and turns graphs off
@@ -183,7 +185,8 @@ class DecodeGraphs:
 
     def buckets_for(self, metadata: AttentionMetadata) -> tuple[int, int] | None:
         """The (batch, context) buckets a step runs in, or None: it runs eagerly."""
-        if self.disabled or not metadata.is_pure_decode or metadata.group_metadata:
+        if (self.disabled or not metadata.is_pure_decode or metadata.group_metadata
+                or metadata.rope_lengths is not None):  # (cos and sin computed per step)
             return None
         batch = _bucket(self.batch_buckets, metadata.num_reqs)
         context = _bucket(self.context_buckets, metadata.max_seq_len)

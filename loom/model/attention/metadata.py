@@ -50,6 +50,11 @@ class AttentionMetadata:
     # both ways (MultiModalFeature.bidirectional). Each lies within one request's new
     # tokens; a sliding window still hides keys too far behind a query.
     bidirectional_spans: tuple[tuple[int, int], ...] = ()
+    # (T,) int64: each token's sequence length as a rope whose frequencies depend on it
+    # sees it (layers/rotary.py, LengthScaledRotaryEmbedding): max(its request's prompt
+    # length, its position + 1). None where the model has no such rope or no token of the
+    # step is past its original context; a step with them runs eagerly.
+    rope_lengths: torch.Tensor | None = None
     # Per-step values derived by the attention backend (gather indices, masks), built
     # by the first layer that needs them and reused by the others; see ``cached``.
     _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,

@@ -16,6 +16,7 @@ from loom.kernels import native_ops
 from loom.model.attention import select_attn_backend
 from loom.model.layers.embedding import VocabParallelEmbedding
 from loom.model.layers.linear import LinearBase
+from loom.model.layers.rotary import RotaryEmbedding
 from loom.model.layers.weight_forms import MixedFormats, OneDnnWeight
 from loom.model.layers.quantization import linear_weight_quantization, table_quantization
 from loom.model.loader.gguf_loader import (gguf_quantized_formats, gguf_weights_iterator,
@@ -55,14 +56,16 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
                attention_backend: str = "auto", quantization: str = "auto",
                quantization_group_size: int = 128, lm_head_fp32: bool = False,
-               expert_parallel_size: int = 1) -> nn.Module:
+               expert_parallel_size: int = 1, max_model_len: int | None = None) -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
     parameter from ``model_path``, quantize the decoder's linear weights if
     ``quantization`` says so (layers/quantization.py; ``quantization_group_size`` for
     wint4; ``lm_head_fp32``: float32 logits from a float32 copy of the LM head), return
     it in eval mode. Rank 0 logs the resident weight bytes by dtype. ``expert_parallel_size`` 1 or the TP size:
-    MoE layers split their experts whole over the TP ranks (layers/fused_moe.py)."""
+    MoE layers split their experts whole over the TP ranks (layers/fused_moe.py).
+    ``max_model_len``: the ropes' cos/sin caches cover it where it exceeds the config's
+    max_position_embeddings (rope scaling)."""
     model_cls = get_model_class(get_model_architecture(hf_config))
     if torch.device(device).type == "cpu":
         native_ops()  # build (or load) the CPU kernels now, not inside the first step
@@ -73,6 +76,10 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                                                                          quantization_group_size),
                           expert_parallel=expert_parallel_group(tp_group,
                                                                 expert_parallel_size))
+    if max_model_len is not None:
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.cover(max_model_len)
     if lm_head_fp32 and hasattr(model, "lm_head"):
         model.lm_head.float32 = True
     tables = table_quantization(quantization, lm_head_fp32)
