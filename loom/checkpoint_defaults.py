@@ -147,9 +147,10 @@ def _check_lora(args: EngineArgs) -> EngineArgs:
     from loom.lora import AdapterError, parse_lora_modules, read_adapter_config
 
     modules = parse_lora_modules(args.lora_modules)
-    if len(modules) > args.max_loras:
-        raise ValueError(f"--lora-modules names {len(modules)} adapters, more than "
-                         f"--max-loras {args.max_loras}; raise --max-loras")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise ValueError(f"--max-cpu-loras {args.max_cpu_loras} is below --max-loras "
+                         f"{args.max_loras}: the adapters in slots are held in host memory "
+                         f"too; give --max-cpu-loras {args.max_loras} or more")
     for _, path in modules:
         try:
             read_adapter_config(path, args.max_lora_rank)

@@ -93,11 +93,14 @@ class ModelConfig:
     reasoning_effort_budgets: dict[str, int] = field(
         default_factory=lambda: {"low": 1024, "medium": 4096, "high": -1}, hash=False)
     # LoRA adapters (loom/lora.py): served beside the base when enabled; (name, path) of
-    # those loaded at start-up; at most max_loras held at once, of rank <= max_lora_rank.
+    # those loaded at start-up; max_loras in the ranks' slots at once (and in the running
+    # requests), of rank <= max_lora_rank; max_cpu_loras kept read in host memory (None:
+    # max_loras).
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Images in (loom/multimodal): at most this many items of a modality in one prompt
     # (vLLM's --limit-mm-per-prompt; none given: no limit but the context); the hosts a
     # server may fetch image URLs from (none: data: URLs only), and the directory local

@@ -201,7 +201,13 @@ class EngineArgs:
         help="LoRA adapters (PEFT directories) loaded at start-up, each served under its "
              "NAME (a request's model)")
     max_loras: int = arg(1, to="model.max_loras", parse=arg_types.positive_int,
-                         help="LoRA adapters held at once")
+                         help="LoRA adapters in the ranks' slots at once: at most this many "
+                              "among the running requests (requests for others wait)")
+    max_cpu_loras: int | None = arg(
+        None, to="model.max_cpu_loras", parse=arg_types.positive_int,
+        help="LoRA adapters kept read in host memory, the slots' ones included (default "
+             "--max-loras; >= --max-loras); the least recently used beyond it are read "
+             "from disk again when next needed")
     max_lora_rank: int = arg(16, to="model.max_lora_rank", parse=arg_types.positive_int,
                              help="the largest LoRA rank an adapter may have")
     limit_mm_per_prompt: dict[str, int] = arg(

@@ -60,8 +60,10 @@ class LLM:
                 raise RuntimeError(_MISSING_MAIN_GUARD) from None
             raise
         self._request_counter = itertools.count()
-        # LoRA adapters loaded on the ranks, by name (loom/lora.py)
-        self._loras = dict(self.engine.config.model.lora_modules)
+        # LoRA adapters served on the ranks, by name (loom/lora.py): the path each was
+        # last loaded from and that load's id (SamplingParams.lora_id: its prefix blocks)
+        self._loras = {name: (path, 0) for name, path in self.engine.config.model.lora_modules}
+        self._lora_loads = itertools.count(1)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
@@ -117,19 +119,21 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
-            params = [p if lora is None else p.clone(lora_name=self._lora_name(lora),
-                                                     lora_id=lora.lora_int_id)
+            params = [p if lora is None else p.clone(lora_name=lora.lora_name,
+                                                     lora_id=self._lora_id(lora))
                       for p, lora in zip(params, loras)]
         return self._run(prompts, params, use_tqdm)
 
-    def _lora_name(self, lora: LoRARequest) -> str:
-        """``lora``'s adapter loaded on every rank (now, if it is new); its name."""
+    def _lora_id(self, lora: LoRARequest) -> int:
+        """``lora``'s adapter served on every rank (loaded now if its name is new or its
+        path is not the one loaded); the id of that load."""
         if not self.engine.config.model.enable_lora:
             raise ValueError("lora_request needs an engine started with enable_lora=True")
-        if self._loras.get(lora.lora_name) != lora.lora_path:
+        loaded = self._loras.get(lora.lora_name)
+        if loaded is None or loaded[0] != lora.lora_path:
             self.collective_rpc("add_lora", (lora.lora_name, lora.lora_path))
-            self._loras[lora.lora_name] = lora.lora_path
-        return lora.lora_name
+            loaded = self._loras[lora.lora_name] = (lora.lora_path, next(self._lora_loads))
+        return loaded[1]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
@@ -234,14 +238,29 @@ class LLM:
     # As vLLM's and SGLang's offline engines have them for RL loops (docs/weight_updates.md).
     # Between generate calls; each runs on every rank and empties the prefix cache.
 
-    def update_weights(self, path: str | None = None) -> dict[str, Any]:
+    def update_weights(self, path: str | None = None,
+                       lora_name: str | None = None) -> dict[str, Any]:
         """Load new weights of the same architecture and shapes from ``path``: a checkpoint
         directory of safetensors, a .gguf file, or an ipc manifest written by
         ``loom.weight_sync.WeightPublisher`` (None: reload the last checkpoint). Each rank
         takes its shard through its parameters' ``weight_loader``s. A missing file or a
         tensor that does not fit raises ValueError or FileNotFoundError naming it, and
-        the weights stay as they were. Returns ``{"num_parameters", "seconds"}``."""
-        return self.engine.engine_core.update_weights(path)
+        the weights stay as they were. Returns ``{"num_parameters", "seconds"}``.
+
+        ``lora_name``: new weights for that LoRA adapter (served already) from the PEFT
+        directory ``path``, the base and the other adapters untouched, the prefix cache
+        kept (the adapter's later requests have a load id of their own, so its old blocks
+        are not reused); a ``LoRARequest`` of that name with ``path`` runs the new
+        weights. Returns ``{"lora_name", "seconds"}``."""
+        if lora_name is None:
+            return self.engine.engine_core.update_weights(path)
+        if lora_name not in self._loras:
+            raise ValueError(f"no LoRA adapter {lora_name!r} is served (served: "
+                             f"{', '.join(sorted(self._loras)) or 'none'}); load it with a "
+                             "LoRARequest first")
+        result = self.engine.engine_core.update_weights(path, lora_name)
+        self._loras[lora_name] = (path, next(self._lora_loads))
+        return result
 
     def update_weights_from_tensors(self, named_tensors) -> dict[str, Any]:
         """Load (checkpoint name, tensor) pairs, any subset of the weights, e.g. from a

@@ -2,21 +2,32 @@
 
 An adapter in PEFT's format (a directory with ``adapter_config.json`` and
 ``adapter_model.safetensors``) adds ``scale * B (A x)`` to each linear layer it targets,
-``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). loom applies it
-beside the base weight, never merged into it, so requests for different adapters and for
-the base share a step (loom/model/layers/lora.py: each step's rows grouped by adapter,
-each group's shrink and expand products in turn).
+``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), and
+``scale * B A^T[id]`` to the embedding of token ``id`` where it targets the embeddings.
+loom applies it beside the base weight, never merged into it, so requests for different
+adapters and for the base share a step (loom/model/layers/lora.py: each step's rows
+grouped by adapter, each group's shrink and expand products in turn).
 
-An engine started with ``enable_lora`` holds up to ``max_loras`` adapters of rank up to
-``max_lora_rank`` at once (loaded at start-up from ``--lora-modules name=path``, or on
-first use from an offline ``LoRARequest``); a request names one by its name (the
-OpenAI routes' ``model``; ``SamplingParams.lora_name``), the base by the served model
-name. Prefix caching keys a request's blocks by its adapter.
+An engine started with ``enable_lora`` serves any number of adapters (loaded at
+start-up from ``--lora-modules name=path``, on first use from an offline ``LoRARequest``,
+or by /v1/load_lora_adapter); ``max_loras`` of them, of rank up to ``max_lora_rank``, sit
+in the ranks' slots at once. The scheduler admits a request only while the running
+requests use at most ``max_loras`` adapters (one more waits, in order, without holding
+up the others), and a rank swaps adapters into its slots as their requests run (the
+least recently used slot not needed by the step). ``max_cpu_loras`` adapters' weights
+stay read in host memory besides the slots (least recently used dropped first, read
+from disk again when next needed). A request names an adapter by its name (the OpenAI
+routes' ``model``; ``SamplingParams.lora_name``), the base by the served model name.
+Prefix caching keys a request's blocks by its adapter and that adapter's load id
+(``SamplingParams.lora_id``), so an adapter loaded again or updated in place
+(``LLM.update_weights(path, lora_name=...)``) never reuses its old blocks.
 
-Targets: the attention and MLP projections of the dense families and the attention of
-the mixtures of experts (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``).
-An adapter on anything else (embeddings, the LM head, experts), with a rank above
-``max_lora_rank``, with ``modules_to_save`` or DoRA, is refused with the reason.
+Targets: the attention and MLP projections of the dense families, the attention of the
+mixtures of experts (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``), the
+token embeddings (``embed_tokens``: PEFT's ``lora_embedding_A``/``lora_embedding_B``)
+and the LM head (``lm_head``). An adapter on anything else (experts, a vision tower),
+with a rank above ``max_lora_rank``, with ``modules_to_save`` (whole trained copies of
+modules) or DoRA, is refused with the reason.
 """
 
 from __future__ import annotations
@@ -27,13 +38,14 @@ import os
 from dataclasses import dataclass
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+                     "down_proj", "embed_tokens", "lm_head")
 
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's: the adapter a request runs with (``lora_int_id`` is vLLM's handle, unused
-    by loom beyond being kept)."""
+    """vLLM's: the adapter a request runs with, by name; its files are read when the name
+    is new or ``lora_path`` differs from the path it was loaded from (``lora_int_id`` is
+    vLLM's handle, kept but not used: loom numbers each load itself)."""
 
     lora_name: str
     lora_int_id: int
@@ -78,8 +90,16 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
     if raw.get("use_dora"):
         raise AdapterError(f"LoRA adapter {path!r} uses DoRA, which loom does not serve")
     if raw.get("modules_to_save"):
-        raise AdapterError(f"LoRA adapter {path!r} saves whole modules "
-                           f"({', '.join(raw['modules_to_save'])}), which loom does not serve")
+        raise AdapterError(
+            f"LoRA adapter {path!r} saves whole trained copies of "
+            f"{', '.join(raw['modules_to_save'])} (modules_to_save), which loom does not "
+            "serve: it applies LoRA's A and B beside the base weights only; train with those "
+            "modules in target_modules instead (embed_tokens and lm_head included)")
+    for field, what in (("trainable_token_indices", "trained rows of the token embeddings"),
+                        ("target_parameters", "LoRA on parameters (experts)")):
+        if raw.get(field):
+            raise AdapterError(f"LoRA adapter {path!r} holds {what} ({field}), which loom "
+                               "does not serve")
     targets = raw.get("target_modules") or []
     if isinstance(targets, str):
         raise AdapterError(f"LoRA adapter {path!r} names its targets by pattern ({targets!r}); "

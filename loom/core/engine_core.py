@@ -59,6 +59,7 @@ class EngineCore:
             kv_transfer_config=config.kv_transfer,
             tp_size=config.parallel.tensor_parallel_size,
             kv_cache_groups=getattr(executor, "kv_cache_groups", (None,)),
+            max_loras=config.model.max_loras if config.model.enable_lora else None,
             kv_tier_slots=kv_tier_slots)
         # Prefill/decode disaggregation: the ranks' transfer threads report here.
         self.kv_events = None
@@ -241,8 +242,9 @@ class EngineCore:
         asks again."""
         if isinstance(control, PauseGeneration) and control.mode == "wait":
             self.paused = True
-        elif not isinstance(control, (UpdateWeights, Sleep)):
-            return True
+        elif not isinstance(control, (UpdateWeights, Sleep)) or (
+                isinstance(control, UpdateWeights) and control.lora_name is not None):
+            return True  # (a LoRA adapter's update holds nothing: update_weights)
         self.draining = not self.is_drained
         return not self.draining
 
@@ -256,8 +258,8 @@ class EngineCore:
                     return self.pause_generation(mode)
                 case ResumeGeneration():
                     return self.resume_generation()
-                case UpdateWeights(path=path):
-                    return self.update_weights(path)
+                case UpdateWeights(path=path, lora_name=lora_name):
+                    return self.update_weights(path, lora_name)
                 case Sleep(level=level):
                     return self.sleep(level)
                 case WakeUp():
@@ -303,11 +305,27 @@ class EngineCore:
         self.paused = False
         self.release_held()
 
-    def update_weights(self, path: str | None = None) -> dict[str, Any]:
+    def update_weights(self, path: str | None = None,
+                       lora_name: str | None = None) -> dict[str, Any]:
         """Load new weights on every rank from a checkpoint directory, a .gguf file or an
         ipc manifest (None: reload the last checkpoint); raises ValueError or
         FileNotFoundError, weights unchanged, if they do not fit. Then the prefix cache
-        is emptied. A sleeping engine (level 2) gets its weights from here and wakes."""
+        is emptied. A sleeping engine (level 2) gets its weights from here and wakes.
+
+        With ``lora_name``: that LoRA adapter's weights from its PEFT directory ``path``
+        (loom/lora.py), now, between steps. Nothing is drained or held and the prefix
+        cache is kept: the requests on the base and on other adapters never see the
+        change; the adapter's own running requests take its new weights from the next
+        step, and its later ones come with a new ``lora_id`` (the caller's: LLM, the
+        API server), which keys their prefix blocks apart from the old weights' ones."""
+        if lora_name is not None:
+            if not path:
+                raise ValueError(f"updating LoRA adapter {lora_name!r} needs path: its new "
+                                 "PEFT directory")
+            if not self.config.model.enable_lora:
+                raise ValueError("lora_name needs an engine started with enable_lora")
+            return self.executor.collective_rpc(
+                "update_weights", {"path": path, "lora_name": lora_name})[0]
         self._check_drained("update weights")
         result = self._weights_rpc("update_weights", {"path": path})
         self.reset_prefix_cache()

@@ -44,16 +44,19 @@ class Scheduler:
                  early_stop_config: EarlyStopConfig | None = None,
                  kv_transfer_config: KVTransferConfig | None = None, tp_size: int = 1,
                  kv_cache_groups: Sequence[int | None] = (None,),
-                 kv_tier_slots: int = 0) -> None:
+                 max_loras: int | None = None, kv_tier_slots: int = 0) -> None:
         """``kv_cache_groups``: the window of each KV cache group (None: full attention),
         as the workers report them; blocks behind a window are freed early. One group
         for most models, ``(W,)`` when every layer reads only the last W positions,
         several for a hybrid model (kv_cache_manager.py).
         ``kv_transfer_config``: this instance's side of prefill/decode disaggregation
         (core/kv_transfer.py), which moves one-group caches only.
+        ``max_loras``: the LoRA adapters the ranks hold in slots (loom/lora.py; None: LoRA
+        off); the running requests use at most this many.
         ``kv_tier_slots``: blocks the KV offload tier holds (core/kv_tier.py; 0: none),
         as the ranks made it (``init_kv_tier``)."""
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
         self.early_stop = (early_stop_config if early_stop_config is not None
@@ -211,12 +214,20 @@ class Scheduler:
 
         # 2. Waiting requests, in arrival order, while there is room. Not after a
         #    preemption: the pool is full and the preempted request goes first.
-        #    A request whose grammar is still compiling keeps its place but lets others by.
+        #    A request whose grammar is still compiling keeps its place but lets others by,
+        #    as does one whose LoRA adapter would be one more than max_loras among the
+        #    running requests (vLLM's rule; it runs once one of theirs has finished).
         skipped: deque[Request] = deque()
+        loras = ({r.sampling_params.lora_name for r in self.running} - {None}
+                 if self.max_loras is not None else set())
         while (self.waiting and token_budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.use_structured_output and not request.structured_output_request.is_ready:
+                skipped.append(self.waiting.popleft())
+                continue
+            lora = request.sampling_params.lora_name if self.max_loras is not None else None
+            if lora is not None and lora not in loras and len(loras) >= self.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
             if request.kv_load is not None:
@@ -260,6 +271,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora is not None:
+                loras.add(lora)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             new_reqs.append(self._new_request_data(request))

@@ -369,9 +369,12 @@ class ResumeGeneration(msgspec.Struct, tag="resume_generation", forbid_unknown_f
 class UpdateWeights(msgspec.Struct, tag="update_weights", kw_only=True,
                     forbid_unknown_fields=True):
     """New weights once the requests in flight have finished: a checkpoint directory, a
-    .gguf file or an ipc manifest; None reloads the last checkpoint."""
+    .gguf file or an ipc manifest; None reloads the last checkpoint. With ``lora_name``:
+    that LoRA adapter's weights from its PEFT directory ``path``, at once, the requests in
+    flight running on (loom/lora.py)."""
 
     path: str | None = None
+    lora_name: str | None = None
 
 
 class Sleep(msgspec.Struct, tag="sleep", kw_only=True, forbid_unknown_fields=True):

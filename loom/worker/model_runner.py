@@ -152,7 +152,7 @@ class ModelRunner:
         if not config.enable_lora:
             return None
         manager = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype,
-                              self.device)
+                              self.device, config.max_cpu_loras)
         for name, path in config.lora_modules:
             manager.add(name, path)
         forget_recordings(self.model)  # recorded without the adapters' slots
@@ -375,8 +375,7 @@ class ModelRunner:
         if sample_rows:
             # Every rank computes logits (the LM head gathers across ranks); rank 0 samples.
             # Rows: each sampling request's last position, then the draft positions.
-            logits = self.model.compute_logits(
-                hidden_states if logits_indices is None else hidden_states[logits_indices])
+            logits = self._logits(hidden_states, logits_indices)
             if self.tp_group.rank == 0:
                 if scheduler_output.grammar_bitmask is not None:
                     self._apply_grammar_bitmask(scheduler_output, req_ids, sample_rows, logits)
@@ -423,6 +422,16 @@ class ModelRunner:
                 if hasattr(self.model, "mrope_positions"):
                     state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
                         len(new.prompt_token_ids), new.mm_features)
+    def _logits(self, hidden_states: torch.Tensor,
+                rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """The LM head's logits of the step's token rows ``rows`` (indices or a slice;
+        None: all), with the LoRA adapters of their requests on the head."""
+        x = hidden_states if rows is None else hidden_states[rows]
+        if self.lora is None:
+            return self.model.compute_logits(x)
+        with self.lora.logits_of(rows):
+            return self.model.compute_logits(x)
+
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
@@ -761,8 +770,8 @@ class ModelRunner:
             entry = SampleLogprobs(token_ids=[], logprobs=[], ranks=[])
             for first in range(0, end - start, _PROMPT_LOGPROBS_CHUNK):
                 last = min(first + _PROMPT_LOGPROBS_CHUNK, end - start)
-                logits = self.model.compute_logits(
-                    hidden_states[starts[i] + first:starts[i] + last]).float()
+                logits = self._logits(
+                    hidden_states, slice(starts[i] + first, starts[i] + last)).float()
                 reported = (logits if self.config.model.logprobs_mode == "raw_logits"
                             else torch.log_softmax(logits, dim=-1))
                 ids, values, ranks = gather_logprobs(reported, token_ids[first:last], k)
@@ -804,8 +813,8 @@ class ModelRunner:
                 continue  # more of the prompt to come
             if params.task == "score":
                 no, yes = params.classifier_token_ids
-                logits = self.model.compute_logits(rows[-1:]).float()[0]
-                vector = torch.softmax(logits[[no, yes]], dim=0)[1:]
+                logits = self._logits(hidden_states, slice(starts[i + 1] - 1, starts[i + 1]))
+                vector = torch.softmax(logits.float()[0][[no, yes]], dim=0)[1:]
             elif params.task == "classify":  # a sequence classifier: its labels' logits
                 vector = torch.softmax(self.model.compute_logits(rows[-1:]).float()[0], dim=0)
             else:

@@ -24,6 +24,10 @@ its weights instead (CLEARED, as ``sleep(2)``) and raises ``WeightsLostError``: 
 engine holds requests until an update succeeds or ``wake_up`` reloads the last
 checkpoint loaded from disk. Never a mix of weights in one forward pass.
 
+A LoRA adapter's weights change on their own (``update_lora``): checked on every rank,
+then written into the adapter's slot; the base weights keep their state, and requests
+on the base and on other adapters are not held.
+
 Sources: a checkpoint directory of safetensors, a ``.gguf`` file, an ipc manifest
 (``loom.weight_sync``: tensors mapped from the trainer's shared memory), or tensors
 handed in by a caller in the same process.
@@ -103,6 +107,34 @@ class WeightUpdater:
         tensors = list(named_tensors)
         return self._update(lambda: iter(tensors), lambda: _meta_of(tensors),
                             require_all=False, description=f"{len(tensors)} tensors")
+
+    def update_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Serve LoRA adapter ``name`` from ``path`` (loom/lora.py): a new adapter, or new
+        weights for one served already, written into its slot in place. The base weights
+        and their state, and every other adapter, are untouched, so nothing is held or
+        drained: requests on other adapters run on, and ``name``'s take the new weights
+        from the next step (the caller gives its later requests a new load id, so none
+        reuses the old weights' prefix blocks). Checked on every rank (read and fitted to
+        the base) before any rank changes anything; a refusal raises ValueError naming
+        the adapter, and the old one keeps serving."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        started = time.perf_counter()
+        adapter = error = None
+        try:
+            adapter = lora.read(name, path)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            error = exc
+        if not self.worker.tp_group.all_reduce_min(int(error is None)):
+            if isinstance(error, ValueError):  # AdapterError: a ValueError by any executor
+                raise ValueError(str(error)) from None
+            if error is not None:
+                raise error
+            raise ValueError(f"LoRA adapter {name!r}: another rank refused {path} (its "
+                               "error is in its log); nothing changed")
+        lora.commit(name, path, adapter)
+        return {"lora_name": name, "seconds": time.perf_counter() - started}
 
     def _update(self, named: Callable[[], Iterator] | None, meta: Callable[[], Iterator] | None,
                 require_all: bool, description: str,

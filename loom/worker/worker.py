@@ -310,9 +310,12 @@ class Worker:
     # Called between steps on every rank, by the engine's collective_rpc; see
     # weight_updates.py for the states each moves the rank through.
 
-    def update_weights(self, path: str | None = None) -> dict:
+    def update_weights(self, path: str | None = None, lora_name: str | None = None) -> dict:
         """Load every weight from a checkpoint directory, a .gguf file or an ipc manifest
-        (None: the last checkpoint loaded)."""
+        (None: the last checkpoint loaded); with ``lora_name``, that LoRA adapter's
+        weights from its PEFT directory ``path`` instead, the base untouched."""
+        if lora_name is not None:
+            return self.weights.update_lora(lora_name, path)
         return self.weights.update_from_path(path)
 
     def update_weights_from_tensors(self, named_tensors) -> dict:
@@ -341,17 +344,22 @@ class Worker:
         return {"captured": sorted(map(list, graphs.graphs)), "replays": graphs.replays,
                 "disabled": graphs.disabled, "made": True}
 
-    def add_lora(self, name: str, path: str) -> int:
-        """Load LoRA adapter ``name`` from ``path`` on this rank (loom/lora.py); its slot."""
-        if self.model_runner.lora is None:
-            raise ValueError("LoRA adapters need an engine started with enable_lora")
-        return self.model_runner.lora.add(name, path)
+    def add_lora(self, name: str, path: str) -> dict:
+        """Serve LoRA adapter ``name`` from ``path`` on every rank (loom/lora.py); one
+        served already takes the new files (weight_updates.py: ``update_lora``)."""
+        return self.weights.update_lora(name, path)
 
     def remove_lora(self, name: str) -> bool:
         return self.model_runner.lora is not None and self.model_runner.lora.remove(name)
 
     def memory_usage(self) -> dict:
         """This rank's resident bytes (CPU: the process's RSS), and the bytes of its KV
+    def lora_stats(self) -> dict:
+        """This rank's adapters: in slots, held in host memory, registered (LoRAManager)."""
+        if self.model_runner.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        return self.model_runner.lora.stats()
+
         cache and of its parameters."""
         storage = self.model_runner.kv_cache_storage
         kv_bytes = 0 if storage is None else storage.numel() * storage.element_size()

@@ -1,10 +1,12 @@
 """LoRA adapters (loom/lora.py): greedy tokens with an adapter equal transformers + PEFT's
-merged model (float32) for dense families and a mixture of experts' attention; a batch
-mixing two adapters and the base equals each served alone; prefix caching does not
-share blocks across adapters; the server serves adapters by name; each bad adapter is
-refused naming it; tensor parallel over 2 ranks gives the same tokens, and a wint4 base
-with an adapter its dequantized self with it merged. (The server:
-tests/entrypoints/test_lora_serving.py.)"""
+merged model (float32) for dense families and a mixture of experts' attention, with
+adapters on the embeddings and the LM head too; a batch mixing two adapters and the
+base equals each served alone; more adapters than slots queue and swap, each step
+running at most max_loras of them, with fewer held in host memory than served (read
+again from disk); an adapter updated in place while another's request runs; prefix
+caching does not share blocks across adapters; each bad adapter is refused naming it;
+tensor parallel over 2 ranks gives the same tokens, and a wint4 base with an adapter its
+dequantized self with it merged. (The server: tests/entrypoints/test_lora_serving.py.)"""
 
 from __future__ import annotations
 
@@ -125,13 +127,23 @@ def test_bad_adapters_are_refused_naming_them(case, tmp_path):
     config_file = os.path.join(embed, "adapter_config.json")
     with open(config_file) as f:
         config = json.load(f)
-    config["target_modules"] = ["embed_tokens", "q_proj"]
+    config["target_modules"] = ["gate", "q_proj"]  # a MoE router
     with open(config_file, "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="targets embed_tokens"):
+    with pytest.raises(ValueError, match="targets gate;"):
         LLM(base, **ENGINE | {"lora_modules": [f"embed={embed}"]})
     with pytest.raises(ValueError, match="no adapter_config.json"):
         LLM(base, **ENGINE | {"lora_modules": [f"gone={tmp_path / 'gone'}"]})
+    saved = str(tmp_path / "saved")
+    shutil.copytree(paths["a1"], saved)
+    config["target_modules"], config["modules_to_save"] = ["q_proj"], ["lm_head"]
+    with open(os.path.join(saved, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"copies of lm_head \(modules_to_save\).*in "
+                                         "target_modules instead"):
+        LLM(base, **ENGINE | {"lora_modules": [f"saved={saved}"]})
+    with pytest.raises(ValueError, match="--max-cpu-loras 1 is below --max-loras 2"):
+        LLM(base, **ENGINE | {"max_cpu_loras": 1})
     with LLM(base, **{k: v for k, v in ENGINE.items() if k != "enable_lora"}) as llm:
         with pytest.raises(ValueError, match="enable_lora"):
             generate(llm, LoRARequest("a1", 1, paths["a1"]))
@@ -209,3 +221,137 @@ def test_a_quantized_base_with_an_adapter_equals_its_dequantized_self(case, tmp_
     with LLM(base, quantization="wint4", quantization_group_size=32, **ENGINE) as llm:
         assert generate(llm, LoRARequest("a1", 1, paths["a1"])) == want
     assert want != case[2]["a1"]  # the test has teeth: the quantized base answers otherwise
+
+
+def test_more_adapters_than_slots_queue_and_swap(case, tmp_path, monkeypatch):
+    """max_loras=1 and three adapters, requests interleaved: each waits until its adapter
+    can have the slot (no step runs two), the rank swaps adapters in as their requests
+    run, and with max_cpu_loras=2 the one dropped from host memory is read from disk
+    again; every request's tokens are its adapter's, as PEFT's merged model gives them."""
+    base, paths, want, family = case
+    if family != "llama":
+        pytest.skip("one family shows it")
+    merged = make_adapter(base, str(tmp_path / "a3"), 3, 8, ["q_proj", "down_proj"])
+    want = want | {"a3": [hf_greedy(merged, p) for p in PROMPTS]}
+    paths = paths | {"a3": str(tmp_path / "a3")}
+    names = ["a1", "a2", "a3", "a1", "a2", "a3"]
+    with LLM(base, **ENGINE | {"max_loras": 1, "max_cpu_loras": 2}) as llm:
+        core = llm.engine.engine_core
+        step_adapters = []
+        execute = core.executor.execute_model
+
+        def spy(scheduler_output):
+            step_adapters.append({core.scheduler.requests[r].sampling_params.lora_name
+                                  for r in scheduler_output.num_scheduled_tokens} - {None})
+            return execute(scheduler_output)
+
+        monkeypatch.setattr(core.executor, "execute_model", spy)
+        prompts = [{"prompt_token_ids": PROMPTS[i % 3]} for i in range(6)]
+        outputs = llm.generate(prompts + [{"prompt_token_ids": PROMPTS[0]}], GREEDY,
+                               use_tqdm=False, lora_request=[
+                                   LoRARequest(name, 1, paths[name]) for name in names] + [None])
+        stats = llm.collective_rpc("lora_stats")[0]
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        want[name][i % 3] for i, name in enumerate(names)] + [want[None][0]]
+    assert max(len(adapters) for adapters in step_adapters) == 1
+    assert len(stats["held"]) == 2 and len(stats["slots"]) == 1
+    assert stats["slot_loads"] >= 3 and stats["disk_reads"] > 3  # read again after a drop
+
+
+def test_an_adapter_updated_while_another_streams(case, tmp_path):
+    """LLM.update_weights(path, lora_name=...) while a request on another adapter is
+    running: nothing is drained, that request's tokens are those it gives alone, and the
+    updated adapter's next request gives the new weights' tokens (PEFT's merged model),
+    none of its old prefix blocks reused."""
+    base, paths, want, family = case
+    if family != "llama":
+        pytest.skip("one family shows it")
+    merged = make_adapter(base, str(tmp_path / "new"), 7, 8, ALL)
+    prompt = list(range(40, 80))  # whole blocks, cached under the old weights
+    want_new = hf_greedy(merged, prompt)
+    long = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(base, **ENGINE) as llm:
+        a1, a2 = LoRARequest("a1", 1, paths["a1"]), LoRARequest("a2", 2, paths["a2"])
+        before = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                              lora_request=a1)[0].outputs[0].token_ids
+        alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, long, use_tqdm=False,
+                             lora_request=a2)[0].outputs[0].token_ids
+        engine = llm.engine
+        engine.add_request("streaming", {"prompt_token_ids": PROMPTS[1]},
+                           long.clone(lora_name="a2"), stream=True)
+        streamed: list[int] = []
+        while len(streamed) < 4:
+            for output in engine.step():
+                streamed += output.outputs[0].token_ids
+        reads = llm.collective_rpc("lora_stats")[0]["disk_reads"]
+        llm.update_weights(str(tmp_path / "new"), lora_name="a1")
+        assert engine.has_unfinished_requests()  # a2's request runs on
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                streamed += output.outputs[0].token_ids
+        after = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                             lora_request=LoRARequest("a1", 1, str(tmp_path / "new")))[0]
+        assert llm.collective_rpc("lora_stats")[0]["disk_reads"] == reads + 1  # the update
+        with pytest.raises(ValueError, match="no LoRA adapter 'a9' is served"):
+            llm.update_weights(str(tmp_path / "new"), lora_name="a9")
+        with pytest.raises(ValueError, match="does not fit|do not fit"):
+            other = make_tiny_tokenizer(make_tiny_checkpoint(
+                "llama", tmp_path / "other", hidden_size=32, intermediate_size=64))
+            make_adapter(other, str(tmp_path / "foreign"), 3, 4, ATTENTION)
+            llm.update_weights(str(tmp_path / "foreign"), lora_name="a1")
+        still = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                             lora_request=LoRARequest("a1", 1, str(tmp_path / "new")))[0]
+    assert streamed == alone
+    assert after.outputs[0].token_ids == want_new != before
+    assert after.num_cached_tokens == 0  # the old weights' blocks are not the new ones'
+    assert still.outputs[0].token_ids == want_new  # a refused update changed nothing
+
+
+@pytest.fixture(scope="module")
+def tables_case(tmp_path_factory):
+    """A llama base and an adapter on its embeddings, its LM head and q_proj."""
+    root = tmp_path_factory.mktemp("tables")
+    base = make_tiny_tokenizer(make_tiny_checkpoint("llama", root / "base"))
+    merged = make_adapter(base, str(root / "tables"), 4, 8, ["embed_tokens", "lm_head",
+                                                              "q_proj"])
+    return base, str(root / "tables"), [hf_greedy(merged, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_on_the_embeddings_and_the_lm_head(tables_case, tp):
+    """PEFT's embedding adapter (lora_embedding_A/B) and an LM head adapter: PEFT's merged
+    tokens, over one rank and two (the head's B cut by vocabulary range), beside the base
+    in one batch."""
+    base, path, want = tables_case
+    tables = LoRARequest("tables", 1, path)
+    with LLM(base, tensor_parallel_size=tp, **ENGINE) as llm:
+        assert generate(llm, tables) == want
+        mixed = generate(llm, [None, tables, None])
+        plain = generate(llm, None)
+    assert mixed == [plain[0], want[1], plain[2]] and plain != want
+
+
+def test_table_adapters_replay_natively(tables_case, monkeypatch):
+    """bf16 on the CPU: the embedding's adapter runs in loom's lora_embedding_add kernel
+    inside the replayed forward (the same tokens as the modules give)."""
+    from loom.envs import settings
+    from loom.kernels import native_ops
+    from loom.model import kernel_replay
+
+    base, path, _ = tables_case
+    ops = native_ops()
+    if ops is None or not ops.bf16_gemm_available():
+        pytest.skip("the native bf16 kernels show it")
+    monkeypatch.setattr(kernel_replay, "RECORD_AFTER", 0)
+    tables = LoRARequest("tables", 1, path)
+    tokens = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("LOOM_NATIVE_LAYERS", setting)
+        settings.cache_clear()
+        with LLM(base, **ENGINE | {"dtype": "bfloat16"}) as llm:
+            tokens[setting] = generate(llm, [tables, None, tables]) + generate(llm, tables)
+            model = llm.engine.engine_core.executor.worker.model_runner.model
+            replay = getattr(model, "kernel_replay", None)
+            assert (replay is not None and replay.refusal is None
+                    and replay.stats.replayed > 0) == (setting == "1")
+    assert tokens["0"] == tokens["1"]

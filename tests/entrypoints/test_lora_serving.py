@@ -4,6 +4,8 @@ with the base as parent, served by name with the offline API's text, an unknown 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from checkpoints import make_tiny_checkpoint
@@ -51,9 +53,11 @@ def test_the_server_serves_adapters_by_name(case):
 
 def test_adapters_load_and_unload_while_serving(case, tmp_path):
     """/v1/load_lora_adapter serves a new adapter by name at once; loading a name again
-    serves the new files (not the old ones' cached blocks); /v1/unload_lora_adapter
-    answers once the requests running with it have finished, and then the name is a
-    404; a bad adapter is a 400 naming lora_path."""
+    (load_inplace) serves the new files (not the old ones' cached blocks), and so does
+    /update_weights with lora_name while another adapter's request streams, which runs
+    on as it would alone; /v1/unload_lora_adapter answers once the requests running with
+    it have finished, and then the name is a 404; a bad adapter is a 400 naming
+    lora_path."""
     import threading
 
     from loom_server import TINY_SERVER_ARGS, LoomServer
@@ -64,6 +68,10 @@ def test_adapters_load_and_unload_while_serving(case, tmp_path):
         texts = {name: llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, use_tqdm=False,
                                     lora_request=LoRARequest(name, 1, path))[0].outputs[0].text
                  for name, path in (("a1", paths["a1"]), ("a2", str(tmp_path / "a2")))}
+        long_a2 = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                               GREEDY.clone(max_tokens=64), use_tqdm=False,
+                               lora_request=LoRARequest("a2", 1, str(tmp_path / "a2"))
+                               )[0].outputs[0].text
     server = LoomServer(base, *TINY_SERVER_ARGS, "--dtype", "float32", "--enable-lora",
                         "--max-loras", "2", "--max-lora-rank", "8",
                         "--enable-control-endpoints", "--served-model-name", "tiny")
@@ -83,10 +91,10 @@ def test_adapters_load_and_unload_while_serving(case, tmp_path):
         assert complete("a1").json()["choices"][0]["text"] == texts["a1"]
         assert complete("a2").json()["choices"][0]["text"] == texts["a2"]
         # a1 again, from a2's files: a2's answer, none of a1's cached blocks
-        httpx.post(url + "/v1/load_lora_adapter", timeout=60,
-                   json={"lora_name": "a1", "lora_path": str(tmp_path / "a2")})
+        again = httpx.post(url + "/v1/load_lora_adapter", timeout=60, json={
+            "lora_name": "a1", "lora_path": str(tmp_path / "a2"), "load_inplace": True})
+        assert again.status_code == 200, again.text
         assert complete("a1").json()["choices"][0]["text"] == texts["a2"]
-        # unload while a long request streams with it: it finishes whole first
         chunks: list[str] = []
 
         def stream() -> None:
@@ -95,6 +103,27 @@ def test_adapters_load_and_unload_while_serving(case, tmp_path):
                     "temperature": 0, "ignore_eos": True, "stream": True}) as response:
                 chunks.extend(line for line in response.iter_lines() if line.startswith("data:"))
 
+        def streamed_text() -> str:
+            return "".join(json.loads(line[5:])["choices"][0]["text"] for line in chunks
+                           if line != "data: [DONE]")
+
+        # a1's weights back from its own files while a2's request streams: a2 runs on
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        while not chunks and streamer.is_alive():
+            threading.Event().wait(0.01)
+        updated = httpx.post(url + "/update_weights", timeout=60,
+                             json={"lora_name": "a1", "path": paths["a1"]})
+        streamer.join()
+        assert updated.status_code == 200, updated.text
+        assert streamed_text() == long_a2
+        assert complete("a1").json()["choices"][0]["text"] == texts["a1"]
+        for body, status, param in (({"lora_name": "a9", "path": paths["a1"]}, 404, "lora_name"),
+                                    ({"lora_name": "a1", "path": str(tmp_path)}, 400, "path")):
+            refused = httpx.post(url + "/update_weights", timeout=60, json=body)
+            assert refused.status_code == status and refused.json()["error"]["param"] == param
+        # unload while a long request streams with it: it finishes whole first
+        chunks.clear()
         streamer = threading.Thread(target=stream)
         streamer.start()
         while not chunks and streamer.is_alive():

@@ -5,6 +5,8 @@ behind ``--api-key`` like every route. Each is one ``AsyncLLM.control`` call int
 engine core, which runs it between steps:
 
     POST /update_weights      {"path": DIR | .gguf | ipc manifest}  new weights, same shapes
+                              (with "lora_name": that LoRA adapter's, from its PEFT
+                              directory, at once: nothing held, the base untouched)
     POST /pause_generation    {"mode": "wait" | "abort"}   hold new requests; running ones
                               finish (wait) or end with finish_reason "abort"
     POST /resume_generation   run what was held
@@ -60,6 +62,8 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
     @app.post("/update_weights")
     async def update_weights(request: Request) -> JSONResponse:
         body = await _body(request)
+        if body.get("lora_name") is not None:
+            return await update_lora(body, body["lora_name"], load_inplace=True)
         path = body.get("path", default_weights_path)
         if path is not None and not isinstance(path, str):
             raise RequestError("path must be a string: a checkpoint directory, a .gguf file "
@@ -115,8 +119,37 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
     async def reset_prefix_cache() -> JSONResponse:
         return JSONResponse({"success": True, "reset": bool(await call("reset_prefix_cache"))})
 
+    async def update_lora(body: dict[str, Any], name: Any, load_inplace: bool) -> JSONResponse:
+        """LoRA adapter ``name`` (re)loaded from ``body``'s path (``lora_path`` or
+        ``path``) on every rank; ``load_inplace``: it must be served already."""
+        if not engine.config.model.enable_lora:
+            raise RequestError("lora_name needs a server started with --enable-lora",
+                               param="lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name must be a non-empty string", param="lora_name")
+        if load_inplace and name not in engine.lora_names:
+            raise OpenAIError(404, f"no LoRA adapter {name!r} is loaded to update in place",
+                              "NotFoundError", param="lora_name")
+        param = "lora_path" if "lora_path" in body else "path"
+        path = body.get(param)
+        if not isinstance(path, str) or not path:
+            raise RequestError(f"{param} must be a PEFT adapter directory", param=param)
+        try:  # checked here first: a bad adapter is the caller's 400, not a rank's error
+            read_adapter_config(path, engine.config.model.max_lora_rank)
+        except AdapterError as error:
+            raise RequestError(str(error), param=param) from None
+        started = time.perf_counter()
+        try:
+            await call("update_weights", path=path, lora_name=name)
+        except RequestError as error:  # the adapter's fault (a rank's ValueError)
+            raise RequestError(error.message, param=param) from None
+        # a new load id: the adapter's later requests do not reuse its old prefix blocks
+        engine.lora_names[name] = max(engine.lora_names.values(), default=0) + 1
+        return JSONResponse({"success": True, "lora_name": name,
+                             "seconds": time.perf_counter() - started})
+
     if engine.config.model.enable_lora:
-        add_lora_routes(app, engine, call)
+        add_lora_routes(app, engine, update_lora, call)
 
     # FastDeploy's names, as its RL integrations call them.
     @app.get("/clear_load_weight")
@@ -136,11 +169,14 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
                              "seconds": time.perf_counter() - started, **(result or {})})
 
 
-def add_lora_routes(app: FastAPI, engine: AsyncLLM, call: Any) -> None:
+def add_lora_routes(app: FastAPI, engine: AsyncLLM, update_lora: Any, call: Any) -> None:
     """vLLM's runtime LoRA routes (an engine started with --enable-lora; loom/lora.py):
 
-        POST /v1/load_lora_adapter    {"lora_name", "lora_path"}  loaded on every rank (a
-                                      name loaded again takes the new files), then served
+        POST /v1/load_lora_adapter    {"lora_name", "lora_path", "load_inplace"}  loaded on
+                                      every rank, then served; a name loaded already takes
+                                      the new files in place (its requests in flight run
+                                      on with them; vLLM asks for load_inplace: true for
+                                      that, loom takes it either way)
         POST /v1/unload_lora_adapter  {"lora_name"}  no longer served; answers once the
                                       requests already running with it have finished
     """
@@ -148,25 +184,12 @@ def add_lora_routes(app: FastAPI, engine: AsyncLLM, call: Any) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> JSONResponse:
         body = await _body(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name:
-            raise RequestError("lora_name must be a non-empty string", param="lora_name")
-        if not isinstance(path, str) or not path:
+        load_inplace = body.get("load_inplace", False)
+        if not isinstance(load_inplace, bool):
+            raise RequestError("load_inplace must be true or false", param="load_inplace")
+        if "lora_path" not in body:
             raise RequestError("lora_path must be a PEFT adapter directory", param="lora_path")
-        try:  # checked here first: a bad adapter is the caller's 400, not a rank's error
-            read_adapter_config(path, engine.config.model.max_lora_rank)
-        except AdapterError as error:
-            raise RequestError(str(error), param="lora_path") from None
-        try:
-            await call("collective_rpc", method="add_lora", args=[name, path])
-        except OpenAIError as error:
-            if "AdapterError" in error.message or "do not fit" in error.message \
-                    or "slots hold" in error.message:
-                raise RequestError(error.message, param="lora_path") from None
-            raise
-        # a name loaded again is another adapter: its own prefix blocks
-        engine.lora_names[name] = max(engine.lora_names.values(), default=0) + 1
-        return JSONResponse({"success": True, "lora_name": name})
+        return await update_lora(body, body.get("lora_name"), load_inplace=False)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> JSONResponse:

@@ -359,6 +359,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "step_tokens), each chosen expert's w13 and w2 (LinearWeights)",
              py::arg("x"), py::arg("router"), py::arg("correction_bias"),
              py::arg("expert_w13"), py::arg("expert_w2"), py::arg("tokens_per_expert"),
+  def_kernel(m, "lora_embedding_add", &loom::lora_embedding_add,
+             "y (T, D) += each row's embedding LoRA b[s] a_t[s][ids[t]], s = token_slot[t] "
+             "(-1: none)", py::arg("y"), py::arg("ids"), py::arg("a_t"), py::arg("b"),
+             py::arg("token_slot"), py::arg("active"));
              py::arg("step_tokens"), py::arg("top_k"), py::arg("scoring"),
              py::arg("renormalize"), py::arg("renormalize_min"),
              py::arg("intermediate_size"));

@@ -54,6 +54,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.form = PlainWeight(self.weight)
         # the model's device: a table loaded from the file (on the CPU) is held there
         self._dtype, self._device = self.weight.dtype, self.weight.device
+        # LoRA adapters on the table (layers/lora.py), once an adapter served targets it:
+        # EmbeddingLoRASlots on an embedding, LoRASlots on an LM head
+        self.lora: nn.Module | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | QuantizedTensor,
                       shard_id: object = None) -> None:
@@ -121,13 +124,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.is_single:
-            return self._lookup(input_ids)
-        # Each rank looks up the ids in its range, zeroes the others; the sum is the lookup.
-        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local_ids = (input_ids - self.vocab_start) * in_range
-        out = self._lookup(local_ids)
-        out.masked_fill_(~in_range.unsqueeze(-1), 0)
-        return self.tp_group.all_reduce(out)
+            out = self._lookup(input_ids)
+        else:
+            # Each rank looks up the ids in its range, zeroes the others; the sum is the
+            # lookup.
+            in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+            local_ids = (input_ids - self.vocab_start) * in_range
+            out = self._lookup(local_ids)
+            out.masked_fill_(~in_range.unsqueeze(-1), 0)
+            out = self.tp_group.all_reduce(out)
+        if self.lora is not None:
+            self.lora.add(input_ids, out)
+        return out
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -170,5 +178,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             packed = form.packed if isinstance(form, (Bf16Panels, OneDnnWeight)) else None
             logits = linear(hidden_states, self.weight, packed=packed, float_output=True,
                             out_owner=self)
+        if self.lora is not None and self.lora.rows is not None:
+            # the LoRA adapters of the rows' requests (the runner names each row's slot)
+            self.lora.add(hidden_states, logits, self.lora.rows)
         logits = self.tp_group.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

@@ -12,6 +12,11 @@ scale folded into B) are added to its rows of the base output, by loom's ``lora_
 kernel on the CPU (a recorded forward replays it: kernel_replay.py) or the same steps in
 PyTorch elsewhere. Rows of the base model and steps without adapters cost one pass
 over the slots.
+
+The LM head takes a ``LoRASlots`` too (its rows are the hidden states whose logits the
+runner asks for, so their slots come with the call: ``rows``), and the token embeddings
+an ``EmbeddingLoRASlots``: PEFT's embedding adapter is ``B A^T[id]``, a gather of A's
+column for each token (the shrink) and the same expand, by ``lora_embedding_add``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class LoRASlots(nn.Module):
         # the slots whose adapter targets this layer (the others' rows are left alone)
         self.register_buffer("active", torch.zeros(max_loras, dtype=torch.bool, device=device),
                              persistent=False)
+        # an LM head's: the slot of each row its next compute_logits gets (the runner's)
+        self.rows: torch.Tensor | None = None
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor,
              scale: float) -> None:
@@ -58,19 +65,68 @@ class LoRASlots(nn.Module):
         self.b[slot].zero_()
         self.active[slot] = False
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y`` (T, N) += the step's adapters on their rows of ``x`` (T, K)."""
-        slots = get_forward_context().lora_slots
+    def add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """``y`` (T, N) += the step's adapters on their rows of ``x`` (T, K); ``slots``:
+        each row's slot (default: the step's, from the forward context)."""
         if slots is None:
-            return
+            slots = get_forward_context().lora_slots
+            if slots is None:
+                return
         ops = native_ops_for(x.device, x.dtype)
         if ops is not None:
             ops.lora_add(y, x, self.a, self.b, slots, self.active)
             return
-        for slot in slots[slots >= 0].unique().tolist():
-            if not self.active[slot]:
-                continue  # the adapter does not target this layer
-            rows = (slots == slot).nonzero().flatten()
+        for slot, rows in _groups(slots, self.active):
             xs = x.index_select(0, rows).to(self.a.dtype)
             delta = (xs @ self.a[slot].t()) @ self.b[slot].t()
             y.index_add_(0, rows, delta.to(y.dtype))
+
+
+class EmbeddingLoRASlots(nn.Module):
+    """Every adapter slot's embedding LoRA for a table of ``num_embeddings`` rows of
+    ``embedding_dim``: A transposed, (vocabulary, rank), so a token's shrink is its row,
+    and B (embedding_dim, rank) with the scale folded in. Each rank holds all of it (a
+    tensor-parallel embedding adds it after its all-reduce)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.register_buffer("a_t", torch.zeros(max_loras, num_embeddings, max_rank,
+                                                dtype=dtype, device=device), persistent=False)
+        self.register_buffer("b", torch.zeros(max_loras, embedding_dim, max_rank, dtype=dtype,
+                                              device=device), persistent=False)
+        self.register_buffer("active", torch.zeros(max_loras, dtype=torch.bool, device=device),
+                             persistent=False)
+
+    def load(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """PEFT's ``lora_embedding_A`` (r, V) and ``lora_embedding_B`` (D, r) into ``slot``."""
+        rank = a.shape[0]
+        self.a_t[slot, :, :rank] = a.t().to(self.a_t.dtype)
+        self.b[slot, :, :rank] = (b.float() * scale).to(self.b.dtype)
+        self.active[slot] = True
+
+    def clear(self, slot: int) -> None:
+        self.a_t[slot].zero_()
+        self.b[slot].zero_()
+        self.active[slot] = False
+
+    def add(self, ids: torch.Tensor, y: torch.Tensor) -> None:
+        """``y`` (T, D), the embeddings of ``ids`` (T,), += the step's adapters on their rows."""
+        slots = get_forward_context().lora_slots
+        if slots is None:
+            return
+        ops = native_ops_for(y.device, y.dtype)
+        if ops is not None:
+            ops.lora_embedding_add(y, ids, self.a_t, self.b, slots, self.active)
+            return
+        for slot, rows in _groups(slots, self.active):
+            shrunk = self.a_t[slot].index_select(0, ids.index_select(0, rows))
+            y.index_add_(0, rows, (shrunk @ self.b[slot].t()).to(y.dtype))
+
+
+def _groups(slots: torch.Tensor, active: torch.Tensor):
+    """(slot, its rows) for each slot some row runs whose adapter targets this layer."""
+    for slot in slots[slots >= 0].unique().tolist():
+        if active[slot]:
+            yield slot, (slots == slot).nonzero().flatten()
