@@ -399,6 +399,16 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs, expert_tokens=expert_tokens,
                                  pooled=pooled)
 
+    def _logits(self, hidden_states: torch.Tensor,
+                rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """The LM head's logits of the step's token rows ``rows`` (indices or a slice;
+        None: all), with the LoRA adapters of their requests on the head."""
+        x = hidden_states if rows is None else hidden_states[rows]
+        if self.lora is None:
+            return self.model.compute_logits(x)
+        with self.lora.logits_of(rows):
+            return self.model.compute_logits(x)
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -422,16 +432,6 @@ class ModelRunner:
                 if hasattr(self.model, "mrope_positions"):
                     state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
                         len(new.prompt_token_ids), new.mm_features)
-    def _logits(self, hidden_states: torch.Tensor,
-                rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """The LM head's logits of the step's token rows ``rows`` (indices or a slice;
-        None: all), with the LoRA adapters of their requests on the head."""
-        x = hidden_states if rows is None else hidden_states[rows]
-        if self.lora is None:
-            return self.model.compute_logits(x)
-        with self.lora.logits_of(rows):
-            return self.model.compute_logits(x)
-
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)

@@ -352,14 +352,14 @@ class Worker:
     def remove_lora(self, name: str) -> bool:
         return self.model_runner.lora is not None and self.model_runner.lora.remove(name)
 
-    def memory_usage(self) -> dict:
-        """This rank's resident bytes (CPU: the process's RSS), and the bytes of its KV
     def lora_stats(self) -> dict:
         """This rank's adapters: in slots, held in host memory, registered (LoRAManager)."""
         if self.model_runner.lora is None:
             raise ValueError("LoRA adapters need an engine started with enable_lora")
         return self.model_runner.lora.stats()
 
+    def memory_usage(self) -> dict:
+        """This rank's resident bytes (CPU: the process's RSS), and the bytes of its KV
         cache and of its parameters."""
         storage = self.model_runner.kv_cache_storage
         kv_bytes = 0 if storage is None else storage.numel() * storage.element_size()

@@ -349,6 +349,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "y (T, N) += each row's LoRA adapter (x_t a[s]^T) b[s]^T, s = token_slot[t] "
              "(-1: none)", py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"),
              py::arg("token_slot"), py::arg("active"));
+  def_kernel(m, "lora_embedding_add", &loom::lora_embedding_add,
+             "y (T, D) += each row's embedding LoRA b[s] a_t[s][ids[t]], s = token_slot[t] "
+             "(-1: none)", py::arg("y"), py::arg("ids"), py::arg("a_t"), py::arg("b"),
+             py::arg("token_slot"), py::arg("active"));
   def_kernel(m, "argmax_rows", &loom::argmax_rows,
              "logits (R, V) float32 -> (R,) int64, each row's first largest (torch.argmax)",
              py::arg("logits"));
@@ -359,10 +363,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "step_tokens), each chosen expert's w13 and w2 (LinearWeights)",
              py::arg("x"), py::arg("router"), py::arg("correction_bias"),
              py::arg("expert_w13"), py::arg("expert_w2"), py::arg("tokens_per_expert"),
-  def_kernel(m, "lora_embedding_add", &loom::lora_embedding_add,
-             "y (T, D) += each row's embedding LoRA b[s] a_t[s][ids[t]], s = token_slot[t] "
-             "(-1: none)", py::arg("y"), py::arg("ids"), py::arg("a_t"), py::arg("b"),
-             py::arg("token_slot"), py::arg("active"));
              py::arg("step_tokens"), py::arg("top_k"), py::arg("scoring"),
              py::arg("renormalize"), py::arg("renormalize_min"),
              py::arg("intermediate_size"));
