@@ -65,9 +65,10 @@ std::vector<at::Tensor> moe_route(at::Tensor x, at::Tensor router,
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
               const at::Tensor& token_slot, const at::Tensor& active);
 
-}  // namespace loom
 // lora.cpp: y (T, D) += each row's embedding LoRA: b[s] a_t[s][ids[t]] for s = token_slot[t]
 // >= 0 and active[s]; a_t (S, V, R), b (S, D, R) (layers/lora.py)
 void lora_embedding_add(at::Tensor y, const at::Tensor& ids, const at::Tensor& a_t,
                         const at::Tensor& b, const at::Tensor& token_slot,
                         const at::Tensor& active);
+
+}  // namespace loom
