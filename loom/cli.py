@@ -160,9 +160,10 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     ``loom`` command's own (``run``), not a caller's."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if own_process and args.command == "serve":
+    if own_process and args.command == "serve" and args.structured_outputs_backend != "xgrammar":
         # The API server process never imports torch (loom/torch_free.py); its engine
-        # core and workers are processes of their own.
+        # core and workers are processes of their own. xgrammar, which checks requests
+        # here when it serves them all, imports torch.
         from loom.torch_free import forbid_torch
 
         forbid_torch()

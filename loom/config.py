@@ -401,14 +401,16 @@ class ParallelConfig:
         return self.distributed_executor_backend in ("mp", "ray")
 
 
-_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "llguidance", "off")
+_STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "llguidance", "off")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """Grammar-constrained decoding (loom/structured_output/). One engine, llguidance,
-    behind the names vLLM uses for it ("auto", "guidance"); "off" (the seed's default
-    spelling) loads none, and a request asking for a grammar is refused."""
+    """Grammar-constrained decoding (loom/structured_output/), vLLM's backend names:
+    "xgrammar", "guidance" (alias "llguidance"), or "auto": per request, xgrammar unless
+    the request needs what xgrammar does not enforce, then llguidance
+    (docs/structured_outputs.md); "off" (the seed's default spelling) loads none, and a
+    request asking for a grammar is refused."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False  # JSON without free whitespace (default per request)
@@ -417,12 +419,16 @@ class StructuredOutputsConfig:
     def __post_init__(self) -> None:
         if self.backend not in _STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured outputs backend must be one of "
-                             f"{', '.join(_STRUCTURED_OUTPUTS_BACKENDS)}, got {self.backend!r} "
-                             "(see docs/structured_outputs.md for why xgrammar is not offered)")
+                             f"{', '.join(_STRUCTURED_OUTPUTS_BACKENDS)}, got {self.backend!r}")
 
     @property
     def enabled(self) -> bool:
         return self.backend != "off"
+
+    @property
+    def may_use_xgrammar(self) -> bool:
+        """Some request may be served by xgrammar, which imports torch where it runs."""
+        return self.backend in ("auto", "xgrammar")
 
 
 _SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -234,9 +234,10 @@ class EngineArgs:
     structured_outputs_backend: str = arg(
         "auto", to="structured_outputs.backend",
         flags=("--structured-outputs-backend", "--guided-decoding-backend"),
-        choices=["auto", "guidance", "llguidance", "off"],
-        help="grammar engine for structured outputs (llguidance); off loads none, and a "
-             "request asking for a grammar gets a 400")
+        choices=["auto", "xgrammar", "guidance", "llguidance", "off"],
+        help="grammar engine for structured outputs: xgrammar, guidance (llguidance), or auto "
+             "(per request: xgrammar unless the request needs what it does not enforce, then "
+             "guidance); off loads none, and a request asking for a grammar gets a 400")
     structured_outputs_disable_any_whitespace: bool = arg(
         False, to="structured_outputs.disable_any_whitespace",
         flags=("--structured-outputs-disable-any-whitespace",

@@ -54,6 +54,10 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config
+        if structured_outputs_config is not None and structured_outputs_config.backend == "xgrammar":
+            from loom.structured_output.grammar import load_xgrammar
+
+            load_xgrammar()  # it checks every constraint: imported now, not on a request's path
         self.scheduling_policy = scheduling_policy
         self.task = model_config.task
         self.pooler = model_config.pooler

@@ -8,7 +8,9 @@ imported by the workers only. The API process calls :func:`forbid_torch` at its 
 before anything imports ``transformers``: ``transformers`` then runs in the mode it has
 when torch is not installed ("only tokenizers, configuration and file/data utilities can
 be used"), which is all the API process uses of it, and any ``import torch`` there is an
-ImportError, not 250 MiB more of resident memory that nobody notices.
+ImportError, not 250 MiB more of resident memory that nobody notices. (One exception,
+chosen by a flag: ``--structured-outputs-backend xgrammar`` checks each request with
+xgrammar, which imports torch; docs/structured_outputs.md.)
 
 What the configuration needs of torch, it asks here: :func:`torch_build` reads
 ``torch/version.py`` as text (is this a CUDA build?), and :func:`cuda_available` asks

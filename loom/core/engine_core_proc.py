@@ -202,9 +202,12 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     """
     config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
     parallel = config.parallel
-    if parallel.use_worker_processes and parallel.distributed_executor_backend != "ray":
+    if parallel.use_worker_processes and parallel.distributed_executor_backend != "ray" \
+            and not config.structured_outputs.may_use_xgrammar:
         # The ranks hold torch. This process schedules, and tokenizes only to compile
         # grammars: with transformers in its mode without torch (loom/torch_free.py).
+        # xgrammar imports torch: where it may serve a request, this process holds
+        # torch from its first constrained request on (docs/structured_outputs.md).
         forbid_torch()
     # The API server owns shutdown (it drains on SIGTERM, then sends EngineCoreShutdown), so a
     # signal sent to the whole process group must not kill the core under it.

@@ -1,15 +1,24 @@
 """StructuredOutputManager: the engine core's side of grammar-constrained decoding.
 
     add_request()        a request with ``structured_outputs`` gets a StructuredOutputRequest
-                         whose matcher is compiled in a thread (llguidance drops the GIL);
-                         the scheduler leaves it waiting until ``is_ready``, scheduling others
+                         whose matcher is compiled in a thread, by the backend that serves
+                         it (constraint.backend_for: llguidance, grammar.py, or xgrammar,
+                         xgrammar_backend.py); the scheduler leaves it waiting until
+                         ``is_ready``, scheduling others
     grammar_bitmask()    before each step: one row of allowed-token bits per structured
                          request that samples in it -> bytes in SchedulerOutput
     accept_token()       after each step (Scheduler.update_from_output): advance the matcher;
                          True when the grammar is complete, which finishes the request
 
-Compiled grammars are cached by (kind, spec, options); each request gets a copy of the
-cached matcher. Matchers live on the Request, so they go when it goes.
+Compiled grammars are cached by (backend, kind, spec, options); each request gets its own
+matcher from the cached one. Matchers live on the Request, so they go when it goes. With
+``--structured-outputs-backend auto``, a grammar xgrammar fails to compile is compiled by
+llguidance (which the API side already checked it with).
+
+A matcher of either backend (``GuidanceMatcher``, ``XgrammarMatcher``) has
+``accept_token(id) -> bool`` (False: rejected), ``is_terminated()`` (the grammar allows
+nothing but a stop token, or took one), ``fill_bitmask(bitmask, row)`` (int32 words, bit
+t % 32 of word t // 32 allows token t) and ``error()``.
 """
 
 from __future__ import annotations
@@ -21,14 +30,12 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 
 from loom.config import StructuredOutputsConfig
 from loom.sampling_params import thinking_left_open
-from loom.structured_output.grammar import GrammarError, build_grammar
-from loom.structured_output.token_table import ll_tokenizer
+from loom.structured_output.constraint import GrammarError, backend_for
+from loom.structured_output.grammar import GuidanceBackend
 
 if TYPE_CHECKING:
     from loom.request import Request
@@ -49,7 +56,7 @@ class StructuredOutputRequest:
     def __init__(self, future: Future, after_thinking: Any = None,
                  prompt_token_ids: list[int] | None = None) -> None:
         self._future: Future | None = future
-        self.matcher: llguidance.LLMatcher | None = None
+        self.matcher: Any = None  # a GuidanceMatcher or an XgrammarMatcher
         self.error: str | None = None
         # A thinking model's answer only (SamplingParams.grammar_after_thinking): the
         # phase the output is in, "thinking" (free, until </think>), "may think" (the
@@ -92,14 +99,16 @@ class StructuredOutputRequest:
             if token_id == self._think.think_start_id:
                 self.phase = "thinking"
                 return False
-        if not self.matcher.consume_token(token_id):
-            raise GrammarError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
-        return self.matcher.is_stopped()
+        if not self.matcher.accept_token(token_id):
+            error = self.matcher.error()
+            raise GrammarError(f"the grammar rejected token {token_id}" +
+                               (f": {error}" if error else ""))
+        return self.matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         if self.phase == "thinking":
             return  # every token (the row is all ones)
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        self.matcher.fill_bitmask(bitmask, row)
         if self.phase == "may think":  # and <think>, which opens a free thinking
             start = self._think.think_start_id
             if start // 32 < bitmask.shape[1]:
@@ -111,8 +120,9 @@ class StructuredOutputManager:
 
     ``tokenizer_factory`` returns loom's ``Tokenizer`` (a fast Hugging Face tokenizer
     and its eos ids); it is called once, in the compile thread, on the first structured
-    request, so an engine that never sees one pays nothing. ``vocab_size`` is the
-    model's (the logits' width), which may exceed the tokenizer's.
+    request, so an engine that never sees one pays nothing; so is each backend's setup
+    (and xgrammar's import, which imports torch) on its first request. ``vocab_size`` is
+    the model's (the logits' width), which may exceed the tokenizer's.
     """
 
     def __init__(self, config: StructuredOutputsConfig, tokenizer_factory: Callable[[], object],
@@ -120,10 +130,13 @@ class StructuredOutputManager:
         self.config = config
         self.vocab_size = vocab_size
         self._tokenizer_factory = tokenizer_factory
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._loaded_tokenizer: Any = None
+        self._backends: dict[str, Any] = {}  # name -> GuidanceBackend | XgrammarBackend
+        self._xgrammar_missing: str | None = None  # auto without an importable xgrammar
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-grammar")
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        # key -> (the backend, its compiled grammar)
+        self._cache: OrderedDict[tuple, tuple[Any, Any]] = OrderedDict()
         self._compiling: dict[str, Request] = {}
 
     # ----------------------------------------------------------------- requests
@@ -132,7 +145,10 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return
-        key = (params.kind, params.spec, params.disable_any_whitespace,
+        backend = backend_for(params, self.config)
+        if backend == "xgrammar" and self._xgrammar_missing is not None:
+            backend = "guidance"
+        key = (backend, params.kind, params.spec, params.disable_any_whitespace,
                params.disable_additional_properties)
         future = self._executor.submit(self._compile, key, params)
         request.structured_output_request = StructuredOutputRequest(
@@ -171,26 +187,49 @@ class StructuredOutputManager:
 
     # ----------------------------------------------------------------- compile thread
 
-    def _compile(self, key: tuple, params) -> llguidance.LLMatcher:
+    def _compile(self, key: tuple, params) -> Any:
+        """A matcher for ``params`` by backend ``key[0]``, from the cache or compiled."""
         with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
-                return template.deep_copy()
-        grammar = build_grammar(params, self.config)
-        template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if template.is_error():
-            raise GrammarError(f"invalid {params.kind}: {template.get_error().strip()}")
+                backend, compiled = cached
+                return backend.matcher(compiled)
+        backend, compiled = self._compile_by(key[0], params)
         with self._lock:
-            self._cache[key] = template
+            self._cache[key] = (backend, compiled)
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return template.deep_copy()
+        return backend.matcher(compiled)
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll_tokenizer is None:
-            tokenizer = self._tokenizer_factory()
-            self._ll_tokenizer = ll_tokenizer(tokenizer.hf,
-                                              max(self.vocab_size, len(tokenizer.hf)),
-                                              sorted(tokenizer.eos_token_ids))
-        return self._ll_tokenizer
+    def _compile_by(self, name: str, params) -> tuple[Any, Any]:
+        if name == "xgrammar":
+            try:
+                backend = self._backend("xgrammar")
+                return backend, backend.compile(params)
+            except (GrammarError, ImportError) as error:
+                if self.config.backend != "auto":
+                    raise GrammarError(f"xgrammar: {error}") from None
+                if isinstance(error, ImportError):
+                    self._xgrammar_missing = str(error)
+                    logger.warning("structured outputs: xgrammar cannot be imported here "
+                                   "(%s); llguidance serves every request", error)
+                else:
+                    logger.info("structured outputs: xgrammar cannot compile this %s (%s); "
+                                "llguidance serves it", params.kind, error)
+        backend = self._backend("guidance")
+        return backend, backend.compile(params)
+
+    def _backend(self, name: str) -> Any:
+        if name not in self._backends:
+            if self._loaded_tokenizer is None:
+                self._loaded_tokenizer = self._tokenizer_factory()
+            if name == "xgrammar":
+                from loom.structured_output.xgrammar_backend import XgrammarBackend
+
+                backend_class = XgrammarBackend
+            else:
+                backend_class = GuidanceBackend
+            self._backends[name] = backend_class(self._loaded_tokenizer, self.vocab_size,
+                                                 self.config)
+        return self._backends[name]

@@ -48,8 +48,7 @@ class TokenTable:
         self._encoder = _encoder_without_prepended_space(hf)
         self.eos_token_id = (eos_token_ids or [hf.eos_token_id])[0]
         self.bos_token_id = hf.bos_token_id
-        special = set(hf.all_special_ids) | {
-            token_id for token_id, added in hf.added_tokens_decoder.items() if added.special}
+        special = special_token_ids(hf)
         self.special_token_ids = sorted(i for i in special if i < n_vocab)
         self.tokens = token_bytes(hf, n_vocab, special)
 
@@ -58,6 +57,13 @@ class TokenTable:
         tokenizer puts in front of a whole text (llguidance tokenizes grammar literals
         and continuations with this)."""
         return self._encoder.encode(text, add_special_tokens=False).ids
+
+
+def special_token_ids(hf: Any) -> set[int]:
+    """The tokenizer's special tokens (its named ones and added tokens marked special):
+    never text to a grammar."""
+    return set(hf.all_special_ids) | {
+        token_id for token_id, added in hf.added_tokens_decoder.items() if added.special}
 
 
 def _encoder_without_prepended_space(hf: Any) -> Any:

@@ -1,5 +1,6 @@
 """Structured outputs offline: a random tiny model can only produce what the grammar
-allows, so every constrained output must parse and validate, batched with plain ones."""
+allows, so every constrained output must parse and validate, batched with plain ones;
+with xgrammar, llguidance, and auto's choice between them."""
 
 from __future__ import annotations
 
@@ -32,10 +33,24 @@ GBNF_AS_REGEX = r"\([1-9][0-9]?([+*][1-9][0-9]?){0,4}\)"
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama):
-    engine = LLM(tiny_llama, dtype="float32", max_model_len=512, seed=0)
+def engines(tiny_llama):
+    """One engine per --structured-outputs-backend, started on first use."""
+    started: dict[str, LLM] = {}
+
+    def engine(backend: str = "auto") -> LLM:
+        if backend not in started:
+            started[backend] = LLM(tiny_llama, dtype="float32", max_model_len=512, seed=0,
+                                   structured_outputs_backend=backend)
+        return started[backend]
+
     yield engine
-    engine.shutdown()
+    for started_engine in started.values():
+        started_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(engines):
+    return engines("auto")
 
 
 def _constraints():
@@ -64,10 +79,14 @@ def _check(kind: str, text: str) -> None:
         assert re.fullmatch(GBNF_AS_REGEX, text), text
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_constrained_outputs_validate_in_a_batch_with_plain_ones(llm, temperature):
+@pytest.mark.parametrize("backend, temperature, seed", [
+    ("auto", 0.0, 0),  # greedy output ignores the seed
+    ("xgrammar", 1.0, 0), ("guidance", 1.0, 1)])
+def test_constrained_outputs_validate_in_a_batch_with_plain_ones(engines, backend, temperature,
+                                                                 seed):
+    llm = engines(backend)
     constraints = _constraints()
-    seeds = range(2) if temperature else range(1)  # greedy output ignores the seed
+    seeds = [seed]
     prompts, params = [], []
     for seed in seeds:
         for kind, constraint in constraints:
@@ -102,12 +121,14 @@ def test_n_sequences_and_chat_follow_the_grammar(llm):
     assert chat.outputs[0].text in CHOICES
 
 
+@pytest.mark.parametrize("backend", ["auto", "xgrammar"])  # checked by llguidance, xgrammar
 @pytest.mark.parametrize("constraint", [
     StructuredOutputsParams(json={"type": "nonsense"}),
     StructuredOutputsParams(regex="(unclosed"),
     StructuredOutputsParams(grammar="root ::= missing"),
 ])
-def test_malformed_constraints_are_rejected_before_the_engine(llm, constraint):
+def test_malformed_constraints_are_rejected_before_the_engine(engines, backend, constraint):
+    llm = engines(backend)
     with pytest.raises(InvalidInputError) as info:
         llm.generate("x", SamplingParams(structured_outputs=constraint), use_tqdm=False)
     assert info.value.param == "structured_outputs"
@@ -116,7 +137,8 @@ def test_malformed_constraints_are_rejected_before_the_engine(llm, constraint):
     assert len(output.outputs[0].token_ids) == 3
 
 
-def test_a_tokenizer_whose_decoder_llguidance_cannot_read(tmp_path):
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_tokenizer_whose_decoder_llguidance_cannot_read(tmp_path, backend):
     """A SentencePiece-style tokenizer with the Metaspace decoder (as some conversions of
     ERNIE-, Llama- and Gemma-style tokenizers ship it): its token table comes from its own
     decoding, and constrained outputs validate (before: the grammar failed to compile)."""
@@ -128,7 +150,8 @@ def test_a_tokenizer_whose_decoder_llguidance_cannot_read(tmp_path):
 
     path = make_tiny_checkpoint("llama", tmp_path / "model",
                                 vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)) + 4)
-    engine = LLM(path, tokenizer=tokenizer, dtype="float32", max_model_len=512, seed=0)
+    engine = LLM(path, tokenizer=tokenizer, dtype="float32", max_model_len=512, seed=0,
+                 structured_outputs_backend=backend)
     try:
         kinds = ["json", "regex", "choice", "grammar"]  # bounded: a random model ends them
         params = [SamplingParams(temperature=0.0, max_tokens=480, structured_outputs=c)

@@ -76,7 +76,10 @@ def test_api_server_process_never_imports_torch(start_server, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(_RECORDER)
     modules_file = tmp_path / "modules.json"
     python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    server = start_server(env={"PYTHONPATH": python_path,
+    # llguidance: xgrammar (auto's choice for the JSON schema below) imports torch in the
+    # engine core that compiles it (docs/structured_outputs.md)
+    server = start_server("--structured-outputs-backend", "guidance",
+                          env={"PYTHONPATH": python_path,
                                "LOOM_TEST_MODULES_FILE": str(modules_file)})
     messages = [{"role": "user", "content": "hello"}]
     with server.http() as http:

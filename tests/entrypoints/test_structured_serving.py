@@ -1,5 +1,6 @@
 """Structured outputs, tool calls and reasoning through a real `loom serve` on the tiny
-random model: whatever the model wants, constrained outputs must parse and validate."""
+random model: whatever the model wants, constrained outputs must parse and validate, with
+each --structured-outputs-backend."""
 
 from __future__ import annotations
 
@@ -54,6 +55,21 @@ def client(server):
     return server.openai(timeout=300.0)
 
 
+@pytest.fixture(scope="module", params=["auto", "xgrammar"])
+def backend_server(request, tiny_model_dir):
+    """The module's server (--structured-outputs-backend auto: xgrammar serves most of
+    these constraints, llguidance checks them), or one with xgrammar alone (which then
+    checks each constraint in the API process). llguidance alone: tests/e2e."""
+    if request.param == "auto":
+        yield request.getfixturevalue("server")
+        return
+    server = LoomServer(tiny_model_dir, *TINY_SERVER_ARGS, "--served-model-name", MODEL,
+                        "--disable-log-requests", "--structured-outputs-disable-any-whitespace",
+                        "--structured-outputs-backend", request.param)
+    yield server
+    assert server.terminate() == 0, server.output()
+
+
 def check(kind: str, text: str) -> None:
     if kind == "json":
         jsonschema.validate(json.loads(text), PERSON)
@@ -80,7 +96,9 @@ COMPLETION_CONSTRAINTS = [
 ]
 
 
-def test_completions_constrained_beside_plain_requests(client):
+def test_completions_constrained_beside_plain_requests(backend_server):
+    client = backend_server.openai(timeout=300.0)
+
     def one(args):
         (kind, extra), seed = args
         response = client.completions.create(
@@ -130,8 +148,9 @@ def test_chat_response_format_json_schema(client, stream):
     ({"guided_regex": "a", "guided_choice": ["a"]}, "one structured output"),
     ({"guided_choice": []}, "choice"),
 ])
-def test_invalid_constraints_are_400_and_the_server_keeps_serving(server, body, fragment):
-    with server.http(timeout=300.0) as http:
+def test_invalid_constraints_are_400_and_the_server_keeps_serving(backend_server, body,
+                                                                  fragment):
+    with backend_server.http(timeout=300.0) as http:
         for route, payload in (("/v1/completions", {"prompt": "x"}),
                                ("/v1/chat/completions", {"messages": MESSAGES})):
             response = http.post(route, json={"model": MODEL, "max_tokens": 5, **payload, **body})

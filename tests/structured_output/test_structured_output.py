@@ -26,19 +26,30 @@ VOCAB = 256
 
 # ----------------------------------------------------------------- validation
 
+BACKENDS = ["guidance", "xgrammar"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("params", [
     StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
     StructuredOutputsParams(json='{"type": "string", "pattern": "^[a-z]+$"}'),
     StructuredOutputsParams(regex=r"\d{3}-[a-z]+"),
     StructuredOutputsParams(choice=["yes", "no"]),
     StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ")"'),  # GBNF
-    StructuredOutputsParams(grammar='start: "a" B\nB: /[0-9]+/'),  # Lark
     StructuredOutputsParams(json_object=True),
 ])
-def test_valid_constraints_compile(params):
-    assert validate_structured_outputs(params)
+def test_valid_constraints_compile(params, backend):
+    validate_structured_outputs(params, StructuredOutputsConfig(backend=backend))
 
 
+def test_lark_grammars_are_llguidance_s():
+    lark = StructuredOutputsParams(grammar='start: "a" B\nB: /[0-9]+/')
+    validate_structured_outputs(lark, StructuredOutputsConfig(backend="guidance"))
+    with pytest.raises(GrammarError, match="xgrammar does not support Lark grammars"):
+        validate_structured_outputs(lark, StructuredOutputsConfig(backend="xgrammar"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("params, fragment", [
     (StructuredOutputsParams(json={"type": "nonsense"}), "nonsense"),
     (StructuredOutputsParams(json="{not json"), "not valid JSON"),
@@ -46,9 +57,9 @@ def test_valid_constraints_compile(params):
     (StructuredOutputsParams(regex="[a-"), "regex"),
     (StructuredOutputsParams(grammar="root ::= undefined_rule"), "undefined_rule"),
 ])
-def test_malformed_or_unsupported_constraints_are_grammar_errors(params, fragment):
+def test_malformed_or_unsupported_constraints_are_grammar_errors(params, fragment, backend):
     with pytest.raises(GrammarError, match=fragment):
-        validate_structured_outputs(params)
+        validate_structured_outputs(params, StructuredOutputsConfig(backend=backend))
 
 
 def test_params_need_exactly_one_constraint():
@@ -79,8 +90,9 @@ def _allowed(bitmask: bytes, row: int) -> set[int]:
     return set(np.flatnonzero(bits)[:VOCAB].tolist())
 
 
-def test_manager_masks_follow_the_grammar_and_finish_it(tiny_tokenizer):
-    manager = _manager(tiny_tokenizer)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_manager_masks_follow_the_grammar_and_finish_it(tiny_tokenizer, backend):
+    manager = _manager(tiny_tokenizer, backend=backend)
     request = _request("r", StructuredOutputsParams(choice=["yes", "no"]))
     manager.add_request(request)
     manager.wait_for_compiles(10)
@@ -94,8 +106,9 @@ def test_manager_masks_follow_the_grammar_and_finish_it(tiny_tokenizer):
     manager.shutdown()
 
 
-def test_manager_caches_compiled_grammars(tiny_tokenizer):
-    manager = _manager(tiny_tokenizer)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_manager_caches_compiled_grammars(tiny_tokenizer, backend):
+    manager = _manager(tiny_tokenizer, backend=backend)
     params = StructuredOutputsParams(regex="[a-c]{2}")
     first, second = _request("a", params), _request("b", params)
     for request in (first, second):
@@ -111,8 +124,9 @@ def test_manager_caches_compiled_grammars(tiny_tokenizer):
     manager.shutdown()
 
 
-def test_a_token_the_grammar_rejects_is_a_grammar_error(tiny_tokenizer):
-    manager = _manager(tiny_tokenizer)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_token_the_grammar_rejects_is_a_grammar_error(tiny_tokenizer, backend):
+    manager = _manager(tiny_tokenizer, backend=backend)
     request = _request("r", StructuredOutputsParams(regex="[0-9]+"))
     manager.add_request(request)
     manager.wait_for_compiles(10)
@@ -169,11 +183,11 @@ class GrammarFollowingExecutor:
         pass
 
 
-def _engine_core(tokenizer, executor) -> EngineCore:
+def _engine_core(tokenizer, executor, backend: str = "auto") -> EngineCore:
     config = EngineConfig(model=ModelConfig(model="unused", max_model_len=256, vocab_size=VOCAB),
                           cache=CacheConfig(block_size=4),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=256))
-    core = EngineCore(config, executor, _manager(tokenizer))
+    core = EngineCore(config, executor, _manager(tokenizer, backend=backend))
     executor.scheduler = core.scheduler
     return core
 
@@ -191,9 +205,10 @@ def _run(core: EngineCore) -> dict[str, tuple[list[int], str | None, object]]:
     return results
 
 
-def test_engine_core_constrains_grammar_requests_beside_plain_ones(tiny_tokenizer):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_core_constrains_grammar_requests_beside_plain_ones(tiny_tokenizer, backend):
     executor = GrammarFollowingExecutor()
-    core = _engine_core(tiny_tokenizer, executor)
+    core = _engine_core(tiny_tokenizer, executor, backend)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}},
               "required": ["n"], "additionalProperties": False}
     core.add_request(_request("json", StructuredOutputsParams(json=schema,
@@ -242,8 +257,9 @@ def test_a_request_whose_grammar_compiles_does_not_stall_others(tiny_tokenizer):
     assert_empty(core.scheduler)
 
 
-def test_a_grammar_that_fails_in_the_core_fails_only_its_request(tiny_tokenizer):
-    core = _engine_core(tiny_tokenizer, GrammarFollowingExecutor())
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+def test_a_grammar_that_fails_in_the_core_fails_only_its_request(tiny_tokenizer, backend):
+    core = _engine_core(tiny_tokenizer, GrammarFollowingExecutor(), backend)
     core.add_request(_request("bad", StructuredOutputsParams(json={"type": "nonsense"})))
     core.add_request(_request("plain", None, max_tokens=2))
     results = _run(core)

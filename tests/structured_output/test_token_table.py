@@ -1,5 +1,6 @@
 """Grammars on every tokenizer: a SentencePiece-style tokenizer with the Metaspace decoder,
-which llguidance cannot read itself, gets its token table from its own decoding."""
+which llguidance cannot read itself (and xgrammar would read raw), gets its token table
+from its own decoding, for both backends."""
 
 from __future__ import annotations
 
@@ -58,3 +59,34 @@ def test_a_json_schema_constrains_this_tokenizer(metaspace):
     for token in ids:
         assert matcher.consume_token(token), (token, matcher.get_error())
     assert matcher.is_accepting()
+
+
+def test_xgrammar_reads_this_tokenizer_as_loom_s_table(metaspace):
+    """xgrammar would read the Metaspace vocabulary raw ("▁hello" as those bytes); its
+    TokenizerInfo is loom's table instead, special tokens without bytes."""
+    from loom.structured_output.xgrammar_backend import tokenizer_info
+
+    n_vocab = len(metaspace) + 7
+    info = tokenizer_info(metaspace, n_vocab, [metaspace.eos_token_id])
+    table = TokenTable(metaspace, n_vocab, [metaspace.eos_token_id])
+    special = set(table.special_token_ids)
+    assert info.decoded_vocab == [b"" if i in special else token
+                                  for i, token in enumerate(table.tokens)]
+    assert info.stop_token_ids == [metaspace.eos_token_id]
+
+
+def test_a_json_schema_constrains_this_tokenizer_with_xgrammar(metaspace):
+    from types import SimpleNamespace
+
+    from loom.config import StructuredOutputsConfig
+    from loom.sampling_params import StructuredOutputsParams
+    from loom.structured_output.xgrammar_backend import XgrammarBackend
+
+    tokenizer = SimpleNamespace(hf=metaspace, eos_token_ids={metaspace.eos_token_id})
+    backend = XgrammarBackend(tokenizer, len(metaspace), StructuredOutputsConfig())
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(
+        json=SCHEMA, disable_any_whitespace=True)))
+    ids = ll_tokenizer(metaspace, len(metaspace), [2]).tokenize_str('{"age":42}')
+    for token in ids:
+        assert matcher.accept_token(token), token
+    assert matcher.is_terminated()
