@@ -4,13 +4,17 @@ round, with every process's peak resident memory.
 
     python benchmarks/embed_speed.py --model /work/bench-envs/models/smollm2-135m-bf16 \\
         [--texts 256] [--rounds 3] [--dtype bfloat16] [--result-file results/embed.json]
+    python benchmarks/embed_speed.py --make-bert /tmp/bert-base   # then:
+    python benchmarks/embed_speed.py --model /tmp/bert-base --st-modules --dtype float32
 
 The texts are 256 short sentences (8-40 words, ~10-60 tokens). Both pool the last
 token and normalize (a decoder checkpoint without sentence-transformers files: what
 loom does by default; sentence-transformers is told so with its own Pooling and
-Normalize modules). Each side runs its own process per round, alternately; the figure
-is the embedding of all texts once warm (a first pass over 16 texts before timing).
-Checks first that both give the same vectors (cosine).
+Normalize modules). With ``--st-modules`` both pool as the checkpoint's own
+sentence-transformers files say (an encoder's: ``--make-bert DIR`` writes a random
+BERT-base-shaped one, 12 layers of 768, CLS pooling, normalized). Each side runs its own
+process per round, alternately; the figure is the embedding of all texts once warm (a
+first pass over 16 texts before timing). Checks that both give the same vectors (cosine).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def texts(count: int) -> list[str]:
             for _ in range(count)]
 
 
-def run_loom(model: str, count: int, dtype: str) -> dict:
+def run_loom(model: str, count: int, dtype: str, st_modules: bool = False) -> dict:
     from loom import LLM
 
     items = texts(count)
@@ -57,18 +61,24 @@ def run_loom(model: str, count: int, dtype: str) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_st(model: str, count: int, dtype: str) -> dict:
+def run_st(model: str, count: int, dtype: str, st_modules: bool = False) -> dict:
     import torch
     from sentence_transformers import SentenceTransformer, models
 
-    # the text as it is (sentence-transformers would render a checkpoint's chat template
-    # around it), in the dtype asked
-    transformer = models.Transformer(
-        model, model_kwargs={"dtype": getattr(torch, dtype)},
-        modality_config={"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
-        module_output_name="token_embeddings")
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(), "lasttoken")
-    st = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
+    if st_modules:  # the checkpoint's own modules
+        st = SentenceTransformer(model, device="cpu",
+                                 model_kwargs={"dtype": getattr(torch, dtype)})
+    else:
+        # the text as it is (sentence-transformers would render a checkpoint's chat
+        # template around it), in the dtype asked
+        transformer = models.Transformer(
+            model, model_kwargs={"dtype": getattr(torch, dtype)},
+            modality_config={"text": {"method": "forward",
+                                      "method_output_name": "last_hidden_state"}},
+            module_output_name="token_embeddings")
+        pooling = models.Pooling(transformer.get_word_embedding_dimension(), "lasttoken")
+        st = SentenceTransformer(modules=[transformer, pooling, models.Normalize()],
+                                 device="cpu")
     items = texts(count)
     st.encode(items[:16], batch_size=32)
     start = time.perf_counter()
@@ -78,14 +88,39 @@ def run_st(model: str, count: int, dtype: str) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def make_bert(path: str) -> None:
+    """A random BERT-base-shaped sentence-transformers checkpoint (CLS pooling,
+    normalized) with the tests' WordPiece tokenizer (words it lacks are [UNK]: one token
+    each, as a real vocabulary's common words are)."""
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from encoder_fixtures import make_embedding_model
+
+    make_embedding_model(path, "bert", "cls", hidden_size=768, num_hidden_layers=12,
+                         num_attention_heads=12, intermediate_size=3072,
+                         max_position_embeddings=512, vocab_size=30522)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory")
     parser.add_argument("--texts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--st-modules", action="store_true",
+                        help="both pool as the checkpoint's sentence-transformers files say")
+    parser.add_argument("--make-bert", metavar="DIR",
+                        help="write a random BERT-base-shaped sentence-transformers "
+                             "checkpoint to DIR and exit")
     args = parser.parse_args()
+    if args.make_bert:
+        make_bert(args.make_bert)
+        return
+    if not args.model:
+        parser.error("--model is required (or --make-bert DIR)")
     rounds = {"loom": [], "sentence-transformers": []}
     rss = {"loom": [], "sentence-transformers": []}
     first = {}
@@ -94,7 +129,7 @@ def main() -> None:
             # one side in a fresh process: its figures, its own peak RSS and, for loom,
             # its worker processes' RSS at the end
             result = run_in_child("embed_speed", f"run_{which}", args.model, args.texts,
-                                  args.dtype)
+                                  args.dtype, args.st_modules)
             rounds[name].append(args.texts / result["seconds"])
             rss[name].append({"process_peak": round(result["peak_rss_mib"]),
                               "workers_at_end": round(result["worker_rss_mib"])})

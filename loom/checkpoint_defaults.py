@@ -45,7 +45,7 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
                                     check_tokenizer_files)
     from loom.model.loader.hf_config import load_hf_config
     from loom.model.loader.hf_config_values import hf_config_values
-    from loom.model.models.registry import get_model_architecture
+    from loom.model.models.registry import get_model_architecture, is_encoder_only
 
     model = args.model
     if model is None or not os.path.exists(model):
@@ -58,12 +58,8 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
     check_architecture_before_loading(model)
     hf_config = load_hf_config(model, args.mmproj)
     architecture = get_model_architecture(hf_config)  # unsupported: a ValueError naming them
-    classifier = architecture.endswith("ForSequenceClassification")
-    if classifier != (args.task == "classify"):
-        raise ValueError(f"{model} is a {architecture} checkpoint: start it with --task "
-                         f"classify" if classifier else
-                         f"--task classify needs a *ForSequenceClassification checkpoint; "
-                         f"{model} is a {architecture}")
+    encoder = is_encoder_only(architecture)
+    check_task(args.task, architecture, encoder, hf_config, model)
     check_quantization(hf_config, args.quantization, model)
     if not args.skip_tokenizer_init:
         check_tokenizer_files(model, args.tokenizer)
@@ -83,11 +79,21 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
                          f"{_describe_limit(hf_config, limit)}; lower --max-model-len")
     enable_chunked_prefill = (True if args.enable_chunked_prefill is None
                               else args.enable_chunked_prefill)
+    if encoder:  # attends both ways over the whole prompt: never a part of one in a step
+        if args.enable_chunked_prefill:
+            raise ValueError(f"{architecture} is an encoder: each prompt runs whole in one "
+                             "step; drop --enable-chunked-prefill")
+        enable_chunked_prefill = False
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, min(max_model_len, 8192))
         if not enable_chunked_prefill:  # every prompt must fit one step (as vLLM)
             max_num_batched_tokens = max(2048, max_model_len)
+    if encoder and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
+                         f"max_model_len ({max_model_len}), but {architecture} is an encoder, "
+                         "which runs each prompt whole in one step: a longer prompt could "
+                         "never run; raise --max-num-batched-tokens or lower --max-model-len")
     speculative = SpeculativeConfig.from_value(args.speculative_config)
     if speculative is not None and speculative.model is not None:
         speculative = dataclasses.replace(
@@ -128,7 +134,14 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
     if args.task != "generate":
         from loom.pooling import pooler_config
 
-        pooler = model_fields["pooler"] = pooler_config(model, hf_config, args.pooler_config)
+        pooler = model_fields["pooler"] = pooler_config(
+            model, hf_config, args.pooler_config, default_pooling="CLS" if encoder else "LAST",
+            cross_encoder=encoder and args.task == "score")
+        if encoder and resolved.enable_prefix_caching:
+            # its K/V at a position depend on the later tokens: nothing to share, none kept
+            logger.info("prefix caching off: %s is an encoder (each prompt runs whole in "
+                        "one step, attending both ways, with no KV cache)", architecture)
+            resolved = dataclasses.replace(resolved, enable_prefix_caching=False)
         if args.task == "embed" and pooler.pooling_type != "LAST" \
                 and resolved.enable_prefix_caching:
             # a cached block's hidden states are never computed, and MEAN and CLS read them
@@ -139,6 +152,31 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         raise ValueError("--pooler-config applies to --task embed or score; this engine "
                          "generates")
     return ResolvedArgs(resolved, model_fields, hf_config)
+
+
+def check_task(task: str, architecture: str, encoder: bool, hf_config: Any,
+               model: str) -> None:
+    """The tasks a checkpoint serves: a sequence classifier classifies, and an encoder's
+    with one label scores pairs too (a cross-encoder); another encoder embeds; a decoder
+    generates, embeds or scores (a yes/no reranker)."""
+    if architecture.endswith("ForSequenceClassification"):
+        if task == "classify":
+            return
+        if encoder and task == "score":
+            labels = getattr(hf_config, "num_labels", 1)
+            if labels != 1:
+                raise ValueError(f"--task score takes a cross-encoder with one label; {model} "
+                                 f"({architecture}) has {labels}: start it with --task classify")
+            return
+        raise ValueError(f"{model} is a {architecture} checkpoint: start it with --task "
+                         + ("score (a cross-encoder) or classify" if encoder else "classify"))
+    if task == "classify":
+        raise ValueError(f"--task classify needs a *ForSequenceClassification checkpoint; "
+                         f"{model} is a {architecture}")
+    if encoder and task != "embed":
+        raise ValueError(f"{model} is a {architecture} checkpoint, an encoder: start it with "
+                         "--task embed (a cross-encoder for --task score is a "
+                         "*ForSequenceClassification checkpoint)")
 
 
 def _check_lora(args: EngineArgs) -> EngineArgs:

@@ -228,7 +228,6 @@ class CacheConfig:
         return self.kv_offload_path or tempfile.gettempdir()
 
 
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64

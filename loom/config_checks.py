@@ -139,6 +139,10 @@ def check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_s
     from free memory is checked by the executor once it is known."""
     if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
         return
+    from loom.model.models.registry import get_model_architecture, is_encoder_only
+
+    if is_encoder_only(get_model_architecture(hf_config)):
+        return  # no KV cache: its blocks only count the scheduler's tokens
     from loom.model.loader.hf_config import kv_cache_bytes_per_block
 
     bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size, dtype,

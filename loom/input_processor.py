@@ -254,7 +254,8 @@ class InputProcessor:
         problem = self.pooler.check_dimensions(pooling.dimensions)
         if problem is not None:
             raise InvalidInputError(problem, "dimensions")
-        if pooling.task == "score" and pooling.classifier_token_ids is None:
+        if pooling.task == "score" and pooling.classifier_token_ids is None \
+                and not self.pooler.cross_encoder:  # (a cross-encoder's head scores)
             pooling.classifier_token_ids = self.classifier_token_ids()
 
     def classifier_token_ids(self) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from loom.lora import LoRARequest
 from loom.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                           EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                           ScoringRequestOutput)
-from loom.pooling import score_pairs, score_prompt
+from loom.pooling import cross_encoder_pair, score_pairs, score_prompt
 from loom.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -164,16 +164,24 @@ class LLM:
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """How well each ``text_2`` answers ``text_1`` (one query against many documents,
-        or pairs one to one), in [0, 1] (an engine started with ``task="score"``: a
-        decoder reranker's yes probability; loom/pooling.py)."""
+        or pairs one to one) (an engine started with ``task="score"``: a decoder
+        reranker's yes probability, in [0, 1]; a cross-encoder's logit through its
+        activation, sigmoid unless the checkpoint says otherwise; loom/pooling.py)."""
         pairs = score_pairs(text_1, text_2)
         pooler = self.engine.config.model.pooler
         if self.engine.config.model.task != "score":
             raise ValueError("score needs an engine started with task='score' (this one "
                              f"runs task={self.engine.config.model.task!r})")
-        params = _pooling_sampling_params(PoolingParams(task="score"), "score")
-        outputs = self._run([score_prompt(pooler, query, document) for query, document in pairs],
-                            [params] * len(pairs), use_tqdm)
+        if pooler.cross_encoder:  # each pair encoded by the tokenizer, with its token types
+            encoded = [cross_encoder_pair(self.get_tokenizer(), query, document)
+                       for query, document in pairs]
+            prompts: list[PromptType] = [{"prompt_token_ids": ids} for ids, _ in encoded]
+            params = [_pooling_sampling_params(PoolingParams(task="score", token_type_start=start),
+                                               "score") for _, start in encoded]
+        else:
+            prompts = [score_prompt(pooler, query, document) for query, document in pairs]
+            params = [_pooling_sampling_params(PoolingParams(task="score"), "score")] * len(pairs)
+        outputs = self._run(prompts, params, use_tqdm)
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
                                      ScoringOutput((o.pooled or [float("nan")])[0]), o.finished)
                 for o in outputs]

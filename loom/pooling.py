@@ -19,6 +19,16 @@ for a causal LM run as an embedding model). ``--pooler-config`` overrides any of
 token at the next position, ``softmax([logit_no, logit_yes])[1]``
 (``classifier_from_token``, default ``["no", "yes"]``).
 
+Encoder models (BERT, ModernBERT: ``BertModel``, ``ModernBertModel``) embed the same
+way, each prompt run whole in one step attending both ways (their pooling defaults to
+``CLS`` where the checkpoint has no sentence-transformers files). Their
+``*ForSequenceClassification`` checkpoints are cross-encoders under ``--task score``, as
+sentence-transformers' ``CrossEncoder`` and vLLM's score API run them: the query and
+document are encoded as a pair by the tokenizer (``[CLS] query [SEP] document [SEP]``,
+token types 0 then 1: ``cross_encoder_pair``), the classifier head reads the pooled
+output, and its one logit goes through the checkpoint's activation (``Sigmoid`` unless its
+config's ``sentence_transformers.activation_fn`` says ``Identity``: ``score_activation``).
+
 ``--task classify`` serves a sequence classifier (``*ForSequenceClassification``: a score
 head in place of the LM head; models/classification.py): the last token's final hidden
 state through the head, softmax over the labels; ``id2label`` names them.
@@ -63,6 +73,11 @@ class PoolerConfig:
     classifier_from_token: tuple[str, str] = ("no", "yes")
     score_template: str = QWEN3_RERANKER_TEMPLATE
     instruction: str = DEFAULT_INSTRUCTION
+    # score on an encoder classifier (a cross-encoder): the pair through the classifier
+    # head, its logit through score_activation (sigmoid or identity), in place of the
+    # template and the yes/no tokens
+    cross_encoder: bool = False
+    score_activation: str = "sigmoid"
 
     def check_dimensions(self, dimensions: int | None) -> str | None:
         """Why a request's ``dimensions`` cannot be served, or None."""
@@ -79,13 +94,19 @@ class PoolerConfig:
         return None
 
 
-_OVERRIDABLE = {f.name for f in fields(PoolerConfig)} - {"hidden_size"}
+_OVERRIDABLE = {f.name for f in fields(PoolerConfig)} - {"hidden_size", "cross_encoder"}
+SCORE_ACTIVATIONS = ("sigmoid", "identity")
 
 
-def pooler_config(model: str, hf_config: Any, override: dict[str, Any] | None) -> PoolerConfig:
+def pooler_config(model: str, hf_config: Any, override: dict[str, Any] | None, *,
+                  default_pooling: str = "LAST", cross_encoder: bool = False) -> PoolerConfig:
     """The checkpoint's pooling (its sentence-transformers files, its config.json's
-    Matryoshka fields), then ``override`` (``--pooler-config``) field by field."""
-    values: dict[str, Any] = {"hidden_size": int(getattr(hf_config, "hidden_size", 0) or 0)}
+    Matryoshka fields; ``default_pooling`` where it has no such files; a cross-encoder's
+    activation), then ``override`` (``--pooler-config``) field by field."""
+    values: dict[str, Any] = {"hidden_size": int(getattr(hf_config, "hidden_size", 0) or 0),
+                              "pooling_type": default_pooling, "cross_encoder": cross_encoder}
+    if cross_encoder:
+        values["score_activation"] = _cross_encoder_activation(hf_config)
     directory = model if os.path.isdir(model) else None
     if directory is not None:
         values |= _sentence_transformers_pooling(directory)
@@ -114,8 +135,28 @@ def pooler_config(model: str, hf_config: Any, override: dict[str, Any] | None) -
             value = tuple(value)
         elif name == "normalize":
             value = bool(value)
+        elif name == "score_activation" and value not in SCORE_ACTIVATIONS:
+            raise ValueError(f"--pooler-config score_activation must be one of "
+                             f"{', '.join(SCORE_ACTIVATIONS)}, got {value!r}")
         values[name] = value
     return PoolerConfig(**values)
+
+
+def _cross_encoder_activation(hf_config: Any) -> str:
+    """What sentence-transformers' CrossEncoder applies to a one-label model's logit: the
+    config's ``sentence_transformers.activation_fn`` (or, before its v4,
+    ``sbert_ce_default_activation_function``), else Sigmoid."""
+    settings = getattr(hf_config, "sentence_transformers", None)
+    path = settings.get("activation_fn") if isinstance(settings, dict) else None
+    path = path or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if not path:
+        return "sigmoid"
+    name = str(path).rsplit(".", 1)[-1].lower()
+    if name not in SCORE_ACTIVATIONS:
+        raise ValueError(f"the checkpoint's cross-encoder activation {path} is not one loom "
+                         f"applies ({', '.join(SCORE_ACTIVATIONS)}); pass --pooler-config "
+                         '\'{"score_activation": "sigmoid"}\' to choose one')
+    return name
 
 
 def _sentence_transformers_pooling(directory: str) -> dict[str, Any]:
@@ -162,6 +203,23 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
                          f"and {len(documents)} documents (text_2); give one query or as "
                          "many as documents")
     return list(zip(queries, documents))
+
+
+def cross_encoder_pair(tokenizer: Any, query: str, document: str) -> tuple[list[int], int | None]:
+    """A cross-encoder's input for one pair, as sentence-transformers' CrossEncoder encodes
+    it: the tokenizer's (a Hugging Face one) pair encoding, ``[CLS] query [SEP] document
+    [SEP]`` for BERT, and the position where the token types turn from 0 to 1 (None where
+    the tokenizer makes none, or makes them all 0)."""
+    encoded = tokenizer(query, document)
+    token_ids = list(encoded["input_ids"])
+    types = encoded.get("token_type_ids")
+    if not types or 1 not in types:
+        return token_ids, None
+    start = list(types).index(1)
+    if any(t != 1 for t in types[start:]) or any(t != 0 for t in types[:start]):
+        raise ValueError(f"the tokenizer's token types for a pair are {list(types)}; loom "
+                         "takes 0s then 1s")
+    return token_ids, start
 
 
 def score_prompt(pooler: PoolerConfig, query: str, document: str) -> str:

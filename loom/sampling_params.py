@@ -89,12 +89,16 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     label probabilities). ``normalize``: L2-normalize the
     embedding (None: as the model's pooler config says). ``dimensions``: keep the first
     this many values (Matryoshka models only), normalized after cutting.
+    ``token_type_start``: a cross-encoder's pair (BERT), the position where the
+    document's token type 1 begins (the API side sets it from the tokenizer's pair
+    encoding, ``pooling.cross_encoder_pair``); None: every token of type 0.
     """
 
     task: str = "embed"
     normalize: bool | None = None
     dimensions: int | None = None
     classifier_token_ids: tuple[int, int] | None = None  # (no, yes)
+    token_type_start: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.task in ("embed", "score", "classify"), "pooling.task",
@@ -102,6 +106,10 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.dimensions is not None:
             _check(isinstance(self.dimensions, int) and self.dimensions >= 1, "dimensions",
                    f"must be a positive integer, got {self.dimensions!r}")
+        if self.token_type_start is not None:
+            _check(type(self.token_type_start) is int and self.token_type_start >= 0,
+                   "pooling.token_type_start",
+                   f"must be a position (0 or more), got {self.token_type_start!r}")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -163,7 +163,6 @@ class EngineCore:
         self.executor.collective_rpc("init_kv_tier", {"num_slots": num_slots})
         return num_slots
 
-
     # ----------------------------------------------------------------- KV transfer
     # Prefill/decode disaggregation (core/kv_transfer.py): the ranks move the blocks in
     # background threads and report here; nothing in a step waits on the wire.

@@ -79,6 +79,10 @@ def kv_cache_summary(config: EngineConfig, num_blocks: int, bytes_per_block: int
     max_model_len requests fit at once (as vLLM's "Maximum concurrency" line). A hybrid cache's
     blocks are shared by its groups: tokens counted as one sequence holds them."""
     max_model_len = config.model.max_model_len
+    if bytes_per_block == 0:
+        return (f"no KV cache (an encoder: each prompt runs whole in one step); "
+                f"{num_blocks:,} blocks of {config.cache.block_size} count the scheduler's "
+                "tokens")
     concurrency = num_blocks / blocks_per_sequence(config, kv_cache_groups)
     groups = (f" in {len(kv_cache_groups)} groups ({kv_cache_groups.count(None)} of full "
               f"attention)" if len(kv_cache_groups) > 1 else "")

@@ -135,7 +135,10 @@ class ModelRunner:
         self.rope_scales_past = min((module.scales_past for module in self.model.modules()
                                      if isinstance(module, LengthScaledRotaryEmbedding)),
                                     default=None)
-        if self.tp_group.rank == 0:
+        if self.tp_group.rank == 0 and getattr(self.model, "is_encoder_only", False):
+            logger.info("attention: the encoder's own, both ways within each prompt, with "
+                        "no KV cache (layers/encoder_attention.py)")
+        elif self.tp_group.rank == 0:
             backend = self.model.attention_layers[0].impl.name
             logger.info("attention backend: %s%s", backend,
                         " (auto)" if chosen == "auto" else "")
@@ -176,7 +179,10 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Per block of the pool: this rank's share of the target's K/V (of the layers
         of one KV cache group: the groups' blocks share one pool), plus a draft
-        model's K/V (counted on every rank, so that all size their pools alike)."""
+        model's K/V (counted on every rank, so that all size their pools alike). 0 for
+        an encoder, which keeps no KV cache (its blocks only count the scheduler's tokens)."""
+        if self.model is not None and getattr(self.model, "is_encoder_only", False):
+            return 0
         target = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
                                           self.tp_group.world_size,
                                           self.config.cache.kv_cache_dtype)
@@ -267,6 +273,8 @@ class ModelRunner:
             return "off for MoE models (their routing counts are read on the host)"
         if len(self.kv_cache_groups.windows) > 1:
             return "off for a hybrid KV cache (several block tables a step)"
+        if getattr(self.model, "is_encoder_only", False):
+            return "off for an encoder (its steps are whole prompts, never decode steps)"
         return None
 
     def drop_cuda_graphs(self) -> None:
@@ -361,6 +369,10 @@ class ModelRunner:
             markers = self._prompt_markers(req_ids, metadata.query_start_loc_cpu)
             if markers is not None:
                 mm_kwargs["mm_markers"] = markers
+        if self.config.model.is_pooling:  # (not images: a cross-encoder's pairs' segments)
+            token_types = self._token_type_ids(req_ids, metadata)
+            if token_types is not None:
+                mm_kwargs["token_type_ids"] = token_types
         with set_forward_context(metadata):
             hidden_states = None
             if mm_kwargs:  # (a step without them may replay natively)
@@ -795,6 +807,9 @@ class ModelRunner:
         result: list[list[float] | None] | None = None
         starts = metadata.query_start_loc_cpu
         pooler = self.config.model.pooler
+        encoder = getattr(self.model, "is_encoder_only", False)
+        # an encoder's classifier (BERT, ModernBERT): its head reads the whole prompt
+        head = getattr(self.model, "sequence_logits", None)
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             params = state.sampling_params.pooling
@@ -803,6 +818,10 @@ class ModelRunner:
             end = metadata.seq_lens_cpu[i]
             start = end - (starts[i + 1] - starts[i])
             rows = hidden_states[starts[i]:starts[i + 1]]
+            if encoder and (start != 0 or end < state.num_prompt_tokens):
+                raise RuntimeError(f"an encoder ran part of prompt {req_id!r} ({start}:{end} "
+                                   f"of {state.num_prompt_tokens}); it runs each prompt whole, "
+                                   "with chunked prefill and prefix caching off")
             kind = pooler.pooling_type if params.task == "embed" else "LAST"
             if kind == "MEAN":
                 chunk_sum = rows.float().sum(dim=0)
@@ -811,7 +830,14 @@ class ModelRunner:
                 state.pooled = rows[0].float()
             if end < state.num_prompt_tokens:
                 continue  # more of the prompt to come
-            if params.task == "score":
+            if head is not None and params.task != "embed":
+                logits = head(rows)
+                if params.task == "classify":
+                    vector = torch.softmax(logits, dim=0)
+                else:  # a cross-encoder's one logit, through the checkpoint's activation
+                    vector = torch.sigmoid(logits) if pooler.score_activation == "sigmoid" \
+                        else logits
+            elif params.task == "score":
                 no, yes = params.classifier_token_ids
                 logits = self._logits(hidden_states, slice(starts[i + 1] - 1, starts[i + 1]))
                 vector = torch.softmax(logits.float()[0][[no, yes]], dim=0)[1:]
@@ -832,6 +858,22 @@ class ModelRunner:
                     result = [None] * len(req_ids)
                 result[i] = vector.tolist()
         return result
+
+    def _token_type_ids(self, req_ids: list[str],
+                        metadata: AttentionMetadata) -> torch.Tensor | None:
+        """The step's token types (T,) where a cross-encoder's pair is in it: 1 from the
+        pair's ``token_type_start`` on, else 0; None where no request has types."""
+        starts = metadata.query_start_loc_cpu
+        types = None
+        for i, req_id in enumerate(req_ids):
+            pooling = self.requests[req_id].sampling_params.pooling
+            if pooling is None or pooling.token_type_start is None:
+                continue
+            if types is None:
+                types = np.zeros(starts[-1], np.int64)
+            first = metadata.seq_lens_cpu[i] - (starts[i + 1] - starts[i])  # its position
+            types[starts[i] + max(pooling.token_type_start - first, 0):starts[i + 1]] = 1
+        return None if types is None else torch.from_numpy(types).to(self.device)
 
     def _propose(self, req_ids: list[str], sampled: list[list[int]], input_ids: torch.Tensor,
                  positions: torch.Tensor, metadata: AttentionMetadata) -> list[list[int]]:

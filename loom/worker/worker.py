@@ -96,6 +96,9 @@ class Worker:
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
+        if bytes_per_block == 0:  # an encoder: no KV cache, blocks only count tokens
+            return (self.config.scheduler.max_num_seqs
+                    * blocks_per_sequence(self.config, self.model_runner.kv_cache_groups.windows))
         if cache.kv_cache_memory_bytes is not None:
             budget, source = cache.kv_cache_memory_bytes, "--kv-cache-memory"
             self._check_cpu_memory(budget, "--kv-cache-memory")
@@ -282,7 +285,6 @@ class Worker:
         if self.kv_tier is not None:
             self.kv_tier.close()
             self.kv_tier = None
-
 
     # ------------------------------------------------- KV transfer (collective_rpc)
 

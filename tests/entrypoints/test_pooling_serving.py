@@ -132,3 +132,32 @@ def test_classify_route(tmp_path):
         assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
     finally:
         server.kill()
+
+
+def test_rerank_on_a_cross_encoder(tmp_path):
+    """/v1/rerank and /score on a BERT cross-encoder: each pair encoded by the tokenizer
+    with its token types, the scores LLM.score gives (tests/e2e/test_encoder_pooling.py
+    holds those equal to sentence-transformers' CrossEncoder)."""
+    from encoder_fixtures import make_classifier
+    from loom_server import LoomServer
+
+    path = make_classifier(str(tmp_path / "bert"), "bert")
+    query, documents = "what is the document about ?", ["hello world", "the cat sat on the mat"]
+    with LLM(path, task="score", dtype="float32", enable_warm_up=False) as llm:
+        want = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    server = LoomServer(path, "--task", "score", "--dtype", "float32")
+    try:
+        answer = httpx.post(server.url + "/v1/rerank", timeout=60, json={
+            "query": query, "documents": documents}).json()
+        assert [r["index"] for r in answer["results"]] == sorted(range(2), key=lambda i: -want[i])
+        assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
+            sorted(want, reverse=True), abs=1e-6)
+        scored = httpx.post(server.url + "/score", timeout=60, json={
+            "text_1": query, "text_2": documents}).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-6)
+        long = httpx.post(server.url + "/v1/rerank", timeout=60, json={
+            "query": query, "documents": [" ".join(["word"] * 200)]})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "documents"
+        assert "max_model_len is 128" in long.json()["error"]["message"]
+    finally:
+        server.kill()

@@ -33,7 +33,7 @@ from loom.entrypoints.openai.protocol import Int64, OpenAIModel
 from loom.entrypoints.openai.serving_engine import OpenAIServing
 from loom.input_processor import InvalidInputError
 from loom.outputs import RequestOutput
-from loom.pooling import score_pairs, score_prompt
+from loom.pooling import cross_encoder_pair, score_pairs, score_prompt
 from loom.sampling_params import PoolingParams, SamplingParams
 
 
@@ -159,9 +159,17 @@ class OpenAIServingPooling(OpenAIServing):
             raise RequestError(f"this model serves --task {self.engine.config.model.task}; "
                                "rerank and score need an engine started with --task score",
                                param="model")
-        token_ids = [self._token_ids(score_prompt(pooler, query, document), "documents")
-                     for query, document in pairs]
-        outputs = await self._pool("score", token_ids, PoolingParams(task="score"), lora_name)
+        if pooler.cross_encoder:  # each pair encoded by the tokenizer, with its token types
+            tokenizer = self.engine.input_processor.tokenizer.hf
+            encoded = [cross_encoder_pair(tokenizer, query, document) for query, document in pairs]
+            token_ids = [self._token_ids(ids, "documents") for ids, _ in encoded]
+            pooling: PoolingParams | list[PoolingParams] = [
+                PoolingParams(task="score", token_type_start=start) for _, start in encoded]
+        else:
+            token_ids = [self._token_ids(score_prompt(pooler, query, document), "documents")
+                         for query, document in pairs]
+            pooling = PoolingParams(task="score")
+        outputs = await self._pool("score", token_ids, pooling, lora_name)
         return [output.pooled[0] for output in outputs], sum(len(ids) for ids in token_ids)
 
     def _inputs(self, inputs: str | list[str] | list[int] | list[list[int]],
@@ -187,17 +195,22 @@ class OpenAIServingPooling(OpenAIServing):
             raise RequestError.from_invalid_input(error) from None
         return token_ids
 
-    async def _pool(self, prefix: str, prompts: list[list[int]], pooling: PoolingParams,
+    async def _pool(self, prefix: str, prompts: list[list[int]],
+                    pooling: PoolingParams | list[PoolingParams],
                     lora_name: str | None) -> list[RequestOutput]:
-        """Every prompt one engine request, all submitted, then awaited together."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-        self.use_lora(params, lora_name)
-        self.check_params(params, max(len(ids) for ids in prompts))
+        """Every prompt one engine request (``pooling``: for all, or one per prompt), all
+        submitted, then awaited together."""
+        each = pooling if isinstance(pooling, list) else [pooling] * len(prompts)
+        params = [SamplingParams(max_tokens=1, temperature=0.0, pooling=p) for p in each]
+        longest = max(len(ids) for ids in prompts)
+        for one in params:
+            self.use_lora(one, lora_name)
+            self.check_params(one, longest)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
-            for i, token_ids in enumerate(prompts):
-                streams.append(self.submit(f"{request_id}-{i}", None, token_ids, params, False))
+            for i, (token_ids, one) in enumerate(zip(prompts, params)):
+                streams.append(self.submit(f"{request_id}-{i}", None, token_ids, one, False))
         except OpenAIError:
             for stream in streams:
                 stream.abort()

@@ -31,7 +31,19 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForSequenceClassification": ("classification", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("classification", "Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("classification", "Qwen3ForSequenceClassification"),
+    # encoders (--task embed; *ForSequenceClassification: score, a cross-encoder, or classify)
+    "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForSequenceClassification": ("modernbert",
+                                            "ModernBertForSequenceClassification"),
 }
+
+# Architectures whose attention runs both ways over the whole prompt and keeps no KV
+# cache (their classes say ``is_encoder_only``): each prompt runs whole in one step, with
+# no prefix cache (checkpoint_defaults.py).
+_ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification", "ModernBertModel",
+                           "ModernBertForSequenceClassification"})
 
 # Configs read from GGUF carry no ``architectures``; fall back on ``model_type``.
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {
@@ -62,6 +74,11 @@ def get_model_architecture(hf_config: Any) -> str:
             return arch
     raise ValueError(f"model architecture {architectures or model_type!r} is not supported; "
                      f"supported: {', '.join(supported_architectures())}")
+
+
+def is_encoder_only(architecture: str) -> bool:
+    """An encoder model (BERT, ModernBERT), known without importing torch."""
+    return architecture in _ENCODER_ONLY
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
