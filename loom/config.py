@@ -505,6 +505,63 @@ class EarlyStopConfig:
         return _config_from_value(cls, value, "early_stop_config")
 
 
+# FastDeploy's moba_attention_config keys that loom spells otherwise or does not take
+_MOBA_SEED_KEYS = {
+    "moba_encoder_top_k_left": "moba_topk", "moba_encoder_top_k_right": "moba_topk",
+    "moba_decoder_top_k_left": "moba_topk", "moba_decoder_top_k_right": "moba_topk",
+    "moba_use_encoder_seq_limit": "moba_min_seq_len",
+    "moba_use_decoder_seq_limit": "moba_min_seq_len"}
+
+
+@dataclass(frozen=True)
+class MobaAttentionConfig:
+    """MoBA, mixture of block attention (``--moba-attention-config``; the seed's
+    ``moba_attention_config``; loom/model/attention/moba.py): a query at position p
+    whose context (p + 1 keys) is at least ``moba_min_seq_len`` attends to its own block
+    of ``moba_block_size`` keys (causally) and to the ``moba_topk - 1`` earlier blocks
+    whose mean key scores highest against it, per query head; ``moba_topk`` counts the
+    query's own block, as the MoBA paper's (MoonshotAI/MoBA). Below the minimum, full
+    attention. Blocks are whole KV cache blocks (``--block-size`` divides
+    ``moba_block_size``)."""
+
+    moba_block_size: int
+    moba_topk: int
+    moba_min_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        for name, least in (("moba_block_size", 1), ("moba_topk", 1),
+                            ("moba_min_seq_len", 0)):
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise ValueError(f"moba_attention_config: {name} must be an integer >= {least}, "
+                                 f"got {value!r}")
+
+    @classmethod
+    def from_value(cls, value: MobaAttentionConfig | dict | str | None
+                   ) -> MobaAttentionConfig | None:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"moba_attention_config is not valid JSON: {error}") from None
+        if isinstance(value, dict):
+            seed = sorted(set(value) & set(_MOBA_SEED_KEYS))
+            if seed:
+                ours = sorted({_MOBA_SEED_KEYS[key] for key in seed})
+                raise ValueError(
+                    f"moba_attention_config: {', '.join(seed)} "
+                    f"{'is' if len(seed) == 1 else 'are'} FastDeploy's; loom takes "
+                    f"{' and '.join(ours)}"
+                    + (" (exactly moba_topk blocks per query, its own included)"
+                       if "moba_topk" in ours else ""))
+            missing = [name for name in ("moba_block_size", "moba_topk") if name not in value]
+            if missing:
+                raise ValueError(f"moba_attention_config needs {' and '.join(missing)}, e.g. "
+                                 '\'{"moba_block_size": 512, "moba_topk": 3, '
+                                 '"moba_min_seq_len": 4096}\'')
+        return _config_from_value(cls, value, "moba_attention_config")
+
+
 # Prefill/decode disaggregation (docs/disaggregation.md): vLLM's kv_role names and the
 # seed's --splitwise-role names for the same three roles.
 _KV_ROLES = {"kv_both": "mixed", "kv_producer": "prefill", "kv_consumer": "decode"}
@@ -616,6 +673,7 @@ class EngineConfig:
     early_stop: EarlyStopConfig | None = None
     kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation
     device: str = "cpu"
+    moba_attention: MobaAttentionConfig | None = None  # MoBA on full-attention layers
 
     def __post_init__(self) -> None:
         if self.speculative is not None and self.model.logprobs_mode.startswith("processed"):
@@ -624,6 +682,13 @@ class EngineConfig:
         if self.scheduler.max_model_len != self.model.max_model_len:
             raise ValueError("scheduler.max_model_len must equal model.max_model_len "
                              f"({self.scheduler.max_model_len} != {self.model.max_model_len})")
+        moba = self.moba_attention
+        if moba is not None and moba.moba_block_size % self.cache.block_size:
+            raise ValueError(f"moba_attention_config: moba_block_size {moba.moba_block_size} "
+                             f"must be a multiple of --block-size {self.cache.block_size}")
+        if moba is not None and self.kv_transfer is not None:
+            raise ValueError("--moba-attention-config does not go with --kv-transfer-config: "
+                             "a transfer ships K/V blocks without MoBA's block means")
 
 
 def resolve_device(device: str) -> str:

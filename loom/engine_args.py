@@ -25,8 +25,9 @@ from typing import Any
 
 from loom import arg_types
 from loom.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, CacheConfig, EarlyStopConfig,
-                         EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
+                         EngineConfig, KVTransferConfig, MobaAttentionConfig, ModelConfig,
+                         ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                         StructuredOutputsConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,13 @@ class EngineArgs:
         help='the same as vLLM\'s JSON, e.g. \'{"kv_connector": "LoomConnector", '
              '"kv_role": "kv_producer", "kv_transport": "tcp", "kv_port": 0}\' '
              "(kv_producer: prefill, kv_consumer: decode, kv_both: mixed)")
+    moba_attention_config: MobaAttentionConfig | dict | str | None = arg(
+        None, to="moba_attention", parse=arg_types.json_object,
+        help='MoBA sparse attention as JSON (the seed\'s names), e.g. \'{"moba_block_size": '
+             '512, "moba_topk": 3, "moba_min_seq_len": 4096}\': a query whose context is at '
+             "least moba_min_seq_len tokens (default 0) attends to its own block and the "
+             "moba_topk - 1 earlier blocks of moba_block_size tokens whose mean key it scores "
+             "highest (docs/architecture.md, Attention)")
     enable_warm_up: bool = arg(
         True, to="model.enable_warm_up", action=argparse.BooleanOptionalAction,
         help="dummy decode steps at start-up so that the first step at each batch size is "
@@ -410,7 +418,9 @@ class EngineArgs:
                          args.tensor_parallel_size)
         return EngineConfig(**built, speculative=whole["speculative"],
                             early_stop=EarlyStopConfig.from_value(whole["early_stop"]),
-                            kv_transfer=whole["kv_transfer"], device=whole["device"])
+                            kv_transfer=whole["kv_transfer"], device=whole["device"],
+                            moba_attention=MobaAttentionConfig.from_value(
+                                whole["moba_attention"]))
 
 
 def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:

@@ -27,6 +27,7 @@ from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.kv_layout import kv_cache_dtype
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+from loom.model.attention.moba import describe_moba, enable_moba
 from loom.model.layers import logits_processors
 from loom.model.kernel_replay import forget_recordings
 from loom.model.layers.rotary import LengthScaledRotaryEmbedding
@@ -135,6 +136,11 @@ class ModelRunner:
         self.rope_scales_past = min((module.scales_past for module in self.model.modules()
                                      if isinstance(module, LengthScaledRotaryEmbedding)),
                                     default=None)
+        if self.config.moba_attention is not None:  # MoBA on the full-attention layers
+            layers = enable_moba(self.model, self.config.moba_attention)
+            if self.tp_group.rank == 0:
+                describe_moba(self.config.moba_attention, layers,
+                              len(getattr(self.model, "attention_layers", ())))
         if self.tp_group.rank == 0 and getattr(self.model, "is_encoder_only", False):
             logger.info("attention: the encoder's own, both ways within each prompt, with "
                         "no KV cache (layers/encoder_attention.py)")
@@ -189,6 +195,9 @@ class ModelRunner:
         if self.model is not None:
             target = (target // self.hf_config.num_hidden_layers
                       * self.kv_cache_groups.layers_per_block)
+            # MoBA's block means: each such layer's, for every block (attention/moba.py)
+            target += sum(layer.moba.bytes_per_block for layer in self.model.attention_layers
+                          if layer.moba is not None)
         spec = self.config.speculative
         if spec is None or spec.method != "draft_model":
             return target
@@ -275,6 +284,8 @@ class ModelRunner:
             return "off for a hybrid KV cache (several block tables a step)"
         if getattr(self.model, "is_encoder_only", False):
             return "off for an encoder (its steps are whole prompts, never decode steps)"
+        if self.config.moba_attention is not None:
+            return "off with MoBA (its PyTorch path plans each step's blocks on the host)"
         return None
 
     def drop_cuda_graphs(self) -> None:

@@ -38,6 +38,15 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                               at::Tensor query_start_loc, double scale, int64_t max_query_len,
                               int64_t sliding_window);
 
+// moba.cpp: MoBA over the paged cache (loom/model/attention/moba.py); means (Hkv,
+// num_blocks, D) float32, each MoBA block's mean key at the cache block of its last key
+void moba_update_block_means(at::Tensor means, at::Tensor kv_cache, at::Tensor block_table,
+                             at::Tensor seq_lens, at::Tensor query_start_loc,
+                             int64_t moba_block_size);
+void moba_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor means,
+                    at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
+                    double scale, int64_t moba_block_size, int64_t topk, int64_t min_seq_len);
+
 // sampling.cpp: logits (R, V) float32 -> (R,) int64, each row's torch.argmax
 at::Tensor argmax_rows(at::Tensor logits);
 
@@ -64,7 +73,6 @@ std::vector<at::Tensor> moe_route(at::Tensor x, at::Tensor router,
 // >= 0 and active[s]; a (S, R, K), b (S, N, R) (layers/lora.py)
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
               const at::Tensor& token_slot, const at::Tensor& active);
-
 // lora.cpp: y (T, D) += each row's embedding LoRA: b[s] a_t[s][ids[t]] for s = token_slot[t]
 // >= 0 and active[s]; a_t (S, V, R), b (S, D, R) (layers/lora.py)
 void lora_embedding_add(at::Tensor y, const at::Tensor& ids, const at::Tensor& a_t,

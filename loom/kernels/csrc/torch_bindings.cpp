@@ -315,6 +315,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("block_table"),
              py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
              py::arg("max_query_len"), py::arg("sliding_window"));
+  def_kernel(m, "moba_update_block_means", &loom::moba_update_block_means,
+             "each MoBA block completed by the step: its mean key, at its last cache block",
+             py::arg("means"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"),
+             py::arg("query_start_loc"), py::arg("moba_block_size"));
+  def_kernel(m, "moba_attention", &loom::moba_attention,
+             "MoBA over paged K/V: own block and the topk - 1 best-gated earlier blocks",
+             py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("means"),
+             py::arg("block_table"), py::arg("seq_lens"), py::arg("query_start_loc"),
+             py::arg("scale"), py::arg("moba_block_size"), py::arg("topk"),
+             py::arg("min_seq_len"));
   m.def("bf16_gemm_available", &loom::bf16_gemm_available,
         "whether bf16_linear runs here (AVX512-BF16)");
   m.def("bf16_amx_available", &loom::bf16_amx_available,

@@ -28,6 +28,8 @@ class Attention(nn.Module):
         # with the KV cache group whose block tables it reads (kv_cache_groups.py).
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_group = 0
+        # MoBA (attention/moba.py: enable_moba), which then runs this layer's attention
+        self.moba: nn.Module | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int,
                        quantized: bool = False) -> tuple[int, ...]:
@@ -39,7 +41,7 @@ class Attention(nn.Module):
         """``query`` (T, H, D) or (T, H*D), ``key``/``value`` likewise with Hkv heads; views
         with strided rows are fine. Returns (T, H*D)."""
         num_tokens = query.shape[0]
-        out = self.impl.forward(
+        out = (self.impl if self.moba is None else self.moba).forward(
             query.view(num_tokens, self.num_heads, self.head_dim),
             key.view(num_tokens, self.num_kv_heads, self.head_dim),
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
