@@ -5,8 +5,6 @@ renders; bad input answered in Anthropic's error shape; the API key as x-api-key
 
 from __future__ import annotations
 
-import json
-
 import anthropic
 import pytest
 

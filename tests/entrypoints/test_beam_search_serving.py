@@ -5,8 +5,6 @@ tests/e2e/test_decoding_controls.py); streaming it, or n beams needing more than
 
 from __future__ import annotations
 
-import pytest
-
 from loom import LLM
 from loom.beam_search import BeamSearchParams
 
