@@ -59,6 +59,7 @@ from loom.model.layers.rotary import (MRotaryEmbedding, RopeStep, RotaryEmbeddin
 from loom.model.models.ernie4_5 import Ernie4_5ForCausalLM
 from loom.model.models.ernie4_5_moe import EXPERT_ROLES
 from loom.model.models.llama import DecoderLayerSpec, LlamaDecoderLayer, LlamaModel
+from loom.model.vision import tower_weights_on_the_way
 
 _DEFAULT_MROPE_SECTION = [22, 22, 20]  # transformers' where the config names none
 # checkpoint prefixes of the vision tower and its resampler (vision_tower: transformers'
@@ -320,18 +321,16 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
         return self.model(input_ids, positions, inputs_embeds=inputs_embeds, vision=vision)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tower: list[tuple[str, torch.Tensor]] = []
+        def route(name: str) -> tuple[bool, str]:
+            if name.startswith(_TOWER_PREFIXES):
+                return True, name.removeprefix("model.")
+            return False, name
 
-        def language() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(_TOWER_PREFIXES):
-                    tower.append((name.removeprefix("model."), tensor))
-                else:
-                    yield name, tensor
-
+        tower: set[str] = set()
+        language = tower_weights_on_the_way(weights, route, self.vision_tower, tower)
         loaded: set[str] = set()
         rest = load_expert_weights(
-            _split_text_and_vision(language(), self.config.moe_num_experts), self, loaded,
+            _split_text_and_vision(language, self.config.moe_num_experts), self, loaded,
             EXPERT_ROLES)
         loaded |= super().load_weights(rest)
-        return loaded | {f"vision_tower.{name}" for name in self.vision_tower.load_weights(tower)}
+        return loaded | {f"vision_tower.{name}" for name in tower}

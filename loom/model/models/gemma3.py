@@ -32,6 +32,7 @@ from loom.model.layers.layernorm import RMSNorm, residual_stream
 from loom.model.layers.rotary import RopeStep
 from loom.model.models.llama import (DecoderLayerSpec, LlamaDecoderLayer, LlamaForCausalLM,
                                      LlamaModel)
+from loom.model.vision import tower_weights_on_the_way
 
 
 def _rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
@@ -181,17 +182,17 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        language, vision = [], []
-        for name, tensor in weights:
+        def route(name: str) -> tuple[bool, str]:
             if name.startswith("model.") and name[len("model."):].startswith(_VISION_PREFIXES):
                 name = name[len("model."):]
             if name.startswith(_VISION_PREFIXES):
-                vision.append((name, tensor))
-                continue
+                return True, name
             for prefix, ours in _LANGUAGE_PREFIXES.items():
                 if name.startswith(prefix):
-                    name = ours + name[len(prefix):]
-                    break
-            language.append((name, tensor))
-        loaded = super().load_weights(language)
-        return loaded | {f"vision.{name}" for name in self.vision.load_weights(vision)}
+                    return False, ours + name[len(prefix):]
+            return False, name
+
+        tower: set[str] = set()
+        loaded = super().load_weights(tower_weights_on_the_way(weights, route, self.vision,
+                                                               tower))
+        return loaded | {f"vision.{name}" for name in tower}

@@ -36,6 +36,7 @@ from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.layers.rotary import rope_parameters
 from loom.model.models.llama import DecoderLayerSpec, LlamaForCausalLM
 from loom.model.models.qwen2_5_vl import qwen_vl_mrope_positions
+from loom.model.vision import tower_weights_on_the_way
 
 _DEFAULT_MROPE_SECTION = [16, 24, 24]  # transformers' where the config names none
 # checkpoint prefix -> the tower's own (published names, then transformers 5's)
@@ -111,12 +112,13 @@ class PaddleOCRVLForConditionalGeneration(LlamaForCausalLM):
         return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        language, vision = [], []
-        for name, tensor in weights:
+        def route(name: str) -> tuple[bool, str]:
             prefix = next((p for p in _TOWER_PREFIXES if name.startswith(p)), None)
             if prefix is not None:
-                vision.append((_TOWER_PREFIXES[prefix] + name[len(prefix):], tensor))
-            else:
-                language.append((name.replace("model.language_model.", "model.", 1), tensor))
-        loaded = super().load_weights(language)
-        return loaded | {f"visual.{name}" for name in self.visual.load_weights(vision)}
+                return True, _TOWER_PREFIXES[prefix] + name[len(prefix):]
+            return False, name.replace("model.language_model.", "model.", 1)
+
+        tower: set[str] = set()
+        loaded = super().load_weights(tower_weights_on_the_way(weights, route, self.visual,
+                                                               tower))
+        return loaded | {f"visual.{name}" for name in tower}

@@ -26,6 +26,7 @@ import torch
 from loom.core.wire import MultiModalFeature
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.models.qwen2 import Qwen2ForCausalLM
+from loom.model.vision import tower_weights_on_the_way
 
 _DEFAULT_MROPE_SECTION = [16, 24, 24]  # Hugging Face's default where the config names none
 # a feature's arrays by modality: (pixels, grid)
@@ -145,13 +146,14 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        language, vision = [], []
-        for name, tensor in weights:
+        def route(name: str) -> tuple[bool, str]:
             # published checkpoints name the tower "visual." and the decoder "model.";
             # transformers 5 in memory "model.visual." and "model.language_model."
             if name.startswith(("visual.", "model.visual.")):
-                vision.append((name.split("visual.", 1)[1], tensor))
-            else:
-                language.append((name.replace("model.language_model.", "model.", 1), tensor))
-        loaded = super().load_weights(language)
-        return loaded | {f"visual.{name}" for name in self.visual.load_weights(vision)}
+                return True, name.split("visual.", 1)[1]
+            return False, name.replace("model.language_model.", "model.", 1)
+
+        tower: set[str] = set()
+        loaded = super().load_weights(tower_weights_on_the_way(weights, route, self.visual,
+                                                               tower))
+        return loaded | {f"visual.{name}" for name in tower}

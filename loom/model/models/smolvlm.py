@@ -32,6 +32,7 @@ import torch
 from loom.core.wire import MultiModalFeature
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.models.llama import LlamaForCausalLM
+from loom.model.vision import tower_weights_on_the_way
 
 # checkpoint prefix -> ours
 _LANGUAGE_PREFIX = "model.text_model."
@@ -102,16 +103,17 @@ class SmolVLMForConditionalGeneration(LlamaForCausalLM):
         return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        language, vision = [], []
-        for name, tensor in weights:
+        def route(name: str) -> tuple[bool, str]:
             if name.startswith(_VISION_PREFIXES):
-                vision.append((name[len("model."):], tensor))
-            elif name.startswith(_LANGUAGE_PREFIX):
-                language.append(("model." + name[len(_LANGUAGE_PREFIX):], tensor))
-            else:
-                language.append((name, tensor))
-        loaded = super().load_weights(language)
-        return loaded | {f"vision.{name}" for name in self.vision.load_weights(vision)}
+                return True, name[len("model."):]
+            if name.startswith(_LANGUAGE_PREFIX):
+                return False, "model." + name[len(_LANGUAGE_PREFIX):]
+            return False, name
+
+        tower: set[str] = set()
+        loaded = super().load_weights(tower_weights_on_the_way(weights, route, self.vision,
+                                                               tower))
+        return loaded | {f"vision.{name}" for name in tower}
 
 
 def _pixel_mask(feature: MultiModalFeature) -> torch.Tensor:
