@@ -54,7 +54,8 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size or tokenizer.vocab_size
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config
-        if structured_outputs_config is not None and structured_outputs_config.backend == "xgrammar":
+        if structured_outputs_config is not None \
+                and structured_outputs_config.backend == "xgrammar":
             from loom.structured_output.grammar import load_xgrammar
 
             load_xgrammar()  # it checks every constraint: imported now, not on a request's path
@@ -114,6 +115,23 @@ class InputProcessor:
         see ``check_multi_modal_data``."""
         return self.check_multi_modal_data(data, param)["image"]
 
+    def check_media_counts(self, counts: dict[str, int], param: str = "messages") -> None:
+        """Before any item is loaded: a 400's error where the model takes none of these
+        modalities (``{"image": 2, "video": 1}``), or more than the limit of one."""
+        processor = self.mm_processor
+        if processor is None:
+            raise InvalidInputError("this model is text-only: it takes no images; serve a "
+                                    "multimodal checkpoint to send images", param)
+        other = sorted(set(counts) - set(processor.modalities))
+        if other:
+            raise InvalidInputError(f"this model takes {' and '.join(processor.modalities)} "
+                                    f"only, not {', '.join(other)}", param)
+        for modality, count in counts.items():
+            limit = self.limit_mm_per_prompt.get(modality)
+            if limit is not None and count > limit:
+                raise InvalidInputError(f"{count} {modality}s in one prompt, but at most "
+                                        f"{limit} are allowed (--limit-mm-per-prompt)", param)
+
     def check_multi_modal_data(self, data: Any, param: str = "multi_modal_data"
                                ) -> dict[str, list[Any]]:
         """``multi_modal_data``'s items by modality ("image", "video"), each a list; a
@@ -123,20 +141,9 @@ class InputProcessor:
         if not isinstance(data, dict):
             raise InvalidInputError("multi_modal_data is a dict such as {'image': image}",
                                     param)
-        processor = self.mm_processor
-        if processor is None:
-            raise InvalidInputError("this model is text-only: it takes no images; serve a "
-                                    "multimodal checkpoint to send images", param)
-        other = sorted(set(data) - set(processor.modalities))
-        if other:
-            raise InvalidInputError(f"this model takes {' and '.join(processor.modalities)} "
-                                    f"only, not {', '.join(other)}", param)
         items = {"image": _as_list(data.get("image")), "video": _videos(data.get("video"))}
-        for modality, given in items.items():
-            limit = self.limit_mm_per_prompt.get(modality)
-            if limit is not None and len(given) > limit:
-                raise InvalidInputError(f"{len(given)} {modality}s in one prompt, but at most "
-                                        f"{limit} are allowed (--limit-mm-per-prompt)", param)
+        self.check_media_counts({modality: len(items.get(modality, ())) for modality in data},
+                                param)
         return items
 
     def apply_images(self, token_ids: list[int], images: list[Any],

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from loom.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from loom.default_model import default_model_path
 from loom.engine_args import EngineArgs, llm_kwargs_to_fields
-from loom.entrypoints.chat_images import load_chat_image, media_policy, take_images
+from loom.entrypoints.chat_images import by_modality, load_chat_media, media_policy, take_images
 from loom.errors import WorkerDiedError
 from loom.llm_engine import LLMEngine, PromptType
 from loom.lora import LoRARequest
@@ -223,22 +223,26 @@ class LLM:
         ``{"type": "image_url", "image_url": {"url": ...}}`` (a data: URL; http(s) from
         ``allowed_media_domains``; a file under ``allowed_local_media_path``),
         ``{"type": "image_pil", "image_pil": image}`` or ``{"type": "image", "image":
-        image}`` (a PIL image)."""
+        image}`` (a PIL image); and videos where the model takes them: ``{"type":
+        "video_url", "video_url": {"url": ...}}`` (a video file, sampled to frames)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         policy = media_policy(self.engine.config.model)
         prompts = []
         for conversation in conversations:
-            conversation, images = take_images(conversation)
-            if images:  # a text-only model, too many images: before any is loaded
-                self.engine.input_processor.check_images({"image": images})
+            conversation, items = take_images(conversation)
+            if items:  # a text-only model, too many images: before any is loaded
+                self.engine.input_processor.check_media_counts(
+                    {modality: len(group) for modality, group in by_modality(items).items()},
+                    "messages")
             text = tokenizer.render_chat_template(conversation, add_generation_prompt,
                                                   **(chat_template_kwargs or {}))
             prompt = {"prompt": text,
                       "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-            if images:
+            if items:
                 prompt["multi_modal_data"] = {
-                    "image": [load_chat_image(image, policy) for image in images]}
+                    modality: [load_chat_media(item, policy) for item in group]
+                    for modality, group in by_modality(items).items()}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 

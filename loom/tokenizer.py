@@ -134,14 +134,14 @@ def _template_content(content: Any) -> str | list[dict[str, Any]]:
         if isinstance(part, dict) and part.get("type") == "text" \
                 and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
-        elif isinstance(part, dict) and part.get("type") == "image":
-            parts.append({"type": "image"})
+        elif isinstance(part, dict) and part.get("type") in ("image", "video"):
+            parts.append({"type": part["type"]})  # the template writes its placeholder
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"message content part of type {kind!r} is not supported; "
-                             "only text parts ({'type': 'text', 'text': ...}) and image "
-                             "parts ({'type': 'image'}) are")
-    if any(part["type"] == "image" for part in parts):
+                             "only text parts ({'type': 'text', 'text': ...}), image parts "
+                             "({'type': 'image'}) and video parts ({'type': 'video'}) are")
+    if any(part["type"] != "text" for part in parts):
         return parts
     return "\n".join(part["text"] for part in parts)
 

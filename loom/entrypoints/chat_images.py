@@ -1,18 +1,21 @@
-"""Images in chat messages: taken out of the messages in order, each part left as the
-``{"type": "image"}`` that chat templates write a placeholder for, then loaded.
+"""Images and videos in chat messages: taken out of the messages in order, each part
+left as the ``{"type": "image"}`` or ``{"type": "video"}`` that chat templates write a
+placeholder for, then loaded.
 
     {"type": "image_url", "image_url": {"url": ...}}   OpenAI's: the server and LLM.chat
     {"type": "image_pil", "image_pil": PIL.Image}      vLLM's: LLM.chat only
     {"type": "image", "image": PIL.Image | url}        transformers': LLM.chat only
+    {"type": "video_url", "video_url": {"url": ...}}   vLLM's: the server and LLM.chat;
+                                                       a video file, sampled to frames
 
-The server's parts were checked by its protocol (protocol.py: text and image_url parts
-only); the offline API's are checked here. A URL is read under the engine's
+The server's parts were checked by its protocol (protocol.py: text, image_url and
+video_url parts only); the offline API's are checked here. A URL is read under the engine's
 :class:`MediaPolicy` (:func:`media_policy`): data: URLs always, http(s) only from
 ``allowed_media_domains``, files only under ``allowed_local_media_path``. The input
-processor then expands each image's placeholder into its tokens
+processor then expands each item's placeholder into its tokens
 (``InputProcessor.apply_images``).
 
-The caller loads images off the event loop: :func:`load_chat_image` blocks on the
+The caller loads them off the event loop: :func:`load_chat_media` blocks on the
 network and on decoding.
 """
 
@@ -24,50 +27,74 @@ from typing import Any
 from PIL import Image
 
 from loom.config import ModelConfig
-from loom.multimodal.media import MediaError, MediaPolicy, load_image
+from loom.multimodal.media import MediaError, MediaPolicy, load_image, load_video
 
 _IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+_VIDEO_PART_TYPES = ("video_url",)
 
 
 @dataclass(frozen=True)
-class ChatImage:
-    """One image of a conversation: where it was (``messages.0.content.1``) and what the
-    part gave, a URL (or path) to load or an image as it is."""
+class ChatMedia:
+    """One image or video of a conversation: where it was (``messages.0.content.1``),
+    what the part gave (a URL or path to load, or an image as it is) and its modality
+    ("image" or "video")."""
 
     where: str
     source: str | Image.Image
+    modality: str = "image"
 
 
-def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ChatImage]]:
-    """(the messages, each image part replaced by ``{"type": "image"}``; the images, in
-    the order the template writes them). The messages given are not modified; a message
-    without images is passed on as it is. A malformed image part is a ValueError naming
-    it."""
+def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ChatMedia]]:
+    """(the messages, each image part replaced by ``{"type": "image"}`` and each video
+    part by ``{"type": "video"}``; the items, in the order the template writes them). The
+    messages given are not modified; a message without images or videos is passed on as
+    it is. A malformed part is a ValueError naming it."""
     rendered: list[dict[str, Any]] = []
-    images: list[ChatImage] = []
+    items: list[ChatMedia] = []
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list) or not any(_is_image_part(part) for part in content):
+        if not isinstance(content, list) or not any(_modality(part) for part in content):
             rendered.append(message)
             continue
         parts = []
         for number, part in enumerate(content):
-            if _is_image_part(part):
+            modality = _modality(part)
+            if modality is not None:
                 where = f"messages.{index}.content.{number}"
-                images.append(ChatImage(where, _image_source(part, where)))
-                parts.append({"type": "image"})
+                items.append(ChatMedia(where, _source(part, where), modality))
+                parts.append({"type": modality})
             else:
                 parts.append(part)
         rendered.append({**message, "content": parts})
-    return rendered, images
+    return rendered, items
 
 
-def _is_image_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES
+def by_modality(items: list[ChatMedia]) -> dict[str, list[Any]]:
+    """``items`` as ``multi_modal_data`` groups them: ``{"image": [...], "video": [...]}``
+    (a modality with none left out)."""
+    grouped: dict[str, list[Any]] = {}
+    for item in items:
+        grouped.setdefault(item.modality, []).append(item)
+    return grouped
 
 
-def _image_source(part: dict[str, Any], where: str) -> str | Image.Image:
+def _modality(part: Any) -> str | None:
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    return "image" if kind in _IMAGE_PART_TYPES else "video" if kind in _VIDEO_PART_TYPES \
+        else None
+
+
+def _source(part: dict[str, Any], where: str) -> str | Image.Image:
     kind = part["type"]
+    if kind == "video_url":
+        video_url = part.get("video_url")
+        url = video_url.get("url") if isinstance(video_url, dict) else video_url
+        if isinstance(url, str):
+            return url
+        raise ValueError(f'{where}: a video_url part is {{"type": "video_url", "video_url": '
+                         '{"url": "data:video/mp4;base64,..."}}')
     if kind == "image_url":
         image_url = part.get("image_url")
         url = image_url.get("url") if isinstance(image_url, dict) else image_url
@@ -90,12 +117,15 @@ def media_policy(model_config: ModelConfig) -> MediaPolicy:
                        allowed_local_path=model_config.allowed_local_media_path)
 
 
-def load_chat_image(image: ChatImage, policy: MediaPolicy) -> Image.Image:
-    """The image, loaded under ``policy`` if the part gave a URL; a MediaError naming the
-    part if it cannot be."""
-    if not isinstance(image.source, str):
-        return image.source
+def load_chat_media(item: ChatMedia, policy: MediaPolicy) -> Any:
+    """The image (an RGB PIL image), or the video (its sampled frames and their fps, as
+    ``multi_modal_data``'s ``"video"`` takes it), loaded under ``policy`` if the part
+    gave a URL; a MediaError naming the part if it cannot be."""
+    if not isinstance(item.source, str):
+        return item.source
     try:
-        return load_image(image.source, policy)
+        if item.modality == "video":
+            return load_video(item.source, policy)
+        return load_image(item.source, policy)
     except MediaError as error:
-        raise MediaError(f"{image.where}: {error}") from None
+        raise MediaError(f"{item.where}: {error}") from None

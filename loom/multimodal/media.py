@@ -1,5 +1,6 @@
-"""The image a request refers to, as an RGB ``PIL.Image``, read under the server's
-:class:`MediaPolicy` (vLLM's ``--allowed-media-domains`` / ``--allowed-local-media-path``).
+"""The image a request refers to, as an RGB ``PIL.Image`` (or a video, as sampled
+frames), read under the server's :class:`MediaPolicy` (vLLM's
+``--allowed-media-domains`` / ``--allowed-local-media-path``).
 
     data:image/png;base64,...   decoded; the media type must be ``image/*``
     http(s)://host/...          only from an allowed domain, only to public addresses
@@ -23,6 +24,13 @@ fault, a 400), whose message says what was wrong and what to do. The rules:
   (``Image.MAX_IMAGE_PIXELS``) ends in a MediaError too. Transparent pixels are laid on
   white, as transformers' ``convert_to_rgb`` does.
 
+Videos (:func:`load_video`, a ``video_url`` part) are read from the same sources under
+the same rules, with their own byte cap; the container is named from the file's first
+bytes (MP4/MOV, WebM/Matroska, AVI; FFmpeg is never left to probe, so no playlist or
+concat demuxer reads another file or URL), a frame's size is checked from the stream
+before decoding, decoding stops past a frame limit, and frames are sampled evenly
+holding at most twice the count asked.
+
 The API server calls :func:`load_image` from a thread pool: it blocks, and it imports
 neither torch nor anything that does (loom/torch_free.py). :func:`image_hash` keys an
 image's tokens in the engine's prefix cache.
@@ -42,7 +50,7 @@ import ssl
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlsplit
@@ -53,6 +61,11 @@ from PIL import Image, UnidentifiedImageError
 # What PIL may open: the common web formats. Not the long tail of plugins (EPS runs
 # Ghostscript; others see little use and much fuzzing).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+# The video containers decoded (with PyAV, whatever codecs its FFmpeg has): told apart by
+# their first bytes, so FFmpeg never probes (its playlist demuxers read other files).
+VIDEO_CONTAINERS = ("MP4/MOV", "WebM/Matroska", "AVI")
+# Frames a video becomes by default, sampled evenly over it (vLLM's default num_frames)
+VIDEO_NUM_FRAMES = 32
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> its IP addresses
 Connector = Callable[[str, int, float], socket.socket]  # (address, port, timeout) -> socket
@@ -79,13 +92,23 @@ class MediaPolicy:
     max_pixels: int = 50_000_000
     """The most pixels (width * height) an image may have, read from its header."""
     max_redirects: int = 3
+    max_video_bytes: int = 100 * 1024 * 1024
+    """The most bytes a video's encoded form may have, from any source."""
+    max_video_pixels: int = 3840 * 2160
+    """The most pixels a video's frame may have, read from its stream before decoding."""
+    max_video_frames: int = 18_000
+    """The most frames decoded from one video (10 minutes at 30 frames a second)."""
+    medium: str = "image"
+    """What is being read, "image" or "video" (:func:`load_video` sets it): its part's
+    name in messages and the data URL's media type."""
 
     def __post_init__(self) -> None:
         for domain in self.allowed_domains:
             if not domain or any(c in domain for c in "/@ ") or domain.count(":") == 1:
                 raise ValueError(f"allowed media domain {domain!r} is not a host name; "
                                  "give one such as example.com (no scheme, port or path)")
-        for name in ("timeout_s", "max_bytes", "max_pixels"):
+        for name in ("timeout_s", "max_bytes", "max_pixels", "max_video_bytes",
+                     "max_video_pixels", "max_video_frames"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MediaPolicy.{name} must be positive, not "
                                  f"{getattr(self, name)}")
@@ -121,6 +144,26 @@ def load_image(url: str, policy: MediaPolicy, *, resolve: Resolver = resolve_hos
                          f"{error}); check that it is an intact image") from error
 
 
+def load_video(url: str, policy: MediaPolicy, num_frames: int = VIDEO_NUM_FRAMES, *,
+               resolve: Resolver = resolve_host,
+               connect: Connector = connect_tcp) -> tuple[list[Image.Image], dict[str, float]]:
+    """The video ``url`` refers to, as ``num_frames`` RGB frames sampled evenly over it
+    (all of them if it has fewer) and ``{"fps": the sampled frames' rate}``: what a
+    family's video processor takes (``multi_modal_data={"video": (frames, metadata)}``).
+    Read as an image is, under ``policy`` with its video limits (bytes, a frame's pixels,
+    frames decoded); decoded with PyAV from the containers in :data:`VIDEO_CONTAINERS`
+    only, named by their first bytes (FFmpeg is never left to probe: playlist and concat
+    demuxers would read other files and URLs)."""
+    reading = replace(policy, medium="video", max_bytes=policy.max_video_bytes)
+    try:
+        return _decode_video(_read_bytes(url, reading, resolve, connect), reading, num_frames)
+    except MediaError:
+        raise
+    except Exception as error:  # whatever the bytes or the decoder did: the request's
+        raise _refused(reading, f"cannot load the video ({type(error).__name__}: {error}); "
+                                "check that it is an intact video") from error
+
+
 def image_hash(image: Image.Image) -> str:
     """A content hash of ``image``: equal for equal pixels (mode, size, palette, bytes),
     different otherwise; stable across processes and runs."""
@@ -144,32 +187,32 @@ def _read_bytes(url: str, policy: MediaPolicy, resolve: Resolver,
     if scheme == "file":
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
-            raise MediaError(f"image_url: a file URL names a host ({parts.netloc}); "
-                             "write it as file:///absolute/path")
+            raise _refused(policy, f"a file URL names a host ({parts.netloc}); "
+                           "write it as file:///absolute/path")
         return _read_local(url, url2pathname(parts.path), policy)
     if scheme is None:
         return _read_local(url, url, policy)
-    raise MediaError(f"image_url: {scheme}: URLs are not supported; send a data:image/..."
-                     ";base64 URL, an http(s) URL or a file path")
+    raise _refused(policy, f"{scheme}: URLs are not supported; send a data:{policy.medium}/..."
+                   ";base64 URL, an http(s) URL or a file path")
 
 
 def _read_data_url(url: str, policy: MediaPolicy) -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
     media_type, *parameters = [part.strip().lower() for part in header.split(";")]
-    if not media_type.startswith("image/"):
-        raise MediaError(f"image_url: a data URL of type {media_type or 'text/plain'!r} "
-                         "is not an image; send data:image/<format>;base64,<bytes>")
+    if not media_type.startswith(policy.medium + "/"):
+        raise _refused(policy, f"a data URL of type {media_type or 'text/plain'!r} is not "
+                       f"{_an(policy.medium)}; send data:{policy.medium}/<format>;base64,<bytes>")
     if not comma or "base64" not in parameters:
-        raise MediaError("image_url: an image data URL must be base64: "
-                         "data:image/<format>;base64,<bytes>")
+        raise _refused(policy, f"a data URL must be base64: "
+                       f"data:{policy.medium}/<format>;base64,<bytes>")
     payload = "".join(payload.split())
     if len(payload) // 4 * 3 - 2 > policy.max_bytes:  # too large before decoding it
         raise _too_large(policy)
     try:
         data = base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
     except (binascii.Error, ValueError) as error:
-        raise MediaError(f"image_url: the data URL's base64 is corrupt ({error}); encode "
-                         "the image's bytes with standard base64") from None
+        raise _refused(policy, f"the data URL's base64 is corrupt ({error}); encode "
+                       f"the {policy.medium}'s bytes with standard base64") from None
     if len(data) > policy.max_bytes:
         raise _too_large(policy)
     return data
@@ -177,19 +220,19 @@ def _read_data_url(url: str, policy: MediaPolicy) -> bytes:
 
 def _read_local(url: str, path: str, policy: MediaPolicy) -> bytes:
     if policy.allowed_local_path is None:
-        raise MediaError("image_url: local files are off on this server; start it with "
-                         "--allowed-local-media-path DIR to read images under DIR")
+        raise _refused(policy, f"local files are off on this server; start it with "
+                       f"--allowed-local-media-path DIR to read {policy.medium}s under DIR")
     root = Path(policy.allowed_local_path).resolve()
     resolved = (root / path).resolve()  # an absolute path replaces root
     if not resolved.is_relative_to(root):
-        raise MediaError(f"image_url: {_shown(url)} is outside the allowed local media "
-                         f"directory {root}; put the image under it")
+        raise _refused(policy, f"{_shown(url)} is outside the allowed local media "
+                       f"directory {root}; put the {policy.medium} under it")
     try:
         status = resolved.stat()
     except FileNotFoundError:
-        raise MediaError(f"image_url: no file {_shown(url)}; check the path") from None
+        raise _refused(policy, f"no file {_shown(url)}; check the path") from None
     if not stat.S_ISREG(status.st_mode):
-        raise MediaError(f"image_url: {_shown(url)} is not a file; check the path")
+        raise _refused(policy, f"{_shown(url)} is not a file; check the path")
     if status.st_size > policy.max_bytes:
         raise _too_large(policy)
     with open(resolved, "rb") as file:
@@ -208,10 +251,10 @@ def _read_remote(url: str, policy: MediaPolicy, resolve: Resolver,
             return body
         url = urljoin(url, location)
         if urlsplit(url).scheme.lower() not in ("http", "https"):
-            raise MediaError(f"image_url: a redirect to {_shown(url)} is not followed "
-                             "(only http and https are); link the image itself")
-    raise MediaError(f"image_url: more than {policy.max_redirects} redirects; link the "
-                     "image itself")
+            raise _refused(policy, f"a redirect to {_shown(url)} is not followed "
+                           f"(only http and https are); link the {policy.medium} itself")
+    raise _refused(policy, f"more than {policy.max_redirects} redirects; link the "
+                   f"{policy.medium} itself")
 
 
 def _fetch(url: str, policy: MediaPolicy, deadline: float, resolve: Resolver,
@@ -219,10 +262,10 @@ def _fetch(url: str, policy: MediaPolicy, deadline: float, resolve: Resolver,
     """One hop: (the redirect's Location, b"") or (None, the body)."""
     parts = urlsplit(url)
     https = parts.scheme.lower() == "https"
-    host = _ascii_host(parts.hostname or "")
+    host = _ascii_host(parts.hostname or "", policy)
     port = parts.port or (443 if https else 80)
     _check_domain(host, policy)
-    addresses = _public_addresses(host, port, resolve)
+    addresses = _public_addresses(host, port, resolve, policy)
     sock = _connect_any(url, addresses, port, deadline, connect, policy)
     connection = http.client.HTTPConnection(host, port)
     try:
@@ -236,23 +279,23 @@ def _fetch(url: str, policy: MediaPolicy, deadline: float, resolve: Resolver,
         named = f"[{host}]" if ":" in host else host  # an IPv6 literal
         connection.request("GET", target, headers={
             "Host": named if port == (443 if https else 80) else f"{named}:{port}",
-            "Accept": "image/*", "User-Agent": "loom", "Connection": "close"})
+            "Accept": f"{policy.medium}/*", "User-Agent": "loom", "Connection": "close"})
         response = connection.getresponse()
         if response.status in _REDIRECTS:
             location = response.getheader("Location")
             if not location:
-                raise MediaError(f"image_url: {_shown(url)} answered HTTP "
-                                 f"{response.status} without a Location; link the image")
+                raise _refused(policy, f"{_shown(url)} answered HTTP "
+                               f"{response.status} without a Location; link the {policy.medium}")
             return location, b""
         if response.status != 200:
-            raise MediaError(f"image_url: {_shown(url)} answered HTTP {response.status} "
-                             f"{response.reason}; check the URL")
+            raise _refused(policy, f"{_shown(url)} answered HTTP {response.status} "
+                           f"{response.reason}; check the URL")
         return None, _read_body(response, policy)
     except TimeoutError:
         raise _timed_out(url, policy) from None
     except (OSError, http.client.HTTPException) as error:
-        raise MediaError(f"image_url: cannot fetch {_shown(url)} ({type(error).__name__}: "
-                         f"{error}); check the URL") from None
+        raise _refused(policy, f"cannot fetch {_shown(url)} ({type(error).__name__}: "
+                       f"{error}); check the URL") from None
     finally:
         connection.close()
         sock.close()
@@ -272,33 +315,34 @@ def _read_body(response: http.client.HTTPResponse, policy: MediaPolicy) -> bytes
 
 def _check_domain(host: str, policy: MediaPolicy) -> None:
     if not host:
-        raise MediaError("image_url: the URL has no host; send http(s)://host/path")
+        raise _refused(policy, "the URL has no host; send http(s)://host/path")
     if not policy.allowed_domains:
-        raise MediaError(f"image_url: remote images are off on this server; start it with "
-                         f"--allowed-media-domains {host} to fetch from {host}, or send "
-                         "the image as a data URL")
+        raise _refused(policy, f"remote {policy.medium}s are off on this server; start it "
+                       f"with --allowed-media-domains {host} to fetch from {host}, or "
+                       f"send the {policy.medium} as a data URL")
     for domain in policy.allowed_domains:
-        domain = _ascii_host(domain)
+        domain = _ascii_host(domain, policy)
         if host == domain or host.endswith("." + domain):
             return
-    raise MediaError(f"image_url: {host} is not an allowed media domain (allowed: "
-                     f"{', '.join(policy.allowed_domains)}); send the image as a data URL "
-                     "or add the domain with --allowed-media-domains")
+    raise _refused(policy, f"{host} is not an allowed media domain (allowed: "
+                   f"{', '.join(policy.allowed_domains)}); send the {policy.medium} as a "
+                   "data URL or add the domain with --allowed-media-domains")
 
 
-def _public_addresses(host: str, port: int, resolve: Resolver) -> list[str]:
+def _public_addresses(host: str, port: int, resolve: Resolver,
+                      policy: MediaPolicy) -> list[str]:
     try:
         addresses = resolve(host, port)
     except OSError as error:
-        raise MediaError(f"image_url: cannot resolve {host} ({error}); check the URL") from None
+        raise _refused(policy, f"cannot resolve {host} ({error}); check the URL") from None
     if not addresses:
-        raise MediaError(f"image_url: {host} resolves to no address; check the URL")
+        raise _refused(policy, f"{host} resolves to no address; check the URL")
     for address in addresses:
         kind = _non_public_kind(address)
         if kind is not None:
-            raise MediaError(f"image_url: {host} resolves to {address}, a {kind} address; "
-                             "loom fetches images from public addresses only, send the "
-                             "image as a data URL instead")
+            raise _refused(policy, f"{host} resolves to {address}, a {kind} address; "
+                           f"loom fetches {policy.medium}s from public addresses only, send "
+                           f"the {policy.medium} as a data URL instead")
     return addresses
 
 
@@ -328,7 +372,7 @@ def _connect_any(url: str, addresses: list[str], port: int, deadline: float,
             raise _timed_out(url, policy) from None
         except OSError as failure:
             error = failure
-    raise MediaError(f"image_url: cannot connect to {_shown(url)} ({error}); check the URL")
+    raise _refused(policy, f"cannot connect to {_shown(url)} ({error}); check the URL")
 
 
 class _DeadlineSocket:
@@ -374,22 +418,83 @@ def _decode(data: bytes, policy: MediaPolicy) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
     except Image.DecompressionBombError as error:
-        raise MediaError(f"image_url: the image is too large to decode ({error}); send a "
-                         "smaller image") from None
+        raise _refused(policy, f"the image is too large to decode ({error}); send a "
+                       "smaller image") from None
     except UnidentifiedImageError:
-        raise MediaError(f"image_url: the bytes are not an image in a format loom reads "
-                         f"({', '.join(IMAGE_FORMATS)}); send one of those") from None
+        raise _refused(policy, f"the bytes are not an image in a format loom reads "
+                       f"({', '.join(IMAGE_FORMATS)}); send one of those") from None
     width, height = image.size
     if width * height > policy.max_pixels:
-        raise MediaError(f"image_url: the image is {width}x{height} = {width * height:,} "
-                         f"pixels, over this server's limit of {policy.max_pixels:,}; send "
-                         "a smaller image")
+        raise _refused(policy, f"the image is {width}x{height} = {width * height:,} "
+                       f"pixels, over this server's limit of {policy.max_pixels:,}; send "
+                       "a smaller image")
     try:
         image.load()
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
-        raise MediaError(f"image_url: the image cannot be decoded ({error}); send an "
-                         "intact image") from None
+        raise _refused(policy, f"the image cannot be decoded ({error}); send an "
+                       "intact image") from None
     return _to_rgb(image)
+
+
+def _container(data: bytes) -> str | None:
+    """The FFmpeg demuxer for ``data``'s container, by its first bytes; None if it is not
+    one of :data:`VIDEO_CONTAINERS`."""
+    if data[4:8] == b"ftyp":
+        return "mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "avi"
+    return None
+
+
+def _decode_video(data: bytes, policy: MediaPolicy,
+                  num_frames: int) -> tuple[list[Image.Image], dict[str, float]]:
+    container_format = _container(data)
+    if container_format is None:
+        raise _refused(policy, f"the bytes are not a video in a container loom reads "
+                               f"({', '.join(VIDEO_CONTAINERS)}); send one of those")
+    try:
+        import av
+    except ImportError:
+        raise _refused(policy, "this server cannot decode video: PyAV is not installed "
+                               "(pip install av)") from None
+    with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
+        if not container.streams.video:
+            raise _refused(policy, "the file has no video stream; send a video")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > policy.max_video_pixels:
+            raise _refused(policy, f"the video's frames are {width}x{height}, over this "
+                                   f"server's limit of {policy.max_video_pixels:,} pixels; "
+                                   "send a smaller video")
+        # Every stride-th frame is kept; past 2 * num_frames kept, every other one goes
+        # and the stride doubles: at most that many frames held, evenly spaced.
+        kept: list[av.VideoFrame] = []
+        stride, decoded, last_time = 1, 0, 0.0
+        for frame in container.decode(stream):
+            if decoded >= policy.max_video_frames:
+                raise _refused(policy, f"the video has more than {policy.max_video_frames:,} "
+                                       "frames, this server's limit; send a shorter video")
+            if frame.width * frame.height > policy.max_video_pixels:
+                raise _refused(policy, f"a frame is {frame.width}x{frame.height}, over this "
+                                       f"server's limit of {policy.max_video_pixels:,} pixels")
+            if decoded % stride == 0:
+                kept.append(frame)
+                if len(kept) >= 2 * num_frames:
+                    kept, stride = kept[::2], stride * 2
+            if frame.time is not None:
+                last_time = frame.time
+            decoded += 1
+        if not kept:
+            raise _refused(policy, "the video has no frames; send a video")
+        rate = float(stream.average_rate or 0)
+        seconds = decoded / rate if rate > 0 else last_time
+        count = min(num_frames, len(kept))
+        chosen = [kept[round(i * (len(kept) - 1) / max(count - 1, 1))] for i in range(count)]
+        frames = [_to_rgb(frame.to_image()) for frame in chosen]
+    fps = count / seconds if seconds > 0 else float(count)
+    return frames, {"fps": fps}
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -407,24 +512,33 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _ascii_host(host: str) -> str:
+def _ascii_host(host: str, policy: MediaPolicy) -> str:
     """``host`` lower-cased, an internationalized name in its ASCII (IDNA) form."""
     host = host.strip().rstrip(".").lower()
     try:
         return host.encode("idna").decode("ascii") if not host.isascii() else host
     except UnicodeError:
-        raise MediaError(f"image_url: {host!r} is not a valid host name; check the URL") from None
+        raise _refused(policy, f"{host!r} is not a valid host name; check the URL") from None
 
 
 def _too_large(policy: MediaPolicy) -> MediaError:
-    return MediaError(f"image_url: the image is larger than this server's limit of "
-                      f"{policy.max_bytes:,} bytes; send a smaller image")
+    return _refused(policy, f"the {policy.medium} is larger than this server's limit of "
+                    f"{policy.max_bytes:,} bytes; send a smaller {policy.medium}")
 
 
 def _timed_out(url: str, policy: MediaPolicy) -> MediaError:
-    return MediaError(f"image_url: fetching {_shown(url)} took longer than this server's "
-                      f"limit of {policy.timeout_s:g} s; send the image as a data URL or "
-                      "link a faster host")
+    return _refused(policy, f"fetching {_shown(url)} took longer than this server's "
+                    f"limit of {policy.timeout_s:g} s; send the {policy.medium} as a data URL or "
+                    "link a faster host")
+
+
+def _an(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
+def _refused(policy: MediaPolicy, message: str) -> MediaError:
+    """A refusal of the part being read (``image_url``, ``video_url``), saying why."""
+    return MediaError(f"{policy.medium}_url: {message}")
 
 
 def _shown(url: str) -> str:

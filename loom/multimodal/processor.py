@@ -90,6 +90,7 @@ class MultiModalProcessor:
         previous = 0
         for at, modality in found:
             arrays, length = process[modality](next(taken[modality]))
+            length = int(length)  # (a processor may count in numpy integers)
             out += token_ids[previous:at]
             features.append(MultiModalFeature(
                 modality=modality, identifier=content_hash(arrays, modality),

@@ -1,7 +1,8 @@
 """Images through ``loom serve`` (loom/entrypoints/chat_images.py, serving_chat.py) on a
 tiny random Qwen2.5-VL, with OpenAI's SDK: an image_url part (a data: URL, a local file)
 gives the greedy tokens LLM.generate gives with multi_modal_data, full and streamed, and
-usage, /tokenize and the Messages and Responses APIs count its tokens; every bad image
+usage, /tokenize and the Messages and Responses APIs count its tokens; a video_url part
+gives the tokens of the frames loom samples from it; every bad image
 is a 400 naming the messages while a request in flight runs on; the chat page sends an
 image. Offline, LLM.chat takes the same parts and PIL images. A text-only model answers
 an image part with a 400 (in process, over ScriptedEngine).
@@ -65,6 +66,29 @@ OTHER_IMAGE = random_image(112, 112, seed=1)
 
 def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def mp4_bytes(num_frames: int, seed: int, size: int = 56, fps: int = 4) -> bytes:
+    """A video of random frames (MPEG-4 in MP4, written by PyAV)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as output:
+        stream = output.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for _ in range(num_frames):
+            pixels = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return buffer.getvalue()
 
 
 def user(*parts: dict) -> list[dict]:
@@ -162,6 +186,50 @@ def test_two_images_in_order(server, offline):
     assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_a_video_gives_the_offline_tokens(server, offline):
+    """A video_url part (an MP4 data URL): the frames loom samples from it
+    (media.load_video: 6 frames, all of them, at 4 a second) as multi_modal_data give
+    the same greedy tokens offline; over the server, whole and streamed; /tokenize and
+    usage count its tokens; LLM.chat takes the part too."""
+    from vlm_checkpoints import VIDEO_PAD_ID
+
+    from loom.multimodal.media import MediaPolicy, load_video
+
+    url = data_url(mp4_bytes(6, seed=5), "video/mp4")
+    frames, metadata = load_video(url, MediaPolicy())
+    assert len(frames) == 6 and metadata["fps"] == pytest.approx(4.0)
+    text = offline.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]}],
+        tokenize=False, add_generation_prompt=True)
+    [want] = offline.generate({"prompt": text, "multi_modal_data": {"video": (frames, metadata)}},
+                              SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                              use_tqdm=False)
+    # 6 frames -> 3 pairs of 56 x 56 (4 x 4 patches, merged 2 x 2)
+    assert want.prompt_token_ids.count(VIDEO_PAD_ID) == 3 * 4
+    reply = want.outputs[0]
+    client = server.openai()
+    answer = client.chat.completions.create(model="tiny-vl", messages=user(video_part(url)),
+                                            max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.choices[0].message.content == reply.text
+    assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(client.chat.completions.create(
+        model="tiny-vl", messages=user(video_part(url)), max_tokens=MAX_TOKENS,
+        temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.text
+    counted = httpx.post(f"{server.url}/tokenize", timeout=60,
+                         json={"model": "tiny-vl", "messages": user(video_part(url))}).json()
+    assert counted["tokens"] == want.prompt_token_ids
+    [chat] = offline.chat(user(video_part(url)),
+                          SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert chat.outputs[0].token_ids == reply.token_ids
+    # an image beside the video, each in its place
+    both = client.chat.completions.create(
+        model="tiny-vl", messages=user(image_part(data_url(png_bytes(IMAGE))), video_part(url)),
+        max_tokens=MAX_TOKENS, temperature=0)
+    # the image adds its 2 x 3 rows between <|vision_start|> and <|vision_end|>
+    assert both.usage.prompt_tokens == len(want.prompt_token_ids) + 6 + 2
+
+
 def test_offline_chat_takes_image_parts(offline, media_dir):
     want = offline_generate(offline, [IMAGE]).outputs[0].token_ids
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -218,8 +286,11 @@ BAD_IMAGES = [
     ("a missing file", [image_part("missing.png")], "no file missing.png"),
     ("an aspect ratio the processor refuses",
      [image_part(data_url(png_bytes(Image.new("RGB", (600, 2)))))], "aspect ratio"),
-    ("another modality", [{"type": "video_url", "video_url": {"url": "x"}}],
+    ("another modality", [{"type": "input_audio", "input_audio": {"data": "x"}}],
      "messages.0.content.0: a content part is"),
+    ("not a video", [video_part(data_url(png_bytes(IMAGE), "video/mp4"))],
+     "video_url: the bytes are not a video in a container loom reads"),
+    ("a video without a url", [{"type": "video_url", "video_url": {}}], "a content part is"),
     ("no url", [{"type": "image_url", "image_url": {}}], "a content part is"),
 ]
 

@@ -29,7 +29,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from loom.multimodal import media
-from loom.multimodal.media import MediaError, MediaPolicy, image_hash, load_image
+from loom.multimodal.media import MediaError, MediaPolicy, image_hash, load_image, load_video
 
 PUBLIC = "93.184.215.14"  # a global address; never reached, the fake network reroutes it
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -508,3 +508,74 @@ def test_loads_in_a_process_without_torch():
     assert child.returncode == 0, child.stderr[-3000:]
     answer = json.loads(child.stdout.splitlines()[-1])
     assert answer == {"hash": image_hash(CAT), "imported": []}
+
+
+# ----------------------------------------------------------------- videos
+
+def encoded_video(num_frames: int, container: str = "mp4", codec: str = "mpeg4",
+                  size: tuple[int, int] = (64, 48), fps: int = 5) -> bytes:
+    """A video of ``num_frames`` flat grey frames, frame i of level 6 * i, written by
+    PyAV (FFmpeg's encoders)."""
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=container) as output:
+        stream = output.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        for i in range(num_frames):
+            pixels = np.full((size[1], size[0], 3), 6 * i % 256, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return buffer.getvalue()
+
+
+def video_url(data: bytes, media_type: str = "video/mp4") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.mark.parametrize("container,codec,media_type", [
+    ("mp4", "mpeg4", "video/mp4"), ("matroska", "libvpx", "video/webm"),
+    ("avi", "mpeg4", "video/x-msvideo")])
+def test_a_video_is_sampled_evenly_with_its_rate(container, codec, media_type):
+    """40 frames at 5 per second (8 s), 8 sampled: frames about 5 apart, in order, the
+    rate of the sampled frames 1 per second; fewer frames than asked: every one."""
+    frames, metadata = load_video(video_url(encoded_video(40, container, codec), media_type),
+                                  MediaPolicy(), num_frames=8)
+    assert len(frames) == 8 and all(f.size == (64, 48) and f.mode == "RGB" for f in frames)
+    levels = [frame.getpixel((32, 24))[0] for frame in frames]  # 6 x the frame's index
+    assert levels[0] <= 6 and levels[-1] >= 6 * 34, levels  # from the first to near the end
+    steps = [b - a for a, b in zip(levels, levels[1:])]
+    assert all(6 * 3 <= step <= 6 * 9 for step in steps), levels  # 4 to 8 frames apart
+    assert metadata["fps"] == pytest.approx(1.0)
+    few, few_metadata = load_video(video_url(encoded_video(3, container, codec), media_type),
+                                   MediaPolicy(), num_frames=8)
+    assert len(few) == 3 and few_metadata["fps"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("url,message", [
+    (video_url(b"#EXTM3U\n#EXT-X-VERSION:3\nfile:///etc/hostname\n", "video/mp4"),
+     "not a video in a container loom reads (MP4/MOV, WebM/Matroska, AVI)"),
+    (video_url(b"\x00\x00\x00\x18ftypisom" + b"\x00" * 40), "cannot load the video"),
+    (video_url(b"hi", "image/png"), "a data URL of type 'image/png' is not a video"),
+    ("data:video/mp4;base64,@@@@", "base64 is corrupt"),
+    ("https://example.com/a.mp4", "remote videos are off on this server"),
+    ("/etc/hostname", "local files are off on this server"),
+])
+def test_bad_videos_are_media_errors(url, message):
+    with pytest.raises(MediaError, match="^video_url: ") as raised:
+        load_video(url, MediaPolicy())
+    assert message in str(raised.value)
+
+
+def test_video_limits():
+    data = encoded_video(12)
+    with pytest.raises(MediaError, match="more than 10 frames, this server's limit"):
+        load_video(video_url(data), MediaPolicy(max_video_frames=10))
+    with pytest.raises(MediaError, match="frames are 64x48, over this server's limit of 3,000"):
+        load_video(video_url(data), MediaPolicy(max_video_pixels=3000))
+    with pytest.raises(MediaError, match="the video is larger than this server's limit of 100 "):
+        load_video(video_url(data), MediaPolicy(max_video_bytes=100))
+    assert len(load_video(video_url(data), MediaPolicy(max_video_frames=12))[0]) == 12

@@ -323,7 +323,20 @@ class ImageURLContentPart(OpenAIModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+class VideoURL(OpenAIModel):
+    # data:video/...;base64,... (MP4/MOV, WebM/Matroska, AVI); http(s) and files as images
+    url: str
+
+
+class VideoURLContentPart(OpenAIModel):
+    """vLLM's video part: a video file, sampled to frames (loom/multimodal/media.py)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart | VideoURLContentPart,
+                        Field(discriminator="type")]
 
 
 class FunctionCall(OpenAIModel):
@@ -352,21 +365,21 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = None  # role "tool": the call this turn answers
 
 
-_PART_SHAPES = ('{"type": "text", "text": ...} or {"type": "image_url", "image_url": '
-                '{"url": ...}}')
+_PART_SHAPES = ('{"type": "text", "text": ...}, {"type": "image_url", "image_url": '
+                '{"url": ...}} or {"type": "video_url", "video_url": {"url": ...}}')
 
 
 def _check_content_parts(messages: Any) -> Any:
-    """A content part of a type loom does not take, or an image_url that is not an object
-    with a url, is a 400 naming the part (pydantic's own message would name a branch of
-    the content's union instead)."""
+    """A content part of a type loom does not take, or an image_url or video_url that is
+    not an object with a url, is a 400 naming the part (pydantic's own message would name
+    a branch of the content's union instead)."""
     for index, message in enumerate(messages if isinstance(messages, list) else ()):
         content = message.get("content") if isinstance(message, dict) else None
         for number, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            image_url = part.get("image_url") if kind == "image_url" else None
+            media = part.get(kind) if kind in ("image_url", "video_url") else None
             if not ((kind == "text" and isinstance(part.get("text"), str))
-                    or (isinstance(image_url, dict) and isinstance(image_url.get("url"), str))):
+                    or (isinstance(media, dict) and isinstance(media.get("url"), str))):
                 raise ValueError(f"messages.{index}.content.{number}: a content part is "
                                  f"{_PART_SHAPES}; got {_shown(part)}")
     return messages

@@ -5,9 +5,10 @@
              -> SamplingParams -> submit -> _full or _stream
 
 Images: each ``image_url`` part reaches the template as ``{"type": "image"}`` (its
-placeholder), the images are loaded in worker threads under the server's media policy
-and each placeholder is expanded into the image's tokens, which ``usage.prompt_tokens``
-counts (loom/entrypoints/chat_images.py).
+placeholder), each ``video_url`` part as ``{"type": "video"}``; the items are loaded in
+worker threads under the server's media policy (a video sampled to frames) and each
+placeholder is expanded into the item's tokens, which ``usage.prompt_tokens`` counts
+(loom/entrypoints/chat_images.py).
 
 A stream opens each choice with a ``{"role": "assistant", "content": ""}`` delta, as
 OpenAI and vLLM do, then sends text deltas; the last delta of a choice carries its
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from loom.async_llm import AsyncLLM, RequestStream
 from loom.core.wire import MultiModalFeature
-from loom.entrypoints.chat_images import ChatImage, take_images
+from loom.entrypoints.chat_images import ChatMedia, take_images
 from loom.entrypoints.openai.chat_output import ChatOutputBuilder
 from loom.entrypoints.openai.errors import RequestError, engine_error, raise_if_failed
 from loom.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
@@ -215,8 +216,9 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-def chat_images(messages: list[ChatMessage]) -> list[ChatImage]:
-    """The images of chat messages (their image_url parts), in order."""
+def chat_images(messages: list[ChatMessage]) -> list[ChatMedia]:
+    """The images and videos of chat messages (their image_url and video_url parts), in
+    order."""
     return take_images([message.model_dump(exclude_none=True) for message in messages])[1]
 
 

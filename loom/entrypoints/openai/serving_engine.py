@@ -17,7 +17,7 @@ import math
 from loom.async_llm import AsyncLLM, RequestStream
 from loom.core.kv_transfer import KVTransferParamsError, check_kv_transfer_params
 from loom.core.wire import MultiModalFeature
-from loom.entrypoints.chat_images import ChatImage, load_chat_image, media_policy
+from loom.entrypoints.chat_images import ChatMedia, by_modality, load_chat_media, media_policy
 from loom.entrypoints.openai.errors import RequestError, engine_error, model_not_found
 from loom.input_processor import InvalidInputError
 from loom.multimodal.media import MediaError
@@ -78,27 +78,30 @@ class OpenAIServing:
         except KVTransferParamsError as error:
             raise RequestError(str(error), param=error.param) from None
 
-    def check_images(self, images: list[ChatImage]) -> None:
-        """Before any is loaded: a 400 where the model takes no images, or more than
-        --limit-mm-per-prompt are given."""
+    def check_images(self, items: list[ChatMedia]) -> None:
+        """Before any is loaded: a 400 where the model takes no images (or videos), or
+        more than --limit-mm-per-prompt are given."""
         try:
-            self.engine.input_processor.check_images({"image": images}, param="messages")
+            self.engine.input_processor.check_media_counts(
+                {modality: len(group) for modality, group in by_modality(items).items()})
         except InvalidInputError as error:
             raise RequestError.from_invalid_input(error) from None
 
-    async def apply_images(self, token_ids: list[int], images: list[ChatImage]
+    async def apply_images(self, token_ids: list[int], items: list[ChatMedia]
                            ) -> tuple[list[int], list[MultiModalFeature]]:
-        """The prompt with each image's placeholder expanded into its tokens, and the
-        images' features. Loading (the network, decoding) and the image processor run in
-        worker threads, never on the event loop; an image that cannot be loaded or
+        """The prompt with each image's (and video's) placeholder expanded into its
+        tokens, and their features. Loading (the network, decoding) and the processor run
+        in worker threads, never on the event loop; an item that cannot be loaded or
         processed is a 400 naming it."""
         processor = self.engine.input_processor
         try:
-            loaded = await asyncio.gather(*(asyncio.to_thread(load_chat_image, image,
+            loaded = await asyncio.gather(*(asyncio.to_thread(load_chat_media, item,
                                                               self.media_policy)
-                                            for image in images))
-            return await asyncio.to_thread(processor.apply_images, token_ids, list(loaded),
-                                           "messages")
+                                            for item in items))
+            images = [one for one, item in zip(loaded, items) if item.modality == "image"]
+            videos = [one for one, item in zip(loaded, items) if item.modality == "video"]
+            return await asyncio.to_thread(processor.apply_images, token_ids, images,
+                                           "messages", videos)
         except MediaError as error:
             raise RequestError(str(error), param="messages") from None
         except InvalidInputError as error:

@@ -18,7 +18,7 @@ import json
 from pydantic import model_validator
 from starlette.responses import JSONResponse, Response
 
-from loom.entrypoints.chat_images import ChatImage
+from loom.entrypoints.chat_images import ChatMedia
 from loom.entrypoints.openai.errors import RequestError
 from loom.entrypoints.openai.protocol import (ChatMessages, ChatTemplateKwargs, ChatTool,
                                              OpenAIModel, TokenId)
@@ -76,7 +76,7 @@ class OpenAIServingTokenization(OpenAIServing):
         request = _tokenize_request_type(body).parse(body)
         self.check_model(request.model)
         tokenizer = self.engine.tokenizer
-        images: list[ChatImage] = []
+        images: list[ChatMedia] = []
         if isinstance(request, TokenizeChatRequest):
             template_kwargs = dict(request.chat_template_kwargs or {})
             template_kwargs["continue_final_message"] = request.continue_final_message
