@@ -64,13 +64,18 @@ class SiglipAttention(nn.Module):
         self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias=True,
                                           tp_group=tp_group)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Each image's (or tile's) patches over its own; ``key_mask`` (I, N) bool: the
+        keys that are real patches (SmolVLM's padded tiles), None where all are."""
         num_images, num_patches, _ = hidden_states.shape
         qkv = self.qkv_proj(hidden_states.flatten(0, 1))  # (I * N, 3 * H * D): | q | k | v |
         # (3, I, H, N, D)
         q, k, v = qkv.view(num_images, num_patches, 3, self.num_heads,
                            self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v)  # (I, H, N, D), scale D ** -0.5
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        # (I, H, N, D), scale D ** -0.5
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(num_images * num_patches, -1)
         return self.out_proj(out).view(num_images, num_patches, -1)
 
@@ -96,8 +101,10 @@ class SiglipEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
         self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.layer_norm1(hidden_states))
+    def forward(self, hidden_states: torch.Tensor,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.layer_norm1(hidden_states),
+                                                       key_mask)
         return hidden_states + self.mlp(self.layer_norm2(hidden_states))
 
 

@@ -30,48 +30,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.layers.linear import ReplicatedLinear, default_weight_loader
-from loom.model.vision.gemma3 import SiglipAttention, SiglipMLP
+from loom.model.vision.gemma3 import SiglipEncoderLayer
 
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
            "v_proj": ("qkv_proj", "v")}
-
-
-class SmolVLMVisionAttention(SiglipAttention):
-    """SigLIP's attention, each tile's queries over the keys of its real patches."""
-
-    def forward(self, hidden_states: torch.Tensor,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``key_mask`` (N, G * G) bool: the real patches; None where all are."""
-        num_tiles, num_patches, _ = hidden_states.shape
-        qkv = self.qkv_proj(hidden_states.flatten(0, 1))  # (N * P, 3 * H * D): | q | k | v |
-        # (3, N, H, P, D)
-        q, k, v = qkv.view(num_tiles, num_patches, 3, self.num_heads,
-                           self.head_dim).permute(2, 0, 3, 1, 4)
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (N, H, P, D)
-        out = out.transpose(1, 2).reshape(num_tiles * num_patches, -1)
-        return self.out_proj(out).view(num_tiles, num_patches, -1)
-
-
-class SmolVLMEncoderLayer(nn.Module):
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
-        self.self_attn = SmolVLMVisionAttention(vision.hidden_size,
-                                                vision.num_attention_heads, tp_group)
-        self.layer_norm2 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
-        self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group)
-
-    def forward(self, hidden_states: torch.Tensor,
-                key_mask: torch.Tensor | None) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.layer_norm1(hidden_states),
-                                                       key_mask)
-        return hidden_states + self.mlp(self.layer_norm2(hidden_states))
 
 
 class SmolVLMVisionModel(nn.Module):
@@ -91,7 +57,7 @@ class SmolVLMVisionModel(nn.Module):
         self.embeddings.position_embedding = nn.Embedding(self.positions_per_side ** 2,
                                                           vision.hidden_size)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(SmolVLMEncoderLayer(vision, tp_group)
+        self.encoder.layers = nn.ModuleList(SiglipEncoderLayer(vision, tp_group)
                                             for _ in range(vision.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
 
