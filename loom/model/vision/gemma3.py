@@ -115,7 +115,7 @@ class SiglipVisionModel(nn.Module):
         super().__init__()
         if vision.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"vision hidden_act {vision.hidden_act!r} is not supported; "
-                             "Gemma 3's SigLIP uses gelu_pytorch_tanh")
+                             "SigLIP uses gelu_pytorch_tanh")
         self.patch_size = vision.patch_size
         self.grid_size = vision.image_size // vision.patch_size
         self.embeddings = nn.Module()
@@ -150,6 +150,18 @@ class SiglipVisionModel(nn.Module):
         for layer in self.encoder.layers:
             hidden_states = layer(hidden_states)
         return self.post_layernorm(hidden_states)
+
+
+def siglip_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor, str | None]:
+    """A SigLIP encoder's checkpoint tensor as this module's (name, tensor, shard id):
+    q_proj, k_proj, v_proj into qkv_proj's shards; the patch embedding's conv weight
+    (D, C, p, p) flattened to (D, C * p * p); others as they are."""
+    if name.endswith("patch_embedding.weight"):
+        return name, tensor.reshape(tensor.shape[0], -1), None
+    for ckpt_name, (packed_name, packed_shard) in _PACKED.items():
+        if f".{ckpt_name}." in name:
+            return name.replace(f".{ckpt_name}.", f".{packed_name}."), tensor, packed_shard
+    return name, tensor, None
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -213,18 +225,12 @@ class Gemma3VisionTower(nn.Module):
             if name.startswith("vision_tower.head."):
                 continue  # SigLIP's pooling head: Gemma 3 never runs it
             shard_id = None
-            if name.endswith("patch_embedding.weight"):
-                tensor = tensor.reshape(tensor.shape[0], -1)  # conv (D, C, p, p) -> (D, C * p * p)
-            elif name == "multi_modal_projector.mm_input_projection_weight":
+            if name == "multi_modal_projector.mm_input_projection_weight":
                 name, tensor = "multi_modal_projector.mm_input_projection.weight", tensor.t()
             elif name == "multi_modal_projector.mm_soft_emb_norm.weight":
                 tensor = tensor.float() + 1.0
             else:
-                for ckpt_name, (packed_name, packed_shard) in _PACKED.items():
-                    if f".{ckpt_name}." in name:
-                        name = name.replace(f".{ckpt_name}.", f".{packed_name}.")
-                        shard_id = packed_shard
-                        break
+                name, tensor, shard_id = siglip_tensor(name, tensor)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "

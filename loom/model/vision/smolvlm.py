@@ -34,32 +34,12 @@ from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.layers.linear import ReplicatedLinear, default_weight_loader
-from loom.model.vision.gemma3 import SiglipEncoderLayer
+from loom.model.vision.gemma3 import SiglipVisionModel, siglip_tensor
 
-_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-           "v_proj": ("qkv_proj", "v")}
-
-
-class SmolVLMVisionModel(nn.Module):
+class SmolVLMVisionModel(SiglipVisionModel):
     """SigLIP's encoder over tiles of any size (a multiple of the patch): patches in, the
-    post-LayerNorm'd last hidden state out."""
-
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
-        super().__init__()
-        if vision.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"vision hidden_act {vision.hidden_act!r} is not supported; "
-                             "SmolVLM's SigLIP uses gelu_pytorch_tanh")
-        self.patch_size = vision.patch_size
-        self.positions_per_side = vision.image_size // vision.patch_size
-        self.embeddings = nn.Module()
-        self.embeddings.patch_embedding = ReplicatedLinear(
-            vision.num_channels * vision.patch_size ** 2, vision.hidden_size, bias=True)
-        self.embeddings.position_embedding = nn.Embedding(self.positions_per_side ** 2,
-                                                          vision.hidden_size)
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(SiglipEncoderLayer(vision, tp_group)
-                                            for _ in range(vision.num_hidden_layers))
-        self.post_layernorm = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
+    post-LayerNorm'd last hidden state out. The position table is the vision config's
+    ``image_size // patch_size`` grid, over which each tile's real patches spread."""
 
     def _patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) -> (N * Gh * Gw, C * p * p): patch (row, col) at row
@@ -79,7 +59,7 @@ class SmolVLMVisionModel(nn.Module):
         rows and columns (bucketed as transformers does, in float32), padding at 0."""
         num_tiles, rows, cols = patch_mask.shape
         device = patch_mask.device
-        side = self.positions_per_side
+        side = self.grid_size
         boundaries = torch.arange(1 / side, 1.0, 1 / side, dtype=torch.float32, device=device)
         real_rows = patch_mask[:, :, 0].sum(dim=1).to(torch.float32)  # (N,)
         real_cols = patch_mask[:, 0, :].sum(dim=1).to(torch.float32)
@@ -183,15 +163,7 @@ class SmolVLMVisionTower(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            shard_id = None
-            if name.endswith("patch_embedding.weight"):
-                tensor = tensor.reshape(tensor.shape[0], -1)  # conv (D, C, p, p) -> (D, C * p * p)
-            else:
-                for ckpt_name, (packed_name, packed_shard) in _PACKED.items():
-                    if f".{ckpt_name}." in name:
-                        name = name.replace(f".{ckpt_name}.", f".{packed_name}.")
-                        shard_id = packed_shard
-                        break
+            name, tensor, shard_id = siglip_tensor(name, tensor)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
