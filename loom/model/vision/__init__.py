@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -29,3 +30,24 @@ def tower_weights_on_the_way(weights: Iterable[tuple[str, torch.Tensor]],
             loaded.update(tower.load_weights([(ours, tensor)]))
         else:
             yield ours, tensor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rope_attention_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor,
+                          lengths: list[int]) -> torch.Tensor:
+    """A tower's bidirectional attention within each segment (an image or a frame) of
+    its patches: ``q``, ``k``, ``v`` (N, H, D), the rope's ``cos``, ``sin`` (N, 1, D)
+    applied to q and k in float32 as the references do, the N patches cut into
+    ``lengths``; returns (N, H * D)."""
+    q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
+    k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
+    # (H, L, D) per segment: no patch attends outside its own
+    q, k, v = (x.transpose(0, 1).split(lengths, dim=1) for x in (q, k, v))
+    out = torch.cat([F.scaled_dot_product_attention(*segment) for segment in zip(q, k, v)],
+                    dim=1)
+    return out.transpose(0, 1).reshape(out.shape[1], -1)

@@ -36,6 +36,7 @@ from loom.model.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from loom.model.vision import rope_attention_within
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -50,11 +51,6 @@ _CHECKPOINT_RENAMES = {
     "temporal_linear.0.": "temporal_linear.fc1.", "temporal_linear.2.": "temporal_linear.fc2.",
     "temporal_linear.3.": "temporal_linear.ln.",
 }
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 def patch_positions(grid_thw: list[list[int]], merge_size: int) -> torch.Tensor:
@@ -104,14 +100,9 @@ class VisionAttention(nn.Module):
                 frame_lengths: list[int]) -> torch.Tensor:
         num_patches = x.shape[0]
         q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, self.head_dim).unbind(1)
-        cos, sin = cos[:, None], sin[:, None]  # (N, 1, D) over the heads
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        # (H, N, D), cut into frames: no patch attends outside its own frame
-        q, k, v = (tensor.transpose(0, 1).split(frame_lengths, dim=1) for tensor in (q, k, v))
-        out = torch.cat([F.scaled_dot_product_attention(*frame) for frame in zip(q, k, v)],
-                        dim=1)
-        return self.proj(out.transpose(0, 1).reshape(num_patches, -1))
+        # cos, sin (N, 1, D) over the heads; no patch attends outside its own frame
+        return self.proj(rope_attention_within(q, k, v, cos[:, None], sin[:, None],
+                                               frame_lengths))
 
 
 class VisionMLP(nn.Module):

@@ -49,17 +49,14 @@ from loom.model.layers.linear import (
     default_weight_loader,
 )
 from loom.model.layers.rotary import rope_parameters
+from loom.model.vision import rope_attention_within
+from loom.model.vision.gemma3 import SiglipMLP
 
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
            "v_proj": ("qkv_proj", "v")}
 # in the published checkpoint, used by neither transformers nor loom
 _UNUSED = ("vision_model.embeddings.packing_position_embedding.", "vision_model.head.")
 _PROJECTOR_NORM_EPS = 1e-5  # transformers' PaddleOCRProjector, whatever the config says
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 def _raster_order(t: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,27 +98,8 @@ class PaddleOCRVisionAttention(nn.Module):
                 image_lengths: list[int]) -> torch.Tensor:
         num_patches = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states).view(num_patches, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(1)  # (N, H, D) each
-        # rope in float32, as the reference; cos, sin: (N, 1, D)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        images = [F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in image))
-                  for image in zip(q.split(image_lengths), k.split(image_lengths),
-                                   v.split(image_lengths))]  # (H, L, D) each
-        out = torch.cat(images, dim=1).transpose(0, 1).reshape(num_patches, -1)
-        return self.out_proj(out)
-
-
-class PaddleOCRVisionMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: TPGroup) -> None:
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=True,
-                                        tp_group=tp_group)
-        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=True,
-                                     tp_group=tp_group)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        q, k, v = qkv.unbind(1)  # (N, H, D) each; cos, sin: (N, 1, D)
+        return self.out_proj(rope_attention_within(q, k, v, cos, sin, image_lengths))
 
 
 class PaddleOCRVisionEncoderLayer(nn.Module):
@@ -131,7 +109,7 @@ class PaddleOCRVisionEncoderLayer(nn.Module):
         self.self_attn = PaddleOCRVisionAttention(vision.hidden_size,
                                                   vision.num_attention_heads, tp_group)
         self.layer_norm2 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
-        self.mlp = PaddleOCRVisionMLP(vision.hidden_size, vision.intermediate_size, tp_group)
+        self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 image_lengths: list[int]) -> torch.Tensor:

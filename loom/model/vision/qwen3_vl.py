@@ -40,17 +40,13 @@ from loom.model.layers.linear import (
     default_weight_loader,
 )
 from loom.model.layers.rotary import rope_parameters
+from loom.model.vision import rope_attention_within
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
 _LAYER_NORM_EPS = 1e-6
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 def _block_order(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,15 +85,8 @@ class Qwen3VLVisionAttention(nn.Module):
                 frame_lengths: list[int]) -> torch.Tensor:
         num_patches = hidden_states.shape[0]
         qkv = self.qkv(hidden_states).view(num_patches, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(1)  # (N, H, D) each
-        # rope in float32, as the reference; cos, sin: (N, 1, D)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        frames = [F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in frame))
-                  for frame in zip(q.split(frame_lengths), k.split(frame_lengths),
-                                   v.split(frame_lengths))]  # (H, L, D) each
-        out = torch.cat(frames, dim=1).transpose(0, 1).reshape(num_patches, -1)
-        return self.proj(out)
+        q, k, v = qkv.unbind(1)  # (N, H, D) each; cos, sin: (N, 1, D)
+        return self.proj(rope_attention_within(q, k, v, cos, sin, frame_lengths))
 
 
 class Qwen3VLVisionMLP(nn.Module):
