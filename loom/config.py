@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) short names
 DTYPE_CHOICES = (*DTYPES, *DTYPE_ALIASES)
-# --kv-cache-dtype: auto (the model's dtype), bfloat16, or int8 (per token and head
-# quantized, loom/model/attention/kv_layout.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+# --kv-cache-dtype: auto (the model's dtype), bfloat16, or int8, fp8_e4m3, fp8_e5m2 (per
+# token and head quantized, loom/model/attention/kv_layout.py); fp8 is vLLM's alias for
+# fp8_e4m3 (CacheConfig resolves it)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --quantization (loom/model/layers/quantization.py); "auto" keeps the checkpoint's weights.
@@ -210,6 +211,8 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported; choose "
                              f"one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8":
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:

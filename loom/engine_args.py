@@ -109,8 +109,9 @@ class EngineArgs:
              "on the CPU max-num-seqs x max-model-len tokens, at most 512 MiB")
     kv_cache_dtype: str = arg(
         "auto", to="cache.kv_cache_dtype", choices=KV_CACHE_DTYPES,
-        help="auto: the model's dtype; int8: K and V quantized per token and head (a float32 "
-             "scale each), about twice the tokens in the same memory")
+        help="auto: the model's dtype; int8, fp8_e4m3 (fp8) or fp8_e5m2: K and V quantized "
+             "per token and head (a float32 scale each), about twice the tokens in the same "
+             "memory")
     kv_offload_size: int | None = arg(
         None, to="cache.kv_offload_size", parse=arg_types.byte_size, metavar="BYTES",
         help="a KV offload tier per rank, e.g. 8GiB: prefix-cache blocks the KV cache evicts "

@@ -172,8 +172,9 @@ def test_kv_budget_too_small_for_one_sequence_fails_before_loading(tiny_model):
 
 
 def test_unknown_kv_cache_dtype_names_the_flag_and_the_supported_ones(tiny_model):
-    assert_one_line_error(generate(tiny_model, "--kv-cache-dtype", "fp8_e4m3"),
-                          "--kv-cache-dtype", "fp8_e4m3", "auto", "bfloat16", "int8")
+    assert_one_line_error(generate(tiny_model, "--kv-cache-dtype", "fp8_e4m3fnuz"),
+                          "--kv-cache-dtype", "fp8_e4m3fnuz", "auto", "bfloat16", "int8",
+                          "fp8_e4m3", "fp8_e5m2")
 
 
 def test_model_given_twice_to_serve():

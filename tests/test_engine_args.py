@@ -107,6 +107,11 @@ def test_flags_reach_their_config_fields(tmp_path):
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
     assert config.cache.kv_cache_memory_bytes == 8 * 2**20
     assert config.cache.kv_cache_dtype == "int8"
+    for flag, name in (("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")):
+        fp8 = build_parser().parse_args(["serve", path, "--kv-cache-dtype", flag])
+        fp8.model = path
+        # fp8 is vLLM's name for fp8_e4m3
+        assert EngineArgs.from_cli_args(fp8).create_engine_config().cache.kv_cache_dtype == name
     assert config.model.max_model_len == config.scheduler.max_model_len == 96
     assert config.model.seed == 5 and config.model.name == "tiny"
     assert config.structured_outputs.disable_any_whitespace

@@ -25,7 +25,7 @@ from loom.core.wire import (ModelRunnerOutput, MultiModalFeature, NewRequestData
                             SampleLogprobs, SchedulerOutput)
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.kv_cache_groups import KVCacheGroups
-from loom.model.attention.kv_layout import kv_cache_dtype
+from loom.model.attention.kv_layout import is_quantized_kv, kv_cache_dtype
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.attention.moba import describe_moba, enable_moba
 from loom.model.layers import logits_processors
@@ -238,7 +238,7 @@ class ModelRunner:
         self.cuda_graphs = None  # graphs and their inputs, made again for this cache
         dtype = kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
         shape = self.model.kv_cache_shape(num_blocks, self.block_size,  # see kv_layout.py
-                                          quantized=dtype == torch.int8)
+                                          quantized=is_quantized_kv(dtype))
         # Not zeroed: attention never reads a slot before writing it (padding repeats a
         # request's last key). One allocation for all layers: on the CPU a large one is
         # fresh mmap'd memory, resident only once written or populated (the Worker

@@ -7,16 +7,18 @@ import random
 
 import torch
 
+from loom.model.attention.kv_layout import is_quantized_kv
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 
 
 class PagedDriver:
     def __init__(self, model, num_blocks: int = 64, block_size: int = 4,
                  dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
-        """``dtype``: the cache's (the model's, or torch.int8 for a quantized one)."""
+        """``dtype``: the cache's (the model's, or torch.int8 / an fp8 dtype for a
+        quantized one)."""
         self.model = model
         self.block_size = block_size
-        shape = model.kv_cache_shape(num_blocks, block_size, quantized=dtype == torch.int8)
+        shape = model.kv_cache_shape(num_blocks, block_size, quantized=is_quantized_kv(dtype))
         model.bind_kv_cache([torch.zeros(shape, dtype=dtype)
                              for _ in range(model.num_attention_layers)])
         # Hand out blocks in a shuffled order so a request's blocks are not contiguous.

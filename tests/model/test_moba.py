@@ -17,6 +17,7 @@ import torch
 from loom.config import MobaAttentionConfig
 from loom.kernels import native_ops
 from loom.model.attention.cpu_backend import CpuAttentionBackend
+from loom.model.attention.kv_layout import is_quantized_kv
 from loom.model.attention.metadata import AttentionMetadata
 from loom.model.attention.moba import MobaAttention
 from loom.model.attention.torch_backend import (TorchAttentionBackend, dequantize_kv_rows,
@@ -67,9 +68,9 @@ class Requests:
         self.tables = [[] for _ in lengths]
         self.done = [0] * len(lengths)
         shape = TorchAttentionBackend(heads, kv_heads, head_dim, 1.0).kv_cache_shape(
-            num_blocks, block_size, quantized=cache_dtype == torch.int8)
+            num_blocks, block_size, quantized=is_quantized_kv(cache_dtype))
         # unwritten slots hold NaN: attention must never read one
-        self.kv_cache = (torch.zeros(shape, dtype=torch.int8) if cache_dtype == torch.int8
+        self.kv_cache = (torch.zeros(shape, dtype=cache_dtype) if is_quantized_kv(cache_dtype)
                          else torch.full(shape, float("nan"), dtype=cache_dtype))
         self.cache_dtype = cache_dtype
 
@@ -102,8 +103,8 @@ class Requests:
 
     def cached(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """K or V as the cache gives them back to a model in ``dtype``."""
-        if self.cache_dtype == torch.int8:
-            return dequantize_kv_rows(quantize_kv_rows(x), dtype)
+        if is_quantized_kv(self.cache_dtype):
+            return dequantize_kv_rows(quantize_kv_rows(x, self.cache_dtype), dtype)
         return x.to(self.cache_dtype).to(dtype)
 
 
@@ -155,9 +156,11 @@ def test_moba_equals_the_dense_reference(backend_cls, heads, kv_heads):
 @pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.int8),
+                                               (torch.float32, torch.float8_e4m3fn),
+                                               (torch.float32, torch.float8_e5m2),
                                                (torch.float32, torch.bfloat16)])
 def test_moba_in_other_dtypes(backend_cls, dtype, cache_dtype):
-    """A bfloat16 model, an int8 cache and a bfloat16 cache under float32: the K/V the
+    """A bfloat16 model, an int8 or fp8 cache and a bfloat16 cache under float32: the K/V the
     cache gives back, attended as the reference does (bf16 outputs to its rounding)."""
     got, want = run_schedule(backend_cls, dtype, cache_dtype)
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-5

@@ -451,18 +451,18 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
 #endif
 
 // Rows first .. num_keys - 1 of one head's keys (or values), read through the request's
-// `blocks` from `rows` (rows of row_bytes: int8 with their scale if `quantized`, else
-// bf16) into `out` (num_keys, head_dim) in the query's dtype T.
+// `blocks` from `rows` (rows of row_bytes: quantized values with their scale in a
+// quantized `format`, else bf16) into `out` (num_keys, head_dim) in the query's dtype T.
 template <typename T>
 void convert_rows(const char* rows, int64_t row_bytes, const int32_t* blocks,
-                  int64_t block_size, int64_t first, int64_t num_keys, bool quantized, T* out,
+                  int64_t block_size, int64_t first, int64_t num_keys, KvFormat format, T* out,
                   int64_t head_dim) {
   for (int64_t p = first; p < num_keys; ++p) {
     const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
     const char* row = rows + slot * row_bytes;
     T* dst = out + p * head_dim;
-    if (quantized) {
-      dequantize_kv_row(reinterpret_cast<const int8_t*>(row), dst, head_dim);
+    if (format != KvFormat::kNone) {
+      dequantize_kv_row(row, dst, head_dim, format);
     } else {
       const auto* src = reinterpret_cast<const c10::BFloat16*>(row);
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(to_float(src[d]));
@@ -489,10 +489,11 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
                               int64_t sliding_window) {
   check_cpu(kv_cache, "kv_cache");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
-  // An int8 cache (rows of head_dim values and their scale, common.h), or a bf16 one
-  // under a float32 model, is read in the query's dtype: each item's keys converted
-  // once, then attended to as a cache in that dtype would be.
-  const bool quantized = kv_cache.scalar_type() == at::kChar;
+  // A quantized cache (int8 or fp8: rows of head_dim values and their scale, common.h),
+  // or a bf16 one under a float32 model, is read in the query's dtype: each item's keys
+  // converted once, then attended to as a cache in that dtype would be.
+  const KvFormat format = kv_format(kv_cache.scalar_type());
+  const bool quantized = format != KvFormat::kNone;
   const bool converted = quantized || (query.scalar_type() == at::kFloat &&
                                        kv_cache.scalar_type() == at::kBFloat16);
   TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
@@ -602,9 +603,9 @@ void paged_attention_windowed(at::Tensor out, at::Tensor query, at::Tensor kv_ca
             for (size_t b = 0; b < identity.size(); ++b) identity[b] = static_cast<int32_t>(b);
             const char* k_rows = cache_bytes + it.kv_head * num_slots * row_bytes;
             const char* v_rows = cache_bytes + (kv_heads + it.kv_head) * num_slots * row_bytes;
-            convert_rows(k_rows, row_bytes, blocks, block_size, first_key, num_keys, quantized,
+            convert_rows(k_rows, row_bytes, blocks, block_size, first_key, num_keys, format,
                          item_kv, head_dim);
-            convert_rows(v_rows, row_bytes, blocks, block_size, first_key, num_keys, quantized,
+            convert_rows(v_rows, row_bytes, blocks, block_size, first_key, num_keys, format,
                          item_kv + num_keys * head_dim, head_dim);
             keys = item_kv;
             values = keys + num_keys * head_dim;

@@ -6,15 +6,16 @@
 namespace loom {
 
 // kv_cache (2, Hkv, num_blocks, block_size, D) in the model's dtype, in bf16 under a
-// float32 model (rounded), or int8 with rows of D + 4 bytes (the values, then their
-// scale: common.h's quantize_kv_row); key/value
+// float32 model (rounded), or quantized (int8, float8_e4m3fn or float8_e5m2) with rows of
+// D + 4 bytes (the values, then their scale: common.h's quantize_kv_row); key/value
 // (T, Hkv, D), rows strided. Slot s of a head is row s of that head's
 // (num_blocks * block_size, row) matrix.
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                     at::Tensor slot_mapping) {
   check_cpu(kv_cache, "kv_cache");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous 5-d");
-  const bool quantized = kv_cache.scalar_type() == at::kChar;
+  const KvFormat format = kv_format(kv_cache.scalar_type());
+  const bool quantized = format != KvFormat::kNone;
   const bool rounded = key.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
               (quantized || rounded || key.scalar_type() == kv_cache.scalar_type()),
@@ -31,7 +32,7 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
   LOOM_DISPATCH(key.scalar_type(), "write_kv_cache", [&] {
     const scalar_t* kp = key.data_ptr<scalar_t>();
     const scalar_t* vp = value.data_ptr<scalar_t>();
-    int8_t* quantized_cache = quantized ? kv_cache.data_ptr<int8_t>() : nullptr;
+    char* quantized_cache = quantized ? static_cast<char*>(kv_cache.data_ptr()) : nullptr;
     scalar_t* cache = quantized || rounded ? nullptr : kv_cache.data_ptr<scalar_t>();
     c10::BFloat16* bf16_cache = rounded ? kv_cache.data_ptr<c10::BFloat16>() : nullptr;
     for (int64_t t = 0; t < tokens; ++t) {
@@ -43,8 +44,8 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
         const int64_t k_row = (h * num_slots + slot) * row;
         const int64_t v_row = ((kv_heads + h) * num_slots + slot) * row;
         if (quantized) {
-          quantize_kv_row(k, quantized_cache + k_row, head_dim);
-          quantize_kv_row(v, quantized_cache + v_row, head_dim);
+          quantize_kv_row(k, quantized_cache + k_row, head_dim, format);
+          quantize_kv_row(v, quantized_cache + v_row, head_dim, format);
         } else if (rounded) {
           for (int64_t d = 0; d < head_dim; ++d) {
             bf16_cache[k_row + d] = from_float<c10::BFloat16>(to_float(k[d]));

@@ -15,8 +15,11 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -246,38 +249,128 @@ inline __m512 bf16x16_to_float(const c10::BFloat16* p) {
 inline __m256i float_to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 #endif
 
-// An int8 KV cache row (kv_layout.py): head_dim int8 values, then their float32 scale
-// in the row's last 4 bytes; value = q * scale. Quantized per (token, head): scale =
-// max |x| / 127 (at least FLT_MIN), q = x / scale rounded to nearest even, as the
-// torch backend's quantize_kv_rows does it, bit for bit.
+// A quantized KV cache row (kv_layout.py): head_dim one-byte values, then their float32
+// scale in the row's last 4 bytes; value = q * scale. The cache tensor's dtype names the
+// values' format: int8 (q in [-127, 127]), float8_e4m3fn or float8_e5m2 (q an fp8 number,
+// |q| <= 448 or 57344). Quantized per (token, head): scale = max |x| / qmax (at least
+// FLT_MIN), q = x / scale rounded to nearest even (int8: to an integer; fp8: to the
+// format, c10's conversion), as the torch backend's quantize_kv_rows does it, bit for bit.
 constexpr int64_t kKvScaleBytes = 4;
 
+enum class KvFormat { kNone, kInt8, kFp8E4M3, kFp8E5M2 };
+
+inline KvFormat kv_format(at::ScalarType cache_dtype) {
+  switch (cache_dtype) {
+    case at::kChar: return KvFormat::kInt8;
+    case at::kFloat8_e4m3fn: return KvFormat::kFp8E4M3;
+    case at::kFloat8_e5m2: return KvFormat::kFp8E5M2;
+    default: return KvFormat::kNone;
+  }
+}
+
+// The 256 values of an fp8 format's bytes, as float32 (exact; c10's conversion).
+inline const float* fp8_table(KvFormat format) {
+  static const auto tables = [] {
+    std::array<std::array<float, 256>, 2> t{};
+    for (int b = 0; b < 256; ++b) {
+      t[0][b] = static_cast<float>(
+          c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+      t[1][b] = static_cast<float>(
+          c10::Float8_e5m2(static_cast<uint8_t>(b), c10::Float8_e5m2::from_bits()));
+    }
+    return t;
+  }();
+  return tables[format == KvFormat::kFp8E4M3 ? 0 : 1].data();
+}
+
 template <typename T>
-inline void quantize_kv_row(const T* src, int8_t* dst, int64_t head_dim) {
+inline void quantize_kv_row(const T* src, char* dst, int64_t head_dim, KvFormat format) {
   float amax = 0.f;
   for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_float(src[d])));
-  const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
+  const float qmax = format == KvFormat::kInt8      ? 127.f
+                     : format == KvFormat::kFp8E4M3 ? 448.f
+                                                    : 57344.f;
+  const float scale = std::max(amax / qmax, std::numeric_limits<float>::min());
   for (int64_t d = 0; d < head_dim; ++d) {
-    const float q = std::nearbyint(to_float(src[d]) / scale);
-    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+    const float x = to_float(src[d]) / scale;
+    if (format == KvFormat::kInt8) {
+      const float q = std::min(127.f, std::max(-127.f, std::nearbyint(x)));
+      dst[d] = static_cast<char>(static_cast<int8_t>(q));
+    } else if (format == KvFormat::kFp8E4M3) {
+      dst[d] = static_cast<char>(c10::Float8_e4m3fn(x).x);
+    } else {
+      dst[d] = static_cast<char>(c10::Float8_e5m2(x).x);
+    }
   }
   std::memcpy(dst + head_dim, &scale, sizeof(scale));
 }
 
+// An fp8 format's bytes as float32, exactly, 16 or 8 lanes at a time, with integer
+// operations and exact products only (so no denormal arithmetic, whatever MXCSR says): a
+// normal value's exponent and mantissa bits moved into a float's, its exponent rebased
+// (bias 7 or 15 -> 127); a subnormal one (exponent field 0) is its mantissa m as a float
+// times 2^-9 (E4M3) or 2^-16 (E5M2); the sign bit moved to bit 31. The NaN and infinity
+// codes are never written (|q| <= QMAX).
+struct Fp8Bits {
+  int shift;            // a byte's exponent and mantissa bits -> a float's
+  int32_t subnormal;    // magnitudes below this have exponent field 0
+  int32_t rebase;       // (127 - bias) << 23
+  float unit;           // a subnormal's mantissa step
+};
+
+inline Fp8Bits fp8_bits(KvFormat format) {
+  return format == KvFormat::kFp8E4M3 ? Fp8Bits{20, 8, 120 << 23, 1.f / 512}
+                                      : Fp8Bits{21, 4, 112 << 23, 1.f / 65536};
+}
+
+#if LOOM_HAVE_AVX512_BF16
+inline __m512 fp8x16_to_float(__m128i bytes, const Fp8Bits& f) {
+  const __m512i v = _mm512_cvtepu8_epi32(bytes);
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(
+      _mm512_sll_epi32(mag, _mm_cvtsi32_si128(f.shift)), _mm512_set1_epi32(f.rebase)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(f.unit));
+  const __m512 x = _mm512_mask_blend_ps(
+      _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(f.subnormal)), normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 fp8x8_to_float(__m128i bytes, const Fp8Bits& f) {
+  const __m256i v = _mm256_cvtepu8_epi32(bytes);
+  const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(
+      _mm256_sll_epi32(mag, _mm_cvtsi32_si128(f.shift)), _mm256_set1_epi32(f.rebase)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(f.unit));
+  const __m256 is_sub =
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(f.subnormal), mag));
+  const __m256 x = _mm256_blendv_ps(normal, sub, is_sub);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(x, _mm256_castsi256_ps(sign));
+}
+#endif
+
 // A quantized row back in the model's dtype: float32 q * scale, rounded once to T (16
 // lanes at a time with AVX512-BF16, 8 with AVX2: the same bits, q * scale being 0 or
-// a normal float).
+// a normal float; an fp8 row's q * scale is subnormal only in a row whose max |x| is
+// below 1e-28, which a model's K/V never is). fp8 values: fp8x16_to_float /
+// fp8x8_to_float, and the table (fp8_table) for the last head_dim % 8.
 template <typename T>
-inline void dequantize_kv_row(const int8_t* src, T* dst, int64_t head_dim) {
+inline void dequantize_kv_row(const char* src, T* dst, int64_t head_dim, KvFormat format) {
   float scale;
   std::memcpy(&scale, src + head_dim, sizeof(scale));
+  const bool int8 = format == KvFormat::kInt8;
+  [[maybe_unused]] const Fp8Bits bits = fp8_bits(format);
   int64_t d = 0;
 #if LOOM_HAVE_AVX512_BF16
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (; d + 16 <= head_dim; d += 16) {
-    const __m512 x = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)))), scale16);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    const __m512 q = int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+                          : fp8x16_to_float(bytes, bits);
+    const __m512 x = _mm512_mul_ps(q, scale16);
     if constexpr (std::is_same_v<T, float>)
       _mm512_storeu_ps(dst + d, x);
     else
@@ -289,15 +382,23 @@ inline void dequantize_kv_row(const int8_t* src, T* dst, int64_t head_dim) {
   for (; d + 8 <= head_dim; d += 8) {
     int64_t eight;
     std::memcpy(&eight, src + d, sizeof(eight));
-    const __m256 x = _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight))), scale8);
+    const __m128i bytes = _mm_cvtsi64_si128(eight);
+    const __m256 q = int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+                          : fp8x8_to_float(bytes, bits);
+    const __m256 x = _mm256_mul_ps(q, scale8);
     if constexpr (std::is_same_v<T, float>)
       _mm256_storeu_ps(dst + d, x);
     else
       store_bf16x8(dst + d, float_to_bf16_bits8(x));
   }
 #endif
-  for (; d < head_dim; ++d) dst[d] = from_float<T>(static_cast<float>(src[d]) * scale);
+  if (d == head_dim) return;
+  const float* table = int8 ? nullptr : fp8_table(format);
+  for (; d < head_dim; ++d) {
+    const float q = int8 ? static_cast<float>(static_cast<int8_t>(src[d]))
+                         : table[static_cast<uint8_t>(src[d])];
+    dst[d] = from_float<T>(q * scale);
+  }
 }
 
 }  // namespace loom

@@ -10,7 +10,7 @@
 // against it (q . mean, float32; equal gates: the earlier block), per query head;
 // below min_seq_len, keys 0 .. p. One softmax (float32) over them, the output rounded
 // once. The cache is read in its dtype (the model's, bf16 under a float32 model, or int8
-// rows dequantized to the model's dtype as paged_attention reads them).
+// or fp8 rows dequantized to the model's dtype as paged_attention reads them).
 //
 // Work items: (request, KV head, tile of up to kTile query tokens), the tile's G * tile
 // rows (query heads of the KV head) sharing each block of K/V they load: the union of
@@ -34,12 +34,13 @@ namespace {
 static int64_t kTile = getenv("MOBA_TILE") ? atoi(getenv("MOBA_TILE")) : 8;  // EXPERIMENT
 constexpr int64_t kSerialWork = 1 << 14;  // rows x keys below which one thread runs it all
 
-enum class CacheKind { kFloat, kBFloat16, kInt8 };
+enum class CacheKind { kFloat, kBFloat16, kQuantized };
 
 // One cache row (K or V of one token and head) as float32, read as a model in T reads
-// it: an int8 row dequantized to T, then widened.
+// it: a quantized row (int8 or fp8, `format`) dequantized to T, then widened.
 template <typename T>
-inline void read_row(const char* row, CacheKind kind, float* dst, int64_t head_dim, T* tmp) {
+inline void read_row(const char* row, CacheKind kind, KvFormat format, float* dst,
+                     int64_t head_dim, T* tmp) {
   switch (kind) {
     case CacheKind::kFloat:
       std::memcpy(dst, row, head_dim * sizeof(float));
@@ -47,8 +48,8 @@ inline void read_row(const char* row, CacheKind kind, float* dst, int64_t head_d
     case CacheKind::kBFloat16:
       load_row(reinterpret_cast<const c10::BFloat16*>(row), dst, head_dim);
       break;
-    case CacheKind::kInt8:
-      dequantize_kv_row(reinterpret_cast<const int8_t*>(row), tmp, head_dim);
+    case CacheKind::kQuantized:
+      dequantize_kv_row(row, tmp, head_dim, format);
       load_row(tmp, dst, head_dim);
       break;
   }
@@ -140,6 +141,7 @@ struct Layout {
   const char* cache;
   CacheKind kind;
   int64_t kv_heads, num_slots, block_size, row_bytes, head_dim;
+  KvFormat format;  // a quantized cache's row format
   // row `position` of kind (0 K, 1 V) and KV head `h` of the request whose blocks these are
   const char* row(int kv, int64_t h, const int32_t* blocks, int64_t position) const {
     const int64_t slot = static_cast<int64_t>(blocks[position / block_size]) * block_size +
@@ -152,8 +154,10 @@ CacheKind cache_kind(const at::Tensor& kv_cache) {
   switch (kv_cache.scalar_type()) {
     case at::kFloat: return CacheKind::kFloat;
     case at::kBFloat16: return CacheKind::kBFloat16;
-    case at::kChar: return CacheKind::kInt8;
-    default: TORCH_CHECK(false, "kv_cache must be float32, bfloat16 or int8");
+    case at::kChar:
+    case at::kFloat8_e4m3fn:
+    case at::kFloat8_e5m2: return CacheKind::kQuantized;
+    default: TORCH_CHECK(false, "kv_cache must be float32, bfloat16, int8 or fp8");
   }
   return CacheKind::kFloat;
 }
@@ -240,8 +244,8 @@ void moba_item(T* out, const T* query, int64_t q_stride0, int64_t q_stride1, con
       const int64_t n = s.need[m];
       if (n == 0) continue;
       for (int64_t i = 0; i < n; ++i)
-        read_row(L.row(kv, kv_head, blocks, m * moba_block + i), L.kind, s.kv.data() + i * D,
-                 D, tmp);
+        read_row(L.row(kv, kv_head, blocks, m * moba_block + i), L.kind, L.format,
+                 s.kv.data() + i * D, D, tmp);
       s.users.clear();
       for (int64_t r = 0; r < rows; ++r) {
         int64_t& c = s.cursor[r];
@@ -341,7 +345,8 @@ Layout layout_of(const at::Tensor& kv_cache) {
   const int64_t block_size = kv_cache.size(3), row = kv_cache.size(4);
   return Layout{static_cast<const char*>(kv_cache.data_ptr()), kind, kv_cache.size(1),
                 kv_cache.size(2) * block_size, block_size, row * kv_cache.element_size(),
-                kind == CacheKind::kInt8 ? row - kKvScaleBytes : row};
+                kind == CacheKind::kQuantized ? row - kKvScaleBytes : row,
+                kv_format(kv_cache.scalar_type())};
 }
 
 void check_means(const at::Tensor& means, const Layout& L, int64_t moba_block_size) {
@@ -382,7 +387,8 @@ void moba_update_block_means(at::Tensor means, at::Tensor kv_cache, at::Tensor b
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t p = it.block * moba_block_size; p < (it.block + 1) * moba_block_size; ++p) {
         // float32 keys: an int8 row's q * scale unrounded, as the PyTorch path's
-        read_row<float>(L.row(0, it.kv_head, blocks, p), L.kind, row.data(), D, row.data());
+        read_row<float>(L.row(0, it.kv_head, blocks, p), L.kind, L.format, row.data(), D,
+                        row.data());
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) sum[d] += row[d];
       }
@@ -401,7 +407,7 @@ void moba_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::T
   TORCH_CHECK(topk >= 1 && min_seq_len >= 0, "topk must be positive, min_seq_len not negative");
   check_float_or_bf16(query, "query");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query dtypes differ");
-  TORCH_CHECK(L.kind == CacheKind::kInt8 || kv_cache.scalar_type() == query.scalar_type() ||
+  TORCH_CHECK(L.kind == CacheKind::kQuantized || kv_cache.scalar_type() == query.scalar_type() ||
                   (query.scalar_type() == at::kFloat && L.kind == CacheKind::kBFloat16),
               "kv_cache dtype does not go with the query's");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be (T, H, D), last dim contiguous");

@@ -3,7 +3,7 @@
 A backend instance serves one attention layer. Each forward it
 
 1. writes the new tokens' K/V into the layer's paged cache at ``slot_mapping`` (in the
-   cache's dtype: the model's, bfloat16, or int8 quantized per token and head), and
+   cache's dtype: the model's, bfloat16, or int8 / fp8 quantized per token and head), and
 2. computes causal attention of the new queries over each request's whole context
    (cached tokens plus the new ones), read through ``block_table``; a layer with a
    ``sliding_window`` W masks the keys more than W - 1 positions behind each query.
@@ -41,7 +41,7 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, num_blocks: int, block_size: int,
                        quantized: bool = False) -> tuple[int, ...]:
         """The shape of this layer's cache tensor, which ``forward`` then receives; an
-        int8 cache (``quantized``) has each row's scale beside it."""
+        int8 or fp8 cache (``quantized``) has each row's scale beside it."""
         return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim,
                               quantized)
 

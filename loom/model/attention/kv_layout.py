@@ -24,13 +24,18 @@ its V at ``((num_kv_heads + h) * num_slots + s) * row`` (``csrc/cache.cpp``,
 backend's KV write to this map.
 
 A row is ``head_dim`` elements in the cache's dtype: the model's, or bfloat16
-(``--kv-cache-dtype``). An int8 cache quantizes each (token, head) vector on its own and
-keeps its scale beside it, in the row:
+(``--kv-cache-dtype``). A quantized cache (int8, fp8_e4m3 or fp8_e5m2) quantizes each
+(token, head) vector on its own and keeps its scale beside it, in the row:
 
-    | q_0 .. q_{head_dim-1}: int8 | scale: float32, as 4 bytes |     row = head_dim + 4
+    | q_0 .. q_{head_dim-1}: one byte each | scale: float32, as 4 bytes |  row = head_dim + 4
 
-    scale = max(max |x| / 127, FLT_MIN)     q = round_half_even(x / scale), in [-127, 127]
+    scale = max(max |x| / QMAX, FLT_MIN)     q = round_half_even(x / scale)
     x ~ q * scale   (float32, then rounded once to the model's dtype)
+
+The cache tensor's dtype names the values' format (``KV_ROW_FORMATS``): int8 (QMAX 127,
+q an integer in [-127, 127]), torch.float8_e4m3fn (QMAX 448, q rounded to E4M3) or
+torch.float8_e5m2 (QMAX 57344, q rounded to E5M2); |x / scale| <= QMAX, so nothing
+overflows, and an all-zero vector is zeros with scale FLT_MIN.
 
 The kernels (``csrc/common.h``: ``quantize_kv_row``, ``dequantize_kv_row``) and the torch
 backend (``quantize_kv_rows``, ``dequantize_kv_rows``) compute it bit for bit alike. A
@@ -49,12 +54,16 @@ if TYPE_CHECKING:
     import torch
 
 KEY, VALUE = 0, 1
-KV_SCALE_BYTES = 4  # an int8 row's float32 scale
+KV_SCALE_BYTES = 4  # a quantized row's float32 scale
+# --kv-cache-dtype names of the quantized row formats -> (torch dtype name, QMAX); fp8 is
+# vLLM's name for fp8_e4m3
+KV_ROW_FORMATS = {"int8": ("int8", 127.0), "fp8_e4m3": ("float8_e4m3fn", 448.0),
+                  "fp8": ("float8_e4m3fn", 448.0), "fp8_e5m2": ("float8_e5m2", 57344.0)}
 
 
 def kv_cache_row(head_dim: int, quantized: bool = False) -> int:
-    """Elements of one (token, head) row: ``head_dim``, and in an int8 cache its scale's
-    4 bytes after the values."""
+    """Elements of one (token, head) row: ``head_dim``, and in a quantized cache its
+    scale's 4 bytes after the values."""
     return head_dim + KV_SCALE_BYTES if quantized else head_dim
 
 
@@ -83,4 +92,19 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     KV_CACHE_DTYPES) under a model in ``model_dtype``."""
     import torch
 
-    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8}[name]
+    if name in KV_ROW_FORMATS:
+        return getattr(torch, KV_ROW_FORMATS[name][0])
+    return {"auto": model_dtype, "bfloat16": torch.bfloat16}[name]
+
+
+def is_quantized_kv(dtype: torch.dtype) -> bool:
+    """Whether a cache in ``dtype`` holds quantized rows (values, then a scale)."""
+    return str(dtype).removeprefix("torch.") in _QUANTIZED_DTYPES
+
+
+def kv_row_qmax(dtype: torch.dtype) -> float:
+    """QMAX of a quantized cache's dtype: a row's scale is max |x| / QMAX."""
+    return _QUANTIZED_DTYPES[str(dtype).removeprefix("torch.")]
+
+
+_QUANTIZED_DTYPES = dict(KV_ROW_FORMATS.values())

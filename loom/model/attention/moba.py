@@ -35,7 +35,7 @@ reference: a step whose contexts are all below the minimum runs the backend's ow
 attention; otherwise each query's chosen blocks are gathered from the cache (tiles of
 queries, at most ``_GATHER_BYTES`` of K/V at a time; no query x context score matrix
 above the minimum) and its rows below the minimum attend densely. Both read the cache
-in its dtype (bfloat16, int8: dequantized) and compute in float32.
+in its dtype (bfloat16, int8 or fp8: dequantized) and compute in float32.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from loom.kernels import native_ops_for
-from loom.model.attention.kv_layout import KEY, VALUE, slot_rows
+from loom.model.attention.kv_layout import KEY, VALUE, is_quantized_kv, slot_rows
 from loom.model.attention.metadata import AttentionMetadata
 from loom.model.attention.torch_backend import TorchAttentionBackend, dequantize_kv_rows
 
@@ -169,7 +169,7 @@ def _gather_rows(kv_cache: torch.Tensor, kind: int, kv_heads: torch.Tensor,
     num_slots = rows.shape[1]
     flat = (kv_heads * num_slots + slots).reshape(-1)
     picked = rows.reshape(-1, rows.shape[-1]).index_select(0, flat)
-    if kv_cache.dtype == torch.int8:
+    if is_quantized_kv(kv_cache.dtype):
         picked = dequantize_kv_rows(picked, dtype)
     else:
         picked = picked.to(dtype)
@@ -180,7 +180,7 @@ def update_block_means(means: torch.Tensor, kv_cache: torch.Tensor,
                        metadata: AttentionMetadata, moba_block_size: int) -> None:
     """The mean key of every MoBA block whose last position this step wrote, into
     ``means`` at the cache block holding that position (the module's doc): the keys in
-    float32 (an int8 row's q * scale unrounded), summed in float32 and divided by B."""
+    float32 (a quantized row's q * scale unrounded), summed in float32 and divided by B."""
     bs, per = metadata.block_size, moba_block_size // metadata.block_size
     starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     pairs = [(i, m) for i, seq_len in enumerate(lens)

@@ -13,8 +13,8 @@ out as G "query rows" of that KV head, ``(…, H, D) -> (…, Hkv, G, D)``, whic
 Hugging Face's ``repeat_kv`` pairs them (query head h reads KV head h // G).
 
 A cache in another dtype than the model's (``--kv-cache-dtype``: bfloat16 under a float32
-model, or int8) is written converted (int8: ``quantize_kv_rows``, kv_layout.py's rows)
-and read back in the model's dtype; with int8 every query reads K/V as the cache holds
+model, or int8 / fp8) is written converted (quantized: ``quantize_kv_rows``, kv_layout.py's
+rows) and read back in the model's dtype; then every query reads K/V as the cache holds
 them, a prompt's own tokens included, as the native kernels do.
 """
 
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.attention.backend import AttentionBackend
-from loom.model.attention.kv_layout import KEY, KV_SCALE_BYTES, VALUE, slot_rows
+from loom.model.attention.kv_layout import (KEY, KV_SCALE_BYTES, VALUE, is_quantized_kv,
+                                           kv_row_qmax, slot_rows)
 from loom.model.attention.metadata import AttentionMetadata
 
 
@@ -88,11 +89,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
         rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, row)
-        if kv_cache.dtype == torch.int8:
-            key, value = quantize_kv_rows(key), quantize_kv_rows(value)
+        if is_quantized_kv(kv_cache.dtype):
+            # as bytes: index_copy_ has no fp8 kernel
+            rows = rows.view(torch.int8)
+            key = quantize_kv_rows(key, kv_cache.dtype).view(torch.int8)
+            value = quantize_kv_rows(value, kv_cache.dtype).view(torch.int8)
         # (Hkv, num_slots, row) <- (Hkv, T, row)
-        rows[KEY].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
-        rows[VALUE].index_copy_(1, slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
+        rows[KEY].index_copy_(1, slot_mapping, key.transpose(0, 1).to(rows.dtype))
+        rows[VALUE].index_copy_(1, slot_mapping, value.transpose(0, 1).to(rows.dtype))
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, slots: torch.Tensor,
@@ -100,7 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
         """The K and V of ``slots`` (N,), each (Hkv, N, D) in ``dtype``, contiguous."""
         rows = slot_rows(kv_cache)  # (2, Hkv, num_slots, row)
         kv = rows.flatten(0, 1).index_select(1, slots).view(*rows.shape[:2], -1, rows.shape[3])
-        if kv_cache.dtype == torch.int8:
+        if is_quantized_kv(kv_cache.dtype):
             kv = dequantize_kv_rows(kv, dtype)
         elif kv_cache.dtype != dtype:
             kv = kv.to(dtype)
@@ -136,21 +140,27 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
 
 
-def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) K or V in the model's dtype -> (..., D + 4) int8 cache rows: each vector
-    scaled by its own max |x| / 127, its float32 scale's bytes after it (kv_layout.py;
-    the kernels' quantize_kv_row, bit for bit)."""
+def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """(..., D) K or V in the model's dtype -> (..., D + 4) cache rows in ``cache_dtype``
+    (int8, float8_e4m3fn or float8_e5m2): each vector scaled by its own max |x| / QMAX,
+    its float32 scale's bytes after it (kv_layout.py; the kernels' quantize_kv_row, bit
+    for bit: torch's fp8 conversion rounds to nearest even, as c10's does there)."""
     x = x.float()
-    scale = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    values = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
-    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+    scale = (x.abs().amax(-1, keepdim=True) / kv_row_qmax(cache_dtype)).clamp_min(
+        torch.finfo(torch.float32).tiny)
+    if cache_dtype == torch.int8:
+        values = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    else:  # |x / scale| <= QMAX: no saturation needed
+        values = (x / scale).to(cache_dtype).view(torch.int8)
+    return torch.cat([values, scale.view(torch.int8)], dim=-1).view(cache_dtype)
 
 
 def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., D + 4) int8 cache rows -> (..., D) in ``dtype``: float32 q * scale, rounded
-    once."""
+    """(..., D + 4) quantized cache rows (int8 or fp8, their dtype) -> (..., D) in
+    ``dtype``: float32 q * scale, rounded once."""
     values, scale = rows[..., :-KV_SCALE_BYTES], rows[..., -KV_SCALE_BYTES:]
-    return (values.float() * scale.contiguous().view(torch.float32)).to(dtype)
+    scale = scale.contiguous().view(torch.int8).view(torch.float32)
+    return (values.float() * scale).to(dtype)
 
 
 class _StepPlan:

@@ -17,7 +17,7 @@ import functools
 import os
 from typing import Any
 
-from loom.model.attention.kv_layout import kv_cache_row
+from loom.model.attention.kv_layout import KV_ROW_FORMATS, kv_cache_row
 from loom.model.loader.gguf_configs import config_from_metadata
 from loom.model.loader.gguf_file import GGUFFile
 from loom.model.loader.gguf_mmproj import multimodal_config, open_mmproj
@@ -75,11 +75,11 @@ def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: Any,
                              tp_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V for one block of ``block_size`` tokens over all layers, per rank;
     ``dtype`` (the model's) a ``torch.dtype`` or its name, ``kv_cache_dtype`` the
-    cache's (``--kv-cache-dtype``; int8 rows carry their scale, kv_layout.py)."""
+    cache's (``--kv-cache-dtype``; quantized rows carry their scale, kv_layout.py)."""
     head_dim = getattr(hf_config, "head_dim", None) or \
         hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads_per_rank = max(1, hf_config.num_key_value_heads // tp_size)
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in KV_ROW_FORMATS:
         row_bytes = kv_cache_row(head_dim, quantized=True)
     else:
         name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype

@@ -312,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int,
                        quantized: bool = False) -> tuple[int, ...]:
         """One layer's cache, as its attention backend lays it out (kv_layout.py);
-        ``quantized``: an int8 cache, a scale beside each row."""
+        ``quantized``: an int8 or fp8 cache, a scale beside each row."""
         return self.attention_layers[0].kv_cache_shape(num_blocks, block_size, quantized)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
