@@ -303,7 +303,8 @@ class KVPull(msgspec.Struct, kw_only=True):
     block_ids: list[int]  # the prefill rank's blocks, in the order they are wanted
     rank: int
     tp_size: int
-    layout: list[int]  # KVLayout.key(): layers, kv heads, block size, head dim, element bytes
+    layout: list[int]  # KVLayout.key(): layers, kv heads, block size, head dim, element bytes,
+    # cache dtype
     transport: str
 
 

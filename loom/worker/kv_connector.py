@@ -191,8 +191,9 @@ class KVConnectorWorker:
                     f"{self.tp_size}; KV blocks move rank to rank, so both need the same size")
         if pull.layout != self.layout.key():
             return (f"the decode rank's KV layout {pull.layout} (layers, kv heads, block size, "
-                    f"head dim, bytes) differs from this prefill rank's {self.layout.key()}; "
-                    "serve the same model with the same dtype and block size on both")
+                    f"head dim, bytes, dtype) differs from this prefill rank's "
+                    f"{self.layout.key()}; serve the same model with the same dtype, "
+                    "--kv-cache-dtype and block size on both")
         return None
 
     def _begin_send(self, pull: KVPull) -> str | None:

@@ -3,7 +3,8 @@ slots, as each step's ``KVTierOps`` say (the scheduler's half, core/kv_tier.py, 
 
 Each slot is a record: a header, then the block's bytes: for every cache the rank holds
 (the target's, a draft model's layers on rank 0), that block's piece, all layers, K and
-V, this rank's heads, in the cache's own layout and dtype (int8 rows carry their scales).
+V, this rank's heads, in the cache's own layout and dtype (int8 and fp8 rows carry their
+scales; the fingerprint names the dtype, as their rows have the same bytes).
 
     header (64 bytes): magic "LKVT" | format | block hash | group | weights epoch |
                        model fingerprint | payload bytes | crc32 of the payload

@@ -43,6 +43,10 @@ _MAX_FRAME = 64 * 2**20
 _SOCKET_BUFFER = 4 * 2**20
 
 
+# The cache dtypes a KV layout's key tells apart (by index).
+_DTYPE_CODES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     num_layers: int
@@ -50,15 +54,19 @@ class KVLayout:
     block_size: int
     head_dim: int
     element_size: int
+    dtype: int = 0  # _DTYPE_CODES: int8 and fp8 rows have the same bytes, not the same values
 
     @classmethod
     def of(cls, storage: torch.Tensor) -> KVLayout:
         num_layers, _, num_kv_heads, _, block_size, head_dim = storage.shape
-        return cls(num_layers, num_kv_heads, block_size, head_dim, storage.element_size())
+        name = str(storage.dtype).removeprefix("torch.")
+        code = _DTYPE_CODES.index(name) if name in _DTYPE_CODES else len(_DTYPE_CODES)
+        return cls(num_layers, num_kv_heads, block_size, head_dim, storage.element_size(),
+                   code)
 
     def key(self) -> list[int]:
         return [self.num_layers, self.num_kv_heads, self.block_size, self.head_dim,
-                self.element_size]
+                self.element_size, self.dtype]
 
     @property
     def bytes_per_block(self) -> int:

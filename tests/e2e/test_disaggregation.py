@@ -214,20 +214,38 @@ def test_prefill_then_decode_with_two_ranks_each(tiny_llama, reference, transpor
         decode.shutdown()
 
 
-def test_int8_kv_cache_ships_its_rows_with_their_scales(tiny_llama):
-    """--kv-cache-dtype int8 on both sides: a block's bytes are its int8 rows, each with
-    its scale after the values, so the decode instance reads what the prefill instance
-    wrote: greedy tokens equal a mixed int8 instance's."""
-    mixed = make_core(tiny_llama, "mixed", kv_cache_dtype="int8")
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_ships_its_rows_with_their_scales(tiny_llama, cache_dtype):
+    """--kv-cache-dtype int8 (or fp8_e4m3) on both sides: a block's bytes are its
+    quantized rows, each with its scale after the values, so the decode instance reads
+    what the prefill instance wrote: greedy tokens equal a mixed instance's with that
+    cache. A decode instance with the other dtype (rows of the same bytes) is refused
+    by name."""
+    mixed = make_core(tiny_llama, "mixed", kv_cache_dtype=cache_dtype)
     try:
         want, _, _ = run(mixed, [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     finally:
         mixed.shutdown()
-    prefill = make_core(tiny_llama, "prefill", kv_cache_dtype="int8")
-    decode = make_core(tiny_llama, "decode", kv_cache_dtype="int8")
+    prefill = make_core(tiny_llama, "prefill", kv_cache_dtype=cache_dtype)
+    decode = make_core(tiny_llama, "decode", kv_cache_dtype=cache_dtype)
     try:
         results, _ = disaggregated(prefill, decode, PROMPTS)
         assert results.tokens() == want.tokens()
+        other = make_core(tiny_llama, "decode",
+                          kv_cache_dtype="int8" if cache_dtype != "int8" else "fp8_e4m3")
+        try:
+            _, handoff, _ = run(prefill, [Request("a", PROMPTS[1], GREEDY.clone(
+                kv_transfer_params={"do_remote_decode": True}))])
+            _, _, errors = run(other, [Request("a", PROMPTS[1], GREEDY.clone(
+                kv_transfer_params=handoff["a"]))])
+            assert "refused" in errors["a"] and "--kv-cache-dtype" in errors["a"], errors
+            assert_empty(other)
+        finally:
+            other.shutdown()
+        # the prefill side still holds the blocks: the right decode instance takes them
+        taken, _, errors = run(decode, [Request("a", PROMPTS[1], GREEDY.clone(
+            kv_transfer_params=handoff["a"]))])
+        assert not errors and taken["a"]["tokens"] == want["r1"]["tokens"]
         assert_empty(prefill)
         assert_empty(decode)
     finally:

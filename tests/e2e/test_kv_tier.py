@@ -171,6 +171,28 @@ def test_a_hybrid_kv_cache_comes_back_whole(tmp_path):
         assert all(o.num_cached_tokens > 0 for o in again) and tier_of(llm).stats.loads > 0
 
 
+def test_an_fp8_cache_comes_back_from_the_tier(tiny_llama, tmp_path):
+    """--kv-cache-dtype fp8_e4m3: records hold the rows as the cache does, scales inside,
+    and an evicted prefix comes back with the tokens of a recompute over an fp8 cache.
+    The records' fingerprint names the dtype: int8 rows have the same shape and bytes."""
+    fingerprints = {}
+    for cache_dtype in ("fp8_e4m3", "int8"):
+        with LLM(tiny_llama, enable_prefix_caching=False, kv_cache_dtype=cache_dtype,
+                 **ENGINE) as llm:
+            expected = generate(llm, PROMPTS)
+        with tier_engine(tiny_llama, tmp_path, kv_cache_dtype=cache_dtype) as llm:
+            worker = llm.engine.engine_core.executor.worker
+            assert str(worker.model_runner.kv_cache_storage.dtype) == {
+                "fp8_e4m3": "torch.float8_e4m3fn", "int8": "torch.int8"}[cache_dtype]
+            fingerprints[cache_dtype] = worker.kv_tier.fingerprint
+            one_by_one(llm, PROMPTS)
+            again = one_by_one(llm, PROMPTS)
+            assert [o.outputs[0].token_ids for o in again] == expected
+            assert [o.num_cached_tokens for o in again] == [36] * 4
+            assert tier_of(llm).stats.load_failures == 0
+    assert fingerprints["fp8_e4m3"] != fingerprints["int8"]
+
+
 def test_tensor_parallel_ranks_agree_on_a_refusal(tiny_llama, reference, tmp_path):
     """Two ranks, each a file of its own heads: an evicted prefix comes back on both;
     then rank 1's records are corrupted and rank 0's are not, and both take the miss
