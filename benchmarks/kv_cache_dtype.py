@@ -5,7 +5,8 @@ prefix cache), then times three runs of 64 greedy tokens and reports the best.
 
     python benchmarks/kv_cache_dtype.py --batch 1 --rounds 5
     python benchmarks/kv_cache_dtype.py --batch 32 --rounds 5
-    python benchmarks/kv_cache_dtype.py --kernel   # one paged_attention call, both caches
+    python benchmarks/kv_cache_dtype.py --kernel   # one paged_attention call: bf16, int8,
+                                                   # fp8_e4m3 and fp8_e5m2 caches
 
 Each request: a 512-token prompt, then 64 greedy tokens; max_model_len 1024. --kernel:
 SmolLM2's attention shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16), decode
@@ -39,7 +40,9 @@ def kernel_times() -> None:
         cache, metadata, q, _, _ = _paged_case([576] * batch, [1] * batch, 9, 3, 64, 16,
                                                torch.bfloat16)
         out = torch.empty_like(q)
-        for name, kv_cache in (("bf16", cache), ("int8", quantize_kv_rows(cache))):
+        for name, kv_cache in (("bf16", cache), ("int8", quantize_kv_rows(cache)),
+                               ("fp8_e4m3", quantize_kv_rows(cache, torch.float8_e4m3fn)),
+                               ("fp8_e5m2", quantize_kv_rows(cache, torch.float8_e5m2))):
             def call():
                 ops.paged_attention(out, q, kv_cache, metadata.block_table, metadata.seq_lens,
                                     metadata.query_start_loc, 0.125, 1 << 30)

@@ -5,6 +5,7 @@ and each engine's top-1 agreement with the same file dequantized to float32.
     python benchmarks/perplexity.py                       # the default Q4_1 file
     python benchmarks/perplexity.py --model F.gguf --ctx 512 --llama-bin DIR
     python benchmarks/perplexity.py --kv-cache-dtype int8  # and the kept file over it
+    python benchmarks/perplexity.py --kv-cache-dtype int8 fp8_e4m3 fp8_e5m2  # each
 
 The text ships offline: Python standard library docstrings (tests/model/
 test_quantization.py's, repeated to ``--tokens``). llama-perplexity splits the tokens
@@ -116,9 +117,10 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--kv-cache-dtype", default=None,
-                        help="also score the kept file over this KV cache dtype (int8), "
-                             "and its top-1 agreement with the kept file's own cache")
+    parser.add_argument("--kv-cache-dtype", default=None, nargs="+",
+                        help="also score the kept file over this KV cache dtype (int8, "
+                             "fp8_e4m3, fp8_e5m2; several: each in turn), and its top-1 "
+                             "agreement with the kept file's own cache")
     parser.add_argument("--llama-bin", default=os.path.join(
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     args = parser.parse_args()
@@ -144,14 +146,14 @@ def main() -> None:
         "loom kept (bf16): top-1 agreement with loom dequantized (float32)":
             sum(a == b for a, b in zip(kept_top1, reference_top1)) / len(kept_top1),
     }
-    if args.kv_cache_dtype is not None:
+    for cache_dtype in args.kv_cache_dtype or ():
         cache, cache_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos,
-                                            kv_cache_dtype=args.kv_cache_dtype)
-        results[f"loom kept (bf16), {args.kv_cache_dtype} KV cache"] = cache
-        results[f"loom kept (bf16), {args.kv_cache_dtype} KV cache: top-1 agreement with "
+                                            kv_cache_dtype=cache_dtype)
+        results[f"loom kept (bf16), {cache_dtype} KV cache"] = cache
+        results[f"loom kept (bf16), {cache_dtype} KV cache: top-1 agreement with "
                 "the bf16 KV cache"] = \
             sum(a == b for a, b in zip(cache_top1, kept_top1)) / len(kept_top1)
-        results[f"loom kept (bf16), {args.kv_cache_dtype} KV cache: top-1 agreement with "
+        results[f"loom kept (bf16), {cache_dtype} KV cache: top-1 agreement with "
                 "loom dequantized (float32)"] = \
             sum(a == b for a, b in zip(cache_top1, reference_top1)) / len(kept_top1)
     if os.path.exists(os.path.join(args.llama_bin, "llama-perplexity")):
