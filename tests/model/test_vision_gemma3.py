@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from vlm_checkpoints import load_tower
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.vision.gemma3 import Gemma3VisionTower
@@ -56,29 +56,10 @@ def tiny(tmp_path_factory):
     return config, weights, model, pixel_values
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def build_tower(config, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 tp_group: TPGroup = SINGLE) -> Gemma3VisionTower:
     """As the model loader does: build in ``dtype``, load, run the layers' hooks."""
-    with _default_dtype(dtype):
-        tower = Gemma3VisionTower(config, tp_group)
-    with torch.no_grad():
-        loaded = tower.load_weights(weights.items())
-    assert loaded == set(dict(tower.named_parameters()))
-    for module in tower.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
-    return tower
+    return load_tower(Gemma3VisionTower, config, weights, dtype, tp_group)
 
 
 def hf_rows(model, pixel_values: torch.Tensor) -> torch.Tensor:

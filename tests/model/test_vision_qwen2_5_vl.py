@@ -9,15 +9,15 @@ the tensor-parallel ranks import this module and need none of it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from vlm_checkpoints import load_tower
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
@@ -26,29 +26,10 @@ from loom.model.vision.qwen2_5_vl import Qwen2_5_VLVisionTower, _WindowLayout
 IMAGE_SIZES = ((56, 84), (112, 112))  # (height, width) in pixels
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def build_tower(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 tp_group: TPGroup = SINGLE) -> Qwen2_5_VLVisionTower:
-    """As the model loader builds a model: in ``dtype``, loaded, then each module's hook."""
-    with default_dtype(dtype):
-        tower = Qwen2_5_VLVisionTower(config, tp_group)
-    with torch.no_grad():
-        loaded = tower.load_weights(state_dict.items())
-    assert loaded == set(dict(tower.named_parameters()))
-    for module in tower.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
-    return tower.eval()
+    """As the model loader does: build in ``dtype``, load, run the layers' hooks."""
+    return load_tower(Qwen2_5_VLVisionTower, config, state_dict, dtype, tp_group)
 
 
 @pytest.fixture(scope="module")

@@ -563,3 +563,24 @@ def _build_paddleocr_vl() -> str:
     hf.save_pretrained(path)
     _move_chat_template_into_tokenizer_config(path, PADDLEOCR_VL_CHAT_TEMPLATE)
     return path
+
+
+def load_tower(tower_class, config, weights: dict[str, torch.Tensor],
+               dtype: torch.dtype = torch.float32, tp_group=None):
+    """A family's vision tower as the model loader makes it: built in ``dtype`` (on
+    ``tp_group``'s rank, or alone), every parameter loaded from ``weights``, then each
+    module's after-loading hook."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        tower = tower_class(config) if tp_group is None else tower_class(config, tp_group)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        loaded = tower.load_weights(weights.items())
+    assert loaded == set(dict(tower.named_parameters()))
+    for module in tower.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+    return tower.eval()
