@@ -109,6 +109,9 @@ class ModelConfig:
     limit_mm_per_prompt: dict[str, int] | None = field(default=None, hash=False)
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
+    # How media are read (vLLM's --media-io-kwargs): {"video": {"num_frames": N}}, the
+    # frames sampled from a video_url (None: 32)
+    media_io_kwargs: dict[str, dict[str, Any]] | None = field(default=None, hash=False)
     # What the engine answers (loom/pooling.py): generate (completions, chat), embed
     # (embeddings) or score (rerank, score); a request for another task is a 400.
     task: str = "generate"
@@ -147,6 +150,15 @@ class ModelConfig:
                 "image", "video"} or not all(type(v) is int and v >= 0 for v in limits.values())):
             raise ValueError('limit_mm_per_prompt gives "image" (and "video") a count of 0 or '
                              f'more, e.g. {{"image": 2}}; got {limits!r}')
+        media = self.media_io_kwargs
+        if media is not None:
+            frames = media.get("video", {}).get("num_frames", 1) \
+                if isinstance(media, dict) and isinstance(media.get("video", {}), dict) else None
+            if not isinstance(media, dict) or not set(media) <= {"video"} \
+                    or not set(media.get("video", {})) <= {"num_frames"} \
+                    or type(frames) is not int or frames < 1:
+                raise ValueError('media_io_kwargs takes {"video": {"num_frames": N}} (N >= 1, '
+                                 f"the frames sampled from a video_url); got {media!r}")
         efforts = self.reasoning_effort_budgets
         if not isinstance(efforts, dict) or set(efforts) != {"low", "medium", "high"} or not all(
                 type(v) is int and v >= -1 for v in efforts.values()):

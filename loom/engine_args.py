@@ -223,6 +223,10 @@ class EngineArgs:
     allowed_local_media_path: str | None = arg(
         None, to="model.allowed_local_media_path", scope=SERVE,
         help="a directory whose files image URLs (file://) may name (default: none)")
+    media_io_kwargs: dict[str, dict[str, Any]] | None = arg(
+        None, to="model.media_io_kwargs", parse=arg_types.json_object, scope=SERVE,
+        help='how media are read, JSON, e.g. \'{"video": {"num_frames": 16}}\': the frames '
+             "sampled evenly from a video_url (default 32)")
     lm_head_fp32: bool = arg(
         False, to="model.lm_head_fp32", action="store_true",
         help="compute logits in float32 from a float32 copy of the LM head (dequantized if "

@@ -260,3 +260,10 @@ def test_kv_offload_path_that_cannot_take_a_file(tiny_model, tmp_path):
         make_engine_config(tiny_model, kv_offload_size=4096, kv_offload_path=str(tmp_path))
     with pytest.raises(ValueError, match="--kv-offload-path needs --kv-offload-size"):
         make_engine_config(tiny_model, kv_offload_path=str(tmp_path))
+
+
+@pytest.mark.parametrize("value", ['{"video": {"num_frames": 0}}', '{"video": {"fps": 2}}',
+                                   '{"audio": {}}'])
+def test_bad_media_io_kwargs_is_one_line_at_start_up(tiny_model, value):
+    assert_one_line_error(run_loom("serve", tiny_model, "--media-io-kwargs", value),
+                          'media_io_kwargs takes {"video": {"num_frames": N}}')

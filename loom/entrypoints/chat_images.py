@@ -27,7 +27,8 @@ from typing import Any
 from PIL import Image
 
 from loom.config import ModelConfig
-from loom.multimodal.media import MediaError, MediaPolicy, load_image, load_video
+from loom.multimodal.media import (VIDEO_NUM_FRAMES, MediaError, MediaPolicy, load_image,
+                                   load_video)
 
 _IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
 _VIDEO_PART_TYPES = ("video_url",)
@@ -113,8 +114,10 @@ def _source(part: dict[str, Any], where: str) -> str | Image.Image:
 def media_policy(model_config: ModelConfig) -> MediaPolicy:
     """Where the engine may read images from: its ``allowed_media_domains`` and
     ``allowed_local_media_path`` (``--allowed-media-domains``, ``--allowed-local-media-path``)."""
+    video = (model_config.media_io_kwargs or {}).get("video", {})
     return MediaPolicy(allowed_domains=tuple(model_config.allowed_media_domains or ()),
-                       allowed_local_path=model_config.allowed_local_media_path)
+                       allowed_local_path=model_config.allowed_local_media_path,
+                       video_num_frames=video.get("num_frames", VIDEO_NUM_FRAMES))
 
 
 def load_chat_media(item: ChatMedia, policy: MediaPolicy) -> Any:

@@ -98,6 +98,8 @@ class MediaPolicy:
     """The most pixels a video's frame may have, read from its stream before decoding."""
     max_video_frames: int = 18_000
     """The most frames decoded from one video (10 minutes at 30 frames a second)."""
+    video_num_frames: int = VIDEO_NUM_FRAMES
+    """The frames sampled from a video (``--media-io-kwargs '{"video": {"num_frames": N}}'``)."""
     medium: str = "image"
     """What is being read, "image" or "video" (:func:`load_video` sets it): its part's
     name in messages and the data URL's media type."""
@@ -108,7 +110,7 @@ class MediaPolicy:
                 raise ValueError(f"allowed media domain {domain!r} is not a host name; "
                                  "give one such as example.com (no scheme, port or path)")
         for name in ("timeout_s", "max_bytes", "max_pixels", "max_video_bytes",
-                     "max_video_pixels", "max_video_frames"):
+                     "max_video_pixels", "max_video_frames", "video_num_frames"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MediaPolicy.{name} must be positive, not "
                                  f"{getattr(self, name)}")
@@ -144,17 +146,19 @@ def load_image(url: str, policy: MediaPolicy, *, resolve: Resolver = resolve_hos
                          f"{error}); check that it is an intact image") from error
 
 
-def load_video(url: str, policy: MediaPolicy, num_frames: int = VIDEO_NUM_FRAMES, *,
+def load_video(url: str, policy: MediaPolicy, num_frames: int | None = None, *,
                resolve: Resolver = resolve_host,
                connect: Connector = connect_tcp) -> tuple[list[Image.Image], dict[str, float]]:
-    """The video ``url`` refers to, as ``num_frames`` RGB frames sampled evenly over it
-    (all of them if it has fewer) and ``{"fps": the sampled frames' rate}``: what a
-    family's video processor takes (``multi_modal_data={"video": (frames, metadata)}``).
+    """The video ``url`` refers to, as ``num_frames`` (default: the policy's
+    ``video_num_frames``) RGB frames sampled evenly over it (all of them if it has
+    fewer) and ``{"fps": the sampled frames' rate}``: what a family's video processor
+    takes (``multi_modal_data={"video": (frames, metadata)}``).
     Read as an image is, under ``policy`` with its video limits (bytes, a frame's pixels,
     frames decoded); decoded with PyAV from the containers in :data:`VIDEO_CONTAINERS`
     only, named by their first bytes (FFmpeg is never left to probe: playlist and concat
     demuxers would read other files and URLs)."""
     reading = replace(policy, medium="video", max_bytes=policy.max_video_bytes)
+    num_frames = policy.video_num_frames if num_frames is None else num_frames
     try:
         return _decode_video(_read_bytes(url, reading, resolve, connect), reading, num_frames)
     except MediaError:

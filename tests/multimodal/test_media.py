@@ -579,3 +579,17 @@ def test_video_limits():
     with pytest.raises(MediaError, match="the video is larger than this server's limit of 100 "):
         load_video(video_url(data), MediaPolicy(max_video_bytes=100))
     assert len(load_video(video_url(data), MediaPolicy(max_video_frames=12))[0]) == 12
+
+
+def test_the_policy_sets_how_many_frames_a_video_gives():
+    """--media-io-kwargs '{"video": {"num_frames": 4}}' reaches load_video through the
+    server's policy (chat_images.media_policy)."""
+    from loom.config import ModelConfig
+    from loom.entrypoints.chat_images import media_policy
+
+    policy = media_policy(ModelConfig(model="m", media_io_kwargs={"video": {"num_frames": 4}}))
+    assert policy.video_num_frames == 4
+    assert len(load_video(video_url(encoded_video(12)), policy)[0]) == 4
+    assert len(load_video(video_url(encoded_video(12)), MediaPolicy())[0]) == 12
+    with pytest.raises(ValueError, match="video_num_frames must be positive"):
+        MediaPolicy(video_num_frames=0)
