@@ -50,6 +50,15 @@ def _with_mrope(config: Any) -> Any:
     return config
 
 
+def qwen_vl_weight_route(name: str) -> tuple[bool, str]:
+    """A Qwen-VL checkpoint tensor's (to the tower?, its name there): published checkpoints
+    name the tower "visual." and the decoder "model."; transformers 5 (and Qwen3-VL's
+    checkpoints) "model.visual." and "model.language_model."."""
+    if name.startswith(("visual.", "model.visual.")):
+        return True, name.split("visual.", 1)[1]
+    return False, name.replace("model.language_model.", "model.", 1)
+
+
 def qwen_vl_mrope_positions(num_tokens: int, features: list[MultiModalFeature],
                             spatial_merge_size: int, tokens_per_second: float = 2
                             ) -> tuple[np.ndarray, int]:
@@ -146,14 +155,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def route(name: str) -> tuple[bool, str]:
-            # published checkpoints name the tower "visual." and the decoder "model.";
-            # transformers 5 in memory "model.visual." and "model.language_model."
-            if name.startswith(("visual.", "model.visual.")):
-                return True, name.split("visual.", 1)[1]
-            return False, name.replace("model.language_model.", "model.", 1)
-
         tower: set[str] = set()
-        loaded = super().load_weights(tower_weights_on_the_way(weights, route, self.visual,
-                                                               tower))
+        loaded = super().load_weights(tower_weights_on_the_way(weights, qwen_vl_weight_route,
+                                                               self.visual, tower))
         return loaded | {f"visual.{name}" for name in tower}

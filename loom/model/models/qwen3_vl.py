@@ -37,7 +37,7 @@ from loom.core.wire import MultiModalFeature
 from loom.distributed.parallel_state import NO_EP, SINGLE, EPGroup, TPGroup
 from loom.model.layers.rotary import rope_parameters
 from loom.model.models.llama import LlamaModel
-from loom.model.models.qwen2_5_vl import qwen_vl_mrope_positions
+from loom.model.models.qwen2_5_vl import qwen_vl_mrope_positions, qwen_vl_weight_route
 from loom.model.models.qwen3 import Qwen3ForCausalLM
 from loom.model.vision import tower_weights_on_the_way
 
@@ -134,14 +134,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
                           deepstack=(index, levels))  # levels (L, N, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def route(name: str) -> tuple[bool, str]:
-            # the checkpoints name the tower "model.visual." and the decoder
-            # "model.language_model."; older conversions "visual." and "model."
-            if name.startswith(("visual.", "model.visual.")):
-                return True, name.split("visual.", 1)[1]
-            return False, name.replace("model.language_model.", "model.", 1)
-
         tower: set[str] = set()
-        loaded = super().load_weights(tower_weights_on_the_way(weights, route, self.visual,
-                                                               tower))
+        loaded = super().load_weights(tower_weights_on_the_way(weights, qwen_vl_weight_route,
+                                                               self.visual, tower))
         return loaded | {f"visual.{name}" for name in tower}
