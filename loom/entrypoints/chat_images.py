@@ -89,20 +89,15 @@ def _modality(part: Any) -> str | None:
 
 def _source(part: dict[str, Any], where: str) -> str | Image.Image:
     kind = part["type"]
-    if kind == "video_url":
-        video_url = part.get("video_url")
-        url = video_url.get("url") if isinstance(video_url, dict) else video_url
+    if kind in ("image_url", "video_url"):
+        media = part.get(kind)
+        url = media.get("url") if isinstance(media, dict) else media
         if isinstance(url, str):
             return url
-        raise ValueError(f'{where}: a video_url part is {{"type": "video_url", "video_url": '
-                         '{"url": "data:video/mp4;base64,..."}}')
-    if kind == "image_url":
-        image_url = part.get("image_url")
-        url = image_url.get("url") if isinstance(image_url, dict) else image_url
-        if isinstance(url, str):
-            return url
-        raise ValueError(f'{where}: an image_url part is {{"type": "image_url", "image_url": '
-                         '{"url": "data:image/png;base64,..."}}')
+        example = "data:video/mp4;base64,..." if kind == "video_url" else \
+            "data:image/png;base64,..."
+        raise ValueError(f'{where}: {"a" if kind == "video_url" else "an"} {kind} part is '
+                         f'{{"type": "{kind}", "{kind}": {{"url": "{example}"}}}}')
     source = part.get(kind) if kind == "image_pil" else part.get("image", part.get("url"))
     if isinstance(source, Image.Image) or (kind == "image" and isinstance(source, str)):
         return source
