@@ -57,6 +57,31 @@ def _config(family: str, **overrides):
     return (bert_config if family == "bert" else modernbert_config)(**overrides)
 
 
+def write_sentence_transformers(path: str, pooling: str, normalize: bool,
+                                hidden_size: int) -> str:
+    """The sentence-transformers files of ``path``'s checkpoint: a Transformer, a
+    Pooling module (``last``, ``mean`` or ``cls``) over ``hidden_size`` features, and a
+    Normalize if asked."""
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": hidden_size,
+                   "pooling_mode_cls_token": pooling == "cls",
+                   "pooling_mode_mean_tokens": pooling == "mean",
+                   "pooling_mode_max_tokens": False,
+                   "pooling_mode_lasttoken": pooling == "last", "include_prompt": True}, f)
+    return path
+
+
 def make_embedding_model(path: str, family: str, pooling: str, normalize: bool = True,
                          **overrides) -> str:
     """A sentence-transformers directory: a random ``BertModel`` or ``ModernBertModel``
@@ -70,23 +95,7 @@ def make_embedding_model(path: str, family: str, pooling: str, normalize: bool =
     model = AutoModel.from_config(config)
     model.save_pretrained(path)
     make_wordpiece_tokenizer(path)
-    modules = [{"idx": 0, "name": "0", "path": "",
-                "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
-        os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
-    with open(os.path.join(path, "modules.json"), "w") as f:
-        json.dump(modules, f)
-    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": config.hidden_size,
-                   "pooling_mode_cls_token": pooling == "cls",
-                   "pooling_mode_mean_tokens": pooling == "mean",
-                   "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False,
-                   "include_prompt": True}, f)
+    write_sentence_transformers(path, pooling, normalize, config.hidden_size)
     with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
         json.dump({"max_seq_length": config.max_position_embeddings,
                    "do_lower_case": False}, f)

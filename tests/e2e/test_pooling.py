@@ -6,12 +6,10 @@ and a generating one refuses pooling, naming the task."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 from checkpoints import make_tiny_checkpoint
+from encoder_fixtures import write_sentence_transformers
 from tokenizer_fixtures import make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
@@ -24,26 +22,6 @@ TEXTS = ["the cat sat on the mat", "hello world",
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=16,
               enable_warm_up=False)
 
-
-def write_sentence_transformers(path: str, pooling: str, normalize: bool = True) -> str:
-    """The sentence-transformers files of ``path``'s checkpoint: a Transformer, a
-    Pooling module (``last``, ``mean`` or ``cls``), and a Normalize if asked."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
-        os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
-    with open(os.path.join(path, "modules.json"), "w") as f:
-        json.dump(modules, f)
-    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
-                   "pooling_mode_mean_tokens": pooling == "mean",
-                   "pooling_mode_max_tokens": False,
-                   "pooling_mode_lasttoken": pooling == "last", "include_prompt": True}, f)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +60,7 @@ def _copy_with_st(source: str, target, pooling: str, normalize: bool = True) -> 
     import shutil
 
     shutil.copytree(source, target)
-    return write_sentence_transformers(str(target), pooling, normalize)
+    return write_sentence_transformers(str(target), pooling, normalize, hidden_size=64)
 
 
 def test_dimensions_cut_a_matryoshka_embedding(qwen3, tmp_path):

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from vlm_checkpoints import load_tower
+
 from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
 from loom.model.vision.ernie4_5_vl import Ernie4_5_VLVisionTower, patch_positions
 
@@ -52,20 +54,8 @@ def tower_weights(hf_model) -> list[tuple[str, torch.Tensor]]:
 
 
 def loom_tower(hf_config, weights, dtype: torch.dtype) -> Ernie4_5_VLVisionTower:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        tower = Ernie4_5_VLVisionTower(HFConfigView.from_values(hf_config_values(hf_config)))
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        loaded = tower.load_weights(weights)
-    assert loaded == set(dict(tower.named_parameters()))
-    for module in tower.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
-    return tower.eval()
+    return load_tower(Ernie4_5_VLVisionTower,
+                      HFConfigView.from_values(hf_config_values(hf_config)), weights, dtype)
 
 
 def preprocess(sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

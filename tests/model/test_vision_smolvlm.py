@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from vlm_checkpoints import load_tower
+
 from loom.model.vision.smolvlm import SmolVLMVisionTower
 
 TILE = 32
@@ -55,20 +57,7 @@ def tiny(tmp_path_factory):
 def build_tower(config, weights: dict[str, torch.Tensor],
                 dtype: torch.dtype = torch.float32) -> SmolVLMVisionTower:
     """As the model loader does: build in ``dtype``, load, run the layers' hooks."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        tower = SmolVLMVisionTower(config)
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        loaded = tower.load_weights(weights.items())
-    assert loaded == set(dict(tower.named_parameters()))
-    for module in tower.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
-    return tower
+    return load_tower(SmolVLMVisionTower, config, weights, dtype)
 
 
 def hf_rows(model, pixel_values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -565,11 +565,11 @@ def _build_paddleocr_vl() -> str:
     return path
 
 
-def load_tower(tower_class, config, weights: dict[str, torch.Tensor],
-               dtype: torch.dtype = torch.float32, tp_group=None):
+def load_tower(tower_class, config, weights, dtype: torch.dtype = torch.float32,
+               tp_group=None):
     """A family's vision tower as the model loader makes it: built in ``dtype`` (on
     ``tp_group``'s rank, or alone), every parameter loaded from ``weights``, then each
-    module's after-loading hook."""
+    module's after-loading hook. ``weights``: a dict or (name, tensor) pairs."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -577,7 +577,7 @@ def load_tower(tower_class, config, weights: dict[str, torch.Tensor],
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
-        loaded = tower.load_weights(weights.items())
+        loaded = tower.load_weights(weights.items() if isinstance(weights, dict) else weights)
     assert loaded == set(dict(tower.named_parameters()))
     for module in tower.modules():
         hook = getattr(module, "process_weights_after_loading", None)
