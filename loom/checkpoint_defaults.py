@@ -57,6 +57,8 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
                        "own implementations serve the architectures it supports")
     check_architecture_before_loading(model)
     hf_config = load_hf_config(model, args.mmproj)
+    apply_hf_overrides(hf_config, _json_object(args.hf_overrides, "--hf-overrides",
+                                               '\'{"max_position_embeddings": 32768}\''))
     architecture = get_model_architecture(hf_config)  # unsupported: a ValueError naming them
     encoder = is_encoder_only(architecture)
     check_task(args.task, architecture, encoder, hf_config, model)
@@ -365,6 +367,20 @@ def _effort_budgets(value: dict[str, int] | str | None) -> dict[str, int]:
         raise ValueError(f"--reasoning-effort-budgets has unknown efforts {unknown}; "
                          "known: low, medium, high")
     return {**budgets, **(value or {})}
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None:
+    """Lay ``overrides`` over the checkpoint's config, as vLLM's ``--hf-overrides``: a key
+    whose value is an object and whose attribute is a sub-config (``text_config``) is laid
+    over that sub-config key by key; any other key is set as given."""
+    for key, value in (overrides or {}).items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(hf_config, key, value)
+    if overrides:
+        logger.info("checkpoint config overridden: %s", json.dumps(overrides, sort_keys=True))
 
 
 def _json_object(value: dict[str, Any] | str | None, flag: str,

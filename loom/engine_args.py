@@ -292,6 +292,10 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | str | None = arg(
         None, to=None, parse=arg_types.json_object,
         help='JSON laid over the generation config, e.g. \'{"temperature": 0.5}\'')
+    hf_overrides: dict[str, Any] | str | None = arg(
+        None, to=None, parse=arg_types.json_object,
+        help='JSON laid over the checkpoint\'s config (sub-configs key by key), e.g. '
+             '\'{"max_position_embeddings": 32768}\'')
     trust_remote_code: bool = arg(
         False, to=None, action="store_true",
         help="accepted for vLLM's sake: loom never runs code from a checkpoint")

@@ -237,3 +237,39 @@ def test_max_model_len_follows_rope_scaling(tmp_path, caplog):
     resolved = resolve_against_checkpoint(EngineArgs(model=path, max_model_len=64,
                                                      skip_tokenizer_init=True))
     assert resolved.args.enable_prefix_caching
+
+
+def test_hf_overrides_lay_over_the_checkpoint_config(tmp_path):
+    """vLLM's --hf-overrides: a key set on the config as given (the context length here),
+    and an object laid over a sub-config key by key; the workers read the overridden
+    values, and a prompt past the checkpoint's own length then runs."""
+    from loom.checkpoint_defaults import resolve_against_checkpoint
+    from loom.engine_args import EngineArgs
+
+    path = make_tiny_checkpoint("llama", tmp_path / "short", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="max_model_len 100 exceeds the model's"):
+        resolve_against_checkpoint(EngineArgs(model=path, max_model_len=100,
+                                              skip_tokenizer_init=True))
+    resolved = resolve_against_checkpoint(EngineArgs(
+        model=path, max_model_len=100, skip_tokenizer_init=True,
+        hf_overrides='{"max_position_embeddings": 128}'))
+    assert resolved.args.max_model_len == 100
+    assert resolved.model_fields["hf_config"]["max_position_embeddings"] == 128
+    with pytest.raises(ValueError, match="--hf-overrides is not valid JSON"):
+        resolve_against_checkpoint(EngineArgs(model=path, hf_overrides="{max: 1}"))
+    with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
+        resolve_against_checkpoint(EngineArgs(model=path, hf_overrides="[1]"))
+
+    from loom.checkpoint_defaults import apply_hf_overrides
+    from transformers import Gemma3Config
+
+    nested = Gemma3Config()
+    apply_hf_overrides(nested, {"text_config": {"sliding_window": 7}, "image_token_id": 5})
+    assert nested.text_config.sliding_window == 7 and nested.image_token_id == 5
+    assert nested.text_config.num_hidden_layers == Gemma3Config().text_config.num_hidden_layers
+
+    with LLM(path, dtype="float32", max_model_len=100, skip_tokenizer_init=True,
+             hf_overrides={"max_position_embeddings": 128}) as llm:
+        out = llm.generate([{"prompt_token_ids": list(range(3, 93))}],
+                           SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
