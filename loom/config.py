@@ -691,6 +691,9 @@ class EngineConfig:
     moba_attention: MobaAttentionConfig | None = None  # MoBA on full-attention layers
 
     def __post_init__(self) -> None:
+        from loom.model.attention import check_attn_backend_device  # imports no torch
+
+        check_attn_backend_device(self.model.attention_backend, self.device)
         if self.speculative is not None and self.model.logprobs_mode.startswith("processed"):
             raise ValueError(f"--logprobs-mode {self.model.logprobs_mode} is not supported "
                              "with speculative decoding; use raw_logprobs or raw_logits")

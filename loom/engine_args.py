@@ -166,9 +166,10 @@ class EngineArgs:
     seed: int = arg(0, to="model.seed", parse=int)
     device: str = arg("auto", to="device", choices=["auto", "cpu", "cuda"])
     attention_backend: str = arg(
-        "auto", to="model.attention_backend", metavar="auto|cpu|torch",
+        "auto", to="model.attention_backend", metavar="auto|cpu|torch|triton",
         help="attention implementation, by registered name: cpu (loom's native CPU "
-             "kernels), torch (the PyTorch reference), or auto (default: cpu where the "
+             "kernels), torch (the PyTorch reference), triton (loom's Triton kernels, CUDA "
+             "only; opt-in: not yet proven on a GPU), or auto (default: cpu where the "
              "native kernels apply, else torch)")
     quantization: str = arg(
         "auto", to="model.quantization", flags=("--quantization", "-q"),

@@ -81,7 +81,7 @@ def test_auto_is_cpu_with_the_kernels_else_torch_and_is_logged_once(model_dir, c
 
 def test_unknown_backend_is_one_line_naming_the_registered_ones(model_dir):
     with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; choose one of "
-                                         r"auto, cpu, torch \(--attention-backend\)"):
+                                         r"auto, cpu, torch, triton \(--attention-backend\)"):
         LLM(model_dir, attention_backend="flash", **ENGINE_KWARGS)
     run = subprocess.run([sys.executable, "-m", "loom.cli", "generate", "--model", model_dir,
                           "--prompt", "hi", "--attention-backend", "flash"],
@@ -90,4 +90,4 @@ def test_unknown_backend_is_one_line_naming_the_registered_ones(model_dir):
     assert "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
     assert errors == ["loom generate: error: unknown attention backend 'flash'; choose one of "
-                      "auto, cpu, torch (--attention-backend)"], run.stderr
+                      "auto, cpu, torch, triton (--attention-backend)"], run.stderr
