@@ -86,3 +86,54 @@ def test_triton_on_the_cpu_is_one_line_at_start_up(model_dir, monkeypatch):
     assert "Traceback" not in run.stderr
     assert [line for line in run.stderr.splitlines() if "error" in line] == [
         f"loom generate: error: {message}"], run.stderr
+
+
+# (dtype, cache dtype, decode step, splits, sliding window, GQA group, head_dim): prefill
+# with a window over fp8 rows, float32 (IEEE dots), and a decode split over the context
+# at head size 80 (padded to 128) with 8 query heads per KV head
+COMPILED = [(torch.bfloat16, torch.float8_e4m3fn, False, 1, True, 2, 128),
+            (torch.float32, torch.float32, False, 1, False, 1, 64),
+            (torch.bfloat16, torch.bfloat16, True, 4, True, 8, 80)]
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def _compile(fn, target, constants: dict, types: dict[str, str]):
+    import triton
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
+                 for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs=constants), target=target)
+
+
+@needs_triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="under TRITON_INTERPRET=1 the kernels are interpreted, not compiled")
+@pytest.mark.parametrize("case", COMPILED)
+def test_kernels_compile_to_cubin_for_an_h100_and_an_a100(case):
+    """Triton's own compiler and ptxas (shipped in its wheel) build the kernels for sm_90
+    and sm_80 with no GPU here: types, shapes and matmul sizes pass the GPU compiler, as
+    paged_attention launches them (kernel_constants). Running them is a GPU's job."""
+    from triton.backends.compiler import GPUTarget
+
+    from loom.model.attention import triton_attention
+
+    dtype, cache_dtype, decode, splits, windowed, group, head_dim = case
+    element = _POINTER_TYPES[dtype]
+    types = dict(out_ptr=element, query_ptr=element, split_acc_ptr="*fp32",
+                 split_max_ptr="*fp32", split_sum_ptr="*fp32", block_table_ptr="*i32",
+                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale="fp32",
+                 head_stride="i64", value_offset="i64",
+                 cache_ptr=_POINTER_TYPES.get(cache_dtype, "*u8"))
+    for capability in (90, 80):
+        target = GPUTarget("cuda", capability, 32)
+        constants = triton_attention.kernel_constants(
+            8 * group, 8, head_dim, 16, dtype, cache_dtype, decode, splits, windowed,
+            interpreted=False)
+        kernel = _compile(triton_attention._paged_attention_kernel, target, constants, types)
+        assert kernel.asm["cubin"]
+        if splits > 1:
+            kernel = _compile(triton_attention._reduce_splits_kernel, target,
+                              triton_attention.reduce_constants(8 * group, head_dim, splits),
+                              types)
+            assert kernel.asm["cubin"]

@@ -43,19 +43,22 @@ TF32). Under Triton's interpreter (``TRITON_INTERPRET=1``, which runs the kernel
 CPU with numpy and has no bfloat16 matmul) the operands go to float32 first; a product of
 two bf16 or fp16 values is exact in float32, so only the order of the sums differs.
 
-What is proven: results equal the torch reference within rounding under the interpreter
-(tests/model/test_triton_attention.py). What is not: nothing here has run on a GPU yet,
-and its speed is unmeasured; the tile sizes and the split rule are first guesses.
+What is proven (tests/model/test_triton_attention.py): results equal the torch reference
+within rounding under the interpreter, and the kernels compile to cubin for sm_90 and
+sm_80 through Triton's own compiler and ptxas, with no GPU. What is not: nothing here has
+run on a GPU yet, and its speed is unmeasured; the tile sizes and the split rule are first
+guesses.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from loom.model.attention import triton_interpreter_requested
-from loom.model.attention.kv_layout import is_quantized_kv
 
 
 def _interpreted() -> bool:
@@ -290,26 +293,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, num_blocks, block_size, row = kv_cache.shape
     num_reqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_reqs == 0:
         return output
-    kv_format = _QUANTIZED_FORMATS[kv_cache.dtype] if is_quantized_kv(kv_cache.dtype) else PLAIN
-    cache = kv_cache.view(torch.uint8) if kv_format != PLAIN else kv_cache
     one_query_each = max_query_len == 1
-    if one_query_each:  # a decode step: one token, its G heads, padded to a 16-row matmul
-        block_m = max(16, triton.next_power_of_2(group))
-        block_q, grid_blocks = 1, num_reqs
-        tile_n = 64
-    else:
-        block_m = max(64, triton.next_power_of_2(group))
-        block_q = block_m // group
-        grid_blocks = num_tokens // block_q + num_reqs
-        tile_n = 64 if head_dim <= 128 else 32
     if num_splits is None:
         num_splits = decode_splits(num_reqs, num_kv_heads, max_seq_len) if one_query_each else 1
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    constants = kernel_constants(num_heads, num_kv_heads, head_dim, block_size, query.dtype,
+                                 kv_cache.dtype, one_query_each, num_splits,
+                                 sliding_window is not None)
+    # query blocks: one per request in a decode step, else the bound _find_request inverts
+    grid_blocks = num_reqs if one_query_each else num_tokens // constants["BLOCK_Q"] + num_reqs
+    head_dim_pad = constants["HEAD_DIM_PAD"]
     if num_splits > 1:
         split_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad),
                                 dtype=torch.float32, device=query.device)
@@ -318,7 +314,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         split_sum = torch.empty_like(split_max)
     else:
         split_acc = split_max = split_sum = output  # not read
-    dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPES[query.dtype]
+    cache = kv_cache.view(torch.uint8) if constants["KV_FORMAT"] != PLAIN else kv_cache
     num_slots = num_blocks * block_size
     _paged_attention_kernel[(grid_blocks, num_kv_heads, num_splits)](
         output, split_acc, split_max, split_sum,
@@ -326,18 +322,41 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         num_reqs, scale, sliding_window or 0,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         block_table.stride(0),
-        num_slots * row, num_kv_heads * num_slots * row, row,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, ONE_QUERY_EACH=one_query_each,
-        WINDOWED=sliding_window is not None, KV_FORMAT=kv_format, DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else None)
+        num_slots * row, num_kv_heads * num_slots * row, row, **constants)
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             output, split_acc, split_max, split_sum, output.stride(0), output.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+            **reduce_constants(num_heads, head_dim, num_splits))
     return output
+
+
+def kernel_constants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     dtype: torch.dtype, cache_dtype: torch.dtype, one_query_each: bool,
+                     num_splits: int, windowed: bool,
+                     interpreted: bool = INTERPRETED) -> dict[str, Any]:
+    """The attention kernel's compile-time constants for a step of this shape: a decode
+    step (``one_query_each``) takes one token's G heads, padded to a 16-row matmul;
+    other steps 64 rows, as many tokens as fill them. Tile sizes are first guesses."""
+    group = num_heads // num_kv_heads
+    if one_query_each:
+        block_m, tile_n = max(16, triton.next_power_of_2(group)), 64
+    else:
+        block_m, tile_n = max(64, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32
+    dot_dtype = tl.float32 if interpreted else _TL_DTYPES[dtype]
+    return dict(
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=1 if one_query_each else block_m // group, TILE_N=tile_n,
+        NUM_SPLITS=num_splits, ONE_QUERY_EACH=one_query_each, WINDOWED=windowed,
+        KV_FORMAT=_QUANTIZED_FORMATS.get(cache_dtype, PLAIN), DOT_DTYPE=dot_dtype,
+        PRECISION="ieee" if dot_dtype == tl.float32 else None)
+
+
+def reduce_constants(num_heads: int, head_dim: int, num_splits: int) -> dict[str, Any]:
+    """The reduce kernel's compile-time constants."""
+    return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+                NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
