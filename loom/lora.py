@@ -22,12 +22,14 @@ Prefix caching keys a request's blocks by its adapter and that adapter's load id
 (``SamplingParams.lora_id``), so an adapter loaded again or updated in place
 (``LLM.update_weights(path, lora_name=...)``) never reuses its old blocks.
 
-Targets: the attention and MLP projections of the dense families, the attention of the
-mixtures of experts (``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``), the
-token embeddings (``embed_tokens``: PEFT's ``lora_embedding_A``/``lora_embedding_B``)
-and the LM head (``lm_head``). An adapter on anything else (experts, a vision tower),
-with a rank above ``max_lora_rank``, with ``modules_to_save`` (whole trained copies of
-modules) or DoRA, is refused with the reason.
+Targets: the attention and MLP projections of the dense families; of the mixtures of
+experts the attention, the shared experts' projections (ERNIE 4.5 MoE's
+``mlp.shared_experts.gate_proj`` ...) and the MLPs of their dense layers (``q_proj k_proj
+v_proj o_proj gate_proj up_proj down_proj``, by module name); the token embeddings
+(``embed_tokens``: PEFT's ``lora_embedding_A``/``lora_embedding_B``) and the LM head
+(``lm_head``). An adapter on anything else (the routed experts, a router, a vision
+tower), with a rank above ``max_lora_rank``, with ``modules_to_save`` (whole trained
+copies of modules) or DoRA, is refused with the reason: nothing it holds is ignored.
 """
 
 from __future__ import annotations

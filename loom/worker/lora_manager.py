@@ -18,15 +18,18 @@ Loading an adapter under a name it already has (``add``, or ``read`` then ``comm
 the weight-update path, worker/weight_updates.py) replaces its tensors in every tier at
 once, its slot in place: its requests run with the new weights from the next step.
 
-An adapter's tensors arrive under PEFT's names (``base_model.model.<module>.lora_A.weight``
-(r, K) and ``lora_B.weight`` (N, r); on the token embeddings ``lora_embedding_A`` (r, V)
-and ``lora_embedding_B`` (D, r)); a module the checkpoint fuses (q/k/v into
-``qkv_proj``, gate/up into ``gate_up_proj``: the model's ``packed_modules_mapping``) takes
-it as one of its projections. A module the base lacks, or a shape that does not fit the
-base (an adapter trained on another model), is the adapter's error, raised before any
-tier changes. PEFT's copies of the base embedding and LM head saved beside their
-adapters (``base_layer.weight``, ``save_embedding_layers``) are checked for the base's
-shape and not read: they are the base's own weights (as vLLM, which skips them too).
+An adapter's tensors arrive under PEFT's names
+(``base_model.model.<module>.lora_A.weight`` (r, K) and ``lora_B.weight`` (N, r); on the
+token embeddings ``lora_embedding_A`` (r, V) and ``lora_embedding_B`` (D, r)); a module
+the checkpoint fuses (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``: the model's
+``packed_modules_mapping``) takes it as one of its projections; a model whose load
+reorders a checkpoint module's rows (ERNIE's q and k: rope pairs made halves) reorders its
+adapter's B rows the same way (``lora_b_rows``). A module the base lacks (a routed expert
+among them), or a shape that does not fit the base (an adapter trained on another model),
+is the adapter's error, raised before any tier changes. PEFT's copies of the base
+embedding and LM head saved beside their adapters (``base_layer.weight``,
+``save_embedding_layers``) are checked for the base's shape and not read: they are the
+base's own weights (as vLLM, which skips them too).
 """
 
 from __future__ import annotations
@@ -253,6 +256,7 @@ class LoRAManager:
                ) -> list[tuple[nn.Module, int, torch.Tensor, torch.Tensor]]:
         """Each (A, B) pair of the adapter with the module and projection it goes to."""
         mapping = getattr(self.model, "packed_modules_mapping", {})
+        reorder = getattr(self.model, "lora_b_rows", None)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.fullmatch(key)
@@ -283,6 +287,10 @@ class LoRAManager:
                 packed, shard = mapping[leaf]
                 leaf, part = packed, _QKV_PARTS.get(shard, shard)
             layer = self.layers.get(f"{prefix}.{leaf}")
+            if layer is None and ".experts." in f"{module}.":
+                raise AdapterError(f"LoRA adapter {name!r} targets {module}, a routed expert; "
+                                   "loom applies adapters to the attention, shared experts and "
+                                   "dense MLPs of a mixture of experts, not its routed experts")
             if layer is None:
                 raise AdapterError(f"LoRA adapter {name!r} targets {module}, which this base "
                                    "model does not have (or loom does not adapt)")
@@ -292,6 +300,8 @@ class LoRAManager:
                     f"LoRA adapter {name!r}: {module}'s A {tuple(a.shape)} and B "
                     f"{tuple(b.shape)} do not fit this base's layer of {inputs} inputs and "
                     f"{outputs} outputs; was it trained on another base model?")
+            if reorder is not None:  # rows the model reorders at load (ERNIE's q and k)
+                b = reorder(module, b)
             a, b = _shard(layer, part, a, b)
             placed.append((layer, part, a, b))
         if not placed:

@@ -1,6 +1,7 @@
 """LoRA adapters (loom/lora.py): greedy tokens with an adapter equal transformers + PEFT's
-merged model (float32) for dense families and a mixture of experts' attention, with
-adapters on the embeddings and the LM head too; a batch mixing two adapters and the
+merged model (float32) for dense families, a mixture of experts' attention and ERNIE 4.5
+MoE's attention and shared experts (its routed experts refused), with adapters on the
+embeddings and the LM head too; a batch mixing two adapters and the
 base equals each served alone; more adapters than slots queue and swap, each step
 running at most max_loras of them, with fewer held in host memory than served (read
 again from disk); an adapter updated in place while another's request runs; prefix
@@ -355,3 +356,61 @@ def test_table_adapters_replay_natively(tables_case, monkeypatch):
             assert (replay is not None and replay.refusal is None
                     and replay.stats.replayed > 0) == (setting == "1")
     assert tokens["0"] == tokens["1"]
+
+
+@pytest.fixture(scope="module")
+def shared_experts_case(tmp_path_factory):
+    return make_shared_experts_case(tmp_path_factory.mktemp("shared_experts"))
+
+
+def make_shared_experts_case(root):
+    """ERNIE 4.5 MoE (a dense first layer, then MoE layers with shared experts) with a
+    rank-8 adapter on its attention, its shared experts' gate/up/down_proj and the dense
+    layer's MLP, PEFT's merged tokens for it, and PEFT's own adapter for the same targets.
+
+    PEFT 0.21 under transformers 5 turns gate/up/down_proj targets of an MoE family into
+    the routed experts' fused parameters (target_parameters: what PEFT makes by default,
+    the second adapter); the first is the adapter PEFT makes by module name, as under
+    transformers 4 (that conversion off): the shared experts' and dense MLP's linears."""
+    import peft.utils.transformers_weight_conversion as conversion
+
+    base = make_tiny_tokenizer(make_tiny_checkpoint("ernie4_5_moe", root / "base"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conversion, "convert_peft_config_for_transformers", lambda *a, **k: None)
+        merged = make_adapter(base, str(root / "shared"), 6, 8, ALL)
+    make_adapter(base, str(root / "routed"), 7, 4, ALL)
+    want = []
+    with torch.no_grad():  # argmax of each step's logits, EOS included (no min_new_tokens)
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            for _ in range(GREEDY.max_tokens):
+                ids = torch.cat([ids, merged(ids).logits[:, -1:].argmax(-1)], dim=1)
+            want.append(ids[0, len(prompt):].tolist())
+    return base, str(root / "shared"), str(root / "routed"), want
+
+
+def test_adapters_on_shared_experts_equal_peft_merged(shared_experts_case, tmp_path):
+    """An MoE's shared experts (and dense layers' MLPs) take an adapter's gate/up/down_proj
+    by module name: PEFT's merged tokens, beside the base in one batch; the routed
+    experts take none: PEFT's fused-parameter adapter and an adapter naming one expert's
+    projection are each refused, naming what they target."""
+    from safetensors.torch import load_file, save_file
+
+    base, shared, routed, want = shared_experts_case
+    expert = str(tmp_path / "expert")
+    shutil.copytree(shared, expert)
+    file = os.path.join(expert, "adapter_model.safetensors")
+    save_file({key.replace("layers.1.mlp.shared_experts.", "layers.1.mlp.experts.3."): tensor
+               for key, tensor in load_file(file).items()}, file)
+    with LLM(base, **ENGINE) as llm:
+        assert generate(llm, LoRARequest("shared", 1, shared)) == want
+        mixed = generate(llm, [LoRARequest("shared", 1, shared), None,
+                               LoRARequest("shared", 1, shared)])
+        plain = generate(llm, None)
+        with pytest.raises(ValueError, match=r"LoRA on parameters \(experts\) "
+                                             r"\(target_parameters\)"):
+            generate(llm, LoRARequest("routed", 2, routed))
+        with pytest.raises(ValueError, match=r"targets model.layers.1.mlp.experts.3.\w+_proj, a "
+                                             "routed expert"):
+            generate(llm, LoRARequest("expert", 3, expert))
+    assert mixed == [want[0], plain[1], want[2]] and plain != want

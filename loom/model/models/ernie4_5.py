@@ -42,3 +42,9 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(rope_pairs_to_halves(weights, head_dim_of(self.config)))
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B for checkpoint module ``module`` with its rows in the order
+        this model holds that module's rows: q_proj's and k_proj's reordered as at load."""
+        ((_, b),) = rope_pairs_to_halves([(f"{module}.weight", b)], head_dim_of(self.config))
+        return b
