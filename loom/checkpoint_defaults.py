@@ -132,7 +132,7 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
                     _flat_rope_parameters(hf_config)["rope_type"], scales_past, scales_past)
         resolved = dataclasses.replace(resolved, enable_prefix_caching=False)
     if args.enable_lora or args.lora_modules:
-        resolved = _check_lora(resolved)
+        resolved = _check_lora(resolved, architecture)
     if args.task != "generate":
         from loom.pooling import pooler_config
 
@@ -181,7 +181,7 @@ def check_task(task: str, architecture: str, encoder: bool, hf_config: Any,
                          "*ForSequenceClassification checkpoint)")
 
 
-def _check_lora(args: EngineArgs) -> EngineArgs:
+def _check_lora(args: EngineArgs, architecture: str | None = None) -> EngineArgs:
     """The adapters named at start-up, read and checked (a bad one is the start-up's
     error, naming it); ``--lora-modules`` alone enables LoRA."""
     from loom.lora import AdapterError, parse_lora_modules, read_adapter_config
@@ -193,7 +193,7 @@ def _check_lora(args: EngineArgs) -> EngineArgs:
                          f"too; give --max-cpu-loras {args.max_loras} or more")
     for _, path in modules:
         try:
-            read_adapter_config(path, args.max_lora_rank)
+            read_adapter_config(path, args.max_lora_rank, architecture)
         except AdapterError as error:
             raise ValueError(str(error)) from None
     return dataclasses.replace(args, enable_lora=True, lora_modules=modules)

@@ -1,8 +1,11 @@
 """LoRA adapters: many fine-tunes of one base model served together (torch-free).
 
 An adapter in PEFT's format (a directory with ``adapter_config.json`` and
-``adapter_model.safetensors``) adds ``scale * B (A x)`` to each linear layer it targets,
-``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), and
+``adapter_model.safetensors``), or llama.cpp's LoRA GGUF (one ``.gguf`` file, written by
+its ``convert_lora_to_gguf.py``; loom/model/loader/gguf_loader.py maps its tensors back to
+the model's modules), adds ``scale * B (A x)`` to each linear layer it targets,
+``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``; a GGUF's is
+llama.cpp's, ``alpha / r`` always, as its converter keeps no ``use_rslora``), and
 ``scale * B A^T[id]`` to the embedding of token ``id`` where it targets the embeddings.
 loom applies it beside the base weight, never merged into it, so requests for different
 adapters and for the base share a step (loom/model/layers/lora.py: each step's rows
@@ -68,12 +71,18 @@ class AdapterError(ValueError):
     """An adapter loom cannot serve: the message names the adapter and the reason."""
 
 
-def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
-    """``path``'s adapter configuration, checked against what loom serves."""
+def read_adapter_config(path: str, max_rank: int,
+                        base_architecture: str | None = None) -> AdapterConfig:
+    """``path``'s adapter configuration, checked against what loom serves: a PEFT
+    directory, or a file: llama.cpp's LoRA GGUF (``read_gguf_adapter_config``; with
+    ``base_architecture``, the base's loom architecture, its architecture checked too)."""
+    if is_gguf_adapter(path):
+        return read_gguf_adapter_config(path, max_rank, base_architecture)
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise AdapterError(f"LoRA adapter {path!r} has no adapter_config.json (PEFT's format: "
-                           "adapter_config.json and adapter_model.safetensors)")
+                           "adapter_config.json and adapter_model.safetensors; or give "
+                           "llama.cpp's LoRA .gguf file)")
     if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
         raise AdapterError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
     try:
@@ -113,6 +122,81 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
     alpha = float(raw.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
     return AdapterConfig(rank, scale, tuple(targets), raw.get("base_model_name_or_path"))
+
+
+def read_gguf_adapter_config(path: str, max_rank: int,
+                             base_architecture: str | None = None) -> AdapterConfig:
+    """A llama.cpp LoRA adapter (``convert_lora_to_gguf.py``): ``general.type`` adapter,
+    ``adapter.type`` lora, ``adapter.lora.alpha``, and an A and a B for each tensor it
+    adapts (``blk.N.attn_q.weight.lora_a`` (r, in) and ``.lora_b`` (out, r)). Each pair's
+    scale is llama.cpp's, ``alpha / r`` with its own r (1 where alpha is 0): the
+    converter writes PEFT's ``lora_alpha`` and nothing of ``use_rslora`` or
+    ``rank_pattern``. The worker folds it into each B as it reads the tensors
+    (loom/model/loader/gguf_loader.py: ``gguf_lora_weights``), so ``scale`` here is 1;
+    ``target_modules`` are llama.cpp's tensor kinds (``attn_q``, ``ffn_down``, ...)."""
+    from loom.model.loader.gguf_file import GGUFFile
+
+    try:
+        gguf_file = GGUFFile(path)
+    except (OSError, ValueError) as error:
+        raise AdapterError(f"LoRA adapter {path!r} is neither a PEFT adapter directory nor "
+                           f"a readable GGUF file: {error}") from None
+    metadata = gguf_file.metadata
+    kind = metadata.get("general.type", "model")
+    if kind != "adapter":
+        raise AdapterError(f"LoRA adapter {path!r} is a GGUF {kind} (general.type), not a "
+                           "LoRA adapter: convert the PEFT adapter with llama.cpp's "
+                           "convert_lora_to_gguf.py")
+    if metadata.get("adapter.type") != "lora":
+        raise AdapterError(f"LoRA adapter {path!r} is a GGUF {metadata.get('adapter.type')} "
+                           "adapter (adapter.type); loom serves lora")
+    if base_architecture is not None:
+        check_gguf_adapter_architecture(path, metadata.get("general.architecture"),
+                                        base_architecture)
+    if len(metadata.get("adapter.alora.invocation_tokens", ())):
+        raise AdapterError(f"LoRA adapter {path!r} is an activated LoRA "
+                           "(adapter.alora.invocation_tokens), which loom does not serve")
+    halves: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, info in gguf_file.tensors.items():
+        base, dot, half = name.rpartition(".")
+        if not dot or half not in ("lora_a", "lora_b"):
+            raise AdapterError(f"LoRA adapter {path!r} holds {name}, which is not a lora_a or "
+                               "lora_b tensor (whole weights, such as mergekit's norms, are "
+                               "not served)")
+        halves.setdefault(base, {})[half] = info.shape
+    if not halves:
+        raise AdapterError(f"LoRA adapter {path!r} holds no LoRA tensors")
+    ranks = []
+    for base, pair in sorted(halves.items()):
+        if len(pair) != 2:
+            raise AdapterError(f"LoRA adapter {path!r}: {base} has only its "
+                               f"{', '.join(pair)}")
+        ranks.append(pair["lora_b"][-1])
+    rank = max(ranks)
+    if rank > max_rank:
+        raise AdapterError(f"LoRA adapter {path!r} has rank {rank}, above --max-lora-rank "
+                           f"{max_rank}; raise --max-lora-rank")
+    targets = sorted({base.rsplit(".", 2)[-2] for base in halves})
+    return AdapterConfig(rank, 1.0, tuple(targets), metadata.get("general.name"))
+
+
+def check_gguf_adapter_architecture(path: str, architecture: str | None,
+                                    base_architecture: str) -> None:
+    """A GGUF adapter's ``general.architecture`` is its base's, as llama.cpp requires
+    (llama_adapter_lora_init: its tensor names and row orders are that architecture's)."""
+    from loom.model.loader.gguf_configs import LLAMA_CPP_ARCHITECTURES
+
+    expected = LLAMA_CPP_ARCHITECTURES.get(base_architecture)
+    if architecture != expected:
+        raise AdapterError(
+            f"LoRA adapter {path!r} was converted for llama.cpp's {architecture!r} "
+            f"architecture; this base ({base_architecture}) is "
+            + (f"{expected!r}" if expected else "not one loom serves GGUF adapters on"))
+
+
+def is_gguf_adapter(path: str) -> bool:
+    """``path`` names a file (a GGUF adapter), not a PEFT directory."""
+    return os.path.isfile(path)
 
 
 def parse_lora_modules(values: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:

@@ -24,12 +24,13 @@ token embeddings ``lora_embedding_A`` (r, V) and ``lora_embedding_B`` (D, r)); a
 the checkpoint fuses (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``: the model's
 ``packed_modules_mapping``) takes it as one of its projections; a model whose load
 reorders a checkpoint module's rows (ERNIE's q and k: rope pairs made halves) reorders its
-adapter's B rows the same way (``lora_b_rows``). A module the base lacks (a routed expert
-among them), or a shape that does not fit the base (an adapter trained on another model),
-is the adapter's error, raised before any tier changes. PEFT's copies of the base
-embedding and LM head saved beside their adapters (``base_layer.weight``,
-``save_embedding_layers``) are checked for the base's shape and not read: they are the
-base's own weights (as vLLM, which skips them too).
+adapter's B rows the same way (``lora_b_rows``). A llama.cpp LoRA GGUF's tensors are
+mapped to PEFT's names first (loom/model/loader/gguf_loader.py: ``gguf_lora_weights``). A
+module the base lacks (a routed expert among them), or a shape that does not fit the base
+(an adapter trained on another model), is the adapter's error, raised before any tier
+changes. PEFT's copies of the base embedding and LM head saved beside their adapters
+(``base_layer.weight``, ``save_embedding_layers``) are checked for the base's shape and
+not read: they are the base's own weights (as vLLM, which skips them too).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loom.lora import AdapterConfig, AdapterError, read_adapter_config
+from loom.lora import AdapterConfig, AdapterError, is_gguf_adapter, read_adapter_config
 from loom.model.kernel_replay import forget_recordings
 from loom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from loom.model.layers.linear import (ColumnParallelLinear, LinearBase,
@@ -242,9 +243,17 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ loading
 
-    @staticmethod
-    def _read(path: str) -> dict[str, torch.Tensor]:
+    def _read(self, path: str) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under PEFT's names (a llama.cpp GGUF's mapped to them,
+        its scales folded into B: gguf_loader.gguf_lora_weights)."""
         from safetensors.torch import load_file
+
+        if is_gguf_adapter(path):
+            from loom.model.loader.gguf_loader import gguf_lora_weights
+            from loom.model.models.registry import get_model_architecture
+
+            config = self.model.config
+            return gguf_lora_weights(path, config, get_model_architecture(config))
 
         try:
             return load_file(f"{path}/adapter_model.safetensors")

@@ -140,3 +140,58 @@ def test_adapters_load_and_unload_while_serving(case, tmp_path):
         assert gone.status_code == 404
     finally:
         server.kill()
+
+
+def test_gguf_adapters_served_and_loaded(case, tmp_path):
+    """llama.cpp's LoRA GGUF (tests/e2e/test_lora_gguf.py) by --lora-modules and by
+    /v1/load_lora_adapter: the PEFT directory's text; a GGUF that is not a LoRA adapter,
+    one of another architecture and one holding a tensor loom cannot place are each a
+    400 naming lora_path, with the reason in one line."""
+    import gguf as gguf_py
+    import numpy as np
+    from e2e.test_lora_gguf import write_gguf_adapter
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+
+    base, paths = case
+    adapter = write_gguf_adapter(paths["a1"], str(tmp_path / "a1.gguf"))
+    qwen = write_gguf_adapter(paths["a1"], str(tmp_path / "qwen.gguf"), arch="QWEN2")
+    fused = write_gguf_adapter(paths["a1"], str(tmp_path / "fused.gguf"), extra={
+        "blk.0.attn_qkv.weight.lora_a": np.zeros((8, 64), np.float32),
+        "blk.0.attn_qkv.weight.lora_b": np.zeros((128, 8), np.float32)})
+    model = gguf_py.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    model.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    for write in (model.write_header_to_file, model.write_kv_data_to_file,
+                  model.write_tensors_to_file, model.close):
+        write()
+    with LLM(base, **ENGINE) as llm:
+        text = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False,
+                            lora_request=LoRARequest("a1", 1, paths["a1"]))[0].outputs[0].text
+    server = LoomServer(base, *TINY_SERVER_ARGS, "--dtype", "float32", "--enable-lora",
+                        "--max-lora-rank", "8", "--lora-modules", f"g={adapter}",
+                        "--enable-control-endpoints",
+                        "--served-model-name", "tiny")
+
+    def complete(model: str) -> str:
+        answer = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+
+    try:
+        assert complete("g") == text
+        loaded = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                            json={"lora_name": "h", "lora_path": adapter})
+        assert loaded.status_code == 200, loaded.text
+        assert complete("h") == text
+        for path, reason in ((tmp_path / "model.gguf", "not a LoRA adapter"),
+                             (qwen, "converted for llama.cpp's 'qwen2' architecture"),
+                             (fused, "holds blk.0.attn_qkv.weight.lora_a")):
+            refused = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                                 json={"lora_name": "x", "lora_path": str(path)})
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["param"] == "lora_path", refused.text
+            assert reason in error["message"] and "\n" not in error["message"]
+        assert complete("g") == text
+    finally:
+        server.kill()

@@ -133,7 +133,8 @@ def add_control_routes(app: FastAPI, engine: AsyncLLM,
         param = "lora_path" if "lora_path" in body else "path"
         path = body.get(param)
         if not isinstance(path, str) or not path:
-            raise RequestError(f"{param} must be a PEFT adapter directory", param=param)
+            raise RequestError(f"{param} must be a PEFT adapter directory or a llama.cpp "
+                               "LoRA .gguf file", param=param)
         try:  # checked here first: a bad adapter is the caller's 400, not a rank's error
             read_adapter_config(path, engine.config.model.max_lora_rank)
         except AdapterError as error:
@@ -188,7 +189,8 @@ def add_lora_routes(app: FastAPI, engine: AsyncLLM, update_lora: Any, call: Any)
         if not isinstance(load_inplace, bool):
             raise RequestError("load_inplace must be true or false", param="load_inplace")
         if "lora_path" not in body:
-            raise RequestError("lora_path must be a PEFT adapter directory", param="lora_path")
+            raise RequestError("lora_path must be a PEFT adapter directory or a llama.cpp "
+                               "LoRA .gguf file", param="lora_path")
         return await update_lora(body, body.get("lora_name"), load_inplace=False)
 
     @app.post("/v1/unload_lora_adapter")

@@ -51,6 +51,14 @@ GGUF_ARCHITECTURES = {
     "qwen2vl": ("Qwen2Config", "Qwen2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+# loom architecture -> the general.architecture llama.cpp's converter writes for it (a
+# LoRA adapter's GGUF names its base's: loom/lora.py)
+LLAMA_CPP_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+    "Ernie4_5ForCausalLM": "ernie4_5", "Ernie4_5_MoeForCausalLM": "ernie4_5-moe",
+    "Gemma3ForCausalLM": "gemma3",
+}
 # llama.cpp's Gemma 3 constants: the layer pattern and sliding rope base where the file
 # names none, and the 27B's layer count, whose queries scale by hidden / heads
 _GEMMA3_PATTERN = 6

@@ -227,6 +227,53 @@ def gguf_weights_iterator(path: str, hf_config: Any, keep_quantized: bool = Fals
     close_gguf_files()
 
 
+def gguf_lora_weights(path: str, hf_config: Any, base_architecture: str
+                      ) -> dict[str, torch.Tensor]:
+    """A llama.cpp LoRA adapter (convert_lora_to_gguf.py; loom/lora.py checked its
+    metadata) as PEFT's tensors: each ``<tensor>.lora_a`` (r, in) and ``.lora_b``
+    (out, r) under the module ``gguf_to_hf_name`` gives ``<tensor>`` (the base loader's
+    map), as ``lora_A.weight`` and ``lora_B.weight``; B scaled by llama.cpp's
+    ``alpha / r`` (its own r; 1 where alpha is 0: llama_adapter_lora_weight.get_scale);
+    the token embeddings' A, which the converter transposes to (V, r), back to PEFT's
+    ``lora_embedding_A`` (r, V); Q's and K's B rows back in the checkpoint's order where
+    the converter permuted them (llama), as the base loader does. The adapter's
+    architecture must be the base's; a tensor with no place in the base is refused."""
+    from loom.lora import AdapterError, check_gguf_adapter_architecture
+    from loom.model.loader.gguf_file import GGUFFile
+
+    gguf_file = GGUFFile(path)
+    architecture = gguf_file.metadata.get("general.architecture")
+    check_gguf_adapter_architecture(path, architecture, base_architecture)
+    alpha = float(gguf_file.metadata.get("adapter.lora.alpha", 0.0))
+    tensors: dict[str, torch.Tensor] = {}
+    for info in gguf_file.tensors.values():
+        tensor, _, half = info.name.rpartition(".")
+        hf_name = gguf_to_hf_name(tensor, architecture)
+        if hf_name is None or not hf_name.endswith(".weight"):
+            raise AdapterError(f"LoRA adapter {path!r} holds {info.name}, which loom cannot "
+                               f"place on a {architecture} model")
+        module = hf_name.removesuffix(".weight")
+        try:
+            weights = dequantize(gguf_file.tensor_bytes(info), info.ggml_type, info.shape)
+        except ValueError as error:
+            raise AdapterError(f"LoRA adapter {path!r}: tensor {info.name}: {error}") from None
+        if half == "lora_b":
+            rank = weights.shape[-1]
+            weights = weights * (alpha / rank if alpha else 1.0)
+            if architecture == "llama" and tensor.endswith((".attn_q.weight",
+                                                            ".attn_k.weight")):
+                weights = reverse_permute(weights, hf_config.num_attention_heads
+                                          if ".attn_q." in tensor
+                                          else hf_config.num_key_value_heads)
+        if module == "model.embed_tokens":
+            key = "lora_embedding_A" if half == "lora_a" else "lora_embedding_B"
+            weights = weights.t().contiguous() if half == "lora_a" else weights
+        else:
+            key = "lora_A.weight" if half == "lora_a" else "lora_B.weight"
+        tensors[f"base_model.model.{module}.{key}"] = weights
+    return tensors
+
+
 def mmproj_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """A llama.cpp vision projector's tensors under the checkpoint's names, dequantized
     to float32 (gguf_mmproj.py). Qwen2.5-VL's: the parts the converter split are joined
