@@ -177,7 +177,7 @@ def read_gguf_adapter_config(path: str, max_rank: int,
         raise AdapterError(f"LoRA adapter {path!r} has rank {rank}, above --max-lora-rank "
                            f"{max_rank}; raise --max-lora-rank")
     targets = sorted({base.rsplit(".", 2)[-2] for base in halves})
-    return AdapterConfig(rank, 1.0, tuple(targets), metadata.get("general.name"))
+    return AdapterConfig(rank, 1.0, tuple(targets), metadata.get("general.base_model.0.name"))
 
 
 def check_gguf_adapter_architecture(path: str, architecture: str | None,
