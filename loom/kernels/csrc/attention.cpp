@@ -279,50 +279,138 @@ void attention_item(T* out, const T* query, const T* keys, const T* values,
 }
 
 #if LOOM_HAVE_AVX512_BF16
-// Lane i of the result is the sum of v[i]'s 16 lanes (a transpose-and-add tree).
-inline __m512 reduce16(const __m512* v) {
-  __m512 s8[8], s4[4];
-  for (int i = 0; i < 8; ++i)
-    s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(s8[2 * i]), b = _mm512_castps_pd(s8[2 * i + 1]);
-    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+// Sixteen rows of 16 dwords in r[0..15] -> r[m] lane i holds row i's dword m.
+inline void transpose16x16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane l: rows 2i, 2i+1 at 4l..4l+1 | 4l+2..4l+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 4; ++i) {  // r[4i + e] lane l: rows 4i..4i+3 at dword 4l + e
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i b = _mm512_shuffle_i32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 1, 3, 1));
+    t[e] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));       // dword e
+    t[8 + e] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));   // dword 8 + e
+    t[4 + e] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0));   // dword 4 + e
+    t[12 + e] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));  // dword 12 + e
+  }
+  for (int m = 0; m < 16; ++m) r[m] = t[m];
 }
 
-// acc[r] = sum_p w[r][p] * V[p] for R rows at once, accumulators in registers. The
-// weights are bf16 (`probs`, num_keys even, zero past the last key): vdpbf16ps takes
-// keys in pairs, a broadcast pair of weights times V's two rows interleaved by
-// unpack{lo,hi}_epi16. Those interleave within 128-bit lanes, so the sums come out
-// with dims permuted, and are put back in order once at the end.
+// Keys rows[0..15] (VC * 16 bf16 each) as VC * 8 vectors: out[m] lane i holds key i's
+// bf16 pair m (dims 2m, 2m + 1), the operand vdpbf16ps pairs with a query's pair m.
+template <int VC>
+inline void transpose_keys(__m512i* out, const c10::BFloat16* const* rows) {
+  for (int part = 0; part < VC / 2; ++part) {  // 32 dims (16 pairs) at a time
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + 32 * part);
+    transpose16x16_epi32(r);
+    for (int m = 0; m < 16; ++m) out[16 * part + m] = r[m];
+  }
+}
+
+// Scores of NR query rows (bf16, VC * 8 pairs each at q + r * q_stride) against 16 * KC
+// keys transposed (kt: keys 0-15, then 16-31, ...): lane i of sum[r][k] = q_r . key
+// 16k + i, the pairs summed in order by vdpbf16ps, a query pair broadcast against 16
+// keys' pairs. NR x KC independent chains: 12 or more cover vdpbf16ps's latency.
+template <int VC, int NR, int KC>
+inline void score_keys(__m512 (&sum)[NR][KC], const uint16_t* q, int64_t q_stride,
+                       const __m512i* kt) {
+  constexpr int M = VC * 8;
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < KC; ++k) sum[r][k] = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) {
+    __m512bh keys[KC];
+    for (int k = 0; k < KC; ++k) keys[k] = (__m512bh)kt[k * M + m];
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, q + r * q_stride + 2 * m, sizeof(pair));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+      for (int k = 0; k < KC; ++k) sum[r][k] = _mm512_dpbf16_ps(sum[r][k], w, keys[k]);
+    }
+  }
+}
+
+// Values p, p + 1 of a chunk of keys interleaved as vdpbf16ps takes them: for each of the
+// row's C 32-dim parts, unpack{lo,hi}_epi16 of the two rows (dims permuted within
+// 128-bit lanes; unpermute_sums puts them back). out: per key pair, C lo then C hi.
+template <int VC>
+inline void pack_value_pairs(__m512i* out, const c10::BFloat16* const* value_rows,
+                             int64_t pairs) {
+  constexpr int C = VC / 2;
+  for (int64_t i = 0; i < pairs; ++i, out += 2 * C)
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(value_rows[2 * i] + 32 * c);
+      const __m512i b = _mm512_loadu_si512(value_rows[2 * i + 1] + 32 * c);
+      out[c] = _mm512_unpacklo_epi16(a, b);
+      out[C + c] = _mm512_unpackhi_epi16(a, b);
+    }
+}
+
+// sums[r] += sum_p w[r][p] * V[p] over a chunk of keys for R rows, in registers within
+// the chunk. The weights are bf16 (`probs`, zero past the last key), keys taken in
+// pairs: a broadcast pair of weights times the chunk's packed pair (pack_value_pairs).
+// sums: per row, C lo then C hi vectors of 16 floats, dims permuted as packed; the
+// float32 sums run over the keys in order, chunk after chunk.
 template <int VC, int R>
-void weighted_values(float* acc, const uint16_t* probs, int64_t probs_stride,
-                     const c10::BFloat16* const* value_rows, int64_t num_keys,
-                     BlockPrefetcher* prefetcher = nullptr) {
-  constexpr int C = VC / 2;  // 32-dim chunks of a V row
+inline void weighted_values_chunk(float* sums, const uint16_t* probs, int64_t probs_stride,
+                                  const __m512i* packed, int64_t pairs) {
+  constexpr int C = VC / 2;
+  __m512 lo[R][C], hi[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      lo[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + c) * 16);
+      hi[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + C + c) * 16);
+    }
+  for (int64_t i = 0; i < pairs; ++i, packed += 2 * C) {
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, probs + r * probs_stride + 2 * i, sizeof(pair));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) {
+        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, (__m512bh)_mm512_load_si512(packed + c));
+        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, (__m512bh)_mm512_load_si512(packed + C + c));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(sums + (r * 2 * C + c) * 16, lo[r][c]);
+      _mm512_storeu_ps(sums + (r * 2 * C + C + c) * 16, hi[r][c]);
+    }
+}
+
+// weighted_values_chunk for R rows over all the keys, each pair of values packed in
+// registers as it is read: the same sums, for an item whose rows are one pass (a decode),
+// where packing into memory first would only add stores and loads.
+template <int VC, int R>
+inline void weighted_values_direct(float* sums, const uint16_t* probs, int64_t probs_stride,
+                                   const c10::BFloat16* const* value_rows, int64_t pairs,
+                                   BlockPrefetcher& prefetcher) {
+  constexpr int C = VC / 2;
   __m512 lo[R][C], hi[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < num_keys; p += 2) {
-    if (prefetcher && p % 16 == 0) prefetcher->step();
+  for (int64_t i = 0; i < pairs; ++i) {
+    if (i % 8 == 0) prefetcher.step();
     __m512bh vlo[C], vhi[C];
     for (int c = 0; c < C; ++c) {
-      const __m512i a = _mm512_loadu_si512(value_rows[p] + 32 * c);
-      const __m512i b = _mm512_loadu_si512(value_rows[p + 1] + 32 * c);
+      const __m512i a = _mm512_loadu_si512(value_rows[2 * i] + 32 * c);
+      const __m512i b = _mm512_loadu_si512(value_rows[2 * i + 1] + 32 * c);
       vlo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
       vhi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
-      std::memcpy(&pair, probs + r * probs_stride + p, sizeof(pair));
+      std::memcpy(&pair, probs + r * probs_stride + 2 * i, sizeof(pair));
       const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
       for (int c = 0; c < C; ++c) {
         lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, vlo[c]);
@@ -330,21 +418,44 @@ void weighted_values(float* acc, const uint16_t* probs, int64_t probs_stride,
       }
     }
   }
-  // lane i of lo holds dim 8(i/4) + i%4 of its chunk, of hi dim 8(i/4) + 4 + i%4
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float* a = acc + r * VC * 16 + 32 * c;
-      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], first, hi[r][c]));
-      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], second, hi[r][c]));
+      _mm512_storeu_ps(sums + (r * 2 * C + c) * 16, lo[r][c]);
+      _mm512_storeu_ps(sums + (r * 2 * C + C + c) * 16, hi[r][c]);
     }
 }
 
-// The bf16 item with AVX512-BF16: q.k with vdpbf16ps (bf16 pairs, float32 sums, as
-// a bf16 matmul accumulates; 16 keys reduced together), probabilities rounded to
-// bf16 (as Hugging Face's eager attention casts them) and multiplied into V with
-// vdpbf16ps too, float32 sums in registers. head_dim is 32, 64 or 128.
+// A row's sums (as weighted_values_chunk leaves them) put back in dims' order, in place.
+template <int VC>
+inline void unpermute_sums(float* sums) {
+  constexpr int C = VC / 2;
+  // lane i of lo holds dim 8(i/4) + i%4 of its part, of hi dim 8(i/4) + 4 + i%4
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 lo[C], hi[C];
+  for (int c = 0; c < C; ++c) {
+    lo[c] = _mm512_loadu_ps(sums + c * 16);
+    hi[c] = _mm512_loadu_ps(sums + (C + c) * 16);
+  }
+  for (int c = 0; c < C; ++c) {
+    _mm512_storeu_ps(sums + 32 * c, _mm512_permutex2var_ps(lo[c], first, hi[c]));
+    _mm512_storeu_ps(sums + 32 * c + 16, _mm512_permutex2var_ps(lo[c], second, hi[c]));
+  }
+}
+
+// Per thread: an item's rows' largest scores so far (16 lanes each).
+inline std::vector<__m512>& row_max_scratch() {
+  static thread_local std::vector<__m512> scratch;
+  return scratch;
+}
+
+// The bf16 item with AVX512-BF16: q.k with vdpbf16ps (a query's bf16 pair broadcast
+// against 16 keys' pairs, transposed once per 16 keys for all the item's rows; float32
+// sums over the pairs in order), probabilities rounded to bf16 (as Hugging Face's eager
+// attention casts them) and multiplied into V with vdpbf16ps too: V packed in pairs once
+// per chunk of keys, every row's float32 sums running over the keys in order. head_dim
+// is 32, 64 or 128. The sums of a row depend on its own position and keys only, never
+// on the item's other rows (greedy batch invariance).
 template <int VC>  // head_dim / 16
 void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
                          const c10::BFloat16* keys, const c10::BFloat16* values,
@@ -356,22 +467,28 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
                          BlockPrefetcher& prefetcher) {
   constexpr int64_t head_dim = VC * 16;
   constexpr int R = 16 / VC;  // rows per pass of the V sum
+  constexpr int C = VC / 2;   // 32-dim parts of a row
+  constexpr int64_t kChunk = 128;  // keys whose packed values a pass of the V sum reads
   const int64_t rows = (j1 - j0) * group;
   const int64_t padded_rows = (rows + R - 1) / R * R;
   const int64_t past = context - q_len;
   const int64_t num_keys = past + j1;
-  const int64_t key_stride = (num_keys + 15) / 16 * 16;
-  buf.resize(padded_rows * head_dim + padded_rows * key_stride + rows * head_dim / 2 +
-             padded_rows * key_stride / 2 + 16);
+  const int64_t key_stride = (num_keys + 31) / 32 * 32;
+  buf.resize(padded_rows * head_dim + padded_rows * key_stride + padded_rows * head_dim / 2 +
+             padded_rows * key_stride / 2 + kChunk * head_dim / 2 + 32);
   float* acc = buf.data();                                     // (padded_rows, D)
   float* scores = acc + padded_rows * head_dim;                // (padded_rows, key_stride)
-  auto* q = reinterpret_cast<c10::BFloat16*>(scores + padded_rows * key_stride);  // (rows, D)
-  auto* probs = reinterpret_cast<uint16_t*>(q + rows * head_dim);  // (padded_rows, key_stride)
+  auto* q = reinterpret_cast<uint16_t*>(scores + padded_rows * key_stride);  // (padded_rows, D)
+  auto* probs = q + padded_rows * head_dim;                    // (padded_rows, key_stride)
+  // the chunk's packed values, 64-byte aligned
+  auto* packed = reinterpret_cast<__m512i*>(
+      (reinterpret_cast<uintptr_t>(probs + padded_rows * key_stride) + 63) & ~uintptr_t{63});
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(q + r * head_dim,
                 query + (first_token + j0 + r / group) * q_stride0 +
                     (kv_head * group + r % group) * q_stride1,
                 head_dim * sizeof(c10::BFloat16));
+  std::fill(q + rows * head_dim, q + padded_rows * head_dim, uint16_t{0});
   rows_ptr.resize(2 * key_stride);
   const c10::BFloat16** key_rows = rows_ptr.data();
   const c10::BFloat16** value_rows = key_rows + key_stride;
@@ -394,52 +511,93 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
     value_rows[p] = value_rows[num_keys - 1];
   }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 sc = _mm512_set1_ps(scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t p0 = 0; p0 < key_stride; p0 += 16) {
-    prefetcher.step();
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512bh qc[VC / 2];
-      for (int c = 0; c < VC / 2; ++c)
-        qc[c] = (__m512bh)_mm512_loadu_si512(q + r * head_dim + 32 * c);
-      __m512 partial[16];
-      for (int i = 0; i < 16; ++i) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < VC / 2; ++c)
-          sum = _mm512_dpbf16_ps(sum, qc[c], (__m512bh)_mm512_loadu_si512(key_rows[p0 + i] + 32 * c));
-        partial[i] = sum;
-      }
-      const int64_t visible = past + j0 + r / group + 1;  // keys [0, visible)
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0)));
-      __mmask16 hidden = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible)));
-      if (window > 0)  // and keys [0, visible - window) outside the window
-        hidden |= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible - window)));
-      const __m512 s = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
-      _mm512_storeu_ps(scores + r * key_stride + p0, _mm512_mask_mov_ps(s, hidden, neg_inf));
+  // keys [0, visible) of row r, within the window; each row's largest score kept
+  std::vector<__m512>& row_max = row_max_scratch();
+  row_max.assign(rows, neg_inf);
+  auto store_scores = [&](int64_t r, int64_t p0, __m512 sum) {
+    const int64_t visible = past + j0 + r / group + 1;
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0)));
+    __mmask16 hidden = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible)));
+    if (window > 0)  // and keys [0, visible - window) outside the window
+      hidden |= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible - window)));
+    const __m512 s = _mm512_mask_mov_ps(_mm512_mul_ps(sum, sc), hidden, neg_inf);
+    row_max[r] = _mm512_max_ps(row_max[r], s);
+    _mm512_storeu_ps(scores + r * key_stride + p0, s);
+  };
+  // Keys 128 at a time (then 64, 32 for the tail), transposed once for all the rows,
+  // which take them 8, 4, 3, 2 or 1 at a time, as many keys as keep 12-16 chains going.
+  constexpr int M = VC * 8;
+  alignas(64) __m512i kt[8 * M];
+  auto run_rows = [&](int64_t p0, auto width_keys) {
+    constexpr int W = decltype(width_keys)::value / 16;  // 16-key chunks in kt
+    int64_t r = 0;
+    auto rows_of = [&](auto nr, auto kc) {
+      constexpr int NR = decltype(nr)::value;
+      constexpr int KC = decltype(kc)::value < W ? decltype(kc)::value : W;
+      for (; r + NR <= rows; r += NR)
+        for (int k0 = 0; k0 < W; k0 += KC) {
+          __m512 sum[NR][KC];
+          score_keys<VC, NR, KC>(sum, q + r * head_dim, head_dim, kt + k0 * M);
+          for (int i = 0; i < NR; ++i)
+            for (int k = 0; k < KC; ++k) store_scores(r + i, p0 + 16 * (k0 + k), sum[i][k]);
+        }
+    };
+    using std::integral_constant;
+    rows_of(integral_constant<int, 8>{}, integral_constant<int, 2>{});
+    rows_of(integral_constant<int, 4>{}, integral_constant<int, 4>{});
+    rows_of(integral_constant<int, 3>{}, integral_constant<int, 4>{});
+    rows_of(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+    rows_of(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+  };
+  auto pass = [&](int64_t p0, auto width_keys) {
+    constexpr int W = decltype(width_keys)::value / 16;
+    for (int k = 0; k < W; ++k) {
+      prefetcher.step();
+      transpose_keys<VC>(kt + k * M, key_rows + p0 + 16 * k);
     }
+    run_rows(p0, width_keys);
+  };
+  int64_t p0 = 0;
+  for (; p0 + 128 <= key_stride; p0 += 128) pass(p0, std::integral_constant<int, 128>{});
+  if (p0 + 64 <= key_stride) {
+    pass(p0, std::integral_constant<int, 64>{});
+    p0 += 64;
   }
+  if (p0 < key_stride) pass(p0, std::integral_constant<int, 32>{});
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * key_stride;
-    __m512 max16 = neg_inf;
-    for (int64_t p = 0; p < key_stride; p += 16) max16 = _mm512_max_ps(max16, _mm512_loadu_ps(s + p));
-    const float max = _mm512_reduce_max_ps(max16);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < key_stride; ++p) {
-      const float e = fast_exp(s[p] - max);
-      sum += e;
-      s[p] = e;
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(row_max[r]));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t p = 0; p < key_stride; p += 16) {
+      const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), max));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(s + p, e);
     }
-    const float inv = 1.f / sum;
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
     uint16_t* pr = probs + r * key_stride;
-#pragma omp simd
-    for (int64_t p = 0; p < key_stride; ++p)  // softmax rounded to bf16, as .to(bf16)
-      pr[p] = from_float<c10::BFloat16>(s[p] * inv).x;
+    for (int64_t p = 0; p < key_stride; p += 16)  // softmax rounded to bf16, as .to(bf16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p),
+                          float_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s + p), inv)));
   }
   std::fill(probs + rows * key_stride, probs + padded_rows * key_stride, uint16_t{0});
-  for (int64_t r = 0; r < padded_rows; r += R)
-    weighted_values<VC, R>(acc + r * head_dim, probs + r * key_stride, key_stride, value_rows,
-                           (num_keys + 1) / 2 * 2,
-                           r == 0 ? &prefetcher : nullptr);
+  // V, a chunk of keys at a time, packed once for every row
+  float* sums = acc;
+  std::fill(sums, sums + padded_rows * head_dim, 0.f);
+  const int64_t value_keys = (num_keys + 1) / 2 * 2;
+  if (padded_rows == R)
+    weighted_values_direct<VC, R>(sums, probs, key_stride, value_rows, value_keys / 2, prefetcher);
+  else
+    for (int64_t c0 = 0; c0 < value_keys; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, value_keys - c0);
+      for (int64_t i = 0; i < n; i += 16) prefetcher.step();
+      pack_value_pairs<VC>(packed, value_rows + c0, n / 2);
+      for (int64_t r = 0; r < padded_rows; r += R)
+        weighted_values_chunk<VC, R>(sums + r * head_dim, probs + r * key_stride + c0,
+                                     key_stride, packed, n / 2);
+    }
+  for (int64_t r = 0; r < rows; ++r) unpermute_sums<VC>(acc + r * head_dim);
   const int64_t heads = kv_heads * group;
   for (int64_t r = 0; r < rows; ++r) {
     c10::BFloat16* o = out + ((first_token + j0 + r / group) * heads + kv_head * group + r % group) * head_dim;
