@@ -63,6 +63,13 @@ class Settings:
     """Build and use the native CPU kernels (``loom/kernels``). 0: ``native_ops()`` is
     None and every caller takes its PyTorch path."""
 
+    triton_matmuls: bool = field(default=False, metadata={"env": "LOOM_TRITON_MATMULS"})
+    """Off by default. 1: on CUDA, quantized linear weights multiply through loom's Triton
+    kernels, which read the packed weight (``layers/triton_linear.py``), and full-precision
+    MoE experts through its fused MoE kernel (``layers/triton_moe.py``), instead of
+    dequantizing per matmul / a matmul per expert. Proven only under Triton's interpreter
+    on the CPU (with TRITON_INTERPRET=1 the switch applies to the CPU too: tests)."""
+
     cache_dir: Path = field(default_factory=_default_cache_dir,
                             metadata={"env": "LOOM_CACHE_DIR"})
     """loom's cache root: built kernels (``kernels/``), tokenizers converted from GGUF

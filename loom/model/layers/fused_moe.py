@@ -37,6 +37,12 @@ checkpoint tensor before the rank takes its shard, laid out once for loom's
 expert hit once on its segment, as above. A GGUF file's experts in a format loom keeps
 (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; ``--quantization auto``) arrive as one
 ``QuantizedTensor`` per expert and are held the same way, in the file's format.
+
+On CUDA with ``LOOM_TRITON_MATMULS=1`` (off by default: proven only under Triton's
+interpreter), full-precision experts run loom's Triton fused MoE kernel instead
+(triton_moe.py: the assignments sorted by expert and padded to its block, one grouped
+matmul launch per projection over every expert), and quantized experts' linears run
+loom's Triton quantized matmuls (triton_linear.py) on their segments.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from loom.kernels import native_ops_for
 from loom.model.layers.activation import silu_and_mul
 from loom.model.layers.linear import LinearBase
 from loom.model.layers.weight_forms import (Bf16Panels, PackedWeight, WeightForm, linear,
-                                            pack_weight, select_form)
+                                            pack_weight, select_form, triton_matmuls_on)
 from loom.model.layers.quantization import QuantizedTensor, parse_weight_quantization
 
 logger = logging.getLogger(__name__)
@@ -321,6 +327,9 @@ class FusedMoE(nn.Module):
         # by it before each forward and shipped with the step's output; None: not counted
         self.step_tokens: torch.Tensor | None = None
         self.use_grouped = True  # False: loop_over_experts (the measured reference)
+        # full-precision experts run triton_moe.fused_moe (LOOM_TRITON_MATMULS=1, CUDA),
+        # decided once loaded
+        self.triton_experts = False
         # each local expert's w13 and w2 as held (weight_forms.py; select_form's choice,
         # on slices of the stacked parameters), made once loaded; None while loading
         self.expert_forms: list[tuple[WeightForm, WeightForm]] | None = None
@@ -411,6 +420,7 @@ class FusedMoE(nn.Module):
             return
         forms = {name: self._hold(name) for name in ("w13_weight", "w2_weight")}
         self.expert_forms = list(zip(forms["w13_weight"], forms["w2_weight"]))
+        self.triton_experts = not self._panels and triton_matmuls_on(self.w13_weight.device)
 
     def _hold(self, name: str) -> list[WeightForm]:
         """Each local expert's form of parameter ``name``, as ``select_form`` picks it
@@ -574,6 +584,11 @@ class FusedMoE(nn.Module):
             if self._panels and self.expert_forms is None:
                 raise RuntimeError("the experts are being reloaded: "
                                    "process_weights_after_loading has not run yet")
+            if self.triton_experts:
+                from loom.model.layers.triton_moe import fused_moe
+
+                return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                 self.expert_start)
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                 self.expert_start, self.expert_forms)
         else:

@@ -11,6 +11,8 @@ logs why:
     Bf16Panels           loom's bf16 panels only                 loom's ``bf16_linear``
     QuantizedKernel      loom's quantized kernel layout          loom's ``quantized_linear``
     QuantizedReference   the values bit-packed + their scales    dequantize, then ``F.linear``
+    TritonQuantized      as QuantizedReference (CUDA, opt-in:    loom's Triton kernels, which
+                         LOOM_TRITON_MATMULS=1)                  dequantize in registers
     MixedFormats         one of the two above per run of rows    one call per run, into its
                          in one format (a fused GGUF layer)      columns of the output
 
@@ -26,6 +28,7 @@ the form it runs.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from typing import Any
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 
 from loom.envs import settings
 from loom.kernels import native_ops, native_ops_for
+from loom.model.attention import triton_interpreter_requested
 from loom.model.layers.quantization import QuantizedTensor, reference_linear
 from loom.model.layers.scratch import scratch
 
@@ -509,6 +513,30 @@ class QuantizedReference(WeightForm):
         self.tensor = None
 
 
+class TritonQuantized(QuantizedReference):
+    """The PyTorch path's bit-packed weight multiplied by loom's Triton kernels
+    (``triton_linear.py``: the values dequantized in registers, no float32 copy of the
+    weight): on CUDA with ``LOOM_TRITON_MATMULS=1``. Proven against the reference only
+    under Triton's interpreter so far."""
+
+    kind = "loom's Triton kernel (dequantized in registers)"
+    dequantizes_per_matmul = False
+
+    def __init__(self, tensor: QuantizedTensor) -> None:
+        from loom.model.layers.triton_linear import quantized_matmul
+
+        super().__init__(tensor)
+        self._matmul = quantized_matmul
+
+    def apply(self, x, bias, float_output=False):
+        return self._matmul(x, self.tensor, bias, torch.float32 if float_output else None)
+
+    def apply_into(self, out: torch.Tensor, x: torch.Tensor,
+                   bias: torch.Tensor | None) -> None:
+        """``apply`` of a 2-d ``x`` into ``out`` (columns of a wider output)."""
+        self._matmul(x, self.tensor, bias, out=out)
+
+
 class MixedFormats(WeightForm):
     """A fused layer whose runs of rows came in different formats (``RowBlocks``): one
     quantized form per run, their bytes in one buffer (counted, freed and refilled
@@ -516,7 +544,7 @@ class MixedFormats(WeightForm):
 
     kind = "mixed formats"
 
-    def __init__(self, parts: list[QuantizedKernel | QuantizedReference],
+    def __init__(self, parts: list[QuantizedKernel | QuantizedReference | TritonQuantized],
                  buffer: torch.Tensor) -> None:
         self.parts, self.buffer = parts, buffer
         self.format = "+".join(dict.fromkeys(part.format for part in parts))
@@ -543,6 +571,8 @@ class MixedFormats(WeightForm):
             columns = out.narrow(1, first, rows)
             if isinstance(part, QuantizedKernel):
                 native_ops().quantized_linear(columns, flat, part.weight, part_bias)
+            elif isinstance(part, TritonQuantized):
+                part.apply_into(columns, flat, part_bias)
             else:
                 columns.copy_(reference_linear(flat, part.tensor, part_bias, out.dtype))
             first += rows
@@ -592,8 +622,49 @@ def full_precision_form(weight: torch.Tensor) -> tuple[WeightForm, str]:
     return OneDnnWeight(weight, packed), why
 
 
+def triton_matmuls_on(device: torch.device) -> bool:
+    """Whether loom's Triton matmuls run for a model on ``device``: LOOM_TRITON_MATMULS=1
+    and CUDA, or the CPU under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
+    if not settings().triton_matmuls:
+        return False
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreter_requested()):
+        return False
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("LOOM_TRITON_MATMULS=1 needs the triton package (pip install "
+                         "triton); or unset LOOM_TRITON_MATMULS")
+    return True
+
+
+def _triton_form(blocks: list[QuantizedTensor]) -> tuple[WeightForm, str] | None:
+    """The weight held for loom's Triton kernels (``TritonQuantized``, one per format
+    of a fused layer), or None where a block's layout is one they do not take."""
+    from loom.model.layers.triton_linear import check_supported
+
+    held = [block.held() for block in blocks]
+    for block in held:
+        why = check_supported(block)
+        if why is not None:
+            log_once("LOOM_TRITON_MATMULS: a %s weight stays on the PyTorch reference: %s",
+                     block.format, why)
+            return None
+    why = "LOOM_TRITON_MATMULS=1"
+    if len(held) == 1:
+        return TritonQuantized(held[0]), why
+    tensors = [block.tensors() for block in held]
+    buffer, views = one_buffer([t for group in tensors for t in group])
+    parts, at = [], 0
+    for block, group in zip(held, tensors):
+        parts.append(TritonQuantized(block.with_tensors(views[at:at + len(group)])))
+        at += len(group)
+    return MixedFormats(parts, buffer), f"{why}, one call per format"
+
+
 def _quantized_form(blocks: list[QuantizedTensor], device: torch.device,
                     dtype: torch.dtype) -> tuple[WeightForm, str]:
+    if triton_matmuls_on(device):
+        chosen = _triton_form(blocks)
+        if chosen is not None:
+            return chosen
     ops = native_ops_for(device, dtype)
     if device.type != "cpu":
         why = f"on {device.type}"
