@@ -14,7 +14,9 @@
 #          CUDA graphs and with --enforce-eager, each against transformers, interleaved),
 #          and --attention-backend triton: its kernels compiled on CUDA against the torch
 #          backend (tests/model/triton_attention_cases.py), then every family's tokens
-#          against transformers through it (STEPS=triton alone runs just that)
+#          against transformers through it; and LOOM_TRITON_MATMULS' kernels (quantized
+#          linears read packed, the fused MoE) compiled on CUDA against the PyTorch paths
+#          (tests/model/triton_matmul_cases.py) (STEPS=triton alone runs just that)
 #   there: [STEPS='checks q4_1_kept'] bash benchmarks/cuda_check.sh b
 #          (carry .whl .devcarry/part-b .devcarry/sha256)
 #          benchmarks/cuda_check.py on the default model: Paris (also through
@@ -83,6 +85,10 @@ if [ "$stage" = a ]; then
             tests/model/triton_attention_cases.py
         step triton_correctness 240 env LOOM_TEST_ATTENTION_BACKEND=triton \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/e2e/test_llm_correctness.py
+        # 149 kernel variants to compile (counted under the interpreter; 0.4 s each on a
+        # CPU core here: about 60 s) and three tiny engines
+        step triton_matmuls 150 python3 -m pytest -q -rfE -p no:cacheprovider \
+            tests/model/triton_matmul_cases.py
     fi
     if [[ " $steps " == *" speed "* ]]; then
         # shellcheck disable=SC2086
