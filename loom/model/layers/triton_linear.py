@@ -273,10 +273,12 @@ def _format_constants(weight: QuantizedTensor, has_bias: bool) -> dict[str, Any]
 
 def gemv_constants(weight: QuantizedTensor, rows: int, has_bias: bool) -> dict[str, Any]:
     """The GEMV kernel's compile-time constants: rows padded to a power of two, 32
-    output features per program (first guesses)."""
+    output features per program, the (M_PAD, BLOCK_N, BLOCK_K) products at most 4,096
+    values (first guesses; a smaller power of two still divides the group)."""
     constants = _format_constants(weight, has_bias)
-    constants["BLOCK_K"] = min(constants["BLOCK_K"], 64)  # (M_PAD, BLOCK_N, BLOCK_K) live
-    return dict(M_PAD=max(1, triton.next_power_of_2(rows)), BLOCK_N=32, **constants)
+    m_pad = max(1, triton.next_power_of_2(rows))
+    constants["BLOCK_K"] = min(constants["BLOCK_K"], max(16, 4096 // (m_pad * 32)))
+    return dict(M_PAD=m_pad, BLOCK_N=32, **constants)
 
 
 def gemm_constants(weight: QuantizedTensor, dtype: torch.dtype, has_bias: bool,
