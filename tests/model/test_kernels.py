@@ -166,6 +166,38 @@ def test_paged_attention_matches_torch_backend(ops, dtype, heads, kv_heads, head
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("window", [0, 700])
+def test_paged_attention_over_long_contexts(ops, window):
+    """Contexts over several of the bf16 kernel's key blocks (512 keys, at fixed places;
+    online softmax across them) and a window that starts inside one: equal to the torch
+    backend within bf16 rounding, and each row the same bits whatever the step's split of
+    the request into new tokens (one chunk of 300, or 299 then 1)."""
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    context_lens, query_lens = [1300, 1100, 530], [1, 300, 17]
+    cache, metadata, q, k, v = _paged_case(context_lens, query_lens, heads, kv_heads,
+                                           head_dim, block_size, torch.bfloat16)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, 0.125, window or None)
+    expected = backend.forward(q, k, v, cache.clone(), metadata)
+    ops.write_kv_cache(k, v, cache, metadata.slot_mapping)
+
+    def attend(query, seq_lens, starts, table=metadata.block_table):
+        out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+        args = (out, query, cache, table, torch.tensor(seq_lens, dtype=torch.int32),
+                torch.tensor(starts, dtype=torch.int32), 0.125, 1 << 30)
+        if window:
+            ops.paged_attention_windowed(*args, window)
+        else:
+            ops.paged_attention(*args)
+        return out
+
+    out = attend(q, context_lens, metadata.query_start_loc.tolist())
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=0)
+    # request 1's 300 new tokens as 299 (its context ending one token earlier) and then 1
+    first = attend(q[1:300], [1099], [0, 299], metadata.block_table[1:2])
+    last = attend(q[300:301], [1100], [0, 1], metadata.block_table[1:2])
+    assert torch.equal(torch.cat([first, last]), out[1:301])
+
+
 def test_paged_attention_leaves_long_queries_to_the_caller(ops):
     cache, metadata, q, k, v = _paged_case([10, 30, 5], [1, 20, 5], 4, 2, 64, 16, torch.float32)
     ops.write_kv_cache(k, v, cache, metadata.slot_mapping)

@@ -9,7 +9,9 @@
 //
 // Work is split into items (request, KV head, tile of up to kTile query tokens);
 // an item's G * tile query rows share each K/V row it loads. Scores and softmax
-// in float32 (two passes over the keys), the output rounded once.
+// in float32, the output rounded once: the generic kernel in two passes over the keys,
+// the bf16 one (AVX512-BF16) over blocks of 512 keys at fixed places with flash
+// attention's running max and sum, so a long context's scores never leave L2.
 
 #include "common.h"
 #include "ops.h"
@@ -388,7 +390,7 @@ inline void weighted_values_chunk(float* sums, const uint16_t* probs, int64_t pr
     }
 }
 
-// weighted_values_chunk for R rows over all the keys, each pair of values packed in
+// weighted_values_chunk for R rows over a block's keys, each pair of values packed in
 // registers as it is read: the same sums, for an item whose rows are one pass (a decode),
 // where packing into memory first would only add stores and loads.
 template <int VC, int R>
@@ -398,7 +400,10 @@ inline void weighted_values_direct(float* sums, const uint16_t* probs, int64_t p
   constexpr int C = VC / 2;
   __m512 lo[R][C], hi[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      lo[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + c) * 16);
+      hi[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + C + c) * 16);
+    }
   for (int64_t i = 0; i < pairs; ++i) {
     if (i % 8 == 0) prefetcher.step();
     __m512bh vlo[C], vhi[C];
@@ -469,20 +474,23 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
   constexpr int R = 16 / VC;  // rows per pass of the V sum
   constexpr int C = VC / 2;   // 32-dim parts of a row
   constexpr int64_t kChunk = 128;  // keys whose packed values a pass of the V sum reads
+  constexpr int64_t kBlock = 512;  // keys whose scores are held at once
   const int64_t rows = (j1 - j0) * group;
   const int64_t padded_rows = (rows + R - 1) / R * R;
   const int64_t past = context - q_len;
   const int64_t num_keys = past + j1;
   const int64_t key_stride = (num_keys + 31) / 32 * 32;
-  buf.resize(padded_rows * head_dim + padded_rows * key_stride + padded_rows * head_dim / 2 +
-             padded_rows * key_stride / 2 + kChunk * head_dim / 2 + 32);
+  buf.resize(padded_rows * head_dim + padded_rows * kBlock + padded_rows * head_dim / 2 +
+             padded_rows * kBlock / 2 + kChunk * head_dim / 2 + 2 * padded_rows + 32);
   float* acc = buf.data();                                     // (padded_rows, D)
-  float* scores = acc + padded_rows * head_dim;                // (padded_rows, key_stride)
-  auto* q = reinterpret_cast<uint16_t*>(scores + padded_rows * key_stride);  // (padded_rows, D)
-  auto* probs = q + padded_rows * head_dim;                    // (padded_rows, key_stride)
+  float* scores = acc + padded_rows * head_dim;                // (padded_rows, kBlock)
+  auto* q = reinterpret_cast<uint16_t*>(scores + padded_rows * kBlock);  // (padded_rows, D)
+  auto* probs = q + padded_rows * head_dim;                    // (padded_rows, kBlock)
+  float* row_top = reinterpret_cast<float*>(probs + padded_rows * kBlock);  // m: max so far
+  float* row_sum = row_top + padded_rows;                      // l: sum of exp(s - m) so far
   // the chunk's packed values, 64-byte aligned
   auto* packed = reinterpret_cast<__m512i*>(
-      (reinterpret_cast<uintptr_t>(probs + padded_rows * key_stride) + 63) & ~uintptr_t{63});
+      (reinterpret_cast<uintptr_t>(row_sum + padded_rows) + 63) & ~uintptr_t{63});
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(q + r * head_dim,
                 query + (first_token + j0 + r / group) * q_stride0 +
@@ -515,7 +523,7 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // keys [0, visible) of row r, within the window; each row's largest score kept
   std::vector<__m512>& row_max = row_max_scratch();
-  row_max.assign(rows, neg_inf);
+  int64_t b0 = 0;  // the block's first key
   auto store_scores = [&](int64_t r, int64_t p0, __m512 sum) {
     const int64_t visible = past + j0 + r / group + 1;
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(p0)));
@@ -524,7 +532,7 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
       hidden |= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible - window)));
     const __m512 s = _mm512_mask_mov_ps(_mm512_mul_ps(sum, sc), hidden, neg_inf);
     row_max[r] = _mm512_max_ps(row_max[r], s);
-    _mm512_storeu_ps(scores + r * key_stride + p0, s);
+    _mm512_storeu_ps(scores + r * kBlock + p0 - b0, s);
   };
   // Keys 128 at a time (then 64, 32 for the tail), transposed once for all the rows,
   // which take them 8, 4, 3, 2 or 1 at a time, as many keys as keep 12-16 chains going.
@@ -559,45 +567,72 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
     }
     run_rows(p0, width_keys);
   };
-  int64_t p0 = 0;
-  for (; p0 + 128 <= key_stride; p0 += 128) pass(p0, std::integral_constant<int, 128>{});
-  if (p0 + 64 <= key_stride) {
-    pass(p0, std::integral_constant<int, 64>{});
-    p0 += 64;
-  }
-  if (p0 < key_stride) pass(p0, std::integral_constant<int, 32>{});
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * key_stride;
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(row_max[r]));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t p = 0; p < key_stride; p += 16) {
-      const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), max));
-      sum = _mm512_add_ps(sum, e);
-      _mm512_storeu_ps(s + p, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    uint16_t* pr = probs + r * key_stride;
-    for (int64_t p = 0; p < key_stride; p += 16)  // softmax rounded to bf16, as .to(bf16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p),
-                          float_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s + p), inv)));
-  }
-  std::fill(probs + rows * key_stride, probs + padded_rows * key_stride, uint16_t{0});
-  // V, a chunk of keys at a time, packed once for every row
-  float* sums = acc;
+  // Blocks of kBlock keys at fixed places (0, kBlock, ...): a row's sums depend on its
+  // own keys only, however its tokens were split into steps and tiles. Per block: the
+  // scores, the row's running max m and sum l (flash attention's online softmax, in
+  // float32), exp(s - m) rounded to bf16 times V added to sums rescaled by exp(m_old - m).
+  float* sums = acc;  // (as weighted_values_chunk keeps them)
   std::fill(sums, sums + padded_rows * head_dim, 0.f);
-  const int64_t value_keys = (num_keys + 1) / 2 * 2;
-  if (padded_rows == R)
-    weighted_values_direct<VC, R>(sums, probs, key_stride, value_rows, value_keys / 2, prefetcher);
-  else
-    for (int64_t c0 = 0; c0 < value_keys; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, value_keys - c0);
-      for (int64_t i = 0; i < n; i += 16) prefetcher.step();
-      pack_value_pairs<VC>(packed, value_rows + c0, n / 2);
-      for (int64_t r = 0; r < padded_rows; r += R)
-        weighted_values_chunk<VC, R>(sums + r * head_dim, probs + r * key_stride + c0,
-                                     key_stride, packed, n / 2);
+  std::fill(row_top, row_top + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + rows, 0.f);
+  std::fill(probs + rows * kBlock, probs + padded_rows * kBlock, uint16_t{0});
+  for (b0 = first_key / kBlock * kBlock; b0 < key_stride; b0 += kBlock) {
+    const int64_t end = std::min(b0 + kBlock, key_stride);
+    row_max.assign(rows, neg_inf);
+    int64_t p0 = b0;
+    for (; p0 + 128 <= end; p0 += 128) pass(p0, std::integral_constant<int, 128>{});
+    if (p0 + 64 <= end) {
+      pass(p0, std::integral_constant<int, 64>{});
+      p0 += 64;
     }
-  for (int64_t r = 0; r < rows; ++r) unpermute_sums<VC>(acc + r * head_dim);
+    if (p0 < end) pass(p0, std::integral_constant<int, 32>{});
+    const int64_t n = end - b0;  // a multiple of 32
+    for (int64_t r = 0; r < rows; ++r) {
+      const float top = std::max(row_top[r], _mm512_reduce_max_ps(row_max[r]));
+      float* s = scores + r * kBlock;
+      uint16_t* pr = probs + r * kBlock;
+      if (top == -std::numeric_limits<float>::infinity()) {  // no key of the row here yet
+        std::fill(pr, pr + n, uint16_t{0});
+        continue;
+      }
+      const float rescale = fast_exp(row_top[r] - top);  // 0 for the row's first keys
+      row_top[r] = top;
+      const __m512 max = _mm512_set1_ps(top);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t p = 0; p < n; p += 16) {
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), max));
+        total = _mm512_add_ps(total, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), float_to_bf16x16(e));
+      }
+      row_sum[r] = row_sum[r] * rescale + _mm512_reduce_add_ps(total);
+      if (rescale != 1.f) {
+        const __m512 by = _mm512_set1_ps(rescale);
+        float* a = sums + r * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16)
+          _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), by));
+      }
+    }
+    const int64_t value_end = std::min(end, (num_keys + 1) / 2 * 2);
+    if (padded_rows == R)
+      weighted_values_direct<VC, R>(sums, probs, kBlock, value_rows + b0,
+                                    (value_end - b0) / 2, prefetcher);
+    else
+      for (int64_t c0 = b0; c0 < value_end; c0 += kChunk) {
+        const int64_t count = std::min(kChunk, value_end - c0);
+        for (int64_t i = 0; i < count; i += 16) prefetcher.step();
+        pack_value_pairs<VC>(packed, value_rows + c0, count / 2);
+        for (int64_t r = 0; r < padded_rows; r += R)
+          weighted_values_chunk<VC, R>(sums + r * head_dim, probs + r * kBlock + c0 - b0,
+                                       kBlock, packed, count / 2);
+      }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    unpermute_sums<VC>(acc + r * head_dim);
+    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    float* a = acc + r * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 16)
+      _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), inv));
+  }
   const int64_t heads = kv_heads * group;
   for (int64_t r = 0; r < rows; ++r) {
     c10::BFloat16* o = out + ((first_token + j0 + r / group) * heads + kv_head * group + r % group) * head_dim;
