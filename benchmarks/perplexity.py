@@ -6,6 +6,8 @@ and each engine's top-1 agreement with the same file dequantized to float32.
     python benchmarks/perplexity.py --model F.gguf --ctx 512 --llama-bin DIR
     python benchmarks/perplexity.py --kv-cache-dtype int8  # and the kept file over it
     python benchmarks/perplexity.py --kv-cache-dtype int8 fp8_e4m3 fp8_e5m2  # each
+    python benchmarks/perplexity.py --model 1b-q4_0.gguf --ctx 4096 --tokens 8192 \
+        --kv-cache-dtype int8 --hf-overrides '{"max_position_embeddings": 4104}'
 
 The text ships offline: Python standard library docstrings (tests/model/
 test_quantization.py's, repeated to ``--tokens``). llama-perplexity splits the tokens
@@ -79,9 +81,13 @@ def loom_perplexity(model: str, token_ids: list[int], ctx: int, bos: int | None,
     return math.exp(nll / count), top1
 
 
-def llama_perplexity(bin_dir: str, model: str, path: str, ctx: int, threads: int) -> float:
+def llama_perplexity(bin_dir: str, model: str, path: str, ctx: int, threads: int,
+                     cache_type: str | None = None) -> float:
+    """llama-perplexity's estimate; ``cache_type`` (q8_0): its KV cache in that type (with
+    flash attention, which a quantized V cache needs)."""
+    cache = ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"] if cache_type else []
     out = subprocess.run([os.path.join(bin_dir, "llama-perplexity"), "-m", model, "-f", path,
-                          "-c", str(ctx), "-b", str(ctx), "-t", str(threads)],
+                          "-c", str(ctx), "-b", str(ctx), "-t", str(threads), *cache],
                          capture_output=True, text=True, check=True)
     found = re.search(r"Final estimate: PPL = ([\d.]+)", out.stdout + out.stderr)
     if not found:
@@ -121,9 +127,13 @@ def main() -> None:
                         help="also score the kept file over this KV cache dtype (int8, "
                              "fp8_e4m3, fp8_e5m2; several: each in turn), and its top-1 "
                              "agreement with the kept file's own cache")
+    parser.add_argument("--hf-overrides", default=None,
+                        help="loom's --hf-overrides (a context past the checkpoint's: its "
+                             "scored chunks are --ctx tokens and one more is generated)")
     parser.add_argument("--llama-bin", default=os.path.join(
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     args = parser.parse_args()
+    overrides = {"hf_overrides": args.hf_overrides} if args.hf_overrides else {}
     if args.model is None:
         from loom.default_model import default_model_path
 
@@ -137,9 +147,10 @@ def main() -> None:
     if tokenizer.encode(tokenizer.decode(token_ids)) != token_ids:
         raise SystemExit("the text's token ids do not survive decode and encode: llama.cpp "
                          "would score other tokens")
-    kept, kept_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos)
+    kept, kept_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos, **overrides)
     dequantized, reference_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos,
-                                                  dtype="float32", quantization="none")
+                                                  dtype="float32", quantization="none",
+                                                  **overrides)
     results = {
         "loom kept (bf16)": kept,
         "loom dequantized (float32)": dequantized,
@@ -148,7 +159,7 @@ def main() -> None:
     }
     for cache_dtype in args.kv_cache_dtype or ():
         cache, cache_top1 = loom_perplexity(args.model, token_ids, args.ctx, bos,
-                                            kv_cache_dtype=cache_dtype)
+                                            kv_cache_dtype=cache_dtype, **overrides)
         results[f"loom kept (bf16), {cache_dtype} KV cache"] = cache
         results[f"loom kept (bf16), {cache_dtype} KV cache: top-1 agreement with "
                 "the bf16 KV cache"] = \
@@ -161,6 +172,9 @@ def main() -> None:
             f.write(tokenizer.decode(token_ids))
         results["llama.cpp llama-perplexity"] = llama_perplexity(
             args.llama_bin, args.model, f.name, args.ctx, args.threads)
+        if "int8" in (args.kv_cache_dtype or ()):  # loom's int8 cache is llama.cpp's q8_0
+            results["llama.cpp llama-perplexity, q8_0 KV cache"] = llama_perplexity(
+                args.llama_bin, args.model, f.name, args.ctx, args.threads, "q8_0")
         float32, same_top1 = llama_float32(args.llama_bin, args.model, f.name, args.ctx,
                                            args.threads)
         results["llama.cpp llama-perplexity, its float32 copy of the file"] = float32
