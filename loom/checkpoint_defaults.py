@@ -302,6 +302,8 @@ def max_position_embeddings(hf_config) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
+            if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+                value -= hf_config.pad_token_id + 1  # positions start past it (roberta.py)
             return value
     return None
 

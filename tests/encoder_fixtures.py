@@ -1,11 +1,15 @@
-"""Tiny random encoder checkpoints (BERT, ModernBERT) with a WordPiece tokenizer, built
-offline: embedding models saved as sentence-transformers directories (modules.json, the
-Pooling module's config, a Normalize), classifiers as transformers saves them (a
-one-label classifier is a cross-encoder for sentence-transformers' CrossEncoder).
+"""Tiny random encoder checkpoints (BERT, ModernBERT, RoBERTa, XLM-RoBERTa) with their
+tokenizers, built offline: embedding models saved as sentence-transformers directories
+(modules.json, the Pooling module's config, a Normalize), classifiers as transformers
+saves them (a one-label classifier is a cross-encoder for sentence-transformers'
+CrossEncoder).
 
-The tokenizer is transformers' BertTokenizer over a handmade vocabulary: [PAD] 0,
-[UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then WORDS and a few ``##`` pieces; a pair encodes
-as ``[CLS] a [SEP] b [SEP]`` with token types 0 then 1.
+BERT's and ModernBERT's tokenizer is transformers' BertTokenizer over a handmade
+vocabulary: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then WORDS and a few ``##``
+pieces; a pair encodes as ``[CLS] a [SEP] b [SEP]`` with token types 0 then 1.
+RoBERTa's and XLM-RoBERTa's is XLM-RoBERTa's (a Unigram model): <s> 0, <pad> 1, </s> 2,
+<unk> 3, then ``▁`` and WORDS each as a word, single characters, <mask>; a pair encodes
+as ``<s> a </s></s> b </s>`` with no token types.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ def make_wordpiece_tokenizer(path: str) -> str:
     return path
 
 
+def make_unigram_tokenizer(path: str) -> str:
+    from transformers import XLMRobertaTokenizer
+
+    vocab = ([(token, 0.0) for token in ("<s>", "<pad>", "</s>", "<unk>")] + [("▁", -2.0)]
+             + [("▁" + word, -1.0) for word in WORDS]
+             + [(char, -5.0) for char in "abcdefghijklmnopqrstuvwxyz?.,"] + [("<mask>", 0.0)])
+    XLMRobertaTokenizer(vocab=vocab, model_max_length=512).save_pretrained(path)
+    return path
+
+
 def bert_config(**overrides):
     from transformers import BertConfig
 
@@ -53,8 +67,31 @@ def modernbert_config(**overrides):
                                "sep_token_id": 3} | overrides)
 
 
+def roberta_config(family: str = "roberta", **overrides):
+    from transformers import RobertaConfig, XLMRobertaConfig
+
+    # as the released checkpoints: one token type, positions from pad_token_id + 1 (so
+    # 130 rows for prompts of 128 tokens)
+    config = RobertaConfig if family == "roberta" else XLMRobertaConfig
+    return config(**{"vocab_size": len(WORDS) + 35, "hidden_size": HIDDEN,
+                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "intermediate_size": 128, "max_position_embeddings": 130,
+                     "type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0,
+                     "eos_token_id": 2, "layer_norm_eps": 1e-5} | overrides)
+
+
+ROBERTA_FAMILIES = ("roberta", "xlm-roberta")
+
+
 def _config(family: str, **overrides):
+    if family in ROBERTA_FAMILIES:
+        return roberta_config(family, **overrides)
     return (bert_config if family == "bert" else modernbert_config)(**overrides)
+
+
+def _tokenizer(path: str, family: str) -> str:
+    return (make_unigram_tokenizer if family in ROBERTA_FAMILIES
+            else make_wordpiece_tokenizer)(path)
 
 
 def write_sentence_transformers(path: str, pooling: str, normalize: bool,
@@ -84,9 +121,10 @@ def write_sentence_transformers(path: str, pooling: str, normalize: bool,
 
 def make_embedding_model(path: str, family: str, pooling: str, normalize: bool = True,
                          **overrides) -> str:
-    """A sentence-transformers directory: a random ``BertModel`` or ``ModernBertModel``
-    (``overrides``: its config's values other than the tiny ones), its tokenizer, a
-    Pooling module (``cls`` or ``mean``), a Normalize if asked."""
+    """A sentence-transformers directory: a random ``BertModel``, ``ModernBertModel``,
+    ``RobertaModel`` or ``XLMRobertaModel`` (``overrides``: its config's values other
+    than the tiny ones), its tokenizer, a Pooling module (``cls`` or ``mean``), a
+    Normalize if asked."""
     import torch
     from transformers import AutoModel
 
@@ -94,10 +132,10 @@ def make_embedding_model(path: str, family: str, pooling: str, normalize: bool =
     config = _config(family, **overrides)
     model = AutoModel.from_config(config)
     model.save_pretrained(path)
-    make_wordpiece_tokenizer(path)
+    _tokenizer(path, family)
     write_sentence_transformers(path, pooling, normalize, config.hidden_size)
     with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
-        json.dump({"max_seq_length": config.max_position_embeddings,
+        json.dump({"max_seq_length": 128,
                    "do_lower_case": False}, f)
     return path
 
@@ -112,11 +150,16 @@ def make_classifier(path: str, family: str, num_labels: int = 1, **overrides) ->
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(
         _config(family, num_labels=num_labels, **overrides)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(make_wordpiece_tokenizer(path))
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer(path, family))
+    # the output layer and the dense layer before it (BERT's pooler, RoBERTa's head)
+    if family in ROBERTA_FAMILIES:
+        output, dense = model.classifier.out_proj, model.classifier.dense
+    else:
+        output, dense = model.classifier, model.bert.pooler.dense if family == "bert" else None
     with torch.no_grad():
-        model.classifier.weight.normal_(0, 0.5)
-        if family == "bert":
-            model.bert.pooler.dense.weight.normal_(0, 0.5)
-        model.classifier.bias -= model(**tokenizer("a b", "c d", return_tensors="pt")).logits[0]
+        output.weight.normal_(0, 0.5)
+        if dense is not None:
+            dense.weight.normal_(0, 0.5)
+        output.bias -= model(**tokenizer("a b", "c d", return_tensors="pt")).logits[0]
     model.save_pretrained(path)
     return path

@@ -1,12 +1,13 @@
-"""Encoder models (BERT, ModernBERT) for the pooling tasks, on tiny random checkpoints
-(tests/encoder_fixtures.py), float32: ``LLM.embed`` equals sentence-transformers (CLS and
-MEAN pooling; ModernBERT's local layers see a window shorter than the longest text); a
-cross-encoder's ``LLM.score`` equals sentence-transformers' CrossEncoder on each pair
-(BERT's token types; ModernBERT's first-token and mean classifier pooling; an Identity
-activation from the config); ``LLM.classify`` equals transformers; the engine runs each
-prompt whole with no prefix cache, refuses a too-long prompt and settings an encoder
-cannot run, naming them. The same through ``/v1/rerank``: tests/entrypoints/
-test_pooling_serving.py."""
+"""Encoder models (BERT, ModernBERT, RoBERTa, XLM-RoBERTa) for the pooling tasks, on tiny
+random checkpoints (tests/encoder_fixtures.py), float32: ``LLM.embed`` equals
+sentence-transformers (CLS and MEAN pooling; ModernBERT's local layers see a window
+shorter than the longest text; RoBERTa's positions past the padding token, a pad token
+inside a prompt included); a cross-encoder's ``LLM.score`` equals sentence-transformers'
+CrossEncoder on each pair (BERT's token types, RoBERTa's none; ModernBERT's first-token
+and mean classifier pooling; an Identity activation from the config); ``LLM.classify``
+equals transformers; the engine runs each prompt whole with no prefix cache, refuses a
+too-long prompt and settings an encoder cannot run, naming them. The same through
+``/v1/rerank``: tests/entrypoints/test_pooling_serving.py."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ DOCUMENTS = ["the cat sat on the mat", "hello world",
 
 
 @pytest.mark.parametrize("family, pooling", [("bert", "cls"), ("bert", "mean"),
-                                             ("modernbert", "cls"), ("modernbert", "mean")])
+                                             ("modernbert", "cls"), ("modernbert", "mean"),
+                                             ("roberta", "cls"), ("roberta", "mean"),
+                                             ("xlm-roberta", "cls"), ("xlm-roberta", "mean")])
 def test_embeddings_equal_sentence_transformers(tmp_path, family, pooling):
     from sentence_transformers import SentenceTransformer
 
@@ -54,6 +57,8 @@ def test_embeddings_equal_sentence_transformers(tmp_path, family, pooling):
     ("bert", {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}),
     ("modernbert", {}),
     ("modernbert", {"classifier_pooling": "mean"}),
+    ("roberta", {}),
+    ("xlm-roberta", {}),
 ])
 def test_cross_encoder_scores_equal_sentence_transformers(tmp_path, family, overrides):
     """Each pair as the CrossEncoder scores it: the tokenizer's pair encoding (BERT's
@@ -74,10 +79,11 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path, family, over
     assert pairs[1].outputs.score != pytest.approx(got[1], abs=1e-4)
 
 
-def test_classify_equals_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_classify_equals_transformers(tmp_path, family):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = make_classifier(str(tmp_path / "bert"), "bert", num_labels=3)
+    path = make_classifier(str(tmp_path / family), family, num_labels=3)
     hf = AutoModelForSequenceClassification.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     with LLM(path, task="classify", **ENGINE) as llm:
@@ -86,6 +92,29 @@ def test_classify_equals_transformers(tmp_path):
         with torch.no_grad():
             want = torch.softmax(hf(**tokenizer(text, return_tensors="pt")).logits[0], dim=0)
         assert torch.allclose(torch.tensor(probs), want, atol=1e-5)
+
+
+def test_roberta_positions_start_past_padding(tmp_path):
+    """RoBERTa's position ids as transformers makes them, each prompt counted on its own
+    in a batch: past pad_token_id, a pad token's own; and max_model_len is 2 short of
+    max_position_embeddings (positions 2 to 129 of 130 rows), a longer one refused.
+    (A prompt is shorter than max_model_len: 127 tokens, positions up to 128.)"""
+    from transformers import AutoModel
+
+    path = make_embedding_model(str(tmp_path / "roberta"), "roberta", "cls")
+    prompts = [[0, 5, 6, 7, 2], [0, 8, 1, 1, 9, 10, 2], [0] + [5, 6, 7, 8] * 31 + [9, 2]]
+    hf = AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, 0],
+                                              dim=0) for ids in prompts]
+    with LLM(path, task="embed", **ENGINE) as llm:
+        assert llm.engine.config.model.max_model_len == 128
+        got = llm.embed([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+    for output, expected in zip(got, want):
+        assert torch.allclose(torch.tensor(output.outputs.embedding), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="max_model_len 129 exceeds the model's "
+                                         "max_position_embeddings 128"):
+        LLM(path, task="embed", max_model_len=129, **ENGINE)
 
 
 def test_what_an_encoder_refuses(tmp_path):
@@ -133,7 +162,9 @@ def test_the_registry_and_the_classes_agree_on_encoders():
     from loom.model.models.registry import get_model_class, is_encoder_only
 
     for architecture in ("BertModel", "BertForSequenceClassification", "ModernBertModel",
-                         "ModernBertForSequenceClassification", "LlamaForCausalLM",
+                         "ModernBertForSequenceClassification", "RobertaModel",
+                         "RobertaForSequenceClassification", "XLMRobertaModel",
+                         "XLMRobertaForSequenceClassification", "LlamaForCausalLM",
                          "Qwen3ForSequenceClassification"):
         assert is_encoder_only(architecture) == getattr(get_model_class(architecture),
                                                         "is_encoder_only", False)

@@ -134,14 +134,16 @@ def test_classify_route(tmp_path):
         server.kill()
 
 
-def test_rerank_on_a_cross_encoder(tmp_path):
-    """/v1/rerank and /score on a BERT cross-encoder: each pair encoded by the tokenizer
-    with its token types, the scores LLM.score gives (tests/e2e/test_encoder_pooling.py
-    holds those equal to sentence-transformers' CrossEncoder)."""
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_rerank_on_a_cross_encoder(tmp_path, family):
+    """/v1/rerank and /score on a BERT cross-encoder (each pair encoded by the tokenizer
+    with its token types) and an XLM-RoBERTa one (bge-reranker's shape, no token types):
+    the scores LLM.score gives (tests/e2e/test_encoder_pooling.py holds those equal to
+    sentence-transformers' CrossEncoder)."""
     from encoder_fixtures import make_classifier
     from loom_server import LoomServer
 
-    path = make_classifier(str(tmp_path / "bert"), "bert")
+    path = make_classifier(str(tmp_path / family), family)
     query, documents = "what is the document about ?", ["hello world", "the cat sat on the mat"]
     with LLM(path, task="score", dtype="float32", enable_warm_up=False) as llm:
         want = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]

@@ -114,8 +114,13 @@ class BertEmbeddings(nn.Module):
         else:
             types = self.token_type_embeddings(token_type_ids)
         embeddings = self.word_embeddings(input_ids) + types
-        embeddings = embeddings + self.position_embeddings(positions)
+        embeddings = embeddings + self.position_embeddings(self.position_ids(input_ids,
+                                                                             positions))
         return self.LayerNorm(embeddings)
+
+    def position_ids(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of ``position_embeddings`` the tokens read: BERT's, their positions."""
+        return positions
 
 
 class BertSelfOutput(nn.Module):
@@ -223,6 +228,9 @@ class BertModel(EncoderOnlyModel):
     embedding model pools (loom/pooling.py). Its pooler's weights, if the checkpoint
     has them, are not used (sentence-transformers pools the hidden states)."""
 
+    embeddings_class: type[BertEmbeddings] = BertEmbeddings
+    checkpoint_prefix = "bert."  # the base model's names in a checkpoint of a head
+
     def __init__(self, config: Any, tp_group: TPGroup = SINGLE, attention_backend: str = "",
                  weight_quantization: str = "none", expert_parallel: Any = None,
                  with_pooler: bool = False) -> None:
@@ -230,7 +238,7 @@ class BertModel(EncoderOnlyModel):
         _check_config(config)
         self.config = config
         self.tp_group = tp_group
-        self.embeddings = BertEmbeddings(config, tp_group)
+        self.embeddings = self.embeddings_class(config, tp_group)
         # weight_quantization: what the layers' linears hold (layers/quantization.py)
         self.encoder = BertEncoder(config, tp_group, weight_quantization)
         self.pooler = BertPooler(config, tp_group) if with_pooler else None
@@ -248,9 +256,8 @@ class BertModel(EncoderOnlyModel):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> tuple[str, Any] | None:
-            if name.startswith("bert."):
-                name = name.removeprefix("bert.")
-            if name.startswith(("cls.", "classifier.")) or name.endswith(
+            name = name.removeprefix(self.checkpoint_prefix)
+            if name.startswith(("cls.", "classifier.", "lm_head.")) or name.endswith(
                     ("position_ids", "token_type_ids")):
                 return None  # pre-training heads, buffers
             if name.startswith("pooler.") and self.pooler is None:
@@ -265,12 +272,17 @@ class BertForSequenceClassification(EncoderOnlyModel):
     (num_labels). A cross-encoder when it scores a query-document pair
     (``sequence_logits``; loom/pooling.py)."""
 
+    model_class: type[BertModel] = BertModel
+    # checkpoint name prefixes read as others of this module tree (a family whose head
+    # is BERT's under other names)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
     def __init__(self, config: Any, tp_group: TPGroup = SINGLE, attention_backend: str = "",
                  weight_quantization: str = "none", expert_parallel: Any = None) -> None:
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, tp_group, weight_quantization=weight_quantization,
-                              with_pooler=True)
+        self.bert = self.model_class(config, tp_group, weight_quantization=weight_quantization,
+                                     with_pooler=True)
         self.classifier = ReplicatedLinear(config.hidden_size, config.num_labels, bias=True,
                                            tp_group=tp_group)
 
@@ -289,8 +301,13 @@ class BertForSequenceClassification(EncoderOnlyModel):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> tuple[str, Any] | None:
-            if name.startswith("cls.") or name.endswith(("position_ids", "token_type_ids")):
+            if name.startswith(("cls.", "lm_head.")) or name.endswith(
+                    ("position_ids", "token_type_ids")):
                 return None
+            for old, new in self.checkpoint_renames:
+                if name.startswith(old):
+                    name = new + name.removeprefix(old)
+                    break
             return _bert_name(name)
 
         return self._load(weights, rename)

@@ -37,13 +37,19 @@ _MODELS: dict[str, tuple[str, str]] = {
     "ModernBertModel": ("modernbert", "ModernBertModel"),
     "ModernBertForSequenceClassification": ("modernbert",
                                             "ModernBertForSequenceClassification"),
+    "RobertaModel": ("roberta", "RobertaModel"),
+    "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
+    "XLMRobertaModel": ("roberta", "RobertaModel"),  # RoBERTa with another vocabulary
+    "XLMRobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
 }
 
 # Architectures whose attention runs both ways over the whole prompt and keeps no KV
 # cache (their classes say ``is_encoder_only``): each prompt runs whole in one step, with
 # no prefix cache (checkpoint_defaults.py).
 _ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification", "ModernBertModel",
-                           "ModernBertForSequenceClassification"})
+                           "ModernBertForSequenceClassification", "RobertaModel",
+                           "RobertaForSequenceClassification", "XLMRobertaModel",
+                           "XLMRobertaForSequenceClassification"})
 
 # Configs read from GGUF carry no ``architectures``; fall back on ``model_type``.
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {
@@ -77,7 +83,7 @@ def get_model_architecture(hf_config: Any) -> str:
 
 
 def is_encoder_only(architecture: str) -> bool:
-    """An encoder model (BERT, ModernBERT), known without importing torch."""
+    """An encoder model (BERT, ModernBERT, RoBERTa), known without importing torch."""
     return architecture in _ENCODER_ONLY
 
 
