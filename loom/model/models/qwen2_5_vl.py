@@ -69,7 +69,7 @@ def qwen_vl_mrope_positions(num_tokens: int, features: list[MultiModalFeature],
     position p takes (p + t_i * interval, p + h_i, p + w_i), and the text after it
     resumes at p + max(h, w). An image's interval is 1; a video's is
     ``tokens_per_second`` times its seconds per temporal patch (float32, truncated, as
-    transformers computes it)."""
+    transformers computes it; 1 where the feature names none, transformers' default)."""
     positions = np.empty((3, num_tokens), np.int64)
     current = previous_end = 0
     for feature in sorted(features, key=lambda f: f.offset):
@@ -84,7 +84,8 @@ def qwen_vl_mrope_positions(num_tokens: int, features: list[MultiModalFeature],
                              f"tokens, not {feature.length}")
         temporal = np.arange(t)
         if feature.modality == "video":
-            seconds = feature.data["second_per_grid_ts"].to_array().reshape(-1)[0]
+            seconds = (feature.data["second_per_grid_ts"].to_array().reshape(-1)[0]
+                       if "second_per_grid_ts" in feature.data else 1.0)
             interval = np.float32(tokens_per_second) * np.float32(seconds)
             temporal = (temporal.astype(np.float32) * interval).astype(np.int64)
         grid_t, grid_h, grid_w = np.meshgrid(temporal, np.arange(h), np.arange(w),

@@ -7,7 +7,10 @@ the Qwen3 decoder (``model.language_model.``, qk-norm) and the LM head (``lm_hea
 
 A prompt holds ``<|vision_start|>``, one ``<|image_pad|>`` per row the tower makes of
 the image (its 16-pixel patch grid merged 2x2), then ``<|vision_end|>``, as Qwen2.5-VL;
-positions are Qwen2.5-VL's too (``qwen_vl_mrope_positions``). Two things differ:
+positions are Qwen2.5-VL's too (``qwen_vl_mrope_positions``). A video is a timestamp and
+such a span (``<|video_pad|>``) per temporal patch (two frames), each patch its own
+feature of grid (1, h, w) (loom/multimodal/qwen3_vl.py), so its positions are an
+image's, as transformers' ``get_rope_index`` splits a video's grid. Two things differ:
 
 - the rope deals its frequencies out to the three axes in turn (``mrope_interleaved``:
   t h w t h w ...) rather than in three runs; Hugging Face interleaves whatever the
@@ -19,9 +22,10 @@ positions are Qwen2.5-VL's too (``qwen_vl_mrope_positions``). Two things differ:
   the main rows take the place of the placeholder tokens' embeddings, and deepstack
   level i is added to those tokens' hidden states after decoder layer i (i < L).
 
-The model runner hands a step only the rows of the image tokens it runs
+The model runner hands a step only the rows of the image (and video) tokens it runs
 (``mm_embeds``), so a chunk that holds part of an image adds the deepstack columns of
-exactly those tokens, and the next chunk the rest.
+exactly those tokens, and the next chunk the rest. Video tokens take deepstack rows as
+image tokens do (transformers adds both kinds' at their positions).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from loom.model.models.qwen3 import Qwen3ForCausalLM
 from loom.model.vision import tower_weights_on_the_way
 
 _DEFAULT_MROPE_SECTION = [24, 20, 20]  # Hugging Face's where the config names none
+# a feature's arrays by modality: (pixels, grid)
+_ARRAYS = {"image": ("pixel_values", "image_grid_thw"),
+           "video": ("pixel_values_videos", "video_grid_thw")}
 
 
 def _with_interleaved_mrope(config: Any) -> Any:
@@ -104,14 +111,24 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     # ---- what the model runner asks of a multimodal model --------------------------
 
     def embed_multimodal(self, feature: MultiModalFeature) -> torch.Tensor:
-        """The rows of ``feature``'s placeholder tokens, main and deepstack side by side:
+        """The rows of ``feature``'s placeholder tokens (an image's, or a video's temporal
+        patch's), main and deepstack side by side:
         (length, hidden_size * (1 + deepstack levels))."""
-        if feature.modality != "image":
-            raise ValueError(f"{type(self).__name__} takes images, not {feature.modality}")
+        return self.embed_multimodal_batch([feature])[0]
+
+    def embed_multimodal_batch(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Items of one modality through the tower in one pass (their patches side by
+        side, each frame attending within itself), each item's rows."""
+        if features[0].modality not in _ARRAYS:
+            raise ValueError(f"{type(self).__name__} takes images and videos, not "
+                             f"{features[0].modality}")
+        pixels_name, grid_name = _ARRAYS[features[0].modality]
         dtype = self.model.embed_tokens.weight.dtype
-        pixels = torch.from_numpy(feature.data["pixel_values"].to_array()).to(dtype)
-        grid = torch.from_numpy(feature.data["image_grid_thw"].to_array()).reshape(-1, 3)
-        return self.visual(pixels, grid)
+        pixels = torch.cat([torch.from_numpy(f.data[pixels_name].to_array())
+                            for f in features]).to(dtype)
+        grid = torch.cat([torch.from_numpy(f.data[grid_name].to_array()).reshape(-1, 3)
+                          for f in features])
+        return list(self.visual(pixels, grid).split([f.length for f in features]))
 
     def mrope_positions(self, num_tokens: int, features: list[MultiModalFeature]
                         ) -> tuple[np.ndarray, int]:
@@ -119,8 +136,8 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``mm_embeds``: (indices in the step, rows) of image tokens, whose main rows
-        take the place of their embeddings and whose deepstack rows join the first
+        """``mm_embeds``: (indices in the step, rows) of image and video tokens, whose
+        main rows take the place of their embeddings and whose deepstack rows join the first
         layers' outputs; ``positions`` (3, T) where the step has them."""
         if mm_embeds is None:
             return self.model(input_ids, positions)
