@@ -123,7 +123,8 @@ def qwen3_vl_config():
 def make_tiny_qwen3_vl(path: str | os.PathLike) -> str:
     """A tiny random Qwen3-VL (float32, seeded) in ``path``: text 3 layers of 64 (qk-norm,
     interleaved M-RoPE), vision 2 blocks of 32, both deepstack levels (added after text
-    layers 0 and 1); images of 32 x 32 to 128 x 128 pixels (1 to 16 rows each)."""
+    layers 0 and 1); images of 32 x 32 to 128 x 128 pixels (1 to 16 rows each), videos
+    of 2,048 to 65,536 pixels over all their frames."""
     path = str(path)
     if "qwen3_vl" not in _BUILT:
         _BUILT["qwen3_vl"] = _build_qwen3_vl()
@@ -137,6 +138,7 @@ def _build_qwen3_vl() -> str:
     from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     path = tempfile.mkdtemp(prefix="loom-tiny-qwen3_vl-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
@@ -153,6 +155,11 @@ def _build_qwen3_vl() -> str:
         size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, patch_size=16,
         temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5]).save_pretrained(path)
+    # the video processor's (it imports beside loom's torch, runs only with torchvision):
+    # a video's frames together between 2,048 and 65,536 pixels
+    Qwen3VLVideoProcessor(
+        size={"shortest_edge": 2048, "longest_edge": 16 * 64 * 64}, image_mean=[0.5] * 3,
+        image_std=[0.5] * 3, cap_pixels_per_frame=False).save_pretrained(path)
     make_tiny_tokenizer(path)
     hf = PreTrainedTokenizerFast.from_pretrained(path)
     hf.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
