@@ -2,7 +2,8 @@
 tiny random Qwen2.5-VL, with OpenAI's SDK: an image_url part (a data: URL, a local file)
 gives the greedy tokens LLM.generate gives with multi_modal_data, full and streamed, and
 usage, /tokenize and the Messages and Responses APIs count its tokens; a video_url part
-gives the tokens of the frames loom samples from it; every bad image
+gives the tokens of the frames loom samples from it (on a tiny Qwen3-VL too, whose
+timestamps the API process writes); every bad image
 is a 400 naming the messages while a request in flight runs on; the chat page sends an
 image. Offline, LLM.chat takes the same parts and PIL images. A text-only model answers
 an image part with a 400 (in process, over ScriptedEngine).
@@ -186,14 +187,39 @@ def test_two_images_in_order(server, offline):
     assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
-def test_a_video_gives_the_offline_tokens(server, offline):
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """A tiny random Qwen3-VL's server and offline engine, for its videos (each pair of
+    frames behind its timestamp, written in the API process)."""
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+    from vlm_checkpoints import make_tiny_qwen3_vl
+
+    model_dir = make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3_vl"))
+    server = LoomServer(model_dir, *TINY_SERVER_ARGS, "--dtype", "float32",
+                        "--served-model-name", "tiny-vl")
+    try:
+        with LLM(model_dir, dtype="float32", max_model_len=512,
+                 enable_warm_up=False) as offline:
+            yield server, offline
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_video_gives_the_offline_tokens(family, request):
     """A video_url part (an MP4 data URL): the frames loom samples from it
     (media.load_video: 6 frames, all of them, at 4 a second) as multi_modal_data give
     the same greedy tokens offline; over the server, whole and streamed; /tokenize and
-    usage count its tokens; LLM.chat takes the part too."""
+    usage count its tokens; LLM.chat takes the part too. Qwen2.5-VL, and Qwen3-VL,
+    whose prompt holds a timestamp per pair of frames."""
     from vlm_checkpoints import VIDEO_PAD_ID
 
     from loom.multimodal.media import MediaPolicy, load_video
+
+    if family == "qwen3_vl":
+        server, offline = request.getfixturevalue("qwen3_vl")
+    else:
+        server, offline = request.getfixturevalue("server"), request.getfixturevalue("offline")
 
     url = data_url(mp4_bytes(6, seed=5), "video/mp4")
     frames, metadata = load_video(url, MediaPolicy())
@@ -204,8 +230,14 @@ def test_a_video_gives_the_offline_tokens(server, offline):
     [want] = offline.generate({"prompt": text, "multi_modal_data": {"video": (frames, metadata)}},
                               SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                               use_tqdm=False)
-    # 6 frames -> 3 pairs of 56 x 56 (4 x 4 patches, merged 2 x 2)
+    # 6 frames -> 3 pairs of 56 x 56 (4 x 4 patches of 14, merged 2 x 2); for Qwen3-VL of
+    # 64 x 64 (4 x 4 patches of 16), each pair behind its time: 0.125 s, 0.625, 1.125
     assert want.prompt_token_ids.count(VIDEO_PAD_ID) == 3 * 4
+    if family == "qwen3_vl":
+        prompt = offline.get_tokenizer().decode(want.prompt_token_ids,
+                                                skip_special_tokens=False)
+        assert prompt.count("<|vision_end|>") == 3
+        assert "<0.1 seconds><|vision_start|>" in prompt and "<1.1 seconds>" in prompt
     reply = want.outputs[0]
     client = server.openai()
     answer = client.chat.completions.create(model="tiny-vl", messages=user(video_part(url)),
