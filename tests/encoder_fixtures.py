@@ -1,12 +1,12 @@
-"""Tiny random encoder checkpoints (BERT, ModernBERT, RoBERTa, XLM-RoBERTa) with their
-tokenizers, built offline: embedding models saved as sentence-transformers directories
-(modules.json, the Pooling module's config, a Normalize), classifiers as transformers
-saves them (a one-label classifier is a cross-encoder for sentence-transformers'
-CrossEncoder).
+"""Tiny random encoder checkpoints (BERT, ModernBERT, RoBERTa, XLM-RoBERTa, ELECTRA) with
+their tokenizers, built offline: embedding models saved as sentence-transformers
+directories (modules.json, the Pooling module's config, a Normalize), classifiers as
+transformers saves them (a one-label classifier is a cross-encoder for
+sentence-transformers' CrossEncoder).
 
-BERT's and ModernBERT's tokenizer is transformers' BertTokenizer over a handmade
-vocabulary: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then WORDS and a few ``##``
-pieces; a pair encodes as ``[CLS] a [SEP] b [SEP]`` with token types 0 then 1.
+BERT's, ModernBERT's and ELECTRA's tokenizer is transformers' BertTokenizer over a
+handmade vocabulary: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then WORDS and a few
+``##`` pieces; a pair encodes as ``[CLS] a [SEP] b [SEP]`` with token types 0 then 1.
 RoBERTa's and XLM-RoBERTa's is XLM-RoBERTa's (a Unigram model): <s> 0, <pad> 1, </s> 2,
 <unk> 3, then ``▁`` and WORDS each as a word, single characters, <mask>; a pair encodes
 as ``<s> a </s></s> b </s>`` with no token types.
@@ -54,6 +54,17 @@ def bert_config(**overrides):
                          "type_vocab_size": 2, "pad_token_id": 0} | overrides)
 
 
+def electra_config(**overrides):
+    from transformers import ElectraConfig
+
+    # embeddings narrower than the layers, as ELECTRA-small's: embeddings_project between
+    return ElectraConfig(**{"vocab_size": len(VOCAB), "embedding_size": 32,
+                            "hidden_size": HIDDEN, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "intermediate_size": 128,
+                            "max_position_embeddings": 128, "type_vocab_size": 2,
+                            "pad_token_id": 0} | overrides)
+
+
 def modernbert_config(**overrides):
     from transformers import ModernBertConfig
 
@@ -86,7 +97,8 @@ ROBERTA_FAMILIES = ("roberta", "xlm-roberta")
 def _config(family: str, **overrides):
     if family in ROBERTA_FAMILIES:
         return roberta_config(family, **overrides)
-    return (bert_config if family == "bert" else modernbert_config)(**overrides)
+    return {"bert": bert_config, "electra": electra_config,
+            "modernbert": modernbert_config}[family](**overrides)
 
 
 def _tokenizer(path: str, family: str) -> str:
@@ -151,8 +163,9 @@ def make_classifier(path: str, family: str, num_labels: int = 1, **overrides) ->
     model = AutoModelForSequenceClassification.from_config(
         _config(family, num_labels=num_labels, **overrides)).eval()
     tokenizer = AutoTokenizer.from_pretrained(_tokenizer(path, family))
-    # the output layer and the dense layer before it (BERT's pooler, RoBERTa's head)
-    if family in ROBERTA_FAMILIES:
+    # the output layer and the dense layer before it (BERT's pooler, RoBERTa's and
+    # ELECTRA's head)
+    if hasattr(model.classifier, "out_proj"):
         output, dense = model.classifier.out_proj, model.classifier.dense
     else:
         output, dense = model.classifier, model.bert.pooler.dense if family == "bert" else None

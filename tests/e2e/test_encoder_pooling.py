@@ -1,13 +1,14 @@
-"""Encoder models (BERT, ModernBERT, RoBERTa, XLM-RoBERTa) for the pooling tasks, on tiny
-random checkpoints (tests/encoder_fixtures.py), float32: ``LLM.embed`` equals
+"""Encoder models (BERT, ModernBERT, RoBERTa, XLM-RoBERTa, ELECTRA) for the pooling tasks,
+on tiny random checkpoints (tests/encoder_fixtures.py), float32: ``LLM.embed`` equals
 sentence-transformers (CLS and MEAN pooling; ModernBERT's local layers see a window
 shorter than the longest text; RoBERTa's positions past the padding token, a pad token
-inside a prompt included); a cross-encoder's ``LLM.score`` equals sentence-transformers'
-CrossEncoder on each pair (BERT's token types, RoBERTa's none; ModernBERT's first-token
-and mean classifier pooling; an Identity activation from the config); ``LLM.classify``
-equals transformers; the engine runs each prompt whole with no prefix cache, refuses a
-too-long prompt and settings an encoder cannot run, naming them. The same through
-``/v1/rerank``: tests/entrypoints/test_pooling_serving.py."""
+inside a prompt included; ELECTRA's narrower embeddings projected); a cross-encoder's
+``LLM.score`` equals sentence-transformers' CrossEncoder on each pair (BERT's token
+types, RoBERTa's none; ELECTRA's GELU head; ModernBERT's first-token and mean classifier
+pooling; an Identity activation from the config); ``LLM.classify`` equals transformers;
+the engine runs each prompt whole with no prefix cache, refuses a too-long prompt and
+settings an encoder cannot run, naming them. The same through ``/v1/rerank``:
+tests/entrypoints/test_pooling_serving.py."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ DOCUMENTS = ["the cat sat on the mat", "hello world",
 @pytest.mark.parametrize("family, pooling", [("bert", "cls"), ("bert", "mean"),
                                              ("modernbert", "cls"), ("modernbert", "mean"),
                                              ("roberta", "cls"), ("roberta", "mean"),
-                                             ("xlm-roberta", "cls"), ("xlm-roberta", "mean")])
+                                             ("xlm-roberta", "cls"), ("xlm-roberta", "mean"),
+                                             ("electra", "cls"), ("electra", "mean")])
 def test_embeddings_equal_sentence_transformers(tmp_path, family, pooling):
     from sentence_transformers import SentenceTransformer
 
@@ -59,6 +61,7 @@ def test_embeddings_equal_sentence_transformers(tmp_path, family, pooling):
     ("modernbert", {"classifier_pooling": "mean"}),
     ("roberta", {}),
     ("xlm-roberta", {}),
+    ("electra", {}),
 ])
 def test_cross_encoder_scores_equal_sentence_transformers(tmp_path, family, overrides):
     """Each pair as the CrossEncoder scores it: the tokenizer's pair encoding (BERT's
@@ -79,7 +82,7 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path, family, over
     assert pairs[1].outputs.score != pytest.approx(got[1], abs=1e-4)
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "electra"])
 def test_classify_equals_transformers(tmp_path, family):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -164,7 +167,8 @@ def test_the_registry_and_the_classes_agree_on_encoders():
     for architecture in ("BertModel", "BertForSequenceClassification", "ModernBertModel",
                          "ModernBertForSequenceClassification", "RobertaModel",
                          "RobertaForSequenceClassification", "XLMRobertaModel",
-                         "XLMRobertaForSequenceClassification", "LlamaForCausalLM",
+                         "XLMRobertaForSequenceClassification", "ElectraModel",
+                         "ElectraForSequenceClassification", "LlamaForCausalLM",
                          "Qwen3ForSequenceClassification"):
         assert is_encoder_only(architecture) == getattr(get_model_class(architecture),
                                                         "is_encoder_only", False)

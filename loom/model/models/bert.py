@@ -36,6 +36,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+    "tanh": torch.tanh,
 }
 
 
@@ -100,12 +101,11 @@ class EncoderOnlyModel(nn.Module):
 class BertEmbeddings(nn.Module):
     def __init__(self, config: Any, tp_group: TPGroup) -> None:
         super().__init__()
-        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                      tp_group)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        size = getattr(config, "embedding_size", config.hidden_size)  # ELECTRA's own width
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, size, tp_group)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size)
+        self.LayerNorm = nn.LayerNorm(size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None) -> torch.Tensor:
@@ -192,15 +192,17 @@ class BertEncoder(nn.Module):
 
 
 class BertPooler(nn.Module):
-    """The classifier's input: the first token's final state, dense, tanh."""
+    """The classifier's input: the first token's final state, dense, tanh (or another
+    family's activation)."""
 
-    def __init__(self, config: Any, tp_group: TPGroup) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup, activation_name: str = "tanh") -> None:
         super().__init__()
         self.dense = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True,
                                       tp_group=tp_group)
+        self.act = activation(activation_name)
 
     def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(first_tokens))
+        return self.act(self.dense(first_tokens))
 
 
 def _check_config(config: Any) -> None:
@@ -230,6 +232,7 @@ class BertModel(EncoderOnlyModel):
 
     embeddings_class: type[BertEmbeddings] = BertEmbeddings
     checkpoint_prefix = "bert."  # the base model's names in a checkpoint of a head
+    pooler_activation = "tanh"
 
     def __init__(self, config: Any, tp_group: TPGroup = SINGLE, attention_backend: str = "",
                  weight_quantization: str = "none", expert_parallel: Any = None,
@@ -241,7 +244,8 @@ class BertModel(EncoderOnlyModel):
         self.embeddings = self.embeddings_class(config, tp_group)
         # weight_quantization: what the layers' linears hold (layers/quantization.py)
         self.encoder = BertEncoder(config, tp_group, weight_quantization)
-        self.pooler = BertPooler(config, tp_group) if with_pooler else None
+        self.pooler = (BertPooler(config, tp_group, self.pooler_activation) if with_pooler
+                       else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,11 +261,9 @@ class BertModel(EncoderOnlyModel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> tuple[str, Any] | None:
             name = name.removeprefix(self.checkpoint_prefix)
-            if name.startswith(("cls.", "classifier.", "lm_head.")) or name.endswith(
+            if name.split(".", 1)[0] not in self._modules or name.endswith(
                     ("position_ids", "token_type_ids")):
-                return None  # pre-training heads, buffers
-            if name.startswith("pooler.") and self.pooler is None:
-                return None
+                return None  # heads (pre-training, a classifier, an unused pooler), buffers
             return _bert_name(name)
 
         return self._load(weights, rename)

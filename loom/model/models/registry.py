@@ -41,6 +41,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
     "XLMRobertaModel": ("roberta", "RobertaModel"),  # RoBERTa with another vocabulary
     "XLMRobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
+    "ElectraModel": ("electra", "ElectraModel"),
+    "ElectraForSequenceClassification": ("electra", "ElectraForSequenceClassification"),
 }
 
 # Architectures whose attention runs both ways over the whole prompt and keeps no KV
@@ -49,7 +51,8 @@ _MODELS: dict[str, tuple[str, str]] = {
 _ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification", "ModernBertModel",
                            "ModernBertForSequenceClassification", "RobertaModel",
                            "RobertaForSequenceClassification", "XLMRobertaModel",
-                           "XLMRobertaForSequenceClassification"})
+                           "XLMRobertaForSequenceClassification", "ElectraModel",
+                           "ElectraForSequenceClassification"})
 
 # Configs read from GGUF carry no ``architectures``; fall back on ``model_type``.
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {
@@ -83,7 +86,7 @@ def get_model_architecture(hf_config: Any) -> str:
 
 
 def is_encoder_only(architecture: str) -> bool:
-    """An encoder model (BERT, ModernBERT, RoBERTa), known without importing torch."""
+    """An encoder model (BERT, ModernBERT, RoBERTa, ELECTRA), known without importing torch."""
     return architecture in _ENCODER_ONLY
 
 
