@@ -19,15 +19,17 @@ for a causal LM run as an embedding model). ``--pooler-config`` overrides any of
 token at the next position, ``softmax([logit_no, logit_yes])[1]``
 (``classifier_from_token``, default ``["no", "yes"]``).
 
-Encoder models (BERT, ModernBERT: ``BertModel``, ``ModernBertModel``) embed the same
-way, each prompt run whole in one step attending both ways (their pooling defaults to
-``CLS`` where the checkpoint has no sentence-transformers files). Their
-``*ForSequenceClassification`` checkpoints are cross-encoders under ``--task score``, as
-sentence-transformers' ``CrossEncoder`` and vLLM's score API run them: the query and
-document are encoded as a pair by the tokenizer (``[CLS] query [SEP] document [SEP]``,
-token types 0 then 1: ``cross_encoder_pair``), the classifier head reads the pooled
-output, and its one logit goes through the checkpoint's activation (``Sigmoid`` unless its
-config's ``sentence_transformers.activation_fn`` says ``Identity``: ``score_activation``).
+Encoder models (BERT, ModernBERT, RoBERTa, ELECTRA: ``BertModel``, ``ModernBertModel``,
+``RobertaModel``, ``XLMRobertaModel``, ``ElectraModel``) embed the same way, each prompt
+run whole in one step attending both ways (their pooling defaults to ``CLS`` where the
+checkpoint has no sentence-transformers files). Their ``*ForSequenceClassification``
+checkpoints are cross-encoders under ``--task score``, as sentence-transformers'
+``CrossEncoder`` and vLLM's score API run them: the query and document are encoded as a
+pair by the tokenizer (``[CLS] query [SEP] document [SEP]``, token types 0 then 1;
+RoBERTa's ``<s> query </s></s> document </s>``, no types: ``cross_encoder_pair``), the
+classifier head reads the pooled output, and its one logit goes through the checkpoint's
+activation (``Sigmoid`` unless its config's ``sentence_transformers.activation_fn`` says
+``Identity``: ``score_activation``).
 
 ``--task classify`` serves a sequence classifier (``*ForSequenceClassification``: a score
 head in place of the LM head; models/classification.py): the last token's final hidden
