@@ -182,7 +182,9 @@ class InputProcessor:
     def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
             raise InvalidInputError("the prompt is empty; give at least one token", param)
-        if len(token_ids) >= self.max_model_len:
+        # a generated token needs a place after the prompt; a pooled prompt is all there is
+        longest = self.max_model_len if self.task != "generate" else self.max_model_len - 1
+        if len(token_ids) > longest:
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
                 "shorten it or raise --max-model-len", param)

@@ -100,12 +100,12 @@ def test_classify_equals_transformers(tmp_path, family):
 def test_roberta_positions_start_past_padding(tmp_path):
     """RoBERTa's position ids as transformers makes them, each prompt counted on its own
     in a batch: past pad_token_id, a pad token's own; and max_model_len is 2 short of
-    max_position_embeddings (positions 2 to 129 of 130 rows), a longer one refused.
-    (A prompt is shorter than max_model_len: 127 tokens, positions up to 128.)"""
+    max_position_embeddings (positions 2 to 129 of 130 rows), a longer one refused; a
+    pooled prompt may fill max_model_len (128 tokens, positions up to 129)."""
     from transformers import AutoModel
 
     path = make_embedding_model(str(tmp_path / "roberta"), "roberta", "cls")
-    prompts = [[0, 5, 6, 7, 2], [0, 8, 1, 1, 9, 10, 2], [0] + [5, 6, 7, 8] * 31 + [9, 2]]
+    prompts = [[0, 5, 6, 7, 2], [0, 8, 1, 1, 9, 10, 2], [0] + [5, 6, 7, 8] * 31 + [9, 10, 2]]
     hf = AutoModel.from_pretrained(path).eval()
     with torch.no_grad():
         want = [torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, 0],

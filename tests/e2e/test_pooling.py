@@ -110,14 +110,22 @@ def test_score_is_the_rerankers_yes_probability(qwen3):
 
 
 def test_tasks_refuse_each_other(qwen3):
+    """And a pooled prompt may fill max_model_len (nothing is generated after it), a
+    longer one may not; a prompt to generate from leaves one place."""
     with LLM(qwen3, task="embed", **ENGINE) as llm:
         with pytest.raises(InvalidInputError, match="serves --task embed"):
             llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        full = llm.embed({"prompt_token_ids": [5] * 128}, use_tqdm=False)[0]
+        assert len(full.outputs.embedding) == 64
+        with pytest.raises(InvalidInputError, match="prompt has 129 tokens"):
+            llm.embed({"prompt_token_ids": [5] * 129}, use_tqdm=False)
         with pytest.raises(ValueError, match="task='score'"):
             llm.score("a", "b", use_tqdm=False)
     with LLM(qwen3, **ENGINE) as llm:
         with pytest.raises(InvalidInputError, match="--task embed"):
             llm.embed("hello", use_tqdm=False)
+        with pytest.raises(InvalidInputError, match="prompt has 128 tokens"):
+            llm.generate({"prompt_token_ids": [5] * 128}, use_tqdm=False)
 
 
 def test_classify_equals_transformers(tmp_path):
