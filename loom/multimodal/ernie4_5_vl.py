@@ -8,11 +8,13 @@ tower makes, between the start and end markers the template wrote: an image's ro
 its 14-pixel patch grid merged 2x2, a video's each pair of frames merged too.
 
 A video is its sampled frames, taken as given (a list of images or a (T, H, W, 3) uint8
-array, optionally with ``{"fps": ...}``, their rate, 2 by default, as ``(frames,
-metadata)``), laid out as transformers' ``Ernie4_5_VLMoeVideoProcessor`` lays out the
-frames it sampled (that processor needs torchvision, which does not import here):
+array, optionally with their metadata as ``(frames, metadata)``: ``{"fps": their rate}``,
+2 by default, frame i at i / fps seconds; or vLLM's ``{"fps": the source's rate,
+"frames_indices": [...], ...}``, frame i at frames_indices[i] / fps), laid out as
+transformers' ``Ernie4_5_VLMoeVideoProcessor`` lays out the frames it sampled (that
+processor needs torchvision, which does not import here):
 
-- each frame gets its timestamp (``time: 00:00:01.50``, frame i at i / fps seconds)
+- each frame gets its timestamp (``time: 00:00:01.50``, its time as above)
   drawn in its top-left corner in the checkpoint's font, where the video config says
   ``draw_on_frames`` (transformers' default: the model reads the time off the frames;
   the prompt holds no timestamp text);
@@ -33,9 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor
+from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor, VideoTiming
 
-DEFAULT_VIDEO_FPS = 2.0
 # Ernie4_5_VLMoeVideoProcessor's defaults (its module imports torchvision, so they are
 # restated): what a checkpoint's video config leaves out
 _VIDEO_DEFAULTS: dict[str, Any] = {
@@ -109,16 +110,16 @@ class Ernie4_5_VLProcessor(MultiModalProcessor):
 
     def process_video(self, video: Any) -> tuple[dict[str, Any], int]:
         frames, metadata = video if isinstance(video, tuple) else (video, {})
-        fps = float((metadata or {}).get("fps", DEFAULT_VIDEO_FPS))
         frames = [self._as_image(frame) for frame in frames]
-        if not frames or fps <= 0:
+        if not frames:
             raise MultiModalInputError("a video is a non-empty list of frames (images or a "
-                                       "(T, H, W, 3) array), with a positive fps")
+                                       "(T, H, W, 3) array)")
         if len({frame.size for frame in frames}) != 1:
             raise MultiModalInputError("a video's frames must all be of one size")
+        times = VideoTiming.of(metadata, len(frames)).frame_times
         if self.video["draw_on_frames"]:
-            frames = [self._draw_timestamp(frame, index / fps)
-                      for index, frame in enumerate(frames)]
+            frames = [self._draw_timestamp(frame, seconds)
+                      for frame, seconds in zip(frames, times)]
         frames += frames[-1:] * (len(frames) % 2)  # an even count: frames pair up
         per_frame = [self.frame_processor(images=[frame], return_tensors="np")
                      for frame in frames]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from loom.core.wire import MultiModalFeature, TensorData
@@ -41,6 +42,60 @@ def content_hash(arrays: dict[str, Any], modality: str) -> str:
         digest.update(f"{name}:{array.dtype.name}:{array.shape}".encode())
         digest.update(array.tobytes())
     return digest.hexdigest()
+
+
+DEFAULT_VIDEO_FPS = 2.0  # the frames' rate where a video comes without metadata
+
+
+@dataclass(frozen=True)
+class VideoTiming:
+    """When a video's sampled frames were, read from the metadata given with them as
+    ``(frames, metadata)``, in either of two shapes:
+
+    - ``{"fps": the frames' own rate}`` (or none: 2 fps): frame i at i / fps seconds;
+    - vLLM's and transformers' ``{"fps": the source's rate, "frames_indices": [each
+      frame's index in the file], "total_num_frames": ..., "duration": ...}`` (what
+      media.load_video returns): frame i at frames_indices[i] / fps seconds.
+    """
+
+    num_frames: int
+    fps: float
+    frames_indices: tuple[float, ...] | None = None
+    total_num_frames: int | None = None
+
+    @classmethod
+    def of(cls, metadata: dict[str, Any] | None, num_frames: int) -> VideoTiming:
+        metadata = metadata or {}
+        if not isinstance(metadata, dict):
+            raise MultiModalInputError("a video's metadata is a dict, such as {\"fps\": 2.0}, "
+                                       f"not {type(metadata).__name__}")
+        fps = metadata.get("fps")
+        fps = DEFAULT_VIDEO_FPS if fps is None else float(fps)
+        if not fps > 0:
+            raise MultiModalInputError(f"a video's fps must be positive, not {fps:g}")
+        indices = metadata.get("frames_indices")
+        if indices is not None:
+            if len(indices) != num_frames:
+                raise MultiModalInputError(f"the video's metadata names {len(indices)} "
+                                           f"frames_indices for {num_frames} frames")
+            indices = tuple(float(index) for index in indices)
+        total = metadata.get("total_num_frames")
+        return cls(num_frames, fps, indices, None if total is None else int(total))
+
+    @property
+    def frame_times(self) -> list[float]:
+        """Each frame's seconds (transformers' ``VideoMetadata.timestamps``)."""
+        indices = self.frames_indices or range(self.num_frames)
+        return [index / self.fps for index in indices]
+
+    @property
+    def sampled_fps(self) -> float:
+        """The sampled frames' rate, as transformers' ``VideoMetadata.sampled_fps``: the
+        source's rate times the share of its frames sampled, where the metadata names
+        both; else ``fps``."""
+        if self.frames_indices is None or not self.total_num_frames:
+            return self.fps
+        return len(self.frames_indices) / self.total_num_frames * self.fps
 
 
 class MultiModalProcessor:

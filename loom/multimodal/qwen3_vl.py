@@ -6,8 +6,8 @@ mean and std 0.5); videos as transformers' ``Qwen3VLVideoProcessor`` and
 A video is its sampled frames, taken as given (a list of images or a (T, H, W, 3) uint8
 array, optionally with ``{"fps": ...}`` as ``(frames, metadata)``: frame i was at
 i / fps seconds, 2 fps by default; or vLLM's and transformers'
-``{"fps": the video's rate, "frames_indices": [...]}``: frame i was at
-frames_indices[i] / fps seconds). Its pixels:
+``{"fps": the video's rate, "frames_indices": [...]}``, what media.load_video returns:
+frame i was at frames_indices[i] / fps seconds). Its pixels:
 
 - every frame resized to one size, ``smart_resize`` over the whole video (the frames
   count against the video config's ``size``, which is not the images'), through PIL
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from loom.core.wire import MultiModalFeature, TensorData
-from loom.multimodal.processor import MultiModalInputError, content_hash
-from loom.multimodal.qwen_vl import DEFAULT_VIDEO_FPS, QwenVLProcessor
+from loom.multimodal.processor import MultiModalInputError, VideoTiming, content_hash
+from loom.multimodal.qwen_vl import QwenVLProcessor
 
 # Qwen3VLVideoProcessor's defaults (its module imports torch, so they are restated):
 # what a checkpoint's video config leaves out
@@ -140,22 +140,14 @@ class Qwen3VLProcessor(QwenVLProcessor):
         [[t, h, w]] of the whole video, as transformers' video processor makes them,
         and ``timestamps`` (t,): each temporal patch's seconds; its rows)."""
         frames, metadata = video if isinstance(video, tuple) else (video, {})
-        metadata = metadata or {}
-        fps = float(metadata.get("fps", DEFAULT_VIDEO_FPS))
         pixels = self._frames_array(frames)  # (T, H, W, 3) uint8
         settings = self.video
         pair, patch, merge = (settings["temporal_patch_size"], settings["patch_size"],
                               settings["merge_size"])
-        if fps <= 0:
-            raise MultiModalInputError("a video's fps must be positive")
         if len(pixels) < pair:
             raise MultiModalInputError(f"a Qwen3-VL video needs at least {pair} frames (a "
                                        f"temporal patch), got {len(pixels)}")
-        indices = metadata.get("frames_indices")
-        indices = list(range(len(pixels))) if indices is None else [float(i) for i in indices]
-        if len(indices) != len(pixels):
-            raise MultiModalInputError(f"the video's metadata names {len(indices)} "
-                                       f"frames_indices for {len(pixels)} frames")
+        frame_times = VideoTiming.of(metadata, len(pixels)).frame_times
         if settings["do_resize"]:
             pixels = self._resized(pixels, settings)
         values = self._rescaled_and_normalized(pixels, settings)  # (T, C, H, W)
@@ -170,7 +162,7 @@ class Qwen3VLProcessor(QwenVLProcessor):
             grid_t * grid_h * grid_w, channels * pair * patch * patch)
         arrays = {"pixel_values_videos": np.ascontiguousarray(patches),
                   "video_grid_thw": np.array([[grid_t, grid_h, grid_w]], dtype=np.int64),
-                  "timestamps": np.array(timestamps([i / fps for i in indices], pair))}
+                  "timestamps": np.array(timestamps(frame_times, pair))}
         return arrays, grid_t * grid_h * grid_w // merge ** 2
 
     @staticmethod

@@ -2,7 +2,11 @@
 ``Qwen2VLImageProcessor`` (PIL).
 
 A video is its sampled frames (a list of images or a (T, H, W, 3) array, optionally with
-``{"fps": ...}``, 2 by default, as ``(frames, metadata)``). Each frame is resized and
+their metadata as ``(frames, metadata)``: ``{"fps": their rate}``, 2 by default, or
+vLLM's ``{"fps", "frames_indices", "total_num_frames", ...}``, whose frames' rate is the
+source's times the share of its frames sampled, as transformers'
+``VideoMetadata.sampled_fps``; ``second_per_grid_ts`` is ``temporal_patch_size`` over
+that rate, as transformers' ``Qwen2_5_VLProcessor`` makes it). Each frame is resized and
 normalized by the image processor, as one image; consecutive pairs of frames
 (``temporal_patch_size``) make one temporal patch, the last frame repeated to fill a
 pair, as transformers' ``Qwen2VLVideoProcessor`` lays them out (that processor itself
@@ -17,9 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor
-
-DEFAULT_VIDEO_FPS = 2.0
+from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor, VideoTiming
 
 
 def image_processor(model_path: str, hf_config: Any) -> Any:
@@ -61,11 +63,11 @@ class QwenVLProcessor(MultiModalProcessor):
 
     def process_video(self, video: Any) -> tuple[dict[str, Any], int]:
         frames, metadata = video if isinstance(video, tuple) else (video, {})
-        fps = float((metadata or {}).get("fps", DEFAULT_VIDEO_FPS))
         frames = list(frames)
-        if not frames or fps <= 0:
+        if not frames:
             raise MultiModalInputError("a video is a non-empty list of frames (images or a "
-                                       "(T, H, W, 3) array), with a positive fps")
+                                       "(T, H, W, 3) array)")
+        fps = VideoTiming.of(metadata, len(frames)).sampled_fps
         per_frame = [self.image_processor(images=[frame], return_tensors="np")
                      for frame in frames]
         grids = {tuple(out["image_grid_thw"][0]) for out in per_frame}

@@ -216,10 +216,16 @@ def transformers_video_processor(monkeypatch):
             del sys.modules[name]
 
 
-def test_video_arrays_equal_transformers_video_processor(checkpoint, monkeypatch):
+@pytest.mark.parametrize("metadata", [
+    {"fps": 1.0},  # frame i at i seconds
+    # vLLM's (media.load_video's): frame i at frames_indices[i] / fps, 0 to 51.37 s
+    {"fps": 29.97, "frames_indices": [0, 400, 801, 1201, 1539], "total_num_frames": 1540,
+     "duration": 1540 / 29.97}])
+def test_video_arrays_equal_transformers_video_processor(checkpoint, monkeypatch, metadata):
     """On frames already at their resized size (the one step whose interpolation is
     torchvision's there and PIL's here), loom's arrays for a video are transformers':
-    the timestamps drawn, the last frame repeated, the frames' patches in its order."""
+    the timestamps drawn (each frame's time from the video's metadata), the last frame
+    repeated, the frames' patches in its order."""
     from transformers.video_utils import VideoMetadata
 
     from loom.model.loader import load_hf_config
@@ -227,11 +233,12 @@ def test_video_arrays_equal_transformers_video_processor(checkpoint, monkeypatch
 
     frames = np.stack([np.asarray(image(56, 84, 20 + i)) for i in range(5)])
     arrays, _ = Ernie4_5_VLProcessor(checkpoint, load_hf_config(checkpoint)).process_video(
-        (frames, {"fps": 1.0}))
+        (frames, metadata))
+    hf_metadata = metadata if "frames_indices" in metadata else VideoMetadata(
+        total_num_frames=5, fps=metadata["fps"], frames_indices=list(range(5)))
     with transformers_video_processor(monkeypatch) as video_processor_class:
         expected = video_processor_class.from_pretrained(checkpoint)(
-            videos=[frames], video_metadata=[VideoMetadata(total_num_frames=5, fps=1.0,
-                                                           frames_indices=list(range(5)))],
+            videos=[frames], video_metadata=[hf_metadata],
             do_sample_frames=False, do_resize=False, return_tensors="np")
     np.testing.assert_array_equal(arrays["video_grid_thw"], expected["video_grid_thw"])
     np.testing.assert_allclose(arrays["pixel_values_videos"], expected["pixel_values_videos"],
