@@ -28,8 +28,11 @@ Videos (:func:`load_video`, a ``video_url`` part) are read from the same sources
 the same rules, with their own byte cap; the container is named from the file's first
 bytes (MP4/MOV, WebM/Matroska, AVI; FFmpeg is never left to probe, so no playlist or
 concat demuxer reads another file or URL), a frame's size is checked from the stream
-before decoding, decoding stops past a frame limit, and frames are sampled evenly
-holding at most twice the count asked.
+before decoding, and a video of more frames than the limit is refused before any is
+decoded. Frames are chosen by their index in the file as vLLM's default video loader
+chooses them (:func:`sample_indices`), and come with vLLM's metadata: the source's
+average frame rate, each chosen frame's index, the file's frame count and duration, so
+a family times frame i at ``frames_indices[i] / fps`` seconds, as transformers does.
 
 The API server calls :func:`load_image` from a thread pool: it blocks, and it imports
 neither torch nor anything that does (loom/torch_free.py). :func:`image_hash` keys an
@@ -44,6 +47,7 @@ import hashlib
 import http.client
 import io
 import ipaddress
+import math
 import re
 import socket
 import ssl
@@ -53,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 from urllib.request import url2pathname
 
@@ -64,7 +69,7 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 # The video containers decoded (with PyAV, whatever codecs its FFmpeg has): told apart by
 # their first bytes, so FFmpeg never probes (its playlist demuxers read other files).
 VIDEO_CONTAINERS = ("MP4/MOV", "WebM/Matroska", "AVI")
-# Frames a video becomes by default, sampled evenly over it (vLLM's default num_frames)
+# Frames a video becomes by default, uniform over its frames (vLLM's default num_frames)
 VIDEO_NUM_FRAMES = 32
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> its IP addresses
@@ -148,11 +153,16 @@ def load_image(url: str, policy: MediaPolicy, *, resolve: Resolver = resolve_hos
 
 def load_video(url: str, policy: MediaPolicy, num_frames: int | None = None, *,
                resolve: Resolver = resolve_host,
-               connect: Connector = connect_tcp) -> tuple[list[Image.Image], dict[str, float]]:
+               connect: Connector = connect_tcp) -> tuple[list[Image.Image], dict[str, Any]]:
     """The video ``url`` refers to, as ``num_frames`` (default: the policy's
-    ``video_num_frames``) RGB frames sampled evenly over it (all of them if it has
-    fewer) and ``{"fps": the sampled frames' rate}``: what a family's video processor
-    takes (``multi_modal_data={"video": (frames, metadata)}``).
+    ``video_num_frames``) RGB frames at the indices :func:`sample_indices` picks (all of
+    them if it has fewer), and vLLM's metadata of them::
+
+        {"fps": the source's average frame rate, "frames_indices": [each frame's index],
+         "total_num_frames": the frames in the file, "duration": total / fps seconds}
+
+    what a family's video processor takes (``multi_modal_data={"video": (frames,
+    metadata)}``).
     Read as an image is, under ``policy`` with its video limits (bytes, a frame's pixels,
     frames decoded); decoded with PyAV from the containers in :data:`VIDEO_CONTAINERS`
     only, named by their first bytes (FFmpeg is never left to probe: playlist and concat
@@ -166,6 +176,24 @@ def load_video(url: str, policy: MediaPolicy, num_frames: int | None = None, *,
     except Exception as error:  # whatever the bytes or the decoder did: the request's
         raise _refused(reading, f"cannot load the video ({type(error).__name__}: {error}); "
                                 "check that it is an intact video") from error
+
+
+def sample_indices(total_frames: int, num_frames: int) -> list[int]:
+    """Which of a video's ``total_frames`` frames become its ``num_frames``, as vLLM's
+    default (OpenCV) video loader picks them: every frame if there are no more than
+    that, else ``num_frames`` indices spread uniformly from the first frame to the last,
+    rounded down (``np.linspace(0, total_frames - 1, num_frames, dtype=int)``, to the
+    bit: the same float products, floored)::
+
+        sample_indices(11, 4) -> [0, 3, 6, 10]     (0, 3.33, 6.67, 10)
+        sample_indices(3, 8)  -> [0, 1, 2]
+    """
+    if total_frames <= num_frames:
+        return list(range(total_frames))
+    if num_frames == 1:
+        return [0]
+    step = (total_frames - 1) / (num_frames - 1)
+    return [math.floor(i * step) for i in range(num_frames - 1)] + [total_frames - 1]
 
 
 def image_hash(image: Image.Image) -> str:
@@ -453,52 +481,96 @@ def _container(data: bytes) -> str | None:
 
 
 def _decode_video(data: bytes, policy: MediaPolicy,
-                  num_frames: int) -> tuple[list[Image.Image], dict[str, float]]:
+                  num_frames: int) -> tuple[list[Image.Image], dict[str, Any]]:
     container_format = _container(data)
     if container_format is None:
         raise _refused(policy, f"the bytes are not a video in a container loom reads "
                                f"({', '.join(VIDEO_CONTAINERS)}); send one of those")
+    # The frames are chosen before decoding, from the count of the stream's packets (one
+    # a frame in these containers); a decoder that makes another count of them has the
+    # frames chosen again from its count, so every chosen index is a frame of the file.
+    # (vLLM's OpenCV loader takes the container's stated count, or duration x rate, and
+    # FFmpeg's guessed rate: the same numbers for an intact file of constant rate; for a
+    # variable rate, the average rate times frame i as transformers' index / fps does.)
+    total = _count_packets(data, container_format, policy)
+    indices = sample_indices(total, num_frames)
+    frames, decoded, fps = _decode_frames(data, container_format, policy, indices)
+    if decoded != total:
+        total, indices = decoded, sample_indices(decoded, num_frames)
+        frames, _, fps = _decode_frames(data, container_format, policy, indices)
+    return frames, {"fps": fps, "frames_indices": indices, "total_num_frames": total,
+                    "duration": total / fps}
+
+
+def _open_video(data: bytes, container_format: str, policy: MediaPolicy) -> tuple[Any, Any]:
+    """The container and its first video stream, whose frame size is within the limit."""
     try:
         import av
     except ImportError:
         raise _refused(policy, "this server cannot decode video: PyAV is not installed "
                                "(pip install av)") from None
-    with av.open(io.BytesIO(data), mode="r", format=container_format) as container:
-        if not container.streams.video:
-            raise _refused(policy, "the file has no video stream; send a video")
-        stream = container.streams.video[0]
-        width, height = stream.codec_context.width, stream.codec_context.height
-        if width * height > policy.max_video_pixels:
-            raise _refused(policy, f"the video's frames are {width}x{height}, over this "
-                                   f"server's limit of {policy.max_video_pixels:,} pixels; "
-                                   "send a smaller video")
-        # Every stride-th frame is kept; past 2 * num_frames kept, every other one goes
-        # and the stride doubles: at most that many frames held, evenly spaced.
-        kept: list[av.VideoFrame] = []
-        stride, decoded, last_time = 1, 0, 0.0
+
+    container = av.open(io.BytesIO(data), mode="r", format=container_format)
+    if not container.streams.video:
+        container.close()
+        raise _refused(policy, "the file has no video stream; send a video")
+    stream = container.streams.video[0]
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > policy.max_video_pixels:
+        container.close()
+        raise _refused(policy, f"the video's frames are {width}x{height}, over this "
+                               f"server's limit of {policy.max_video_pixels:,} pixels; "
+                               "send a smaller video")
+    return container, stream
+
+
+def _too_many_frames(policy: MediaPolicy) -> MediaError:
+    return _refused(policy, f"the video has more than {policy.max_video_frames:,} frames, "
+                            "this server's limit; send a shorter video")
+
+
+def _count_packets(data: bytes, container_format: str, policy: MediaPolicy) -> int:
+    """The video stream's packets, read without decoding any; refused past the limit."""
+    container, stream = _open_video(data, container_format, policy)
+    with container:
+        count = 0
+        for packet in container.demux(stream):
+            if packet.size:  # (the demuxer ends with an empty packet)
+                count += 1
+                if count > policy.max_video_frames:
+                    raise _too_many_frames(policy)
+    return count
+
+
+def _decode_frames(data: bytes, container_format: str, policy: MediaPolicy,
+                   indices: list[int]) -> tuple[list[Image.Image], int, float]:
+    """(the frames at ``indices``, in order, as RGB images; the frames decoded; the
+    stream's average frame rate, else FFmpeg's guess of it, else the frames' own)."""
+    container, stream = _open_video(data, container_format, policy)
+    wanted = set(indices)
+    chosen: list[Image.Image] = []
+    decoded, last_time = 0, 0.0
+    with container:
         for frame in container.decode(stream):
             if decoded >= policy.max_video_frames:
-                raise _refused(policy, f"the video has more than {policy.max_video_frames:,} "
-                                       "frames, this server's limit; send a shorter video")
+                raise _too_many_frames(policy)
             if frame.width * frame.height > policy.max_video_pixels:
                 raise _refused(policy, f"a frame is {frame.width}x{frame.height}, over this "
                                        f"server's limit of {policy.max_video_pixels:,} pixels")
-            if decoded % stride == 0:
-                kept.append(frame)
-                if len(kept) >= 2 * num_frames:
-                    kept, stride = kept[::2], stride * 2
+            if decoded in wanted:
+                chosen.append(_to_rgb(frame.to_image()))
             if frame.time is not None:
                 last_time = frame.time
             decoded += 1
-        if not kept:
-            raise _refused(policy, "the video has no frames; send a video")
-        rate = float(stream.average_rate or 0)
-        seconds = decoded / rate if rate > 0 else last_time
-        count = min(num_frames, len(kept))
-        chosen = [kept[round(i * (len(kept) - 1) / max(count - 1, 1))] for i in range(count)]
-        frames = [_to_rgb(frame.to_image()) for frame in chosen]
-    fps = count / seconds if seconds > 0 else float(count)
-    return frames, {"fps": fps}
+        rate = stream.average_rate or stream.guessed_rate
+    if not decoded:
+        raise _refused(policy, "the video has no frames; send a video")
+    if rate:
+        return chosen, decoded, float(rate)
+    if decoded > 1 and last_time > 0:
+        return chosen, decoded, (decoded - 1) / last_time
+    raise _refused(policy, "the video states no frame rate and its frames no times; send "
+                           "a video with a frame rate")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

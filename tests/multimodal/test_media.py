@@ -536,23 +536,88 @@ def video_url(data: bytes, media_type: str = "video/mp4") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
+def variable_rate_video(times: list[int]) -> bytes:
+    """An MP4 of a frame at each of ``times`` (tenths of a second), frame i of level 20 * i."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as output:
+        stream = output.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.codec_context.time_base = Fraction(1, 10)
+        for i, tenths in enumerate(times):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 20 * i, np.uint8),
+                                               format="rgb24")
+            frame.pts, frame.time_base = tenths, Fraction(1, 10)
+            for packet in stream.encode(frame):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return buffer.getvalue()
+
+
+def vllm_indices(total_frames: int, num_frames: int) -> list[int]:
+    """vLLM's default (OpenCV) video loader's frame indices, as it computes them."""
+    import numpy as np
+
+    if num_frames >= total_frames:
+        return list(range(total_frames))
+    return np.linspace(0, total_frames - 1, num_frames, dtype=int).tolist()
+
+
+def test_sample_indices_are_vllms():
+    from loom.multimodal.media import sample_indices
+
+    for total in range(1, 300):
+        for asked in (1, 2, 3, 4, 7, 8, 16, 32, 299):
+            assert sample_indices(total, asked) == vllm_indices(total, asked), (total, asked)
+    assert sample_indices(11, 4) == [0, 3, 6, 10]
+
+
 @pytest.mark.parametrize("container,codec,media_type", [
     ("mp4", "mpeg4", "video/mp4"), ("matroska", "libvpx", "video/webm"),
     ("avi", "mpeg4", "video/x-msvideo")])
-def test_a_video_is_sampled_evenly_with_its_rate(container, codec, media_type):
-    """40 frames at 5 per second (8 s), 8 sampled: frames about 5 apart, in order, the
-    rate of the sampled frames 1 per second; fewer frames than asked: every one."""
-    frames, metadata = load_video(video_url(encoded_video(40, container, codec), media_type),
-                                  MediaPolicy(), num_frames=8)
-    assert len(frames) == 8 and all(f.size == (64, 48) and f.mode == "RGB" for f in frames)
-    levels = [frame.getpixel((32, 24))[0] for frame in frames]  # 6 x the frame's index
-    assert levels[0] <= 6 and levels[-1] >= 6 * 34, levels  # from the first to near the end
-    steps = [b - a for a, b in zip(levels, levels[1:])]
-    assert all(6 * 3 <= step <= 6 * 9 for step in steps), levels  # 4 to 8 frames apart
-    assert metadata["fps"] == pytest.approx(1.0)
-    few, few_metadata = load_video(video_url(encoded_video(3, container, codec), media_type),
-                                   MediaPolicy(), num_frames=8)
-    assert len(few) == 3 and few_metadata["fps"] == pytest.approx(5.0)
+def test_a_video_is_sampled_as_vllm_samples_it(container, codec, media_type):
+    """The frames at vLLM's default loader's indices, with vLLM's metadata: the source's
+    rate, each frame's index in the file, its frame count and duration. 40 frames at 5 a
+    second, 8 asked; 11, 4 asked (0, 3, 6, 10: not evenly spread); 3, 8 asked: every one.
+    Each frame is the one its index names (every frame of the file differs)."""
+    for total, asked in [(40, 8), (11, 4), (3, 8)]:
+        url = video_url(encoded_video(total, container, codec), media_type)
+        frames, metadata = load_video(url, MediaPolicy(), num_frames=asked)
+        indices = vllm_indices(total, asked)
+        assert metadata == {"fps": 5.0, "frames_indices": indices, "total_num_frames": total,
+                            "duration": total / 5}
+        assert all(f.size == (64, 48) and f.mode == "RGB" for f in frames)
+        every, _ = load_video(url, MediaPolicy(), num_frames=total)
+        assert len({frame.tobytes() for frame in every}) == total
+        assert [frame.tobytes() for frame in frames] == [every[i].tobytes() for i in indices]
+
+
+def test_a_variable_rate_videos_rate_is_its_average():
+    """10 frames over 1.6 s at uneven times: fps is the source's average, 6.25 (frame i
+    at frames_indices[i] / fps seconds, as transformers times it), the indices vLLM's."""
+    frames, metadata = load_video(
+        video_url(variable_rate_video([0, 1, 2, 3, 6, 9, 12, 13, 14, 15])), MediaPolicy(),
+        num_frames=4)
+    assert metadata == {"fps": 6.25, "frames_indices": [0, 3, 6, 9], "total_num_frames": 10,
+                        "duration": 1.6}
+    levels = [frame.getpixel((32, 24))[0] for frame in frames]  # about 20 x the index
+    assert all(abs(level - 20 * i) <= 8 for level, i in zip(levels, [0, 3, 6, 9])), levels
+
+
+def test_frames_are_chosen_again_from_the_decoders_count(monkeypatch):
+    """Where the packets miscount the frames, the indices come from the frames decoded."""
+    from loom.multimodal import media
+
+    monkeypatch.setattr(media, "_count_packets", lambda data, container_format, policy: 30)
+    frames, metadata = load_video(video_url(encoded_video(11)), MediaPolicy(), num_frames=4)
+    assert metadata["frames_indices"] == [0, 3, 6, 10] and metadata["total_num_frames"] == 11
+    every, _ = load_video(video_url(encoded_video(11)), MediaPolicy(), num_frames=11)
+    assert [frame.tobytes() for frame in frames] == [every[i].tobytes() for i in (0, 3, 6, 10)]
 
 
 @pytest.mark.parametrize("url,message", [

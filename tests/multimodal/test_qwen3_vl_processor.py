@@ -163,7 +163,38 @@ def test_bad_videos_are_refused(checkpoint):
         processor.apply(ids, [], [frames(1, 64, 64, seed=0)])
     with pytest.raises(MultiModalInputError, match="3 frames_indices for 4 frames"):
         processor.apply(ids, [], [(frames(4, 64, 64, seed=0), {"frames_indices": [0, 1, 2]})])
+    with pytest.raises(MultiModalInputError, match="fps must be positive, not 0"):
+        processor.apply(ids, [], [(frames(4, 64, 64, seed=0), {"fps": 0})])
+    with pytest.raises(MultiModalInputError, match="metadata is a dict"):
+        processor.apply(ids, [], [(frames(4, 64, 64, seed=0), [2.0])])
     with pytest.raises(MultiModalInputError, match="all be of one size"):
         processor.apply(ids, [], [[frames(1, 64, 64, 0)[0], frames(1, 32, 64, 0)[0]]])
     with pytest.raises(MultiModalInputError, match="1 video placeholders but 2 videos"):
         processor.apply(ids, [], [frames(2, 64, 64, 0)] * 2)
+
+
+def test_a_video_urls_frames_keep_their_times(checkpoint, hf_processor):
+    """A video_url of 11 frames at 5 a second, 4 asked: media.load_video takes frames 0,
+    3, 6 and 10 (vLLM's indices; not evenly spread over its 2.2 s) with vLLM's metadata,
+    and the prompt ids equal transformers' processor's for the same frames and metadata:
+    each pair at its frames' own times (0 and 0.6 s, 1.2 and 2.0 s), not at times spread
+    evenly over the video."""
+    from multimodal.test_media import encoded_video, video_url
+
+    from loom.multimodal.media import MediaPolicy, load_video
+
+    url = video_url(encoded_video(11, size=(96, 64)))
+    frames, metadata = load_video(url, MediaPolicy(), num_frames=4)
+    assert metadata == {"fps": 5.0, "frames_indices": [0, 3, 6, 10], "total_num_frames": 11,
+                        "duration": 2.2}
+    text = f"watch {VIDEO} now"
+    processor = Qwen3VLProcessor(checkpoint, load_hf_config(checkpoint))
+    token_ids, _ = processor.apply(processor.tokenizer.encode(text, add_special_tokens=False),
+                                   [], [(frames, metadata)])
+    expected = hf_processor(checkpoint)(
+        text=[text], videos=[np.stack([np.asarray(frame) for frame in frames])],
+        video_metadata=[metadata], do_sample_frames=False, do_convert_rgb=False,
+        return_tensors="np")
+    assert token_ids == expected["input_ids"][0].tolist()
+    prompt = processor.tokenizer.decode(token_ids)
+    assert "<0.3 seconds>" in prompt and "<1.6 seconds>" in prompt
