@@ -357,46 +357,15 @@ inline void pack_value_pairs(__m512i* out, const c10::BFloat16* const* value_row
     }
 }
 
-// sums[r] += sum_p w[r][p] * V[p] over a chunk of keys for R rows, in registers within
-// the chunk. The weights are bf16 (`probs`, zero past the last key), keys taken in
-// pairs: a broadcast pair of weights times the chunk's packed pair (pack_value_pairs).
-// sums: per row, C lo then C hi vectors of 16 floats, dims permuted as packed; the
-// float32 sums run over the keys in order, chunk after chunk.
-template <int VC, int R>
-inline void weighted_values_chunk(float* sums, const uint16_t* probs, int64_t probs_stride,
-                                  const __m512i* packed, int64_t pairs) {
-  constexpr int C = VC / 2;
-  __m512 lo[R][C], hi[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      lo[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + c) * 16);
-      hi[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + C + c) * 16);
-    }
-  for (int64_t i = 0; i < pairs; ++i, packed += 2 * C) {
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, probs + r * probs_stride + 2 * i, sizeof(pair));
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < C; ++c) {
-        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, (__m512bh)_mm512_load_si512(packed + c));
-        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, (__m512bh)_mm512_load_si512(packed + C + c));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      _mm512_storeu_ps(sums + (r * 2 * C + c) * 16, lo[r][c]);
-      _mm512_storeu_ps(sums + (r * 2 * C + C + c) * 16, hi[r][c]);
-    }
-}
-
-// weighted_values_chunk for R rows over a block's keys, each pair of values packed in
-// registers as it is read: the same sums, for an item whose rows are one pass (a decode),
-// where packing into memory first would only add stores and loads.
-template <int VC, int R>
-inline void weighted_values_direct(float* sums, const uint16_t* probs, int64_t probs_stride,
-                                   const c10::BFloat16* const* value_rows, int64_t pairs,
-                                   BlockPrefetcher& prefetcher) {
+// sums[r] += sum_p w[r][p] * V[p] over a run of keys for R rows, in registers within
+// the run. The weights are bf16 (`probs`, zero past the last key), keys taken in pairs:
+// a broadcast pair of weights times the pair's values, which pair_of(i, lo, hi) gives
+// interleaved (pack_value_pairs' layout). sums: per row, C lo then C hi vectors of 16
+// floats, dims permuted as packed; the float32 sums run over the keys in order, run
+// after run.
+template <int VC, int R, typename PairOf>
+inline void weighted_values(float* sums, const uint16_t* probs, int64_t probs_stride,
+                            int64_t pairs, PairOf&& pair_of) {
   constexpr int C = VC / 2;
   __m512 lo[R][C], hi[R][C];
   for (int r = 0; r < R; ++r)
@@ -405,14 +374,8 @@ inline void weighted_values_direct(float* sums, const uint16_t* probs, int64_t p
       hi[r][c] = _mm512_loadu_ps(sums + (r * 2 * C + C + c) * 16);
     }
   for (int64_t i = 0; i < pairs; ++i) {
-    if (i % 8 == 0) prefetcher.step();
     __m512bh vlo[C], vhi[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i a = _mm512_loadu_si512(value_rows[2 * i] + 32 * c);
-      const __m512i b = _mm512_loadu_si512(value_rows[2 * i + 1] + 32 * c);
-      vlo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      vhi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
+    pair_of(i, vlo, vhi);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, probs + r * probs_stride + 2 * i, sizeof(pair));
@@ -430,7 +393,42 @@ inline void weighted_values_direct(float* sums, const uint16_t* probs, int64_t p
     }
 }
 
-// A row's sums (as weighted_values_chunk leaves them) put back in dims' order, in place.
+// weighted_values over a chunk's values packed in memory (pack_value_pairs), read by
+// every pass of R rows.
+template <int VC, int R>
+inline void weighted_values_chunk(float* sums, const uint16_t* probs, int64_t probs_stride,
+                                  const __m512i* packed, int64_t pairs) {
+  constexpr int C = VC / 2;
+  weighted_values<VC, R>(sums, probs, probs_stride, pairs,
+                         [&](int64_t i, __m512bh* lo, __m512bh* hi) {
+                           for (int c = 0; c < C; ++c) {
+                             lo[c] = (__m512bh)_mm512_load_si512(packed + 2 * C * i + c);
+                             hi[c] = (__m512bh)_mm512_load_si512(packed + 2 * C * i + C + c);
+                           }
+                         });
+}
+
+// weighted_values over a block's keys, each pair of values packed in registers as it is
+// read: the same sums, for an item whose rows are one pass (a decode), where packing
+// into memory first would only add stores and loads.
+template <int VC, int R>
+inline void weighted_values_direct(float* sums, const uint16_t* probs, int64_t probs_stride,
+                                   const c10::BFloat16* const* value_rows, int64_t pairs,
+                                   BlockPrefetcher& prefetcher) {
+  constexpr int C = VC / 2;
+  weighted_values<VC, R>(sums, probs, probs_stride, pairs,
+                         [&](int64_t i, __m512bh* lo, __m512bh* hi) {
+                           if (i % 8 == 0) prefetcher.step();
+                           for (int c = 0; c < C; ++c) {
+                             const __m512i a = _mm512_loadu_si512(value_rows[2 * i] + 32 * c);
+                             const __m512i b = _mm512_loadu_si512(value_rows[2 * i + 1] + 32 * c);
+                             lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                             hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                           }
+                         });
+}
+
+// A row's sums (as weighted_values leaves them) put back in dims' order, in place.
 template <int VC>
 inline void unpermute_sums(float* sums) {
   constexpr int C = VC / 2;
@@ -559,11 +557,22 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
     rows_of(integral_constant<int, 2>{}, integral_constant<int, 8>{});
     rows_of(integral_constant<int, 1>{}, integral_constant<int, 8>{});
   };
+  // While a block's keys are scored, its values (read next, by the V sum) and the next
+  // block's keys come into L2: a decode over a long context otherwise waits on memory
+  // block by block (the blocks lie anywhere in the pool).
+  auto prefetch_rows = [&](const c10::BFloat16* const* rows_at, int64_t count) {
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t line = 0; line < head_dim * 2; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows_at[i]) + line, 0, 2);
+  };
   auto pass = [&](int64_t p0, auto width_keys) {
     constexpr int W = decltype(width_keys)::value / 16;
     for (int k = 0; k < W; ++k) {
       prefetcher.step();
-      transpose_keys<VC>(kt + k * M, key_rows + p0 + 16 * k);
+      const int64_t at = p0 + 16 * k;
+      prefetch_rows(value_rows + at, 16);
+      if (at + kBlock < key_stride) prefetch_rows(key_rows + at + kBlock, std::min<int64_t>(16, key_stride - at - kBlock));
+      transpose_keys<VC>(kt + k * M, key_rows + at);
     }
     run_rows(p0, width_keys);
   };
@@ -571,7 +580,7 @@ void attention_item_bf16(c10::BFloat16* out, const c10::BFloat16* query,
   // own keys only, however its tokens were split into steps and tiles. Per block: the
   // scores, the row's running max m and sum l (flash attention's online softmax, in
   // float32), exp(s - m) rounded to bf16 times V added to sums rescaled by exp(m_old - m).
-  float* sums = acc;  // (as weighted_values_chunk keeps them)
+  float* sums = acc;  // (as weighted_values keeps them)
   std::fill(sums, sums + padded_rows * head_dim, 0.f);
   std::fill(row_top, row_top + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.f);
