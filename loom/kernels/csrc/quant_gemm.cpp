@@ -1173,7 +1173,7 @@ struct GroupWalk {
 // micro-ops per 8 weights at one row (decode to int32, convert, broadcast, FMA); the
 // int16 one 1.75 (vpmovzxbw, and, shift for 32 weights; vpmaddwd, vpaddd per 16), and
 // vpmaddwd does 16 multiply-adds where vfmadd231ps does 8, both 2 a cycle on Zen 3
-// (benchmarks/quantized.md, session 20).
+// (benchmarks/quantized.md, the Zen 3 VM).
 
 constexpr int64_t kXBlock = 32;  // input features per step of x
 
@@ -1573,7 +1573,7 @@ void run_gemm(const QuantizedWeight& w, const c10::BFloat16* x, int64_t ldx, int
 // two kernels give the same bits. The bf16 path's decoding costs more per pair vector:
 // 8-bit values take two widenings to int32, two conversions to float32 and one to bf16
 // before each vdpbf16ps; 4-bit ones 128 + q by three instructions per two vectors. On
-// the Intel VM of 2026-12-04 (benchmarks/quantized.md, session 24), where a 1B model's
+// the Intel VM of 2026-12-04 (benchmarks/quantized.md), where a 1B model's
 // batch-1 decode read its weights at 45-55% of the read test (bound by instructions),
 // per call against the bf16 path: 4- and 8-bit, 1-2 rows 0.41-0.91 of the time with the
 // weights in cache, 0.67-0.94 from memory; 3-4 rows 0.30-0.73 and 0.50-0.93; 8 rows of
