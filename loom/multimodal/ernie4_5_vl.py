@@ -29,13 +29,13 @@ processor needs torchvision, which does not import here):
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import numpy as np
 
-from loom.multimodal.processor import MultiModalInputError, MultiModalProcessor, VideoTiming
+from loom.multimodal.processor import (MultiModalInputError, MultiModalProcessor, VideoTiming,
+                                      checkpoint_video_settings)
 
 # Ernie4_5_VLMoeVideoProcessor's defaults (its module imports torchvision, so they are
 # restated): what a checkpoint's video config leaves out
@@ -55,19 +55,8 @@ _TIMESTAMP_SIZE = 0.1  # the font's size as a fraction of the frame's shorter si
 
 
 def video_settings(model_path: str) -> dict[str, Any]:
-    """The checkpoint's video processor settings, over the defaults: the
-    ``video_processor`` of processor_config.json, else video_preprocessor_config.json
-    (transformers' order)."""
-    settings: dict[str, Any] = {}
-    nested = os.path.join(model_path, "processor_config.json")
-    if os.path.isfile(nested):
-        with open(nested) as f:
-            settings = json.load(f).get("video_processor") or {}
-    single = os.path.join(model_path, "video_preprocessor_config.json")
-    if not settings and os.path.isfile(single):
-        with open(single) as f:
-            settings = json.load(f)
-    return _VIDEO_DEFAULTS | settings
+    """The checkpoint's video processor settings over this family's defaults."""
+    return checkpoint_video_settings(model_path, _VIDEO_DEFAULTS)
 
 
 def timestamp_text(seconds: float) -> str:

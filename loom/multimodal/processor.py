@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,37 @@ def content_hash(arrays: dict[str, Any], modality: str) -> str:
 
 DEFAULT_VIDEO_FPS = 2.0  # the frames' rate where a video comes without metadata
 
+
+
+def placeholders_in(token_ids: list[int], kinds: dict[int, str],
+                    items: dict[str, list]) -> list[tuple[int, str]]:
+    """(position, modality) of each placeholder token (``kinds``: token id -> modality)
+    in ``token_ids``; a MultiModalInputError unless each modality has one per item."""
+    found = [(i, kinds[token]) for i, token in enumerate(token_ids) if token in kinds]
+    for modality, given in items.items():
+        count = sum(kind == modality for _, kind in found)
+        if count != len(given):
+            raise MultiModalInputError(
+                f"the prompt has {count} {modality} placeholders but {len(given)} "
+                f"{modality}s were given; write one placeholder per {modality} (the chat "
+                f"template does this for {modality} parts)")
+    return found
+
+
+def checkpoint_video_settings(model_path: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's video processor settings over ``defaults``: the
+    ``video_processor`` of processor_config.json, else video_preprocessor_config.json
+    (transformers' order)."""
+    settings: dict[str, Any] = {}
+    nested = os.path.join(model_path, "processor_config.json")
+    if os.path.isfile(nested):
+        with open(nested) as f:
+            settings = json.load(f).get("video_processor") or {}
+    single = os.path.join(model_path, "video_preprocessor_config.json")
+    if not settings and os.path.isfile(single):
+        with open(single) as f:
+            settings = json.load(f)
+    return defaults | settings
 
 @dataclass(frozen=True)
 class VideoTiming:
@@ -129,15 +162,7 @@ class MultiModalProcessor:
         if self.video_placeholder_token_id is not None:
             placeholders[self.video_placeholder_token_id] = "video"
         items = {"image": list(images), "video": list(videos)}
-        found = [(i, placeholders[token]) for i, token in enumerate(token_ids)
-                 if token in placeholders]
-        for modality, given in items.items():
-            count = sum(kind == modality for _, kind in found)
-            if count != len(given):
-                raise MultiModalInputError(
-                    f"the prompt has {count} {modality} placeholders but {len(given)} "
-                    f"{modality}s were given; write one placeholder per {modality} (the chat "
-                    f"template does this for {modality} parts)")
+        found = placeholders_in(token_ids, placeholders, items)
         process = {"image": self.process_image, "video": self.process_video}
         taken = {"image": iter(items["image"]), "video": iter(items["video"])}
         out: list[int] = []

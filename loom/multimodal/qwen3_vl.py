@@ -36,16 +36,16 @@ the tower alone equal its rows in the whole video's pass.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from loom.core.wire import MultiModalFeature, TensorData
-from loom.multimodal.processor import MultiModalInputError, VideoTiming, content_hash
+from loom.multimodal.processor import (MultiModalInputError, VideoTiming,
+                                      checkpoint_video_settings, content_hash,
+                                      placeholders_in)
 from loom.multimodal.qwen_vl import QwenVLProcessor
 
 # Qwen3VLVideoProcessor's defaults (its module imports torch, so they are restated):
@@ -61,19 +61,8 @@ _VIDEO_DEFAULTS: dict[str, Any] = {
 
 
 def video_settings(model_path: str) -> dict[str, Any]:
-    """The checkpoint's video processor settings over the defaults: the
-    ``video_processor`` of processor_config.json, else video_preprocessor_config.json
-    (transformers' order)."""
-    settings: dict[str, Any] = {}
-    nested = os.path.join(model_path, "processor_config.json")
-    if os.path.isfile(nested):
-        with open(nested) as f:
-            settings = json.load(f).get("video_processor") or {}
-    single = os.path.join(model_path, "video_preprocessor_config.json")
-    if not settings and os.path.isfile(single):
-        with open(single) as f:
-            settings = json.load(f)
-    return _VIDEO_DEFAULTS | settings
+    """The checkpoint's video processor settings over this family's defaults."""
+    return checkpoint_video_settings(model_path, _VIDEO_DEFAULTS)
 
 
 def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
@@ -235,15 +224,8 @@ class Qwen3VLProcessor(QwenVLProcessor):
                                            "takes images only")
             return super().apply(token_ids, images)
         kinds = {self.placeholder_token_id: "image", self.video_placeholder_token_id: "video"}
-        found = [(i, kinds[token]) for i, token in enumerate(token_ids) if token in kinds]
         items = {"image": list(images), "video": list(videos)}
-        for modality, given in items.items():
-            count = sum(kind == modality for _, kind in found)
-            if count != len(given):
-                raise MultiModalInputError(
-                    f"the prompt has {count} {modality} placeholders but {len(given)} "
-                    f"{modality}s were given; write one placeholder per {modality} (the chat "
-                    f"template does this for {modality} parts)")
+        found = placeholders_in(token_ids, kinds, items)
         taken = {modality: iter(given) for modality, given in items.items()}
         out: list[int] = []
         features: list[MultiModalFeature] = []

@@ -24,21 +24,14 @@ import torch
 from loom.envs import Settings, settings
 from loom.model.layers.weight_forms import QuantizedReference, RowBlocks, select_form
 
+from .test_triton_attention import _environ  # the interpreter's process, set up alike
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = "tests/model/triton_matmul_cases.py"
 NUM_CASES = 38  # the cases file's tests, parametrizations counted
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="the triton package is not installed")
-
-
-def _environ(**changes: str | None) -> dict[str, str]:
-    environ = dict(os.environ)
-    for name, value in changes.items():
-        environ.pop(name, None)
-        if value is not None:
-            environ[name] = value
-    return environ
 
 
 @needs_triton
