@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from loom.config import ModelConfig, StructuredOutputsConfig
 from loom.core.wire import MultiModalFeature
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import SamplingParams, longest_prompt
 from loom.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -182,9 +182,7 @@ class InputProcessor:
     def validate_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
             raise InvalidInputError("the prompt is empty; give at least one token", param)
-        # a generated token needs a place after the prompt; a pooled prompt is all there is
-        longest = self.max_model_len if self.task != "generate" else self.max_model_len - 1
-        if len(token_ids) > longest:
+        if len(token_ids) > longest_prompt(self.max_model_len, self.task != "generate"):
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
                 "shorten it or raise --max-model-len", param)

@@ -77,6 +77,12 @@ class GrammarAfterThinking(msgspec.Struct, frozen=True):
     think_end_id: int
 
 
+def longest_prompt(max_model_len: int, pooled: bool) -> int:
+    """The most prompt tokens a request may bring: a generated token needs a place after
+    the prompt, while a pooled prompt is all there is (as vLLM allows)."""
+    return max_model_len if pooled else max_model_len - 1
+
+
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A pooling request (an engine started with ``--task embed``, ``score`` or
     ``classify``): its prompt is prefilled and pooled into one vector, nothing is

@@ -36,6 +36,7 @@ from loom.core.wire import (CachedRequestData, EngineCoreOutput, KVTransferEvent
                             ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput,
                             SchedulerStats)
 from loom.request import FinishReason, Request, RequestStatus
+from loom.sampling_params import longest_prompt
 
 
 class Scheduler:
@@ -102,9 +103,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        # a generated token needs a place after the prompt; a pooled prompt is all there is
         pooled = request.sampling_params.pooling is not None
-        if request.num_tokens > self.max_model_len - (0 if pooled else 1):
+        if request.num_tokens > longest_prompt(self.max_model_len, pooled):
             raise ValueError(f"prompt has {request.num_tokens} tokens but max_model_len is "
                              f"{self.max_model_len}; shorten it or raise --max-model-len")
         budget = self.config.max_num_batched_tokens
