@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from loom import __version__
 from loom.arg_types import positive_int
 from loom.engine_args import SERVE, EngineArgs
 
@@ -47,11 +48,24 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                        help="keep generating past the end-of-sequence token, up to --max-tokens")
 
 
+def _given_sampling(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k")
+            if getattr(args, name) is not None}
+
+
+def _generate_config(args: argparse.Namespace):
+    """What ``loom generate|chat`` checks before the model loads: the sampling flags, then
+    the engine's config (``LLM.from_engine_args`` builds the same one first)."""
+    from loom import SamplingParams
+
+    SamplingParams(**_given_sampling(args), stop=args.stop)
+    return EngineArgs.from_cli_args(args).create_engine_config()
+
+
 def _generate(args: argparse.Namespace, chat: bool) -> int:
     from loom import LLM, SamplingParams
 
-    given = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k")
-             if getattr(args, name) is not None}
+    given = _given_sampling(args)
     SamplingParams(**given, stop=args.stop)  # a bad flag fails before the model loads
     started = time.perf_counter()
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
@@ -77,6 +91,7 @@ def _generate(args: argparse.Namespace, chat: bool) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="loom", description="LLM inference serving engine")
+    parser.add_argument("--version", action="version", version=f"loom {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("generate", "complete prompts offline"),
                             ("chat", "answer user messages offline with the chat template")):
@@ -87,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a prompt; repeat for a batch")
         EngineArgs.add_cli_args(sub)
         add_sampling_args(sub)
-        sub.set_defaults(handler=lambda args, chat=(name == "chat"): _generate(args, chat))
+        sub.set_defaults(handler=lambda args, chat=(name == "chat"): _generate(args, chat),
+                         check=_generate_config)
     _add_serve_command(commands)
     _add_worker_command(commands)
     from loom.router.cli import add_router_command
@@ -122,18 +138,23 @@ def _add_worker_command(commands) -> None:
         "worker", help="run this host's tensor-parallel ranks for an engine on node 0")
     _add_model_args(worker, "the same model the engine serves, at a path on this host")
     EngineArgs.add_cli_args(worker)
-    worker.set_defaults(handler=_worker)
+    worker.set_defaults(handler=_worker, check=_worker_config)
 
 
-def _worker(args: argparse.Namespace) -> int:
+def _worker_config(args: argparse.Namespace):
     import dataclasses
 
     from loom.default_model import default_model_path
-    from loom.worker.worker_process import run_node
 
     engine_args = EngineArgs.from_cli_args(args)
     engine_args = dataclasses.replace(engine_args, model=args.model or default_model_path())
-    return run_node(engine_args.create_engine_config())
+    return engine_args.create_engine_config()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from loom.worker.worker_process import run_node
+
+    return run_node(_worker_config(args))
 
 
 def _add_serve_command(commands) -> None:
@@ -145,13 +166,34 @@ def _add_serve_command(commands) -> None:
     EngineArgs.add_cli_args(serve)
     EngineArgs.add_cli_args(serve, scope=SERVE)
     add_server_args(serve)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=_serve, check=_serve_config)
+
+
+def _serve_config(args: argparse.Namespace):
+    from loom.entrypoints.openai.server import serve_config
+
+    return serve_config(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from loom.entrypoints.openai.server import serve
 
     return serve(args)
+
+
+def check_command(argv: list[str]) -> object:
+    """Everything ``loom ARGV`` checks before it reads a weight or starts a process, and
+    nothing after: the parser, then the command's own checks (the flags' combinations;
+    the checkpoint's config.json, tokenizer files and head split; the KV budget), with
+    nothing loaded or started. Returns what the command would run with (its config, or
+    the parsed arguments for a command with no checks of its own before it runs). A bad
+    argument raises what ``main`` turns into one line and exit status 2: SystemExit(2)
+    from the parser, ValueError or FileNotFoundError. The user guide's command lines are
+    held to it (tests/test_doc_examples.py)."""
+    args = build_parser().parse_args(argv)
+    _resolve_model(args)
+    check = getattr(args, "check", None)
+    return check(args) if check is not None else args
 
 
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:
