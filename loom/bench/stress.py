@@ -1,7 +1,7 @@
 """Stress and soak against a running server: look for the next wedge, measure drift.
 
-A *round* fires one mix at the server at once, the mixes that wedged loom before
-(issue 12): concurrent structured outputs beside plain completions, abort storms right
+A *round* fires one mix at the server at once, the mixes that wedged loom before:
+concurrent structured outputs beside plain completions, abort storms right
 after submission, interleaved streaming and non-streaming chat, n > 1, long greedy
 requests that press the KV cache into preemption (and drafts, if the server runs
 speculative decoding). After each round the server must come back to empty within

@@ -1,4 +1,4 @@
-"""Weights that change under a live offline engine (issue 17): update_weights from a
+"""Weights that change under a live offline engine: update_weights from a
 checkpoint directory, from tensors and from a trainer process's shared memory (ipc);
 a refused update; sleep and wake_up; collective_rpc.
 

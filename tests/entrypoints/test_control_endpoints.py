@@ -1,4 +1,4 @@
-"""The control plane of ``loom serve --enable-control-endpoints`` (issue 17), on a real
+"""The control plane of ``loom serve --enable-control-endpoints`` on a real
 server: weight updates equal a fresh engine on the new checkpoint (TP=1 and TP=2),
 pause in mode wait and abort, requests held while paused, sleep and wake_up (worker RSS
 printed), FastDeploy's aliases, refused updates, the API key, off by default."""

@@ -1,4 +1,4 @@
-"""The stress harness's short run (issue 12): rounds of the mixes that once wedged the
+"""The stress harness's short run: rounds of the mixes that once wedged the
 server (structured outputs beside plain requests, abort storms right after submission,
 interleaved streaming and non-streaming, n > 1, draft-token speculation, preemption
 from a small KV cache) under a CPU hog on the same cores; after every round the server

@@ -1,4 +1,4 @@
-"""Weight-only quantization that stays quantized (issue 15): wint8, wint4 and GGUF's Q4_0,
+"""Weight-only quantization that stays quantized: wint8, wint4 and GGUF's Q4_0,
 Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
 
 (a) the formats: quantizing rounds within half a step; GGUF blocks become loom's
@@ -378,7 +378,7 @@ def test_outliers_zero_blocks_and_nan_in_x(fmt, kernel_isa):
 
 @pytest.mark.parametrize("name", [name for name in GGUF_FORMATS])
 def test_gguf_formats_are_held_at_the_files_size(name):
-    """loom's kernel layout holds a GGUF tensor within 10% of the file's bytes (issue 15:
+    """loom's kernel layout holds a GGUF tensor within 10% of the file's bytes (the layout makes
     no wider copy): the K-quants keep their two-level scales, 5- and 6-bit values take
     5 and 6 bits. Exactly: Q4_K 4.625 bits a weight (file 4.5), Q5_K 5.625 (5.5), the
     others the file's."""

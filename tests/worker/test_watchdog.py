@@ -75,7 +75,7 @@ def result(step: int) -> StepResult:
 
 
 def test_a_result_read_by_the_health_check_reaches_its_step(bare_executor):
-    """The wedge of issue 12: the health check polled the queue while rank 0's result was
+    """A wedge loom once had: the health check polled the queue while rank 0's result was
     in flight and threw it away; the engine then waited forever. Here the result is
     delivered exactly inside that window: after the broadcast, before the step's wait."""
     executor, start_rank = bare_executor

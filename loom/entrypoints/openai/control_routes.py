@@ -1,4 +1,4 @@
-"""The control plane: routes that change what the engine serves, for RL loops (issue 17).
+"""The control plane: routes that change what the engine serves, for RL loops.
 
 Off unless ``--enable-control-endpoints`` (or the seed's ``--dynamic-load-weight``);
 behind ``--api-key`` like every route. Each is one ``AsyncLLM.control`` call into the
