@@ -207,7 +207,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # The KV offload tier (core/kv_tier.py): bytes per rank for prefix-cache blocks the
     # pool evicts, kept in memory-mapped files under kv_offload_path (None: the system's
-    # temporary directory) and loaded back on a prefix hit; None: no tier.
+    # temporary directory; on CUDA, pinned host memory) and loaded back on a prefix hit;
+    # None: no tier.
     kv_offload_size: int | None = None
     kv_offload_path: str | None = None
 
@@ -241,6 +242,13 @@ class CacheConfig:
         import tempfile
 
         return self.kv_offload_path or tempfile.gettempdir()
+
+    def kv_offload_dir_on(self, device: str) -> str | None:
+        """The tier's directory beside a cache on ``device``; None: host memory, the tier
+        of a CUDA cache unless --kv-offload-path asks for files."""
+        if device == "cuda" and self.kv_offload_path is None:
+            return None
+        return self.kv_offload_dir
 
 
 @dataclass(frozen=True)

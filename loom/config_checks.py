@@ -164,11 +164,11 @@ def check_kv_budget(hf_config, cache: CacheConfig, dtype: str, tensor_parallel_s
 
 
 def check_kv_offload(hf_config, cache: CacheConfig, dtype: str,
-                     tensor_parallel_size: int) -> None:
-    """--kv-offload-size and --kv-offload-path, before the weights load: the directory
-    must take a new file, and the size hold one block. Less free space there than the
-    size is a warning: the tier writes only what it keeps, and drops a block it cannot
-    write."""
+                     tensor_parallel_size: int, device: str = "cpu") -> None:
+    """--kv-offload-size and --kv-offload-path, before the weights load: the size must
+    hold one block; files need a directory that takes a new file (less free space there
+    than the size is a warning: the tier writes only what it keeps, and drops a block it
+    cannot write); host memory (a CUDA cache's tier) must be there to hold the size."""
     if cache.kv_offload_size is None:
         return
     import shutil
@@ -177,7 +177,21 @@ def check_kv_offload(hf_config, cache: CacheConfig, dtype: str,
     from loom.core.kv_tier import tier_num_slots
     from loom.model.loader.hf_config import kv_cache_bytes_per_block
 
-    directory = cache.kv_offload_dir
+    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size, dtype,
+                                               tensor_parallel_size, cache.kv_cache_dtype)
+    if tier_num_slots(cache.kv_offload_size, bytes_per_block) < 1:
+        raise ValueError(f"--kv-offload-size {_format_bytes(cache.kv_offload_size)} holds no "
+                         f"KV block ({_format_bytes(bytes_per_block)} each per rank); raise it")
+    directory = cache.kv_offload_dir_on(device)
+    if directory is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if cache.kv_offload_size * tensor_parallel_size > available:
+            raise ValueError(
+                f"--kv-offload-size {_format_bytes(cache.kv_offload_size)} per rank x "
+                f"{tensor_parallel_size} ranks of pinned host memory, but the host has "
+                f"{_format_bytes(available)} available; lower it, or give --kv-offload-path "
+                "for a tier in files")
+        return
     flag = "--kv-offload-path" if cache.kv_offload_path else "the temporary directory"
     if not os.path.isdir(directory):
         raise ValueError(f"--kv-offload-path {directory} is not a directory; create it or "
@@ -188,11 +202,6 @@ def check_kv_offload(hf_config, cache: CacheConfig, dtype: str,
     except OSError as error:
         raise ValueError(f"{flag} {directory} is not writable ({error.strerror}); give "
                          "--kv-offload-path a directory loom may write to") from None
-    bytes_per_block = kv_cache_bytes_per_block(hf_config, cache.block_size, dtype,
-                                               tensor_parallel_size, cache.kv_cache_dtype)
-    if tier_num_slots(cache.kv_offload_size, bytes_per_block) < 1:
-        raise ValueError(f"--kv-offload-size {_format_bytes(cache.kv_offload_size)} holds no "
-                         f"KV block ({_format_bytes(bytes_per_block)} each per rank); raise it")
     free = shutil.disk_usage(directory).free
     if free < cache.kv_offload_size:
         logger.warning("--kv-offload-size is %s per rank but %s has %s free: the tier drops "

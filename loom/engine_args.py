@@ -116,12 +116,14 @@ class EngineArgs:
         None, to="cache.kv_offload_size", parse=arg_types.byte_size, metavar="BYTES",
         help="a KV offload tier per rank, e.g. 8GiB: prefix-cache blocks the KV cache evicts "
              "(a preempted request's too) are kept in memory-mapped files under "
-             "--kv-offload-path and loaded back on a prefix hit instead of recomputed; the "
-             "least recently used go when it is full")
+             "--kv-offload-path (on CUDA without that flag: pinned host memory) and loaded "
+             "back on a prefix hit instead of recomputed; the least recently used go when it "
+             "is full")
     kv_offload_path: str | None = arg(
         None, to="cache.kv_offload_path", metavar="DIR",
         help="a writable directory for the KV offload tier's files (default: the system's "
-             "temporary directory); each rank's file is removed when it exits")
+             "temporary directory; on CUDA, host memory instead of files); each rank's file "
+             "is removed when it exits")
     tensor_parallel_size: int = arg(1, to="parallel.tensor_parallel_size",
                                     flags=("--tensor-parallel-size", "-tp"),
                                     parse=arg_types.positive_int)
@@ -425,7 +427,7 @@ class EngineArgs:
         check_kv_budget(resolved.hf_config, built["cache"], args.dtype,
                         args.tensor_parallel_size, args.max_model_len)
         check_kv_offload(resolved.hf_config, built["cache"], args.dtype,
-                         args.tensor_parallel_size)
+                         args.tensor_parallel_size, whole["device"])
         return EngineConfig(**built, speculative=whole["speculative"],
                             early_stop=EarlyStopConfig.from_value(whole["early_stop"]),
                             kv_transfer=whole["kv_transfer"], device=whole["device"],

@@ -19,9 +19,11 @@ header cleared, so a later load of it is refused too.
 
 Where the slots live is a ``TierSlots``: ``MappedFileSlots`` keeps them in one file per
 rank under ``--kv-offload-path``, written with ``pwrite`` (a full disk is an error, not
-a SIGBUS) and read through a memory map (no copy before the checksum). Beside a CUDA
-cache the same code stages each block through host memory; a tier in pinned host memory
-(another ``TierSlots``) is the natural one there. Neither is built or run on a GPU yet.
+a SIGBUS) and read through a memory map (no copy before the checksum): the CPU's tier,
+whose cache already sits in host memory. ``HostMemorySlots`` keeps them in this
+process's memory, page-locked beside a CUDA cache so a block moves by DMA: the tier on
+CUDA unless ``--kv-offload-path`` asks for files (vLLM's CPU offloading). The records,
+checks and copies are the same code for both; the CUDA side has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -115,6 +117,38 @@ class MappedFileSlots:
         self._finalizer()
 
 
+class HostMemorySlots:
+    """``num_slots`` records in this process's memory, gone with it: headers in one array,
+    payloads in one buffer of ``num_slots`` x the payload (``pin``: page-locked, for a
+    CUDA cache's copies). The buffer is reserved up front and its pages are touched only
+    as records are written."""
+
+    def __init__(self, num_slots: int, payload_bytes: int, pin: bool = False) -> None:
+        self.num_slots = num_slots
+        self.payload_bytes = payload_bytes
+        self._stride = -(-payload_bytes // _ALIGN) * _ALIGN
+        self._headers = np.zeros((num_slots, TIER_RECORD_HEADER_BYTES), dtype=np.uint8)
+        self._buffer = torch.empty(num_slots * self._stride, dtype=torch.uint8, pin_memory=pin)
+        self._bytes = self._buffer.numpy()
+
+    def read_header(self, slot: int) -> bytes:
+        return self._headers[slot].tobytes()
+
+    def payload(self, slot: int) -> np.ndarray:
+        start = slot * self._stride
+        return self._bytes[start:start + self.payload_bytes]
+
+    def write(self, slot: int, header: bytes, payload: np.ndarray) -> None:
+        self._headers[slot] = 0  # empty while half written
+        self.payload(slot)[:] = payload
+        self._headers[slot] = np.frombuffer(header.ljust(TIER_RECORD_HEADER_BYTES, b"\0"),
+                                            dtype=np.uint8)
+
+    def close(self) -> None:
+        self._bytes = None
+        self._buffer = None
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
@@ -131,10 +165,11 @@ def _remove(fd: int, path: str) -> None:
 
 class KVTierWorker:
     """A rank's tier: ``run`` does a step's copies over the caches ``runner`` holds now
-    (taken at each step: a wake-up makes new ones)."""
+    (taken at each step: a wake-up makes new ones). ``directory``: files there; None:
+    host memory (pinned beside a CUDA cache)."""
 
-    def __init__(self, directory: str, num_slots: int, runner, tp_group: TPGroup = SINGLE,
-                 model_name: str = "") -> None:
+    def __init__(self, directory: str | None, num_slots: int, runner,
+                 tp_group: TPGroup = SINGLE, model_name: str = "") -> None:
         self.runner = runner
         self.tp_group = tp_group
         self.epoch = 0
@@ -149,7 +184,11 @@ class KVTierWorker:
                         str(cache.dtype)) for cache, dim in caches])
         self.fingerprint = int.from_bytes(
             hashlib.blake2b(layout.encode(), digest_size=8).digest(), "little")
-        self.slots: TierSlots = MappedFileSlots(directory, num_slots, offset, tp_group.rank)
+        if directory is None:
+            pin = caches[0][0].is_cuda
+            self.slots: TierSlots = HostMemorySlots(num_slots, offset, pin=pin)
+        else:
+            self.slots = MappedFileSlots(directory, num_slots, offset, tp_group.rank)
         self._staging = np.zeros(offset, dtype=np.uint8)
 
     def invalidate(self) -> None:

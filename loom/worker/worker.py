@@ -267,11 +267,13 @@ class Worker:
 
     def init_kv_tier(self, num_slots: int) -> None:
         """Open this rank's part of the KV offload tier (loom/worker/kv_tier_io.py):
-        ``num_slots`` blocks in a file under ``--kv-offload-path``."""
+        ``num_slots`` blocks in a file under ``--kv-offload-path``, or on CUDA without
+        that flag in pinned host memory."""
         from loom.worker.kv_tier_io import KVTierWorker
 
         self.shutdown_kv_tier()
-        self.kv_tier = KVTierWorker(self.config.cache.kv_offload_dir, num_slots,
+        cache = self.config.cache
+        self.kv_tier = KVTierWorker(cache.kv_offload_dir_on(self.config.device), num_slots,
                                     self.model_runner, self.tp_group, self.config.model.model)
 
     def _run_kv_tier(self, ops) -> list[int]:

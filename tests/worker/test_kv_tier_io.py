@@ -1,7 +1,8 @@
 """A rank's half of the KV offload tier (loom/worker/kv_tier_io.py) on hand-made caches:
 a block saved and loaded into another comes back bit for bit (float32, bfloat16, int8
 rows with their scales, a draft model's layers beside the target's); a record is taken
-only for its own key and weights epoch; a write that fails leaves no record."""
+only for its own key and weights epoch; a write that fails leaves no record. Each in
+files (the CPU's tier) and in host memory (a CUDA cache's, here unpinned)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,19 @@ def blocks_of(runner, block_id):
     return [cache.clone() for cache in caches]
 
 
+@pytest.fixture(params=["files", "host memory"])
+def where(request, tmp_path):
+    """The tier's directory: files in tmp_path, or None for host memory."""
+    return str(tmp_path) if request.param == "files" else None
+
+
 @pytest.mark.parametrize("dtype,draft", [(torch.float32, False), (torch.bfloat16, True),
                                          (torch.int8, False)])
-def test_a_block_comes_back_bit_for_bit(tmp_path, dtype, draft):
+def test_a_block_comes_back_bit_for_bit(tmp_path, where, dtype, draft):
     runner = make_runner(dtype, head_dim=12 if dtype == torch.int8 else 8, draft=draft)
-    tier = KVTierWorker(str(tmp_path), SLOTS, runner, model_name="m")
+    tier = KVTierWorker(where, SLOTS, runner, model_name="m")
+    kind = type(tier.slots).__name__
+    assert kind == ("MappedFileSlots" if where else "HostMemorySlots")
     saved = blocks_of(runner, 1)
     assert tier.run(KVTierOps(saves=[KVTierCopy(1, 2, -77, 0)])) == []
     assert tier.run(KVTierOps(loads=[KVTierCopy(4, 2, -77, 0)])) == []
@@ -54,9 +63,9 @@ def test_a_block_comes_back_bit_for_bit(tmp_path, dtype, draft):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_record_is_taken_for_its_own_key_and_epoch_only(tmp_path):
+def test_a_record_is_taken_for_its_own_key_and_epoch_only(where):
     runner = make_runner(torch.float32)
-    tier = KVTierWorker(str(tmp_path), SLOTS, runner)
+    tier = KVTierWorker(where, SLOTS, runner)
     tier.run(KVTierOps(saves=[KVTierCopy(0, 1, 5, 0), KVTierCopy(2, 3, 6, 1)]))
     before = runner.kv_cache_storage.clone()
     loads = [KVTierCopy(5, 1, 5, 1),  # another group's key
@@ -87,3 +96,37 @@ def test_a_write_that_fails_leaves_no_record(tmp_path, monkeypatch):
     monkeypatch.setattr(kv_tier_io.os, "pwrite", real_pwrite)
     assert tier.run(KVTierOps(loads=[KVTierCopy(4, 1, 9, 0), KVTierCopy(4, 1, 5, 0)])) == [0, 1]
     tier.close()
+
+
+def test_a_corrupted_record_in_host_memory_is_refused():
+    runner = make_runner(torch.bfloat16)
+    tier = KVTierWorker(None, SLOTS, runner)
+    tier.run(KVTierOps(saves=[KVTierCopy(0, 2, 5, 0)]))
+    tier.slots.payload(2)[7] ^= 0xFF  # a flipped byte
+    before = runner.kv_cache_storage.clone()
+    assert tier.run(KVTierOps(loads=[KVTierCopy(4, 2, 5, 0)])) == [0]
+    assert torch.equal(runner.kv_cache_storage.view(torch.uint8), before.view(torch.uint8))
+    tier.close()
+
+
+def test_the_tier_of_a_cuda_cache_is_host_memory_unless_files_are_asked_for(tmp_path):
+    from loom.config import CacheConfig
+
+    assert CacheConfig(kv_offload_size=2**20).kv_offload_dir_on("cuda") is None
+    assert CacheConfig(kv_offload_size=2**20).kv_offload_dir_on("cpu") is not None
+    assert CacheConfig(kv_offload_size=2**20, kv_offload_path=str(tmp_path)).kv_offload_dir_on(
+        "cuda") == str(tmp_path)
+
+
+def test_a_host_memory_tier_larger_than_the_host_is_refused_at_start_up():
+    from types import SimpleNamespace as NS
+
+    from loom.config import CacheConfig
+    from loom.config_checks import check_kv_offload
+
+    hf_config = NS(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   hidden_size=64, head_dim=16)
+    huge = CacheConfig(kv_offload_size=2**60)
+    with pytest.raises(ValueError, match="pinned host memory"):
+        check_kv_offload(hf_config, huge, "bfloat16", 1, "cuda")
+    check_kv_offload(hf_config, CacheConfig(kv_offload_size=2**24), "bfloat16", 1, "cuda")
