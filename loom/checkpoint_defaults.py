@@ -70,8 +70,11 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         check_ray_installed()
     expert_parallel_size = args.expert_parallel_size
     if expert_parallel_size is None:
-        expert_parallel_size = args.tensor_parallel_size if args.enable_expert_parallel else 1
-    check_expert_parallel(hf_config, expert_parallel_size)
+        expert_parallel_size = (args.tensor_parallel_size * args.data_parallel_size
+                                if args.enable_expert_parallel else 1)
+    check_expert_parallel(hf_config, expert_parallel_size,
+                          across_replicas=expert_parallel_size > args.tensor_parallel_size)
+    check_no_eplb(args)
     max_model_len = args.max_model_len
     limit = derived_max_model_len(hf_config)
     if max_model_len is None:
@@ -282,20 +285,54 @@ def check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
     return hf_config_values(draft_config)
 
 
-def check_expert_parallel(hf_config: Any, expert_parallel_size: int) -> None:
+def check_expert_parallel(hf_config: Any, expert_parallel_size: int,
+                          across_replicas: bool = False) -> None:
     """Experts split whole over the ranks: their number must divide (a model without
-    experts ignores the setting, with a warning)."""
+    experts ignores the setting, with a warning; split over data-parallel replicas, it
+    is refused: the replicas would step together for nothing)."""
     if expert_parallel_size == 1:
         return
     num_experts = next((getattr(hf_config, name) for name in
                         ("num_experts", "num_local_experts", "moe_num_experts")
                         if getattr(hf_config, name, None)), None)
+    if isinstance(num_experts, (list, tuple)):  # text and vision experts (ERNIE 4.5 VL)
+        num_experts = num_experts[0]
+    if across_replicas:
+        from loom.model.models.registry import get_model_architecture
+
+        architecture = get_model_architecture(hf_config)
+        if num_experts is None:
+            raise ValueError(f"expert parallel across data-parallel replicas needs a MoE "
+                             f"model, and {architecture} has no experts; drop "
+                             "--enable-expert-parallel/--expert-parallel-size")
+        if architecture not in EXPERTS_ACROSS_REPLICAS:
+            raise ValueError(f"expert parallel across data-parallel replicas is not supported "
+                             f"yet for {architecture} (only {', '.join(EXPERTS_ACROSS_REPLICAS)}"
+                             "); use --tensor-parallel-size with --enable-expert-parallel")
     if num_experts is None:
         logger.warning("expert parallel: the model has no experts; its layers split over the "
                        "tensor-parallel ranks as usual")
     elif num_experts % expert_parallel_size:
         raise ValueError(f"--expert-parallel-size {expert_parallel_size} does not divide the "
                          f"model's {num_experts} experts; choose a size that does")
+
+
+# The text MoE families whose every forward runs each MoE layer once, in layer order,
+# whatever its tokens: what a replica's dummy step repeats (model_runner.dummy_step).
+EXPERTS_ACROSS_REPLICAS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           "Ernie4_5_MoeForCausalLM")
+
+
+def check_no_eplb(args: Any) -> None:
+    """Expert-parallel load balancing is not built: its flags are refused, not ignored."""
+    given = [flag for flag, value in (("--enable-eplb", args.enable_eplb),
+                                      ("--num-redundant-experts", args.num_redundant_experts),
+                                      ("--eplb-window-size", args.eplb_window_size))
+             if value not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: expert-parallel load balancing (EPLB) is not "
+                         "supported yet; drop the flag (experts are placed statically, rank r "
+                         "holding experts [r*E/EP, (r+1)*E/EP))")
 
 
 def max_position_embeddings(hf_config) -> int | None:

@@ -302,9 +302,16 @@ class ParallelConfig:
 
     # Mixture-of-experts layers split their experts, whole, over this many ranks (the
     # seed's --expert-parallel-size) instead of splitting every expert's matrices; the
-    # expert-parallel ranks are the tensor-parallel ones, so it is 1 or
-    # tensor_parallel_size. --enable-expert-parallel means tensor_parallel_size.
+    # expert-parallel ranks are the tensor-parallel ones (1 or tensor_parallel_size), or
+    # every rank of every data-parallel replica (tensor_parallel_size x
+    # data_parallel_size: tokens travel to their experts by all-to-all and the replicas
+    # step in lock-step, docs/architecture.md). --enable-expert-parallel means the
+    # largest of these.
     expert_parallel_size: int = 1
+    # Experts over every replica's ranks: the port of the store through which all of
+    # them form one process group (on data_parallel_address, hosted by replica 0's rank
+    # 0), chosen by whoever launches the replicas (DPAsyncLLM) and passed down here.
+    data_parallel_master_port: int | None = None
 
     # Data parallel (``loom serve --data-parallel-size``, docs/architecture.md): replicas
     # of the whole engine, each with its own engine core, workers and KV cache, behind
@@ -356,10 +363,21 @@ class ParallelConfig:
                              f"{self.cpu_threads_per_rank}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
-        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
-            raise ValueError(f"--expert-parallel-size {self.expert_parallel_size} must be 1 or "
-                             f"the tensor parallel size {self.tensor_parallel_size}: experts "
-                             "are split over the tensor-parallel ranks")
+        across = self.tensor_parallel_size * self.data_parallel_size
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size, across):
+            raise ValueError(f"--expert-parallel-size {self.expert_parallel_size} must be 1, "
+                             f"the tensor parallel size {self.tensor_parallel_size}, or "
+                             f"tensor x data parallel size {across}: experts are split over "
+                             "the tensor-parallel ranks or over every replica's ranks")
+        if self.experts_across_replicas:
+            if self.num_local_replicas < self.data_parallel_size:
+                raise ValueError("expert parallel across data-parallel replicas on several "
+                                 "hosts (--data-parallel-size-local) is not supported yet; "
+                                 "run every replica on one host")
+            if self.distributed_executor_backend in ("ray", "uni") or self.nnodes > 1:
+                raise ValueError("expert parallel across data-parallel replicas runs each "
+                                 "replica's ranks in worker processes on this host; drop "
+                                 "--distributed-executor-backend ray/uni and --nnodes")
         if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp', 'uni' or 'ray', got "
                              f"{self.distributed_executor_backend!r}")
@@ -394,6 +412,11 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
     @property
+    def experts_across_replicas(self) -> bool:
+        """MoE experts split over every data-parallel replica's ranks (all-to-all)."""
+        return self.data_parallel_size > 1 and self.expert_parallel_size > self.tensor_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
 
@@ -419,7 +442,7 @@ class ParallelConfig:
     def use_worker_processes(self) -> bool:
         """The ranks run outside the engine's process (worker processes or Ray actors)."""
         if self.distributed_executor_backend is None:
-            return self.world_size > 1
+            return self.world_size > 1 or self.experts_across_replicas
         return self.distributed_executor_backend in ("mp", "ray")
 
 

@@ -65,6 +65,12 @@ class DPAsyncLLM:
         # the LoRA adapters served, by name, each with its load id (loom/lora.py;
         # SamplingParams.lora_id); the load/unload routes change it
         self.lora_names: dict[str, int] = {name: 0 for name, _ in config.model.lora_modules}
+        if config.parallel.experts_across_replicas and \
+                config.parallel.data_parallel_master_port is None:
+            # one process group over every replica's ranks: its store's port, for all
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                config.parallel, data_parallel_master_port=_free_port(
+                    config.parallel.data_parallel_address)))
         self.config = config
         size = config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
@@ -271,3 +277,11 @@ _DIVERGED = {
     "sleep": "those sleep and hold their requests, the others serve; wake up, or sleep again",
     "wake_up": "those are awake, the others still sleep",
 }
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -130,12 +130,24 @@ class EngineArgs:
     enable_expert_parallel: bool = arg(
         False, to=None, action="store_true",
         help="MoE models: split the experts, whole, over the tensor-parallel ranks (each "
-             "rank runs the tokens routed to its experts) instead of splitting every expert")
+             "rank runs the tokens routed to its experts) instead of splitting every expert; "
+             "with --data-parallel-size D, over all D x TP ranks of every replica (tokens "
+             "travel to their experts by all-to-all, the replicas step together)")
     expert_parallel_size: int | None = arg(
         None, to="parallel.expert_parallel_size", flags=("--expert-parallel-size", "-ep"),
         parse=arg_types.positive_int,
-        help="ranks the experts are split over: 1, or the tensor parallel size (as "
-             "--enable-expert-parallel)")
+        help="ranks the experts are split over: 1, the tensor parallel size, or tensor x "
+             "data parallel size (--enable-expert-parallel picks the largest)")
+    enable_eplb: bool = arg(
+        False, to=None, action="store_true",
+        help="expert-parallel load balancing (redundant copies of busy experts): not "
+             "supported yet, refused")
+    num_redundant_experts: int | None = arg(
+        None, to=None, parse=arg_types.non_negative_int,
+        help="EPLB's redundant experts: not supported yet, refused")
+    eplb_window_size: int | None = arg(
+        None, to=None, parse=arg_types.positive_int,
+        help="EPLB's window of steps: not supported yet, refused")
     distributed_executor_backend: str | None = arg(
         None, to="parallel.distributed_executor_backend", choices=["mp", "uni", "ray"],
         help="mp: worker processes; uni: in-process (one rank); ray: one Ray actor per rank "

@@ -122,24 +122,35 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
+        """One step. ``lockstep`` (experts across data-parallel replicas, which step
+        together: core/dp_lockstep.py): the ranks run exactly one forward, a dummy one
+        (``SchedulerOutput.dummy_forward``) when this replica has nothing to run."""
         outputs = self.poll_kv_transfers() if self.kv_events is not None else []
         if not self.scheduler.has_unfinished_requests():
+            if lockstep:
+                self.executor.execute_model(_dummy_step())
             return outputs
         if self.structured_output is None:
             scheduler_output = self.scheduler.schedule()
             if self._nothing_to_run(scheduler_output):
+                if lockstep:
+                    self.executor.execute_model(_dummy_step())
                 return outputs  # only K/V transfers in flight
+            scheduler_output.dummy_forward = lockstep and scheduler_output.is_empty
             runner_output = self.executor.execute_model(scheduler_output)
             return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
         failed = outputs + self._finish_failed_grammars()
         scheduler_output = self.scheduler.schedule()
         self._attach_grammar_bitmask(scheduler_output)
         if self._nothing_to_run(scheduler_output):
+            if lockstep:
+                self.executor.execute_model(_dummy_step())
             if self.scheduler.waiting:
                 # Only requests whose grammar is compiling are left: wait for one, briefly.
                 self.structured_output.wait_for_compiles(0.05)
             return failed
+        scheduler_output.dummy_forward = lockstep and scheduler_output.is_empty
         runner_output = self.executor.execute_model(scheduler_output)
         return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -412,3 +423,10 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+
+
+def _dummy_step() -> SchedulerOutput:
+    """A step with no tokens whose ranks still enter every MoE all-to-all."""
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                           finished_req_ids=[], dummy_forward=True)

@@ -83,6 +83,12 @@ class EngineCoreProc:
         self.should_shutdown = False
         self.controls: deque[ControlRequest] = deque()
         self.engine_core = _make_engine_core(config)
+        # Experts across data-parallel replicas: the replicas' cores step together.
+        self.lockstep = None
+        if config.parallel.experts_across_replicas:
+            from loom.core.dp_lockstep import DPLockstep
+
+            self.lockstep = DPLockstep(config, core_step_bound_s(config))
         self._send(EngineCoreReady(num_blocks=self.engine_core.num_blocks))
 
     def run(self) -> None:
@@ -93,19 +99,37 @@ class EngineCoreProc:
             if self.should_shutdown:
                 break
             self._run_controls()
+            if self.lockstep is not None and not self.lockstep.agree(
+                    self.engine_core.has_unfinished_requests(), self._check_while_waiting):
+                continue  # no replica has work: all wait
             self.num_steps += 1
             if self.num_steps == self.stall_at_step:
                 logger.warning("engine core: stalling before step %d "
                                "(LOOM_TEST_STALL_ENGINE_AT_STEP)", self.num_steps)
                 threading.Event().wait()
-            outputs = self.engine_core.step()
-            self._send(EngineCoreOutputs(outputs, self.engine_core.get_stats(), time.time()))
+            had_work = self.engine_core.has_unfinished_requests()
+            outputs = self.engine_core.step(lockstep=self.lockstep is not None)
+            if outputs or had_work or self.lockstep is None:  # (not after a dummy step)
+                self._send(EngineCoreOutputs(outputs, self.engine_core.get_stats(), time.time()))
             if not outputs and self.engine_core.scheduler.only_loading and not self.controls:
                 self._wait_for_transfers()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.lockstep is not None:
+            self.lockstep.close()
         self.context.destroy(linger=1000)
+
+    def _check_while_waiting(self) -> None:
+        """While the peers' step flags are awaited: the workers, the parent, and a
+        shutdown sent meanwhile (the peers may be gone for good)."""
+        if os.getppid() != self.parent_pid:
+            raise EngineDeadError("the API server process is gone")
+        self.engine_core.executor.check_health()
+        if self.input_socket.poll(0):
+            self._process_inputs()
+            if self.should_shutdown:
+                raise _ShutdownWhileWaiting()
 
     def _wait_for_input(self) -> None:
         """Block until a message arrives; meanwhile check the workers and the parent.
@@ -116,6 +140,10 @@ class EngineCoreProc:
         kv_events = self.engine_core.kv_events
         if kv_events is not None:
             poller.register(kv_events.socket, zmq.POLLIN)
+        if self.lockstep is not None:  # a peer that starts a round wakes this core
+            if self.lockstep.has_news:
+                return
+            poller.register(self.lockstep.inbox, zmq.POLLIN)
         while not poller.poll(_HEALTH_CHECK_INTERVAL_S * 1000):
             if os.getppid() != self.parent_pid:
                 logger.error("the API server process is gone; engine core exiting")
@@ -188,6 +216,10 @@ class EngineCoreProc:
         self.output_socket.send(self.encoder.encode(message), copy=False)
 
 
+class _ShutdownWhileWaiting(Exception):
+    """EngineCoreShutdown arrived while the peers' step flags were awaited."""
+
+
 def _make_engine_core(config: EngineConfig):
     from loom.core.engine_core import EngineCore
 
@@ -225,6 +257,8 @@ def run_engine_core(config_msgpack: bytes, input_address: str, output_address: s
     try:
         proc = EngineCoreProc(config, input_address, output_address, stall_at_step)
         proc.run()
+    except _ShutdownWhileWaiting:
+        pass
     except BaseException as error:  # noqa: BLE001 — reported to the API side, then exit 1
         message = f"engine core failed: {type(error).__name__}: {error}"
         logger.error("%s\n%s", message, traceback.format_exc())

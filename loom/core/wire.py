@@ -168,6 +168,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # The KV offload tier (core/kv_tier.py): blocks to save before they are reused, and
     # blocks to load, before the step.
     kv_tier_ops: KVTierOps | None = None
+    # Experts across data-parallel replicas (the replicas step in lock-step,
+    # core/dp_lockstep.py): this replica has no tokens this step but must enter every
+    # MoE layer's all-to-all with the others (ModelRunner.dummy_step).
+    dummy_forward: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -71,20 +71,35 @@ SINGLE = TPGroup()
 class EPGroup:
     """The expert-parallel group of MoE layers: ``size`` ranks, rank r owning experts
     ``[r * E / size, (r + 1) * E / size)`` whole (the seed's num_experts_start_offset and
-    num_experts_per_rank). Its ranks are the tensor-parallel ones (vLLM's
-    --enable-expert-parallel), so it communicates through ``tp_group``: each rank runs
-    the tokens routed to its experts, and the all-reduce that ends the layer combines
-    them."""
+    num_experts_per_rank).
+
+    Two layouts (layers/fused_moe.py):
+
+    - over the tensor-parallel ranks (``across`` None; vLLM's --enable-expert-parallel
+      with one replica): hidden states are replicated over ``tp_group``, each rank runs
+      the tokens routed to its experts, and the all-reduce that ends the layer combines
+      them;
+    - over every rank of every data-parallel replica (``across``: the group of all
+      of them, rank ``dp_rank * TP + tp_rank``; FastDeploy's and vLLM's DP + EP): each
+      replica holds its own tokens, so the layer sends each (token, expert) pair's row
+      to the rank owning the expert and the results back (``dispatch`` / ``combine``:
+      all-to-all over ``across``), and nothing is all-reduced."""
 
     tp_group: TPGroup = SINGLE
+    across: TPGroup | None = None
 
     @property
     def size(self) -> int:
-        return self.tp_group.world_size
+        return (self.across or self.tp_group).world_size
 
     @property
     def rank(self) -> int:
-        return self.tp_group.rank
+        return (self.across or self.tp_group).rank
+
+    @property
+    def all_to_all(self) -> bool:
+        """Tokens travel to their experts' ranks (the layout across replicas)."""
+        return self.across is not None
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """[start, end) of the experts this rank owns."""
@@ -94,18 +109,40 @@ class EPGroup:
         per_rank = num_experts // self.size
         return self.rank * per_rank, (self.rank + 1) * per_rank
 
+    def exchange(self, rows: torch.Tensor, send_counts: list[int],
+                 recv_counts: list[int]) -> torch.Tensor:
+        """All-to-all over ``across``: rows ``[sum(send_counts[:r]), ..)`` of ``rows``
+        (N, ...) go to rank r; returns what every rank sent here, in rank order
+        (``sum(recv_counts)`` rows)."""
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts,
+                               group=self.across.group)
+        return out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """(size,) int64 rows this rank sends each rank -> (size,) rows each sends here."""
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.across.group)
+        return recv
+
 
 NO_EP = EPGroup()
 
 
-def expert_parallel_group(tp_group: TPGroup, expert_parallel_size: int) -> EPGroup:
-    """The EP group over ``tp_group``'s ranks, or NO_EP (experts split like every other
-    matrix, over TP) for size 1."""
+def expert_parallel_group(tp_group: TPGroup, expert_parallel_size: int,
+                          across: TPGroup | None = None) -> EPGroup:
+    """The EP group over ``tp_group``'s ranks, or over ``across`` (every replica's ranks,
+    when the size spans replicas), or NO_EP (experts split like every other matrix,
+    over TP) for size 1."""
     if expert_parallel_size == 1:
         return NO_EP
+    if across is not None and expert_parallel_size == across.world_size \
+            and across.world_size > tp_group.world_size:
+        return EPGroup(tp_group, across)
     if expert_parallel_size != tp_group.world_size:
-        raise ValueError(f"expert parallel size {expert_parallel_size} must be 1 or the "
-                         f"tensor parallel size {tp_group.world_size}")
+        raise ValueError(f"expert parallel size {expert_parallel_size} must be 1, the "
+                         f"tensor parallel size {tp_group.world_size}, or that times the "
+                         "data parallel size")
     return EPGroup(tp_group)
 
 
@@ -143,6 +180,46 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return TPGroup(rank, world_size, dist.group.WORLD)
 
 
+# Every rank of every data-parallel replica, when MoE experts span the replicas
+# (init_across_replicas); None otherwise. The subgroups made besides the world, whose
+# collective timeouts set_collective_timeout sets too.
+_across: TPGroup | None = None
+_subgroups: list[dist.ProcessGroup] = []
+
+
+def init_across_replicas(tp_rank: int, tp_size: int, replica: int, num_replicas: int,
+                         master_addr: str, master_port: int, device: str,
+                         timeout_s: float = 600.0) -> TPGroup:
+    """Join the one process group of every rank of every replica (rank ``replica * tp_size
+    + tp_rank``; the store at master_addr:master_port, hosted by replica 0's rank 0) and
+    return this rank's TP group: a subgroup over its replica's ranks. Every rank makes
+    every replica's subgroup, in replica order (``dist.new_group`` is collective). The
+    whole group is ``across_replicas()``, the EP group's ``across``."""
+    global _store, _across
+    world_size = tp_size * num_replicas
+    rank = replica * tp_size + tp_rank
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                           timeout=timeout)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    _across = TPGroup(rank, world_size, dist.group.WORLD)
+    tp_group = SINGLE
+    for r in range(num_replicas):
+        group = dist.new_group(list(range(r * tp_size, (r + 1) * tp_size)), timeout=timeout)
+        if r == replica:
+            _subgroups.append(group)
+            if tp_size > 1:
+                tp_group = TPGroup(tp_rank, tp_size, group)
+    return tp_group
+
+
+def across_replicas() -> TPGroup | None:
+    """The group of every replica's ranks (init_across_replicas), or None."""
+    return _across
+
+
 def rank0_value(key: str, value: str) -> str:
     """Rank 0's ``value`` for ``key``, through the store the ranks met at (rank 0 writes
     it, the others wait for it); ``value`` itself with one rank."""
@@ -163,6 +240,8 @@ def set_collective_timeout(timeout_s: float) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    for group in _subgroups:
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
 def destroy_distributed(timeout_s: float = 3.0) -> None:
@@ -176,10 +255,11 @@ def destroy_distributed(timeout_s: float = 3.0) -> None:
     arrives) and teardown goes on. ``timeout_s=0`` skips the waits (after a failure,
     when peers may be stuck in a collective).
     """
-    global _store
+    global _store, _across
     if not dist.is_initialized():
         return
-    store, _store = _store, None
+    store, _store, _across = _store, None, None
+    _subgroups.clear()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if store is None or timeout_s <= 0:
         _quietly(dist.destroy_process_group)

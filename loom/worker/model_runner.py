@@ -23,13 +23,14 @@ import torch
 from loom.config import EngineConfig
 from loom.core.wire import (ModelRunnerOutput, MultiModalFeature, NewRequestData,
                             SampleLogprobs, SchedulerOutput)
-from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.distributed.parallel_state import SINGLE, TPGroup, across_replicas
 from loom.model.attention.kv_cache_groups import KVCacheGroups
 from loom.model.attention.kv_layout import is_quantized_kv, kv_cache_dtype
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.attention.moba import describe_moba, enable_moba
 from loom.model.layers import logits_processors
 from loom.model.kernel_replay import forget_recordings
+from loom.progress import progress
 from loom.model.layers.rotary import LengthScaledRotaryEmbedding
 from loom.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from loom.model.layers.scratch import reserve
@@ -130,7 +131,8 @@ class ModelRunner:
                                 quantization_group_size=self.config.model.quantization_group_size,
                                 lm_head_fp32=self.config.model.lm_head_fp32,
                                 expert_parallel_size=self.config.parallel.expert_parallel_size,
-                                max_model_len=self.config.model.max_model_len)
+                                max_model_len=self.config.model.max_model_len,
+                                replicas_group=across_replicas())
         # the original context of a rope whose frequencies depend on the sequence's
         # length (the shortest, if several): steps past it carry each token's length
         self.rope_scales_past = min((module.scales_past for module in self.model.modules()
@@ -151,6 +153,13 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.lora = self._load_loras()
         self._bind_expert_counts()
+        across = across_replicas()
+        if across is not None and across.rank == 0 and self.moe_layers:
+            ep = self.moe_layers[0].expert_parallel
+            progress(f"expert parallel over {ep.size} ranks of "
+                     f"{self.config.parallel.data_parallel_size} data-parallel replicas: rank r "
+                     f"holds experts [r*{self.moe_layers[0].spec.num_experts}/{ep.size}, "
+                     f"(r+1)*...), tokens travel to them by all-to-all")
         if self.draft_proposer is not None:
             self.draft_proposer.load_model()
 
@@ -174,6 +183,7 @@ class ModelRunner:
         from loom.model.layers.fused_moe import FusedMoE
 
         layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        self.moe_layers = layers  # in forward order: the decoder layers' order
         self.expert_step_tokens = None
         if layers:
             self.expert_step_tokens = torch.zeros(layers[0].spec.num_experts,
@@ -354,6 +364,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
+            if scheduler_output.dummy_forward:
+                self.dummy_step()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         req_ids = list(scheduler_output.num_scheduled_tokens)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -421,6 +433,16 @@ class ModelRunner:
                                  spec_token_ids=spec_token_ids, sampled_token_probs=probs,
                                  prompt_logprobs=prompt_logprobs, expert_tokens=expert_tokens,
                                  pooled=pooled)
+
+    def dummy_step(self) -> None:
+        """A step of a replica with no tokens while its experts serve other replicas'
+        (experts across data-parallel replicas): every MoE layer, in forward order, takes
+        part in its all-to-alls with no rows of its own, as vLLM's DP + EP dummy batch
+        does; it runs no attention and touches no KV block. Only the families whose
+        forward runs every MoE layer once, in order, whatever its tokens, are allowed
+        here (checkpoint_defaults.EXPERTS_ACROSS_REPLICAS)."""
+        for layer in self.moe_layers:
+            layer.exchange_nothing(layer.gate.in_features, self.dtype, self.device)
 
     def _logits(self, hidden_states: torch.Tensor,
                 rows: torch.Tensor | slice | None = None) -> torch.Tensor:

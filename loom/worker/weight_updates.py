@@ -418,9 +418,10 @@ def meta_twin(model: nn.Module, hf_config: Any, tp_group, expert_parallel_size: 
 
     kwargs: dict[str, Any] = {"attention_backend": "torch"}
     if "expert_parallel" in inspect.signature(type(model)).parameters:
-        from loom.distributed.parallel_state import expert_parallel_group
+        from loom.distributed.parallel_state import across_replicas, expert_parallel_group
 
-        kwargs["expert_parallel"] = expert_parallel_group(tp_group, expert_parallel_size)
+        kwargs["expert_parallel"] = expert_parallel_group(tp_group, expert_parallel_size,
+                                                          across_replicas())
     with torch.device("meta"):
         return type(model)(hf_config, tp_group, **kwargs)
 

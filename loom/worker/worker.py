@@ -17,7 +17,7 @@ import torch
 
 from loom.config import EngineConfig
 from loom.core.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from loom.distributed.parallel_state import SINGLE, TPGroup
+from loom.distributed.parallel_state import SINGLE, TPGroup, across_replicas
 from loom.core.kv_sizing import blocks_per_sequence, lean_cpu_kv_cache_bytes
 from loom.progress import progress
 from loom.sampling_params import SamplingParams
@@ -226,7 +226,8 @@ class Worker:
             self.model_runner.execute_model(step)
             finished = list(step.num_scheduled_tokens)
             within_budget = time.monotonic() - started < WARM_UP_BUDGET_S
-            if not self.tp_group.all_reduce_min(int(within_budget)):
+            # every rank whose MoE layers exchange tokens with this one stops with it
+            if not (across_replicas() or self.tp_group).all_reduce_min(int(within_budget)):
                 break
         self.model_runner.execute_model(dummy_step(None, block_ids, finished, num_groups))
         assert not self.model_runner.requests, "warm-up left requests in the model runner"

@@ -190,6 +190,14 @@ def init_distributed(spec: WorkerSpec):
     from loom.distributed.parallel_state import init_distributed as join_group
 
     parallel = spec.config.parallel
+    if parallel.experts_across_replicas:  # one group over every replica's ranks
+        from loom.distributed.parallel_state import init_across_replicas
+
+        return init_across_replicas(spec.rank, parallel.tensor_parallel_size,
+                                    parallel.data_parallel_rank, parallel.data_parallel_size,
+                                    parallel.data_parallel_address,
+                                    parallel.data_parallel_master_port, spec.config.device,
+                                    timeout_s=parallel.worker_start_timeout_s)
     return join_group(spec.rank, parallel.world_size, spec.master_addr, spec.master_port,
                       spec.config.device, timeout_s=parallel.worker_start_timeout_s)
 

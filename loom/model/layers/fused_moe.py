@@ -27,6 +27,12 @@ Parallelism, as vLLM's FusedMoE:
   (they leave attention all-reduced), so each rank takes the tokens routed to its own
   experts, runs them, and the all-reduce over the group combines every token's
   experts' results: the dispatch is local selection, the combine one collective.
+- expert parallel across data-parallel replicas (``EPGroup.all_to_all``; ``loom serve
+  --data-parallel-size D --enable-expert-parallel``): rank r of the D x TP ranks holds
+  experts ``[r * E / EP, (r + 1) * E / EP)``; each replica's tokens are its own, so
+  each (token, expert) pair's row travels to its expert's rank and its result back by
+  all-to-all (``_forward_all_to_all``). A replica with nothing to run takes part with
+  no rows (``exchange_nothing``), so every rank enters every all-to-all.
 
 Quantized experts (``--quantization wint8|wint4``): each local expert is then a pair of
 linear layers (``QuantizedExpert``: ``w13`` (2I, H), ``w2`` (H, I), both ``LinearBase``,
@@ -556,6 +562,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, H) -> (T, H), summed over the ranks."""
+        if self.expert_parallel.all_to_all:
+            out = self._forward_all_to_all(x)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return out
         ops = native_ops_for(x.device, x.dtype) if x.dtype == torch.bfloat16 else None
         native = (self.native_experts(ops) if ops is not None and x.dim() == 2
                   and x.is_contiguous() else None)
@@ -568,6 +579,79 @@ class FusedMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _forward_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts with experts spread over every data-parallel replica's ranks
+        (``EPGroup.all_to_all``): this rank's tokens ``x`` (T, H) are its replica's own.
+
+            route          (T, K) expert ids and weights, here
+            dispatch       each (token, k) pair's row to the rank owning expert ids[t, k]:
+                           all_to_all of the counts per rank, then of the rows and ids
+            run            the experts held here on the rows received (grouped by expert)
+            combine        the results back by the reverse all_to_all, each weighed by
+                           its routing weight and summed into its token, here
+
+        Under tensor parallel every rank of a replica dispatches the replica's tokens (the
+        owner runs them once per TP rank; each TP rank gets whole results back, so nothing
+        is all-reduced). A replica with no tokens calls ``exchange_nothing`` instead: the
+        same collectives, empty."""
+        ep = self.expert_parallel
+        topk_weights, topk_ids = self.route(x)
+        counts = torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts)
+        self.tokens_per_expert += counts
+        if self.step_tokens is not None:
+            self.step_tokens += counts
+        self.count_forward()
+        top_k = topk_ids.shape[1]
+        per_rank = self.spec.num_experts // ep.size
+        flat_ids = topk_ids.flatten()  # (T*K,)
+        # pairs grouped by the rank owning their expert: ids [[3, 0], [1, 2]] with 2
+        # experts a rank -> owners [1, 0, 0, 1] -> order (0,1) (1,0) (0,0) (1,1)
+        order = torch.argsort(flat_ids // per_rank, stable=True)
+        send_counts = torch.bincount(flat_ids // per_rank, minlength=ep.size)
+        results = self._run_received(x.index_select(0, order // top_k), flat_ids[order],
+                                     send_counts)
+        weights = topk_weights.flatten()[order].to(results.dtype)
+        out = torch.zeros_like(x)
+        return out.index_add_(0, order // top_k, results.mul_(weights[:, None]))
+
+    def exchange_nothing(self, hidden_size: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        """A dummy step's part in this layer's all-to-alls (a replica with no tokens this
+        step): sends no rows, runs what the other replicas send to its experts, and
+        returns their results."""
+        ep = self.expert_parallel
+        self._run_received(torch.empty((0, hidden_size), dtype=dtype, device=device),
+                           torch.empty(0, dtype=torch.int64, device=device),
+                           torch.zeros(ep.size, dtype=torch.int64, device=device))
+
+    def _run_received(self, rows: torch.Tensor, expert_ids: torch.Tensor,
+                      send_counts: torch.Tensor) -> torch.Tensor:
+        """Dispatch ``rows`` (N, H) with their ``expert_ids`` (N,), grouped by owner rank,
+        ``send_counts`` (ranks,) per owner; run the received rows on the experts here;
+        return each row's expert result (N, H), in ``rows``' order."""
+        ep = self.expert_parallel
+        recv_counts = ep.exchange_counts(send_counts)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        received = ep.exchange(rows, send, recv)  # (M, H)
+        received_ids = ep.exchange(expert_ids, send, recv)  # (M,)
+        ones = torch.ones((received.shape[0], 1), dtype=torch.float32, device=rows.device)
+        if self.experts is not None:
+            results = fused_experts(received, None, None, ones, received_ids[:, None],
+                                    self.expert_start, experts=self.experts)
+        elif self.triton_experts:
+            from loom.model.layers.triton_moe import fused_moe
+
+            results = fused_moe(received, self.w13_weight, self.w2_weight, ones,
+                                received_ids[:, None], self.expert_start)
+        else:
+            if self._panels and self.expert_forms is None:
+                raise RuntimeError("the experts are being reloaded: "
+                                   "process_weights_after_loading has not run yet")
+            results = fused_experts(received, self.w13_weight, self.w2_weight, ones,
+                                    received_ids[:, None], self.expert_start,
+                                    self.expert_forms)
+        return ep.exchange(results, recv, send)
 
     def _forward_modules(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts in PyTorch (this rank's part, before the all-reduce)."""

@@ -56,14 +56,16 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                device: torch.device | str = "cpu", tp_group: TPGroup = SINGLE,
                attention_backend: str = "auto", quantization: str = "auto",
                quantization_group_size: int = 128, lm_head_fp32: bool = False,
-               expert_parallel_size: int = 1, max_model_len: int | None = None) -> nn.Module:
+               expert_parallel_size: int = 1, max_model_len: int | None = None,
+               replicas_group: TPGroup | None = None) -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
     parameter from ``model_path``, quantize the decoder's linear weights if
     ``quantization`` says so (layers/quantization.py; ``quantization_group_size`` for
     wint4; ``lm_head_fp32``: float32 logits from a float32 copy of the LM head), return
     it in eval mode. Rank 0 logs the resident weight bytes by dtype. ``expert_parallel_size`` 1 or the TP size:
-    MoE layers split their experts whole over the TP ranks (layers/fused_moe.py).
+    MoE layers split their experts whole over the TP ranks (layers/fused_moe.py); or, with
+    ``replicas_group`` (every data-parallel replica's ranks) of that size, over all of them.
     ``max_model_len``: the ropes' cos/sin caches cover it where it exceeds the config's
     max_position_embeddings (rope scaling)."""
     model_cls = get_model_class(get_model_architecture(hf_config))
@@ -75,7 +77,8 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                           weight_quantization=linear_weight_quantization(quantization,
                                                                          quantization_group_size),
                           expert_parallel=expert_parallel_group(tp_group,
-                                                                expert_parallel_size))
+                                                                expert_parallel_size,
+                                                                replicas_group))
     if max_model_len is not None:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
@@ -151,8 +154,9 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
             logger.info("%d fused linear layers hold their projections in their own "
                         "formats (%s)", layers, ", ".join(mixed))
     model.eval()
-    # on the CPU, one rank: its forward recorded and replayed natively
-    install_kernel_replay(model, tp_group.world_size)
+    # on the CPU, one rank: its forward recorded and replayed natively (not when its MoE
+    # layers exchange tokens with other replicas: collectives a recording would not see)
+    install_kernel_replay(model, max(tp_group.world_size, expert_parallel_size))
     return model
 
 

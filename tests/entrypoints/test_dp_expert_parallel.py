@@ -1,0 +1,177 @@
+"""``loom serve --data-parallel-size 2 --enable-expert-parallel``: each MoE layer's
+experts split over both replicas' ranks (TP=1 each, so rank r of 2 holds half the
+experts), tokens sent to their experts' rank and back by all-to-all, the replicas in
+lock-step (an idle replica runs dummy steps).
+
+Per family, the server's engine (``DPAsyncLLM``, in this process, two engine-core
+processes and their workers) answers with transformers' greedy tokens (float32) and one
+rank's: requests one at a time (the router takes turns, so one replica works while the
+other takes part in every all-to-all with nothing of its own: without lock-step the
+working one would wait in its first all-to-all until the step bound) and all at once
+(both replicas work), with a step budget of 32 tokens (chunked prefill) and 10 KV blocks
+(preemption), prefix caching on. A real ``loom serve`` with the same layout answers one
+replica at a time, then loses a worker mid-stream: every replica's requests fail and
+the server exits non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+
+import httpx
+import psutil
+import pytest
+import torch
+from checkpoints import MOE_FAMILIES, make_tiny_checkpoint
+from loom_server import LoomServer, _spawned_children
+from tokenizer_fixtures import make_tiny_tokenizer
+
+from loom import LLM, SamplingParams
+from loom.engine_args import EngineArgs
+
+MAX_TOKENS = 8
+ENGINE = dict(data_parallel_size=2, enable_expert_parallel=True, dtype="float32",
+              max_model_len=160, max_num_batched_tokens=32, num_gpu_blocks_override=10,
+              max_num_seqs=8)
+SERVER_ARGS = ("--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float32",
+               "--max-model-len", "256", "--num-gpu-blocks-override", "64")
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(11)
+    shared = [rng.randrange(3, vocab_size) for _ in range(40)]
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (1, 5, 17, 70, 120, 100, 110, 130)]
+    return prompts + [shared + [7], shared + [9, 10]]  # a prefix-cache hit
+
+
+def _transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(MAX_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            expected.append(ids[len(prompt):])
+    return expected
+
+
+async def _dp_greedy(path: str, prompts: list[list[int]]) -> tuple[list, list, list, str]:
+    """Tokens one request at a time, then all at once; the replica of each request of
+    the first pass; the metrics."""
+    from loom.dp_async_llm import DPAsyncLLM
+
+    config = EngineArgs(model=path, **ENGINE).create_engine_config()
+    assert config.parallel.expert_parallel_size == 2
+    llm = DPAsyncLLM(config, log_requests=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    await llm.start()
+    try:
+        async def run(request_id: str, prompt: list[int], replicas: list[int]) -> list[int]:
+            stream = llm.add_request(request_id, None, prompt, params, stream=False)
+            replicas.append(llm.replica_of(request_id))
+            async for output in stream:
+                last = output
+            return list(last.outputs[0].token_ids)
+
+        replicas: list[int] = []
+        one_at_a_time = [await run(f"one-{i}", p, replicas) for i, p in enumerate(prompts)]
+        all_at_once = await asyncio.gather(*(run(f"all-{i}", p, [])
+                                             for i, p in enumerate(prompts)))
+        return one_at_a_time, all_at_once, replicas, llm.metrics.render().decode()
+    finally:
+        await llm.shutdown()
+
+
+def _metric_total(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_dp2_ep2_matches_transformers_and_one_rank(tmp_path, family):
+    path = make_tiny_checkpoint(family, tmp_path / family)
+    make_tiny_tokenizer(path)
+    with open(os.path.join(path, "config.json")) as file:
+        prompts = _prompts(json.load(file)["vocab_size"])
+    expected = _transformers_greedy(path, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(path, dtype="float32", max_model_len=256) as llm:  # one rank, every expert
+        one_rank = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert one_rank == expected
+
+    one_at_a_time, all_at_once, replicas, metrics = asyncio.run(_dp_greedy(path, prompts))
+    assert one_at_a_time == expected
+    assert all_at_once == expected
+    assert set(replicas) == {0, 1}, replicas  # each replica alone, the other in dummy steps
+    assert _metric_total(metrics, "vllm:request_success_total") == 2 * len(prompts)
+    assert _metric_total(metrics, "vllm:num_preemptions_total") > 0, \
+        "10 blocks were meant to force preemption"
+    assert _metric_total(metrics, "vllm:prefix_cache_hits_total") > 0
+
+
+def test_server_serves_one_replica_at_a_time_and_a_killed_worker_fails_it(tmp_path):
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe")
+    make_tiny_tokenizer(path)
+    server = LoomServer(path, *SERVER_ARGS)
+    try:
+        assert "expert parallel over 2 ranks of 2 data-parallel replicas" in server.output()
+        # the router takes turns: each request runs on one replica, the other idle
+        texts = [_complete_text(server, f"request {i}") for i in range(2)]
+        assert texts == [_complete_text(server, f"request {i}") for i in range(2)]
+        served = _by_replica(server, "vllm:request_success_total")
+        assert served == {"0": 2.0, "1": 2.0}, served
+        _a_killed_worker_fails_every_replica(server)
+    finally:
+        server.kill()
+
+
+def _complete_text(server: LoomServer, prompt: str) -> str:
+    response = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _by_replica(server: LoomServer, name: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            replica = re.search(r'replica="(\d+)"', line).group(1)
+            values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def _a_killed_worker_fails_every_replica(server: LoomServer) -> None:
+    """Replica 1's worker is SIGKILLed while both replicas decode long streams: every
+    stream ends with an error (the dead replica's own, the other's aborted or failed in
+    its all-to-all), /health turns 503 and the server exits non-zero."""
+    cores = _spawned_children(psutil.Process(server.proc.pid))
+    assert len(cores) == 2, cores
+    workers = [_spawned_children(core) for core in cores]
+    assert all(len(w) == 1 for w in workers), workers
+    long_stream = {"max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0.0}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        streams = [http.stream("POST", "/v1/completions",
+                               json={**long_stream, "prompt": [5 + i, 6, 7]})
+                   for i in range(4)]
+        lines = [s.__enter__().iter_lines() for s in streams]
+        for line_iter in lines:
+            assert next(line for line in line_iter if line).startswith("data: {")
+        os.kill(workers[1][0].pid, signal.SIGKILL)
+        endings = []
+        for line_iter, stream in zip(lines, streams):
+            events = [line for line in line_iter if line]
+            assert events[-1] == "data: [DONE]"
+            endings.append(json.loads(events[-2].removeprefix("data: ")))
+            stream.__exit__(None, None, None)
+    assert all("error" in ending for ending in endings), endings
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+    assert server.proc.wait(60) != 0
