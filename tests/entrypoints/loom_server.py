@@ -38,7 +38,8 @@ class LoomServer:
     """``loom serve MODEL --port 0 ...``; waits for its "ready on" line."""
 
     def __init__(self, model: str | None, *args: str, api_key: str | None = None,
-                 startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
+                 startup_timeout: float = 180.0, env: dict[str, str] | None = None,
+                 cwd: str = REPO_ROOT) -> None:
         command = [sys.executable, "-m", "loom.cli", "serve"]
         if model is not None:
             command.append(model)
@@ -48,7 +49,7 @@ class LoomServer:
         self.api_key = api_key
         self._stderr = tempfile.NamedTemporaryFile("w+", prefix="loom-serve-", suffix=".log")
         self.stdout_lines: list[str] = []
-        self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=self._stderr, text=True, bufsize=1,
                                      env={**os.environ, **(env or {})},
                                      start_new_session=True)

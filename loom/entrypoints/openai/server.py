@@ -486,17 +486,8 @@ class _LoadingSwitch:
 
 def serve(args: argparse.Namespace) -> int:
     """``loom serve``; returns the exit code."""
-    from loom.default_model import default_model_path
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ssl_config(args)  # a bad combination of TLS flags fails before the model loads
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args = dataclasses.replace(
-        engine_args, model=args.model or default_model_path(),
-        # The server runs its workers in their own processes unless told otherwise.
-        distributed_executor_backend=engine_args.distributed_executor_backend or "mp",
-        **data_parallel_kwargs(args))
-    config = engine_args.create_engine_config()
+    config = serve_config(args)
     if args.headless:
         from loom.entrypoints.headless import run_headless
 
@@ -506,6 +497,21 @@ def serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args, config, listener))
     finally:
         listener.close()
+
+
+def serve_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config ``loom serve`` runs with; every check that needs no weights and
+    no process is done on the way (TLS files, data-parallel flags, the checkpoint)."""
+    from loom.default_model import default_model_path
+
+    ssl_config(args)  # a bad combination of TLS flags fails before the model loads
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = dataclasses.replace(
+        engine_args, model=args.model or default_model_path(),
+        # The server runs its workers in their own processes unless told otherwise.
+        distributed_executor_backend=engine_args.distributed_executor_backend or "mp",
+        **data_parallel_kwargs(args))
+    return engine_args.create_engine_config()
 
 
 def data_parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
