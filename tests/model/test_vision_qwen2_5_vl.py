@@ -133,6 +133,39 @@ def test_bfloat16_runs_close(hf_model, visual_weights, images):
     torch.testing.assert_close(rows.float(), expected, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("quantization", ["wint8", "wint4:32"])
+def test_quantized_blocks_equal_their_dequantized_weights(hf_model, visual_weights, images,
+                                                          quantization):
+    """--quantization quantizes the tower's blocks as the decoder's: each linear whose
+    input features its blocks divide holds the quantized form (the others, here the
+    48-wide MLP output, stay float32), and the tower's rows equal the same tower holding
+    those weights dequantized."""
+    from loom.model.layers.linear import LinearBase
+
+    quantized = load_tower(Qwen2_5_VLVisionTower, hf_model.config, visual_weights,
+                           quantization=quantization)
+    plain = build_tower(hf_model.config, visual_weights)
+    held = {}
+    for name, module in quantized.named_modules():
+        if isinstance(module, LinearBase):
+            held[name] = module.quantization
+            if module.quantization != "none":
+                dict(plain.named_modules())[name].weight.data.copy_(
+                    module.form.dequantize(torch.float32))
+    assert held["blocks.0.attn.qkv"] == held["blocks.0.mlp.gate_up_proj"] == \
+        quantization.split(":")[0]
+    assert held["blocks.0.mlp.down_proj"] == "none"  # 48 input features
+    assert held["patch_embed.proj"] == held["merger.mlp.0"] == "none"
+    inputs = images["pair"]
+    with torch.no_grad():
+        rows = quantized(inputs["pixel_values"], inputs["image_grid_thw"])
+        expected = plain(inputs["pixel_values"], inputs["image_grid_thw"])
+        unquantized = build_tower(hf_model.config, visual_weights)(
+            inputs["pixel_values"], inputs["image_grid_thw"])
+    torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(rows, unquantized, atol=1e-3)  # the weights did change
+
+
 def test_refuses_pixels_that_do_not_fit_the_grid(hf_model, visual_weights, images):
     tower = build_tower(hf_model.config, visual_weights)
     inputs = images["pair"]

@@ -573,19 +573,31 @@ def _build_paddleocr_vl() -> str:
 
 
 def load_tower(tower_class, config, weights, dtype: torch.dtype = torch.float32,
-               tp_group=None):
+               tp_group=None, quantization: str | None = None):
     """A family's vision tower as the model loader makes it: built in ``dtype`` (on
-    ``tp_group``'s rank, or alone), every parameter loaded from ``weights``, then each
-    module's after-loading hook. ``weights``: a dict or (name, tensor) pairs."""
+    ``tp_group``'s rank, or alone; its blocks' linears holding ``quantization``'s form
+    where given), every parameter loaded from ``weights``, then each module's
+    after-loading hook. ``weights``: a dict or (name, tensor) pairs."""
+    from loom.distributed.parallel_state import SINGLE
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        tower = tower_class(config) if tp_group is None else tower_class(config, tp_group)
+        if quantization is not None:
+            tower = tower_class(config, tp_group or SINGLE, quantization)
+        elif tp_group is None:
+            tower = tower_class(config)
+        else:
+            tower = tower_class(config, tp_group)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
         loaded = tower.load_weights(weights.items() if isinstance(weights, dict) else weights)
-    assert loaded == set(dict(tower.named_parameters()))
+    from loom.model.layers.linear import LinearBase
+
+    derived = LinearBase.derived_parameters  # a quantized weight's, made, not loaded
+    assert loaded == {name for name in dict(tower.named_parameters())
+                      if name.rsplit(".", 1)[-1] not in derived}
     for module in tower.modules():
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None:

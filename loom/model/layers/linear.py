@@ -19,8 +19,9 @@ from torch import nn
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.layers.lora import LoRASlots
-from loom.model.layers.quantization import (QuantizedTensor, fitting_group_size,
-                                            parse_weight_quantization, quantize)
+from loom.model.layers.quantization import (KERNEL_BLOCK, QuantizedTensor,
+                                            fitting_group_size, parse_weight_quantization,
+                                            quantize)
 from loom.model.layers.weight_forms import (PlainWeight, QuantizedReference, RowBlocks,
                                             WeightForm, log_once, select_form)
 
@@ -39,6 +40,20 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"shard of shape {tuple(src.shape)} does not fit parameter slice "
                          f"{tuple(dst.shape)}; the config does not match the weights")
     dst.copy_(src)
+
+
+def quantization_for_inputs(value: str, input_size: int) -> str:
+    """``value`` (``--quantization``'s, as layers take it) for a layer of ``input_size``
+    input features where its blocks divide them (wint4's groups, the kernels'
+    32-feature blocks), else ``none``: a vision tower's odd sizes (Qwen2.5-VL's
+    3,420-wide MLP) stay in the model's dtype rather than refuse to start."""
+    method, group = parse_weight_quantization(value)
+    block = group if method == "wint4" else KERNEL_BLOCK
+    if method == "none" or input_size % block == 0:
+        return value
+    log_once("%s layers of %d input features are not a whole number of %d-feature blocks: "
+             "such layers stay in the model's dtype", method, input_size, block)
+    return "none"
 
 
 class _Staging:

@@ -272,7 +272,7 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
 
         super().__init__(config, tp_group, attention_backend, weight_quantization,
                          expert_parallel)
-        self.vision_tower = Ernie4_5_VLVisionTower(config, tp_group)
+        self.vision_tower = Ernie4_5_VLVisionTower(config, tp_group, weight_quantization)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.temporal_merge_size = config.vision_config.temporal_merge_size
         # prompt tokens the vision experts take beside an image's rows (the runner finds

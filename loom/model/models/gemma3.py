@@ -149,7 +149,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
         super().__init__(config, tp_group, attention_backend, weight_quantization,
                          expert_parallel)
-        self.vision = Gemma3VisionTower(config, tp_group)
+        self.vision = Gemma3VisionTower(config, tp_group, weight_quantization)
 
     # ---- what the model runner asks of a multimodal model --------------------------
 

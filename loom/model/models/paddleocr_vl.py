@@ -73,7 +73,7 @@ class PaddleOCRVLForConditionalGeneration(LlamaForCausalLM):
 
         super().__init__(_with_mrope(config), tp_group, attention_backend,
                          weight_quantization, expert_parallel)
-        self.visual = PaddleOCRVisionTower(config, tp_group)
+        self.visual = PaddleOCRVisionTower(config, tp_group, weight_quantization)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 
     # ---- what the model runner asks of a multimodal model --------------------------

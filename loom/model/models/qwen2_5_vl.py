@@ -110,7 +110,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
         super().__init__(_with_mrope(config), tp_group, attention_backend,
                          weight_quantization, expert_parallel)
-        self.visual = Qwen2_5_VLVisionTower(config, tp_group)
+        self.visual = Qwen2_5_VLVisionTower(config, tp_group, weight_quantization)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", 2)
 

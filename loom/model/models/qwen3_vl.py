@@ -101,7 +101,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
 
         super().__init__(_with_interleaved_mrope(config), tp_group, attention_backend,
                          weight_quantization, expert_parallel)
-        self.visual = Qwen3VLVisionTower(config, tp_group)
+        self.visual = Qwen3VLVisionTower(config, tp_group, weight_quantization)
         if self.visual.out_hidden_size != config.hidden_size:
             raise ValueError(f"the vision tower's out_hidden_size "
                              f"{self.visual.out_hidden_size} is not the language model's "

@@ -51,7 +51,7 @@ class SmolVLMForConditionalGeneration(LlamaForCausalLM):
 
         super().__init__(config, tp_group, attention_backend, weight_quantization,
                          expert_parallel)
-        self.vision = SmolVLMVisionTower(config, tp_group)
+        self.vision = SmolVLMVisionTower(config, tp_group, weight_quantization)
         self.image_token_id = config.image_token_id
 
     # ---- what the model runner asks of a multimodal model --------------------------

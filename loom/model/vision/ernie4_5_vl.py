@@ -35,6 +35,7 @@ from loom.model.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
+    quantization_for_inputs,
 )
 from loom.model.vision import rope_attention_within
 
@@ -88,12 +89,17 @@ class VisionRotaryEmbedding(nn.Module):
 class VisionAttention(nn.Module):
     """Bidirectional attention within each frame over this rank's heads."""
 
-    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         head_dim = hidden_size // num_heads
         self.qkv = QKVParallelLinear(hidden_size, head_dim, num_heads, num_heads, bias=True,
-                                     tp_group=tp_group)
-        self.proj = RowParallelLinear(hidden_size, hidden_size, bias=True, tp_group=tp_group)
+                                     tp_group=tp_group,
+                                     quantization=quantization_for_inputs(quantization,
+                                                                          hidden_size))
+        self.proj = RowParallelLinear(hidden_size, hidden_size, bias=True, tp_group=tp_group,
+                                      quantization=quantization_for_inputs(
+                                          quantization, hidden_size // tp_group.world_size))
         self.num_heads, self.head_dim = self.qkv.num_heads, head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -107,30 +113,35 @@ class VisionAttention(nn.Module):
 
 class VisionMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str,
-                 tp_group: TPGroup) -> None:
+                 tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         if act not in _ACTIVATIONS:
             raise ValueError(f"vision hidden_act {act!r} is not supported; expected one of "
                              f"{sorted(_ACTIVATIONS)}")
-        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=True,
-                                        tp_group=tp_group)
+        self.fc1 = ColumnParallelLinear(
+            hidden_size, intermediate_size, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization, hidden_size))
         self.act = _ACTIVATIONS[act]
-        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=True,
-                                     tp_group=tp_group)
+        self.fc2 = RowParallelLinear(
+            intermediate_size, hidden_size, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization,
+                                                 intermediate_size // tp_group.world_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, vision_config: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision_config: Any, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         hidden_size, eps = vision_config.hidden_size, vision_config.rms_norm_eps
         self.norm1 = nn.LayerNorm(hidden_size, eps=eps)
-        self.attn = VisionAttention(hidden_size, vision_config.num_heads, tp_group)
+        self.attn = VisionAttention(hidden_size, vision_config.num_heads, tp_group,
+                                    quantization)
         self.norm2 = nn.LayerNorm(hidden_size, eps=eps)
         self.mlp = VisionMLP(hidden_size, vision_config.intermediate_size,
-                             vision_config.hidden_act, tp_group)
+                             vision_config.hidden_act, tp_group, quantization)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 frame_lengths: list[int]) -> torch.Tensor:
@@ -141,7 +152,8 @@ class VisionBlock(nn.Module):
 class VisionTransformer(nn.Module):
     """Patches (num_patches, C*p*p) -> (num_patches, vision hidden size)."""
 
-    def __init__(self, vision_config: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision_config: Any, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         patch_size = vision_config.patch_size
         patch_h, patch_w = (patch_size, patch_size) if isinstance(patch_size, int) else patch_size
@@ -153,7 +165,7 @@ class VisionTransformer(nn.Module):
         rope = getattr(vision_config, "rope_parameters", None) or {}
         self.rotary_pos_emb = VisionRotaryEmbedding(hidden_size // vision_config.num_heads,
                                                     rope.get("rope_theta", 10000.0))
-        self.blocks = nn.ModuleList(VisionBlock(vision_config, tp_group)
+        self.blocks = nn.ModuleList(VisionBlock(vision_config, tp_group, quantization)
                                     for _ in range(vision_config.depth))
         self.ln = nn.LayerNorm(hidden_size, eps=vision_config.rms_norm_eps)
 
@@ -227,11 +239,15 @@ class Ernie4_5_VLVisionTower(nn.Module):
     hidden_act, in_channels, patch_size, spatial_merge_size, temporal_merge_size,
     rms_norm_eps, rope_parameters.rope_theta) and ``config.text_config`` (hidden_size,
     rms_norm_eps: the resampler's output and its RMSNorm). Heads, the MLPs'
-    intermediate features and the resampler's MLPs are split over ``tp_group``."""
+    intermediate features and the resampler's MLPs are split over ``tp_group``.
+    ``quantization``: what the blocks' linear layers hold (``--quantization``'s wint8 or
+    wint4, as the decoder's); the patch embedding and resampler stay in the model's
+    dtype."""
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 quantization: str = "none") -> None:
         super().__init__()
-        self.vision_model = VisionTransformer(config.vision_config, tp_group)
+        self.vision_model = VisionTransformer(config.vision_config, tp_group, quantization)
         self.resampler_model = Resampler(config, tp_group)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:

@@ -44,6 +44,7 @@ from loom.model.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    quantization_for_inputs,
     default_weight_loader,
 )
 
@@ -52,17 +53,22 @@ _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
 
 
 class SiglipAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"vision hidden_size {hidden_size} is not divisible by its "
                              f"{num_heads} attention heads")
         self.head_dim = hidden_size // num_heads
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, num_heads, num_heads,
-                                          bias=True, tp_group=tp_group)
+                                          bias=True, tp_group=tp_group,
+                                          quantization=quantization_for_inputs(quantization,
+                                                                               hidden_size))
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias=True,
-                                          tp_group=tp_group)
+                                          tp_group=tp_group,
+                                          quantization=quantization_for_inputs(
+                                              quantization, hidden_size // tp_group.world_size))
 
     def forward(self, hidden_states: torch.Tensor,
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,25 +87,30 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=True,
-                                        tp_group=tp_group)
-        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=True,
-                                     tp_group=tp_group)
+        self.fc1 = ColumnParallelLinear(
+            hidden_size, intermediate_size, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization, hidden_size))
+        self.fc2 = RowParallelLinear(
+            intermediate_size, hidden_size, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization,
+                                                 intermediate_size // tp_group.world_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class SiglipEncoderLayer(nn.Module):
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision: Any, tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
         self.self_attn = SiglipAttention(vision.hidden_size, vision.num_attention_heads,
-                                         tp_group)
+                                         tp_group, quantization)
         self.layer_norm2 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
-        self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group)
+        self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group,
+                             quantization)
 
     def forward(self, hidden_states: torch.Tensor,
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,9 +120,11 @@ class SiglipEncoderLayer(nn.Module):
 
 
 class SiglipVisionModel(nn.Module):
-    """SigLIP's encoder: patches in, the post-LayerNorm'd last hidden state out."""
+    """SigLIP's encoder: patches in, the post-LayerNorm'd last hidden state out.
+    ``quantization``: what its layers' linears hold (``--quantization``'s wint8 or wint4);
+    the patch embedding stays in the model's dtype."""
 
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision: Any, tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         if vision.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"vision hidden_act {vision.hidden_act!r} is not supported; "
@@ -124,7 +137,7 @@ class SiglipVisionModel(nn.Module):
         self.embeddings.position_embedding = nn.Embedding(self.grid_size ** 2,
                                                           vision.hidden_size)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(SiglipEncoderLayer(vision, tp_group)
+        self.encoder.layers = nn.ModuleList(SiglipEncoderLayer(vision, tp_group, quantization)
                                             for _ in range(vision.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
 
@@ -198,10 +211,11 @@ class Gemma3VisionTower(nn.Module):
     """Pixels to the rows that replace Gemma 3's image soft tokens: per image,
     ``mm_tokens_per_image`` rows of the text hidden size."""
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.mm_tokens_per_image = config.mm_tokens_per_image
-        self.vision_tower = SiglipVisionModel(config.vision_config, tp_group)
+        self.vision_tower = SiglipVisionModel(config.vision_config, tp_group, quantization)
         self.multi_modal_projector = Gemma3MultiModalProjector(config)
 
     def forward(self, pixel_values: torch.Tensor,

@@ -46,6 +46,7 @@ from loom.model.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    quantization_for_inputs,
     default_weight_loader,
 )
 from loom.model.layers.rotary import rope_parameters
@@ -82,17 +83,22 @@ def _bilinear_taps(index: torch.Tensor, size: int, side: int
 class PaddleOCRVisionAttention(nn.Module):
     """Bidirectional attention within each image, on this rank's heads."""
 
-    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"vision hidden_size {hidden_size} is not divisible by its "
                              f"{num_heads} attention heads")
         self.head_dim = hidden_size // num_heads
         self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, num_heads, num_heads,
-                                          bias=True, tp_group=tp_group)
+                                          bias=True, tp_group=tp_group,
+                                          quantization=quantization_for_inputs(quantization,
+                                                                               hidden_size))
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias=True,
-                                          tp_group=tp_group)
+                                          tp_group=tp_group,
+                                          quantization=quantization_for_inputs(
+                                              quantization, hidden_size // tp_group.world_size))
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 image_lengths: list[int]) -> torch.Tensor:
@@ -103,13 +109,15 @@ class PaddleOCRVisionAttention(nn.Module):
 
 
 class PaddleOCRVisionEncoderLayer(nn.Module):
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision: Any, tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
         self.self_attn = PaddleOCRVisionAttention(vision.hidden_size,
-                                                  vision.num_attention_heads, tp_group)
+                                                  vision.num_attention_heads, tp_group,
+                                                  quantization)
         self.layer_norm2 = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
-        self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group)
+        self.mlp = SiglipMLP(vision.hidden_size, vision.intermediate_size, tp_group,
+                             quantization)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 image_lengths: list[int]) -> torch.Tensor:
@@ -122,7 +130,7 @@ class PaddleOCRVisionModel(nn.Module):
     """The SigLIP encoder over a batch of variable-size images: patches in, the
     post-LayerNorm'd hidden states out, (N, D)."""
 
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision: Any, tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         if vision.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"vision hidden_act {vision.hidden_act!r} is not supported; "
@@ -134,7 +142,8 @@ class PaddleOCRVisionModel(nn.Module):
             vision.num_channels * vision.patch_size ** 2, hidden_size, bias=True)
         self.embeddings.position_embedding = nn.Embedding(self.grid_side ** 2, hidden_size)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(PaddleOCRVisionEncoderLayer(vision, tp_group)
+        self.encoder.layers = nn.ModuleList(PaddleOCRVisionEncoderLayer(vision, tp_group,
+                                                                        quantization)
                                             for _ in range(vision.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(hidden_size, eps=vision.layer_norm_eps)
         head_dim = hidden_size // vision.num_attention_heads
@@ -220,10 +229,11 @@ class PaddleOCRVisionTower(nn.Module):
     docstring). An image of grid ``(t, h, w)`` patches gives
     ``t * h * w / spatial_merge_size ** 2`` rows, images in the batch's order."""
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.merge = config.vision_config.spatial_merge_size
-        self.vision_model = PaddleOCRVisionModel(config.vision_config, tp_group)
+        self.vision_model = PaddleOCRVisionModel(config.vision_config, tp_group, quantization)
         self.projector = PaddleOCRProjector(config, tp_group)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:

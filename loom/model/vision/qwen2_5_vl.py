@@ -33,6 +33,7 @@ from loom.model.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
+    quantization_for_inputs,
 )
 
 _NORM_EPS = 1e-6  # every norm of the tower (not in the config)
@@ -147,15 +148,20 @@ class _PatchEmbed(nn.Module):
 
 
 class _VisionAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.head_dim = hidden_size // num_heads
         # the checkpoint's fused qkv rows are | q | k | v |, each num_heads * head_dim
         self.qkv = QKVParallelLinear(hidden_size, self.head_dim, num_heads, num_heads,
-                                     bias=True, tp_group=tp_group)
+                                     bias=True, tp_group=tp_group,
+                                     quantization=quantization_for_inputs(quantization,
+                                                                          hidden_size))
         self.num_heads = self.qkv.num_heads  # this rank's
         self.proj = RowParallelLinear(hidden_size, hidden_size, bias=True,
-                                      tp_group=tp_group, float_output=True)
+                                      tp_group=tp_group, float_output=True,
+                                      quantization=quantization_for_inputs(
+                                          quantization, hidden_size // tp_group.world_size))
 
     def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 segments: _Segments) -> torch.Tensor:
@@ -167,13 +173,17 @@ class _VisionAttention(nn.Module):
 
 
 class _VisionMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       bias=True, tp_group=tp_group)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization, hidden_size))
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=True,
-                                           tp_group=tp_group, float_output=True)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=True, tp_group=tp_group, float_output=True,
+            quantization=quantization_for_inputs(quantization,
+                                                 intermediate_size // tp_group.world_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -183,12 +193,14 @@ class _VisionBlock(nn.Module):
     """Pre-norm attention and MLP; like loom's decoder layers it hands back its MLP's
     float32 output and the float32 residual stream, which the next norm adds."""
 
-    def __init__(self, vision: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision: Any, tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         self.norm1 = RMSNorm(vision.hidden_size, eps=_NORM_EPS)
         self.norm2 = RMSNorm(vision.hidden_size, eps=_NORM_EPS)
-        self.attn = _VisionAttention(vision.hidden_size, vision.num_heads, tp_group)
-        self.mlp = _VisionMLP(vision.hidden_size, vision.intermediate_size, tp_group)
+        self.attn = _VisionAttention(vision.hidden_size, vision.num_heads, tp_group,
+                                     quantization)
+        self.mlp = _VisionMLP(vision.hidden_size, vision.intermediate_size, tp_group,
+                              quantization)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor],
@@ -235,7 +247,11 @@ class Qwen2_5_VLVisionTower(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 quantization: str = "none") -> None:
+        """``quantization``: what the blocks' linear layers hold (``--quantization``'s
+        wint8 or wint4, as the decoder's); the patch embedding and merger stay in the
+        model's dtype."""
         super().__init__()
         vision = config.vision_config
         if vision.hidden_act != "silu":
@@ -254,7 +270,8 @@ class Qwen2_5_VLVisionTower(nn.Module):
         patch_features = (vision.in_channels * vision.temporal_patch_size
                           * vision.patch_size * vision.patch_size)
         self.patch_embed = _PatchEmbed(patch_features, vision.hidden_size)
-        self.blocks = nn.ModuleList(_VisionBlock(vision, tp_group) for _ in range(vision.depth))
+        self.blocks = nn.ModuleList(_VisionBlock(vision, tp_group, quantization)
+                                    for _ in range(vision.depth))
         self.merger = _PatchMerger(vision.hidden_size, vision.out_hidden_size,
                                    vision.spatial_merge_size, tp_group)
 

@@ -37,6 +37,7 @@ from loom.model.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    quantization_for_inputs,
     default_weight_loader,
 )
 from loom.model.layers.rotary import rope_parameters
@@ -73,13 +74,18 @@ def _bilinear_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Ten
 class Qwen3VLVisionAttention(nn.Module):
     """Bidirectional attention within each frame, on this rank's heads."""
 
-    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.head_dim = hidden_size // num_heads
         self.qkv = QKVParallelLinear(hidden_size, self.head_dim, num_heads, num_heads,
-                                     bias=True, tp_group=tp_group)
+                                     bias=True, tp_group=tp_group,
+                                     quantization=quantization_for_inputs(quantization,
+                                                                          hidden_size))
         self.num_heads = self.qkv.num_heads
-        self.proj = RowParallelLinear(hidden_size, hidden_size, bias=True, tp_group=tp_group)
+        self.proj = RowParallelLinear(hidden_size, hidden_size, bias=True, tp_group=tp_group,
+                                      quantization=quantization_for_inputs(
+                                          quantization, hidden_size // tp_group.world_size))
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 frame_lengths: list[int]) -> torch.Tensor:
@@ -91,15 +97,18 @@ class Qwen3VLVisionAttention(nn.Module):
 
 class Qwen3VLVisionMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 tp_group: TPGroup) -> None:
+                 tp_group: TPGroup, quantization: str = "none") -> None:
         super().__init__()
         if hidden_act not in _ACTIVATIONS:
             raise ValueError(f"vision hidden_act {hidden_act!r} is not supported; only "
                              f"{', '.join(_ACTIVATIONS)}")
-        self.linear_fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=True,
-                                               tp_group=tp_group)
-        self.linear_fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=True,
-                                            tp_group=tp_group)
+        self.linear_fc1 = ColumnParallelLinear(
+            hidden_size, intermediate_size, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization, hidden_size))
+        self.linear_fc2 = RowParallelLinear(
+            intermediate_size, hidden_size, bias=True, tp_group=tp_group,
+            quantization=quantization_for_inputs(quantization,
+                                                 intermediate_size // tp_group.world_size))
         self.act_fn = _ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,14 +116,16 @@ class Qwen3VLVisionMLP(nn.Module):
 
 
 class Qwen3VLVisionBlock(nn.Module):
-    def __init__(self, vision_config: Any, tp_group: TPGroup) -> None:
+    def __init__(self, vision_config: Any, tp_group: TPGroup,
+                 quantization: str = "none") -> None:
         super().__init__()
         hidden_size = vision_config.hidden_size
         self.norm1 = nn.LayerNorm(hidden_size, eps=_LAYER_NORM_EPS)
         self.norm2 = nn.LayerNorm(hidden_size, eps=_LAYER_NORM_EPS)
-        self.attn = Qwen3VLVisionAttention(hidden_size, vision_config.num_heads, tp_group)
+        self.attn = Qwen3VLVisionAttention(hidden_size, vision_config.num_heads, tp_group,
+                                           quantization)
         self.mlp = Qwen3VLVisionMLP(hidden_size, vision_config.intermediate_size,
-                                    vision_config.hidden_act, tp_group)
+                                    vision_config.hidden_act, tp_group, quantization)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 frame_lengths: list[int]) -> torch.Tensor:
@@ -153,7 +164,11 @@ class Qwen3VLVisionTower(nn.Module):
     docstring). An image of grid ``(t, h, w)`` patches gives
     ``t * h * w / spatial_merge_size ** 2`` rows, images in the batch's order."""
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 quantization: str = "none") -> None:
+        """``quantization``: what the blocks' linear layers hold (``--quantization``'s
+        wint8 or wint4, as the decoder's); the patch embedding and mergers stay in the
+        model's dtype."""
         super().__init__()
         vision_config = config.vision_config
         if not isinstance(vision_config.patch_size, int) \
@@ -179,7 +194,7 @@ class Qwen3VLVisionTower(nn.Module):
         self.register_buffer("inv_freq", 1.0 / theta ** (
             torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)),
             persistent=False)
-        self.blocks = nn.ModuleList(Qwen3VLVisionBlock(vision_config, tp_group)
+        self.blocks = nn.ModuleList(Qwen3VLVisionBlock(vision_config, tp_group, quantization)
                                     for _ in range(vision_config.depth))
         self.merger = Qwen3VLPatchMerger(vision_config, norm_after_concat=False,
                                          tp_group=tp_group)

@@ -124,13 +124,14 @@ class SmolVLMVisionTower(nn.Module):
     tile, ``image_seq_len`` rows of the text hidden size, tile by tile (the grid
     row-major, then the global view)."""
 
-    def __init__(self, config: Any, tp_group: TPGroup = SINGLE) -> None:
+    def __init__(self, config: Any, tp_group: TPGroup = SINGLE,
+                 quantization: str = "none") -> None:
         super().__init__()
         vision = config.vision_config
         self.patch_size = vision.patch_size
         self.image_seq_len = (vision.image_size // vision.patch_size) ** 2 \
             // config.scale_factor ** 2
-        self.vision_model = SmolVLMVisionModel(vision, tp_group)
+        self.vision_model = SmolVLMVisionModel(vision, tp_group, quantization)
         self.connector = SmolVLMConnector(config)
 
     def forward(self, pixel_values: torch.Tensor,
