@@ -19,7 +19,8 @@ FIELDS = {spec.name: spec for spec in dataclasses.fields(EngineArgs)}
 # Config fields no argument declares: read from the checkpoint (checkpoint_defaults.py),
 # given to each data-parallel replica, or a fixed bound.
 DERIVED = {"model.vocab_size", "model.sampling_defaults", "model.hf_config", "model.pooler",
-           "parallel.data_parallel_rank", "parallel.worker_start_timeout_s"}
+           "parallel.data_parallel_rank", "parallel.worker_start_timeout_s",
+           "parallel.data_parallel_master_port"}
 
 
 def _engine_commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -36,7 +36,7 @@ from loom.engine_args import EngineArgs
 MAX_TOKENS = 8
 ENGINE = dict(data_parallel_size=2, enable_expert_parallel=True, dtype="float32",
               max_model_len=160, max_num_batched_tokens=32, num_gpu_blocks_override=10,
-              max_num_seqs=8)
+              max_num_seqs=8, watchdog_timeout_s=15.0)  # a lost lock-step: a hang in 15 s
 SERVER_ARGS = ("--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float32",
                "--max-model-len", "256", "--num-gpu-blocks-override", "64")
 
