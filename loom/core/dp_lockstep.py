@@ -8,7 +8,7 @@ True)``); if none has, all go idle. vLLM's DP + EP does the same with its coordi
 here the cores tell each other directly, with no torch (the engine cores hold none).
 
     engine core r ── PUSH ─▶ (round, r, has_work) ─▶ PULL of every peer, bound at
-                                                    ipc://TMP/loom-dp-PORT-rank
+                                         ipc://TMP/loom-<API pid>-dp-PORT-rank
     round n: send mine, collect the D-1 others' round n, step if any has work
 
 Rounds are numbered from 1 on every core and each core takes part in every round, so
@@ -46,28 +46,31 @@ class StepFlag(msgspec.Struct, array_like=True, tag="dp_step_flag"):
     has_work: bool
 
 
-def inbox_address(master_port: int, rank: int) -> str:
-    """Where replica ``rank``'s engine core listens for its peers' flags; unique per
-    server through the port its ranks' process group was given."""
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'loom-dp-{master_port}-{rank}')}"
+def inbox_address(owner_pid: int, master_port: int, rank: int) -> str:
+    """Where replica ``rank``'s engine core listens for its peers' flags: named after the
+    API process that started every replica's core (``loom.ipc.debris`` removes it if
+    that process was killed) and the port its ranks' process group was given."""
+    name = f"loom-{owner_pid}-dp-{master_port}-{rank}"
+    return f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
 
 
 class DPLockstep:
     def __init__(self, config: EngineConfig, bound_s: float) -> None:
         parallel = config.parallel
         self.rank, self.size = parallel.data_parallel_rank, parallel.data_parallel_size
-        port = parallel.data_parallel_master_port
+        port, owner = parallel.data_parallel_master_port, os.getppid()
         self.bound_s = bound_s
         self.context = zmq.Context()
         self.inbox = self.context.socket(zmq.PULL)
-        self._inbox_path = inbox_address(port, self.rank).removeprefix("ipc://")
-        self.inbox.bind(inbox_address(port, self.rank))
+        address = inbox_address(owner, port, self.rank)
+        self._inbox_path = address.removeprefix("ipc://")
+        self.inbox.bind(address)
         self.peers = []
         for rank in range(self.size):
             if rank != self.rank:
                 peer = self.context.socket(zmq.PUSH)
                 peer.setsockopt(zmq.LINGER, 0)
-                peer.connect(inbox_address(port, rank))
+                peer.connect(inbox_address(owner, port, rank))
                 self.peers.append(peer)
         self.round = 0
         self._early: list[StepFlag] = []
