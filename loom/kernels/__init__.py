@@ -11,13 +11,14 @@ one call), ``replay.cpp`` (a recorded forward run again, ``loom/model/kernel_rep
 C++ compiler, or a failed build (logged once). Callers keep a PyTorch path for None,
 which is also what runs on CUDA.
 
-The bf16 SiLU*mul and paged attention have an AVX512-BF16 path beside the generic one,
-and ``quantized_linear`` an AVX512-BF16 kernel beside its AVX2 one (CPUs with AVX2, FMA
-and F16C but not AVX512-BF16: AMD Zen 2 and 3, Intel before Sapphire Rapids); the build
-takes the AVX-512 one on CPUs that have it. ``set_isa("generic" | "avx512")`` on the
-module switches between them at run time, for tests only
-(tests/model/test_kernel_paths.py and test_quantization.py compare the two); serving
-never calls it. ``bf16_linear`` has its AVX512-BF16 path only.
+The bf16 SiLU*mul, paged attention and the LoRA kernels (``lora.cpp``) have an
+AVX512-BF16 path beside the generic one, and ``quantized_linear`` an AVX512-BF16 kernel
+beside its AVX2 one (CPUs with AVX2, FMA and F16C but not AVX512-BF16: AMD Zen 2 and 3,
+Intel before Sapphire Rapids); the build takes the AVX-512 one on CPUs that have it.
+``set_isa("generic" | "avx512")`` on the module switches between them at run time, for
+tests only (tests/model/test_kernel_paths.py, test_quantization.py and
+test_lora_slots.py run both); serving never calls it. ``bf16_linear`` has its
+AVX512-BF16 path only.
 
 The build takes about a minute (announced on stderr) and is cached per source hash
 and machine in ``$LOOM_CACHE_DIR/kernels`` (default ``~/.cache/loom/kernels``);

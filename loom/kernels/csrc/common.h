@@ -47,11 +47,12 @@ namespace loom {
 
 // ---------------------------------------------------------------- instruction set
 
-// The bf16 kernels with an AVX512-BF16 path (SiLU*mul; paged attention at head_dim 32,
-// 64, 128) keep the generic C++ path that every other CPU runs. The build picks the
-// AVX-512 one where the compiler targets it (-march=native on such a CPU); a test can
-// force the generic one with the module's set_isa("generic"), so that one build runs
-// and compares both (tests/model/test_kernel_paths.py). For tests only: serving never
+// The kernels with an AVX512-BF16 path (bf16 SiLU*mul; bf16 paged attention at head_dim
+// 32, 64, 128; LoRA's lora_add and lora_embedding_add) keep the generic C++ path that
+// every other CPU runs. The build picks the AVX-512 one where the compiler targets it
+// (-march=native on such a CPU); a test can force the generic one with the module's
+// set_isa("generic"), so that one build runs and compares both
+// (tests/model/test_kernel_paths.py, test_lora_slots.py). For tests only: serving never
 // calls it. Kernels read it once per call; a replayed forward (replay.h) follows it
 // through the kernels it calls. bf16_linear has its AVX512-BF16 path only.
 inline std::atomic<bool> force_generic_isa{false};

@@ -69,12 +69,14 @@ std::vector<at::Tensor> moe_route(at::Tensor x, at::Tensor router,
                                   const std::string& scoring, bool renormalize,
                                   double renormalize_min);
 
-// lora.cpp: y (T, N) += each row's LoRA adapter: (x_t a[s]^T) b[s]^T for s = token_slot[t]
-// >= 0 and active[s]; a (S, R, K), b (S, N, R) (layers/lora.py)
+// lora.cpp: y (T, N) += each row's LoRA adapter: (x_t a[s]^T) b[s] for s = token_slot[t]
+// >= 0 and active[s]; a (S, R, K), b (S, R, N); part_sizes: a fused layer's outputs, part
+// p reading rank rows [p R/P, (p+1) R/P) of b only (empty: one part) (layers/lora.py)
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-              const at::Tensor& token_slot, const at::Tensor& active);
-// lora.cpp: y (T, D) += each row's embedding LoRA: b[s] a_t[s][ids[t]] for s = token_slot[t]
-// >= 0 and active[s]; a_t (S, V, R), b (S, D, R) (layers/lora.py)
+              const at::Tensor& token_slot, const at::Tensor& active,
+              const std::vector<int64_t>& part_sizes);
+// lora.cpp: y (T, D) += each row's embedding LoRA: a_t[s][ids[t]] b[s] for s = token_slot[t]
+// >= 0 and active[s]; a_t (S, V, R), b (S, R, D) (layers/lora.py)
 void lora_embedding_add(at::Tensor y, const at::Tensor& ids, const at::Tensor& a_t,
                         const at::Tensor& b, const at::Tensor& token_slot,
                         const at::Tensor& active);

@@ -356,13 +356,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("x"), py::arg("router"), py::arg("correction_bias"), py::arg("top_k"),
              py::arg("scoring"), py::arg("renormalize"), py::arg("renormalize_min"));
   def_kernel(m, "lora_add", &loom::lora_add,
-             "y (T, N) += each row's LoRA adapter (x_t a[s]^T) b[s]^T, s = token_slot[t] "
-             "(-1: none)", py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"),
-             py::arg("token_slot"), py::arg("active"));
+             "y (T, N) += each row's LoRA adapter (x_t a[s]^T) b[s], s = token_slot[t] "
+             "(-1: none); a (S, R, K), b (S, R, N); part_sizes: a fused layer's outputs, "
+             "part p reading b's rank rows [p R/P, (p+1) R/P) only ([]: one part)",
+             py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("token_slot"),
+             py::arg("active"), py::arg("part_sizes"));
   def_kernel(m, "lora_embedding_add", &loom::lora_embedding_add,
-             "y (T, D) += each row's embedding LoRA b[s] a_t[s][ids[t]], s = token_slot[t] "
-             "(-1: none)", py::arg("y"), py::arg("ids"), py::arg("a_t"), py::arg("b"),
-             py::arg("token_slot"), py::arg("active"));
+             "y (T, D) += each row's embedding LoRA a_t[s][ids[t]] b[s], s = token_slot[t] "
+             "(-1: none); a_t (S, V, R), b (S, R, D)", py::arg("y"), py::arg("ids"),
+             py::arg("a_t"), py::arg("b"), py::arg("token_slot"), py::arg("active"));
   def_kernel(m, "argmax_rows", &loom::argmax_rows,
              "logits (R, V) float32 -> (R,) int64, each row's first largest (torch.argmax)",
              py::arg("logits"));
@@ -392,7 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("batch_invariant", &loom::batch_invariant,
         "whether the kernels give a row the same bits whatever the other rows are");
   m.def("set_isa", &set_isa,
-        "for tests only: make the kernels with two paths (bf16 SiLU*mul and paged "
-        "attention) take 'generic' or 'avx512'; returns the previous one",
+        "for tests only: make the kernels with two paths (bf16 SiLU*mul, paged "
+        "attention, LoRA) take 'generic' or 'avx512'; returns the previous one",
         py::arg("name"));
 }

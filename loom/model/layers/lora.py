@@ -3,15 +3,18 @@ adapter of the request the row belongs to, never merged into the base weight.
 
 A ``LoRASlots`` hangs on a ``LinearBase`` (``linear.lora``) and holds every adapter slot's
 A and B for it: for a fused layer (q|k|v, gate|up) one A per projection stacked along
-the rank, and B block-diagonal (projection p's rank columns write only its output rows),
-so one shrink and one expand product serve all of a fused layer's projections. The
-model runner says, for each step, which slot each token row runs
-(``AttentionMetadata.lora_slots``: -1 for the base): rows are grouped by adapter
-(Punica's segments), and each group's ``x A^T`` (shrink) and ``(x A^T) B^T`` (expand, the
-scale folded into B) are added to its rows of the base output, by loom's ``lora_add``
-kernel on the CPU (a recorded forward replays it: kernel_replay.py) or the same steps in
-PyTorch elsewhere. Rows of the base model and steps without adapters cost one pass
-over the slots.
+the rank, and B block-diagonal (projection p's rank rows write only its output columns),
+held transposed, (rank, outputs), the scale folded in. The model runner says, for each
+step, which slot each token row runs (``AttentionMetadata.lora_slots``: -1 for the base).
+On the CPU, loom's ``lora_add`` kernel adds them in one pass over the rows (Punica's
+BGMV; a recorded forward replays it: kernel_replay.py): each row's shrink ``h = A x`` in
+float32, then its expand ``y += h B``, parallel over output columns, where a fused
+layer's parts (``part_sizes``) read only their own rank rows of B (the zero blocks are
+skipped). Each row's sums run in an order fixed by the shapes alone, so a row's result
+does not depend on the other rows of the batch. Elsewhere (CUDA) the same product runs
+in PyTorch, rows grouped by adapter (Punica's segments), one shrink and one expand
+matmul per group. Rows of the base model and steps without adapters cost one pass over
+the slots.
 
 The LM head takes a ``LoRASlots`` too (its rows are the hidden states whose logits the
 runner asks for, so their slots come with the call: ``rows``), and the token embeddings
@@ -42,7 +45,8 @@ class LoRASlots(nn.Module):
         rank = len(part_sizes) * max_rank
         self.register_buffer("a", torch.zeros(max_loras, rank, input_size, dtype=dtype,
                                               device=device), persistent=False)
-        self.register_buffer("b", torch.zeros(max_loras, sum(part_sizes), rank, dtype=dtype,
+        # B transposed, (rank, outputs) per slot: the expand's rows are B's
+        self.register_buffer("b", torch.zeros(max_loras, rank, sum(part_sizes), dtype=dtype,
                                               device=device), persistent=False)
         # the slots whose adapter targets this layer (the others' rows are left alone)
         self.register_buffer("active", torch.zeros(max_loras, dtype=torch.bool, device=device),
@@ -57,7 +61,7 @@ class LoRASlots(nn.Module):
         first = part * self.max_rank
         rows = slice(self.part_offsets[part], self.part_offsets[part] + self.part_sizes[part])
         self.a[slot, first:first + rank] = a.to(self.a.dtype)
-        self.b[slot, rows, first:first + rank] = (b.float() * scale).to(self.b.dtype)
+        self.b[slot, first:first + rank, rows] = (b.float() * scale).t().to(self.b.dtype)
         self.active[slot] = True
 
     def clear(self, slot: int) -> None:
@@ -74,18 +78,18 @@ class LoRASlots(nn.Module):
                 return
         ops = native_ops_for(x.device, x.dtype)
         if ops is not None:
-            ops.lora_add(y, x, self.a, self.b, slots, self.active)
+            ops.lora_add(y, x, self.a, self.b, slots, self.active, self.part_sizes)
             return
         for slot, rows in _groups(slots, self.active):
             xs = x.index_select(0, rows).to(self.a.dtype)
-            delta = (xs @ self.a[slot].t()) @ self.b[slot].t()
+            delta = (xs @ self.a[slot].t()) @ self.b[slot]
             y.index_add_(0, rows, delta.to(y.dtype))
 
 
 class EmbeddingLoRASlots(nn.Module):
     """Every adapter slot's embedding LoRA for a table of ``num_embeddings`` rows of
     ``embedding_dim``: A transposed, (vocabulary, rank), so a token's shrink is its row,
-    and B (embedding_dim, rank) with the scale folded in. Each rank holds all of it (a
+    and B transposed, (rank, embedding_dim), with the scale folded in. Each rank holds all of it (a
     tensor-parallel embedding adds it after its all-reduce)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_loras: int,
@@ -94,7 +98,7 @@ class EmbeddingLoRASlots(nn.Module):
         self.num_embeddings = num_embeddings
         self.register_buffer("a_t", torch.zeros(max_loras, num_embeddings, max_rank,
                                                 dtype=dtype, device=device), persistent=False)
-        self.register_buffer("b", torch.zeros(max_loras, embedding_dim, max_rank, dtype=dtype,
+        self.register_buffer("b", torch.zeros(max_loras, max_rank, embedding_dim, dtype=dtype,
                                               device=device), persistent=False)
         self.register_buffer("active", torch.zeros(max_loras, dtype=torch.bool, device=device),
                              persistent=False)
@@ -103,7 +107,7 @@ class EmbeddingLoRASlots(nn.Module):
         """PEFT's ``lora_embedding_A`` (r, V) and ``lora_embedding_B`` (D, r) into ``slot``."""
         rank = a.shape[0]
         self.a_t[slot, :, :rank] = a.t().to(self.a_t.dtype)
-        self.b[slot, :, :rank] = (b.float() * scale).to(self.b.dtype)
+        self.b[slot, :rank] = (b.float() * scale).t().to(self.b.dtype)
         self.active[slot] = True
 
     def clear(self, slot: int) -> None:
@@ -122,7 +126,7 @@ class EmbeddingLoRASlots(nn.Module):
             return
         for slot, rows in _groups(slots, self.active):
             shrunk = self.a_t[slot].index_select(0, ids.index_select(0, rows))
-            y.index_add_(0, rows, (shrunk @ self.b[slot].t()).to(y.dtype))
+            y.index_add_(0, rows, (shrunk @ self.b[slot]).to(y.dtype))
 
 
 def _groups(slots: torch.Tensor, active: torch.Tensor):
