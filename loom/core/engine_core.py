@@ -263,6 +263,14 @@ class EngineCore:
         Succeeded or not, the drain it waited for is over: what it held runs now unless
         the engine is paused or asleep."""
         try:
+            if self.config.parallel.experts_across_replicas and (
+                    isinstance(control, UpdateWeights)
+                    or isinstance(control, Sleep) and control.level > 1):
+                # each replica's ranks hold part of every replica's experts, and the
+                # replicas drain at different times: one would free or change experts
+                # the others still run
+                raise ValueError(f"{control.__struct_config__.tag} is not supported yet with "
+                                 "expert parallel across data-parallel replicas")
             match control:
                 case PauseGeneration(mode=mode):
                     return self.pause_generation(mode)

@@ -18,6 +18,21 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class CollectiveBytes:
+    """Bytes this rank has handed to collectives since start (benchmarks/dp_ep.py reads
+    them through ``Worker.collective_bytes``): the tensors it all-reduced, and the rows
+    it sent by all-to-all, all of them and those to other ranks."""
+
+    all_reduce: int = 0
+    all_to_all: int = 0
+    all_to_all_remote: int = 0
+
+
+# This process's count (a rank is one process).
+collective_bytes = CollectiveBytes()
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
@@ -32,6 +47,7 @@ class TPGroup:
         """Sum ``tensor`` over the ranks, in place; returns it."""
         if self.world_size > 1:
             dist.all_reduce(tensor, group=self.group)
+            collective_bytes.all_reduce += tensor.nbytes
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -117,6 +133,11 @@ class EPGroup:
         out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
         dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts,
                                group=self.across.group)
+        if rows.is_floating_point():  # hidden rows (not the expert ids beside them)
+            row_bytes = rows[0].nbytes if rows.shape[0] else 0
+            collective_bytes.all_to_all += rows.nbytes
+            collective_bytes.all_to_all_remote += (rows.nbytes
+                                                   - send_counts[self.rank] * row_bytes)
         return out
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:

@@ -250,6 +250,14 @@ class Worker:
         self.kv_segment = SharedKVSegment.create(shape, dtype, self.rank)
         return self.kv_segment.tensor
 
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes this rank has handed to all-reduces and all-to-alls since start."""
+        import dataclasses
+
+        from loom.distributed.parallel_state import collective_bytes
+
+        return dataclasses.asdict(collective_bytes)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         tier_ops = scheduler_output.kv_tier_ops
         refused = self._run_kv_tier(tier_ops) if tier_ops is not None else None

@@ -31,6 +31,7 @@ from loom_server import LoomServer, _spawned_children
 from tokenizer_fixtures import make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
+from loom.async_llm import ControlError
 from loom.engine_args import EngineArgs
 
 MAX_TOKENS = 8
@@ -84,6 +85,12 @@ async def _dp_greedy(path: str, prompts: list[list[int]]) -> tuple[list, list, l
         one_at_a_time = [await run(f"one-{i}", p, replicas) for i, p in enumerate(prompts)]
         all_at_once = await asyncio.gather(*(run(f"all-{i}", p, [])
                                              for i, p in enumerate(prompts)))
+        # each replica holds part of every replica's experts: none may free or change them
+        for method, kwargs in (("sleep", {"level": 2}), ("update_weights", {"path": path})):
+            with pytest.raises(ControlError, match=f"{method} is not supported yet with "
+                                                   "expert parallel across"):
+                await llm.control(method, **kwargs)
+        assert await run("after", prompts[0], []) == one_at_a_time[0]
         return one_at_a_time, all_at_once, replicas, llm.metrics.render().decode()
     finally:
         await llm.shutdown()
@@ -111,7 +118,7 @@ def test_dp2_ep2_matches_transformers_and_one_rank(tmp_path, family):
     assert one_at_a_time == expected
     assert all_at_once == expected
     assert set(replicas) == {0, 1}, replicas  # each replica alone, the other in dummy steps
-    assert _metric_total(metrics, "vllm:request_success_total") == 2 * len(prompts)
+    assert _metric_total(metrics, "vllm:request_success_total") == 2 * len(prompts) + 1
     assert _metric_total(metrics, "vllm:num_preemptions_total") > 0, \
         "10 blocks were meant to force preemption"
     assert _metric_total(metrics, "vllm:prefix_cache_hits_total") > 0

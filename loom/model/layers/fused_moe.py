@@ -32,7 +32,8 @@ Parallelism, as vLLM's FusedMoE:
   experts ``[r * E / EP, (r + 1) * E / EP)``; each replica's tokens are its own, so
   each (token, expert) pair's row travels to its expert's rank and its result back by
   all-to-all (``_forward_all_to_all``). A replica with nothing to run takes part with
-  no rows (``exchange_nothing``), so every rank enters every all-to-all.
+  no rows (``exchange_nothing``), so every rank enters every all-to-all. Under TP each
+  TP rank dispatches a share of its replica's tokens; the TP group all-gathers the rest.
 
 Quantized experts (``--quantization wint8|wint4``): each local expert is then a pair of
 linear layers (``QuantizedExpert``: ``w13`` (2I, H), ``w2`` (H, I), both ``LinearBase``,
@@ -591,13 +592,33 @@ class FusedMoE(nn.Module):
             combine        the results back by the reverse all_to_all, each weighed by
                            its routing weight and summed into its token, here
 
-        Under tensor parallel every rank of a replica dispatches the replica's tokens (the
-        owner runs them once per TP rank; each TP rank gets whole results back, so nothing
-        is all-reduced). A replica with no tokens calls ``exchange_nothing`` instead: the
-        same collectives, empty."""
+        Under tensor parallel (the replica's tokens on each of its TP ranks) each TP rank
+        dispatches its share, rows ``[tp_rank * S, (tp_rank + 1) * S)`` with S = ceil(T /
+        TP), and the TP group all-gathers the combined rows. A replica with no tokens calls
+        ``exchange_nothing`` instead: the same collectives, empty."""
+        tp = self.tp_group
+        if tp.world_size == 1:
+            return self._dispatch_combine(x)
+        num_tokens = x.shape[0]
+        share = -(-num_tokens // tp.world_size)
+        mine = x[tp.rank * share:(tp.rank + 1) * share]
+        out = self._dispatch_combine(mine)
+        if out.shape[0] < share:  # the last ranks' shares run short: pad to gather
+            out = torch.cat([out, out.new_zeros((share - out.shape[0], out.shape[1]))])
+        return tp.all_gather(out, dim=0)[:num_tokens]
+
+    def _dispatch_combine(self, x: torch.Tensor) -> torch.Tensor:
+        """``_forward_all_to_all`` for this rank's tokens ``x`` (T, H)."""
         ep = self.expert_parallel
-        topk_weights, topk_ids = self.route(x)
+        if x.shape[0] == 0:  # a TP rank whose share of a short step is empty
+            topk_ids = torch.empty((0, self.spec.top_k), dtype=torch.int64, device=x.device)
+            topk_weights = torch.empty((0, self.spec.top_k), dtype=torch.float32,
+                                       device=x.device)
+        else:
+            topk_weights, topk_ids = self.route(x)
         counts = torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts)
+        if self.tp_group.world_size > 1:  # every share's, as one rank counts a whole step
+            self.tp_group.all_reduce(counts)
         self.tokens_per_expert += counts
         if self.step_tokens is not None:
             self.step_tokens += counts
@@ -619,7 +640,7 @@ class FusedMoE(nn.Module):
                          device: torch.device) -> None:
         """A dummy step's part in this layer's all-to-alls (a replica with no tokens this
         step): sends no rows, runs what the other replicas send to its experts, and
-        returns their results."""
+        returns their results. (No TP all-gather: every TP rank of the replica is here.)"""
         ep = self.expert_parallel
         self._run_received(torch.empty((0, hidden_size), dtype=dtype, device=device),
                            torch.empty(0, dtype=torch.int64, device=device),
