@@ -57,6 +57,7 @@ UNREAD = {
     "batch_invariance_1b.json": "a correctness check (batch_invariance.py): every format's tokens equal",
     "cuda_check-h200.json": "the GPU correctness run (cuda_check.py), in cuda.md",
     "disaggregation_*.json": "P/D transfer and serving figures, in disaggregation.md",
+    "dp-ep-*.json": "DP x EP against TP x EP (dp_ep.py): loom against itself, in dp_ep.md",
     "gemma3_gguf*": "Gemma 3 GGUF parity runs, in gemma3_gguf.md",
     "moba-*.json": "MoBA against full attention (moba.py): loom against itself, in moba.md",
     "moe_speed-native.json": "an earlier MoE run on the native kernels, in moe_speed.md",
