@@ -315,6 +315,9 @@ class MultiProcExecutor(Executor):
             if rank in ranks and process.is_alive():
                 self._dump_stacks(rank, process)
         time.sleep(STACK_DUMP_WAIT_S)
+        if self.config.parallel.experts_across_replicas:
+            message += ("; its MoE layers' all-to-alls wait for every data-parallel replica's "
+                        "ranks, so the rank holding it up may be another replica's")
         error = WorkerHungError(f"worker rank {ranks[0]} is hung: {message}", rank=ranks[0])
         self._dead = error
         self._resources.release(grace_s=0.0)
