@@ -227,7 +227,8 @@ def test_expert_parallel_group_splits_experts():
     assert [g.expert_range(8) for g in groups] == [(0, 4), (4, 8)]
     with pytest.raises(ValueError, match="do not split"):
         EPGroup(TPGroup(0, 3, None)).expert_range(8)
-    with pytest.raises(ValueError, match="must be 1 or the tensor parallel size"):
+    with pytest.raises(ValueError, match="must be 1, the tensor parallel size 2, or that "
+                                         "times the data parallel size"):
         expert_parallel_group(TPGroup(0, 2, None), 4)
 
 
@@ -285,9 +286,83 @@ def test_expert_parallel_settings_are_checked():
     from loom.config import ParallelConfig
 
     assert ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2).expert_parallel_size == 2
-    with pytest.raises(ValueError, match="must be 1 or the tensor parallel size 2"):
+    with pytest.raises(ValueError, match="must be 1, the tensor parallel size 2, or tensor x "
+                                         "data parallel size 2"):
         ParallelConfig(tensor_parallel_size=2, expert_parallel_size=4)
     with pytest.raises(ValueError, match="does not divide the model's 3 experts"):
         check_expert_parallel(SimpleNamespace(num_local_experts=3), 2)
     check_expert_parallel(SimpleNamespace(moe_num_experts=8), 2)
     check_expert_parallel(SimpleNamespace(), 2)  # no experts: a warning only
+
+
+def _reference_moe(shared: bool = False) -> FusedMoE:
+    """8 experts of intermediate 8, top-2, hidden 16, seeded (the same on every rank)."""
+    torch.manual_seed(3)
+    layer = FusedMoE(MoESpec(8, 2, 8), hidden_size=16)
+    for param in (layer.gate.weight, layer.w13_weight, layer.w2_weight):
+        param.data.normal_(0, 0.3)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _all_to_all_moe(tp_group: TPGroup, across: TPGroup) -> FusedMoE:
+    """The reference's experts split over ``across`` (its rank's quarter or half)."""
+    reference = _reference_moe()
+    ep = EPGroup(tp_group, across)
+    layer = FusedMoE(MoESpec(8, 2, 8), hidden_size=16, tp_group=tp_group, expert_parallel=ep)
+    start, end = ep.expert_range(8)
+    layer.gate.weight.data.copy_(reference.gate.weight.data)
+    layer.w13_weight.data.copy_(reference.plain_weight("w13_weight")[start:end])
+    layer.w2_weight.data.copy_(reference.plain_weight("w2_weight")[start:end])
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _all_to_all_worker(rank: int, store_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=2)
+    try:
+        world = TPGroup(rank, 2, dist.group.WORLD)
+        x = torch.randn(7, 16, generator=torch.Generator().manual_seed(5))
+        results = {}
+        with torch.no_grad():
+            # two replicas of TP=1: each its own tokens (rank 0 rows 0..4, rank 1 rows
+            # 5..6); then rank 1 idle (a dummy step's exchange) while rank 0 runs all 7
+            replicas = _all_to_all_moe(TPGroup(), world)
+            results["replicas"] = replicas(x[:5] if rank == 0 else x[5:])
+            if rank == 0:
+                results["one idle"] = replicas(x)
+            else:
+                replicas.exchange_nothing(16, torch.float32, torch.device("cpu"))
+            # one replica of TP=2: both ranks hold the same tokens, each dispatches its
+            # share (7 rows: 4 and 3; 1 row: 1 and none) and they all-gather the rows
+            tensor_parallel = _all_to_all_moe(world, world)
+            results["tp shares"] = tensor_parallel(x)
+            results["tp one row"] = tensor_parallel(x[:1])
+        torch.save(results, f"{out_path}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_all_to_all_across_replicas_equals_one_rank(tmp_path):
+    """Experts split over two ranks that each hold their own tokens (EPGroup.across, the
+    layout of experts across data-parallel replicas): rows to their experts' rank and
+    back by all-to-all give one rank's output, when one rank is idle too; and under TP=2
+    (each rank a share of the same tokens, then an all-gather)."""
+    out_path = str(tmp_path / "out.pt")
+    mp.spawn(_all_to_all_worker, args=(str(tmp_path / "store"), out_path), nprocs=2,
+             join=True)
+    ranks = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = _reference_moe()(x)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([ranks[0]["replicas"], ranks[1]["replicas"]]),
+                               expected, **close)
+    torch.testing.assert_close(ranks[0]["one idle"], expected, **close)
+    for rank in ranks:
+        torch.testing.assert_close(rank["tp shares"], expected, **close)
+        torch.testing.assert_close(rank["tp one row"], expected[:1], **close)
