@@ -73,8 +73,10 @@ def resolve_against_checkpoint(args: EngineArgs) -> ResolvedArgs:
         expert_parallel_size = (args.tensor_parallel_size * args.data_parallel_size
                                 if args.enable_expert_parallel else 1)
     check_expert_parallel(hf_config, expert_parallel_size,
-                          across_replicas=expert_parallel_size > args.tensor_parallel_size)
-    check_no_eplb(args)
+                          across_replicas=expert_parallel_size > args.tensor_parallel_size,
+                          num_redundant_experts=args.num_redundant_experts)
+    if args.enable_eplb:
+        check_eplb(args, expert_parallel_size)
     max_model_len = args.max_model_len
     limit = derived_max_model_len(hf_config)
     if max_model_len is None:
@@ -286,7 +288,7 @@ def check_draft_model(path: str, target_hf_config) -> dict[str, Any]:
 
 
 def check_expert_parallel(hf_config: Any, expert_parallel_size: int,
-                          across_replicas: bool = False) -> None:
+                          across_replicas: bool = False, num_redundant_experts: int = 0) -> None:
     """Experts split whole over the ranks: their number must divide (a model without
     experts ignores the setting, with a warning; split over data-parallel replicas, it
     is refused: the replicas would step together for nothing)."""
@@ -312,9 +314,10 @@ def check_expert_parallel(hf_config: Any, expert_parallel_size: int,
     if num_experts is None:
         logger.warning("expert parallel: the model has no experts; its layers split over the "
                        "tensor-parallel ranks as usual")
-    elif num_experts % expert_parallel_size:
+    elif (num_experts + num_redundant_experts) % expert_parallel_size:
+        extra = f" + {num_redundant_experts} redundant" if num_redundant_experts else ""
         raise ValueError(f"--expert-parallel-size {expert_parallel_size} does not divide the "
-                         f"model's {num_experts} experts; choose a size that does")
+                         f"model's {num_experts}{extra} experts; choose a size that does")
 
 
 # The text MoE families whose every forward runs each MoE layer once, in layer order,
@@ -323,16 +326,14 @@ EXPERTS_ACROSS_REPLICAS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM",
                            "Ernie4_5_MoeForCausalLM")
 
 
-def check_no_eplb(args: Any) -> None:
-    """Expert-parallel load balancing is not built: its flags are refused, not ignored."""
-    given = [flag for flag, value in (("--enable-eplb", args.enable_eplb),
-                                      ("--num-redundant-experts", args.num_redundant_experts),
-                                      ("--eplb-window-size", args.eplb_window_size))
-             if value not in (None, False)]
-    if given:
-        raise ValueError(f"{', '.join(given)}: expert-parallel load balancing (EPLB) is not "
-                         "supported yet; drop the flag (experts are placed statically, rank r "
-                         "holding experts [r*E/EP, (r+1)*E/EP))")
+def check_eplb(args: Any, expert_parallel_size: int) -> None:
+    """EPLB moves full-precision experts between ranks: quantized ones are refused."""
+    if expert_parallel_size == 1:
+        raise ValueError("--enable-eplb balances experts over expert-parallel ranks; add "
+                         "--enable-expert-parallel")
+    if args.quantization not in ("auto", "none") or str(args.model).endswith(".gguf"):
+        raise ValueError("--enable-eplb moves full-precision experts between ranks; drop "
+                         "--quantization (and use a safetensors checkpoint)")
 
 
 def max_position_embeddings(hf_config) -> int | None:

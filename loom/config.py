@@ -312,6 +312,12 @@ class ParallelConfig:
     # them form one process group (on data_parallel_address, hosted by replica 0's rank
     # 0), chosen by whoever launches the replicas (DPAsyncLLM) and passed down here.
     data_parallel_master_port: int | None = None
+    # Expert-parallel load balancing (vLLM's EPLB; layers/fused_moe.py): each MoE layer
+    # holds num_experts + num_redundant_experts expert slots over the EP ranks and every
+    # eplb_window_size steps places its experts anew from the window's loads.
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window_size: int = 1000
 
     # Data parallel (``loom serve --data-parallel-size``, docs/architecture.md): replicas
     # of the whole engine, each with its own engine core, workers and KV cache, behind
@@ -369,6 +375,14 @@ class ParallelConfig:
                              f"the tensor parallel size {self.tensor_parallel_size}, or "
                              f"tensor x data parallel size {across}: experts are split over "
                              "the tensor-parallel ranks or over every replica's ranks")
+        if self.num_redundant_experts < 0 or self.eplb_window_size < 1:
+            raise ValueError("--num-redundant-experts must be >= 0 and --eplb-window-size > 0")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("--num-redundant-experts places copies of busy experts, which "
+                             "only --enable-eplb does; add it or drop the flag")
+        if self.enable_eplb and self.expert_parallel_size == 1:
+            raise ValueError("--enable-eplb balances experts over expert-parallel ranks; add "
+                             "--enable-expert-parallel")
         if self.experts_across_replicas:
             if self.num_local_replicas < self.data_parallel_size:
                 raise ValueError("expert parallel across data-parallel replicas on several "

@@ -139,15 +139,19 @@ class EngineArgs:
         help="ranks the experts are split over: 1, the tensor parallel size, or tensor x "
              "data parallel size (--enable-expert-parallel picks the largest)")
     enable_eplb: bool = arg(
-        False, to=None, action="store_true",
-        help="expert-parallel load balancing (redundant copies of busy experts): not "
-             "supported yet, refused")
-    num_redundant_experts: int | None = arg(
-        None, to=None, parse=arg_types.non_negative_int,
-        help="EPLB's redundant experts: not supported yet, refused")
-    eplb_window_size: int | None = arg(
-        None, to=None, parse=arg_types.positive_int,
-        help="EPLB's window of steps: not supported yet, refused")
+        False, to="parallel.enable_eplb", action="store_true",
+        help="expert-parallel load balancing (vLLM's EPLB): every --eplb-window-size steps "
+             "each MoE layer places its experts anew from the tokens they got in the "
+             "window, the busiest with more copies (--num-redundant-experts), spread so "
+             "every rank gets a like share of the load; needs expert parallel, "
+             "full-precision experts")
+    num_redundant_experts: int = arg(
+        0, to="parallel.num_redundant_experts", parse=arg_types.non_negative_int,
+        help="with --enable-eplb: extra expert slots each MoE layer holds (experts + "
+             "redundant must divide over the expert-parallel ranks)")
+    eplb_window_size: int = arg(
+        1000, to="parallel.eplb_window_size", parse=arg_types.positive_int,
+        help="with --enable-eplb: steps between rearrangements, whose loads decide each")
     distributed_executor_backend: str | None = arg(
         None, to="parallel.distributed_executor_backend", choices=["mp", "uni", "ray"],
         help="mp: worker processes; uni: in-process (one rank); ray: one Ray actor per rank "

@@ -1,5 +1,6 @@
-"""Expert parallel across data-parallel replicas: the layouts refused at start-up (one
-line, exit 2), and the engine cores' lock-step (core/dp_lockstep.py) on its own, torch-free.
+"""Expert parallel across data-parallel replicas and EPLB: the layouts refused at start-up
+(one line, exit 2), and the engine cores' lock-step (core/dp_lockstep.py) on its own,
+torch-free.
 The served layout itself: tests/entrypoints/test_dp_expert_parallel.py."""
 
 from __future__ import annotations
@@ -49,18 +50,29 @@ def test_layouts_across_replicas_resolve_or_are_refused(models):
     with pytest.raises(ValueError, match="on several hosts .* is not supported yet"):
         _config(moe, data_parallel_size=2, data_parallel_size_local=1,
                 enable_expert_parallel=True)
-    for flags in (dict(enable_eplb=True), dict(num_redundant_experts=2),
-                  dict(eplb_window_size=100)):
-        with pytest.raises(ValueError, match="EPLB.* is not supported yet"):
-            _config(moe, data_parallel_size=2, enable_expert_parallel=True, **flags)
+    # EPLB: over expert-parallel ranks, full-precision experts, slots that divide
+    config = _config(moe, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                     num_redundant_experts=2, eplb_window_size=100)
+    assert (config.parallel.enable_eplb, config.parallel.num_redundant_experts,
+            config.parallel.eplb_window_size) == (True, 2, 100)
+    with pytest.raises(ValueError, match="only --enable-eplb does"):
+        _config(moe, data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2)
+    with pytest.raises(ValueError, match="add --enable-expert-parallel"):
+        _config(moe, data_parallel_size=2, enable_eplb=True)
+    with pytest.raises(ValueError, match="8 \\+ 1 redundant experts"):
+        _config(moe, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                num_redundant_experts=1)
+    with pytest.raises(ValueError, match="moves full-precision experts"):
+        _config(moe, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                quantization="wint8")
 
 
-def test_serve_refuses_a_dense_model_and_eplb_in_one_line(models):
+def test_serve_refuses_a_dense_model_and_slots_that_do_not_divide_in_one_line(models):
     run = run_loom("serve", models["llama"], "-dp", "2", "--enable-expert-parallel")
     assert_one_line_error(run, "has no experts", "--enable-expert-parallel")
     run = run_loom("serve", models["qwen3_moe"], "-dp", "2", "--enable-expert-parallel",
-                   "--enable-eplb")
-    assert_one_line_error(run, "--enable-eplb", "not supported yet")
+                   "--enable-eplb", "--num-redundant-experts", "1")
+    assert_one_line_error(run, "--expert-parallel-size 2 does not divide", "1 redundant")
 
 
 def _lockstep_pair(tmp_path, monkeypatch, bound_s: float = 30.0):

@@ -103,6 +103,14 @@ class EPGroup:
 
     tp_group: TPGroup = SINGLE
     across: TPGroup | None = None
+    # EPLB (layers/fused_moe.py): slots for copies of busy experts beside the model's
+    # experts; the ranks split num_experts + num_redundant_experts slots.
+    num_redundant_experts: int = 0
+
+    @property
+    def group(self) -> TPGroup:
+        """The ranks that split the experts, as a group to gather and reduce over."""
+        return self.across or self.tp_group
 
     @property
     def size(self) -> int:
@@ -118,7 +126,9 @@ class EPGroup:
         return self.across is not None
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
-        """[start, end) of the experts this rank owns."""
+        """[start, end) of the expert slots this rank owns (with EPLB's redundant slots,
+        of num_experts + num_redundant_experts)."""
+        num_experts += self.num_redundant_experts
         if num_experts % self.size:
             raise ValueError(f"{num_experts} experts do not split over expert parallel size "
                              f"{self.size}; choose a size that divides them")
@@ -151,20 +161,21 @@ NO_EP = EPGroup()
 
 
 def expert_parallel_group(tp_group: TPGroup, expert_parallel_size: int,
-                          across: TPGroup | None = None) -> EPGroup:
+                          across: TPGroup | None = None,
+                          num_redundant_experts: int = 0) -> EPGroup:
     """The EP group over ``tp_group``'s ranks, or over ``across`` (every replica's ranks,
     when the size spans replicas), or NO_EP (experts split like every other matrix,
-    over TP) for size 1."""
+    over TP) for size 1; with ``num_redundant_experts`` EPLB's extra slots."""
     if expert_parallel_size == 1:
         return NO_EP
     if across is not None and expert_parallel_size == across.world_size \
             and across.world_size > tp_group.world_size:
-        return EPGroup(tp_group, across)
+        return EPGroup(tp_group, across, num_redundant_experts)
     if expert_parallel_size != tp_group.world_size:
         raise ValueError(f"expert parallel size {expert_parallel_size} must be 1, the "
                          f"tensor parallel size {tp_group.world_size}, or that times the "
                          "data parallel size")
-    return EPGroup(tp_group)
+    return EPGroup(tp_group, None, num_redundant_experts)
 
 
 # The store the ranks met through: a TCP server inside rank 0's process, which

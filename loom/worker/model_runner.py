@@ -109,6 +109,8 @@ class ModelRunner:
         # (vLLM's encoder cache; the scheduler budgets the encoding, core/scheduler.py)
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._graphs_said: str | None = ""  # what was last logged of them: said once
+        self._eplb_steps = 0  # steps run, for EPLB's window (--eplb-window-size)
+        self.eplb_rearrangements = 0  # MoE layers placed anew by EPLB so far
         self._graphs_failed: str | None = None  # a capture's failure: none again
         self.early_stop = config.early_stop is not None and config.early_stop.enable_early_stop
         # Proposers run on rank 0 only, after sampling.
@@ -132,7 +134,8 @@ class ModelRunner:
                                 lm_head_fp32=self.config.model.lm_head_fp32,
                                 expert_parallel_size=self.config.parallel.expert_parallel_size,
                                 max_model_len=self.config.model.max_model_len,
-                                replicas_group=across_replicas())
+                                replicas_group=across_replicas(),
+                                num_redundant_experts=self.config.parallel.num_redundant_experts)
         # the original context of a rope whose frequencies depend on the sequence's
         # length (the shortest, if several): steps past it carry each token's length
         self.rope_scales_past = min((module.scales_past for module in self.model.modules()
@@ -362,6 +365,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.config.parallel.enable_eplb and self.moe_layers:
+            # every step counts, empty and dummy ones too: every EP rank runs the same
+            # steps, so all of them rearrange before the same one
+            self._eplb_steps += 1
+            if self._eplb_steps % self.config.parallel.eplb_window_size == 0:
+                with torch.inference_mode(False), torch.no_grad():
+                    self._rearrange_experts()
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             if scheduler_output.dummy_forward:
@@ -433,6 +443,21 @@ class ModelRunner:
                                  spec_token_ids=spec_token_ids, sampled_token_probs=probs,
                                  prompt_logprobs=prompt_logprobs, expert_tokens=expert_tokens,
                                  pooled=pooled)
+
+    def _rearrange_experts(self) -> None:
+        """EPLB: every MoE layer places its experts anew from the window's loads."""
+        moved = [layer.rearrange() for layer in self.moe_layers]
+        ep = self.moe_layers[0].expert_parallel
+        if ep.rank == 0:
+            shares = [layer.last_rearrangement for layer in self.moe_layers
+                      if layer.last_rearrangement is not None]
+            before = sum(b for b, _ in shares) / max(1, len(shares))
+            after = sum(min(b, a) for b, a in shares) / max(1, len(shares))
+            logger.info("EPLB after %d steps: %d of %d MoE layers' experts placed anew; the "
+                        "busiest of %d ranks' share of the window's tokens %.2f -> %.2f "
+                        "(mean over layers; even: %.2f)", self._eplb_steps, sum(moved),
+                        len(moved), ep.size, before, after, 1 / ep.size)
+        self.eplb_rearrangements += sum(moved)
 
     def dummy_step(self) -> None:
         """A step of a replica with no tokens while its experts serve other replicas'

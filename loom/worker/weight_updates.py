@@ -409,6 +409,13 @@ def _safetensors_meta(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 # ----------------------------------------------------------------- the model
 
 
+def model_expert_parallel(model: nn.Module) -> Any:
+    """The EP group the model's MoE layers were built with (EPLB's slots too), or None."""
+    from loom.model.layers.fused_moe import FusedMoE
+
+    return next((m.expert_parallel for m in model.modules() if isinstance(m, FusedMoE)), None)
+
+
 def meta_twin(model: nn.Module, hf_config: Any, tp_group, expert_parallel_size: int = 1
               ) -> nn.Module:
     """The model's architecture on the meta device, sharded as the model is (TP, and EP
@@ -420,8 +427,8 @@ def meta_twin(model: nn.Module, hf_config: Any, tp_group, expert_parallel_size: 
     if "expert_parallel" in inspect.signature(type(model)).parameters:
         from loom.distributed.parallel_state import across_replicas, expert_parallel_group
 
-        kwargs["expert_parallel"] = expert_parallel_group(tp_group, expert_parallel_size,
-                                                          across_replicas())
+        kwargs["expert_parallel"] = model_expert_parallel(model) or expert_parallel_group(
+            tp_group, expert_parallel_size, across_replicas())
     with torch.device("meta"):
         return type(model)(hf_config, tp_group, **kwargs)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -249,6 +250,12 @@ class Worker:
             self.kv_segment.close()
         self.kv_segment = SharedKVSegment.create(shape, dtype, self.rank)
         return self.kv_segment.tensor
+
+    def eplb_placement(self) -> dict[str, Any]:
+        """EPLB: the MoE layers placed anew so far, and each layer's expert per slot."""
+        runner = self.model_runner
+        return {"rearranged": runner.eplb_rearrangements,
+                "placement": [layer.physical_to_logical.tolist() for layer in runner.moe_layers]}
 
     def collective_bytes(self) -> dict[str, int]:
         """Bytes this rank has handed to all-reduces and all-to-alls since start."""

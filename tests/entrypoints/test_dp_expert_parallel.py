@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from checkpoints import MOE_FAMILIES, make_tiny_checkpoint
+from checkpoints import MOE_FAMILIES, bias_router, make_tiny_checkpoint
 from loom_server import LoomServer, _spawned_children
 from tokenizer_fixtures import make_tiny_tokenizer
 
@@ -122,6 +122,48 @@ def test_dp2_ep2_matches_transformers_and_one_rank(tmp_path, family):
     assert _metric_total(metrics, "vllm:num_preemptions_total") > 0, \
         "10 blocks were meant to force preemption"
     assert _metric_total(metrics, "vllm:prefix_cache_hits_total") > 0
+
+
+async def _eplb_greedy(path: str, prompts: list[list[int]]) -> tuple[list, list]:
+    """DP=2 x EP=2 with EPLB (2 redundant slots, a rearrangement every 4 steps): the
+    tokens, all at once, and every rank's placement answer."""
+    from loom.dp_async_llm import DPAsyncLLM
+
+    config = EngineArgs(model=path, **ENGINE, enable_eplb=True, num_redundant_experts=2,
+                        eplb_window_size=4).create_engine_config()
+    llm = DPAsyncLLM(config, log_requests=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    await llm.start()
+    try:
+        async def run(request_id: str, prompt: list[int]) -> list[int]:
+            async for output in llm.add_request(request_id, None, prompt, params,
+                                                stream=False):
+                last = output
+            return list(last.outputs[0].token_ids)
+
+        tokens = await asyncio.gather(*(run(f"r{i}", p) for i, p in enumerate(prompts)))
+        return tokens, await llm.control("collective_rpc", method="eplb_placement")
+    finally:
+        await llm.shutdown()
+
+
+def test_eplb_moves_busy_experts_and_keeps_transformers_tokens(tmp_path):
+    """The router biased toward experts 1 and 2: EPLB gives both spare slots to them
+    within the first windows (at first they copy experts 0 and 1), and the tokens stay
+    transformers'."""
+    path = bias_router(make_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe"))
+    make_tiny_tokenizer(path)
+    prompts = _prompts(320)
+    expected = _transformers_greedy(path, prompts)
+    tokens, answers = asyncio.run(_eplb_greedy(path, prompts))
+    assert tokens == expected
+    ranks = [rank for replica in answers for rank in replica]
+    assert len(ranks) == 2 and all(rank["rearranged"] > 0 for rank in ranks), ranks
+    assert ranks[0]["placement"] == ranks[1]["placement"]  # planned alike everywhere
+    for placement in ranks[0]["placement"]:  # each layer: 10 slots, 5 a rank
+        # at first slots 8 and 9 copy experts 0 and 1; now both spare slots copy the
+        # favoured ones
+        assert placement.count(1) + placement.count(2) == 4, placement
 
 
 def test_server_serves_one_replica_at_a_time_and_a_killed_worker_fails_it(tmp_path):

@@ -366,3 +366,91 @@ def test_all_to_all_across_replicas_equals_one_rank(tmp_path):
     for rank in ranks:
         torch.testing.assert_close(rank["tp shares"], expected, **close)
         torch.testing.assert_close(rank["tp one row"], expected[:1], **close)
+
+
+def test_plan_placement_copies_busy_experts_and_evens_the_ranks():
+    from loom.model.layers.fused_moe import busiest_rank_share, plan_placement
+
+    placement = plan_placement([9, 1, 1, 1], 6, 2)
+    assert placement == [0, 0, 3, 0, 1, 2]  # expert 0: three copies, on both ranks
+    assert busiest_rank_share([9, 1, 1, 1], placement, 2) == pytest.approx(7 / 12)
+    assert busiest_rank_share([9, 1, 1, 1], [0, 1, 2, 3, 1, 2], 2) == pytest.approx(10 / 12)
+    assert sorted(plan_placement([5, 0, 0, 7, 1, 1, 0, 2], 10, 2)) == \
+        sorted([0, 1, 2, 3, 4, 5, 6, 7, 0, 3])
+
+
+def _eplb_moe(tp_group: TPGroup, across: TPGroup | None) -> FusedMoE:
+    """The reference's experts over two ranks with 2 redundant slots (10 slots, 5 a
+    rank), loaded through the checkpoint's loader (a copy fills every slot of it), with
+    the router leaning hard on experts 2 and 3."""
+    reference = _biased(_reference_moe())
+    ep = EPGroup(tp_group, across, num_redundant_experts=2)
+    layer = FusedMoE(MoESpec(8, 2, 8), hidden_size=16, tp_group=tp_group, expert_parallel=ep)
+    layer.gate.weight.data.copy_(reference.gate.weight.data)
+    w13, w2 = reference.plain_weight("w13_weight"), reference.plain_weight("w2_weight")
+    for expert in range(8):
+        for which, tensor in (("gate", w13[expert][:8]), ("up", w13[expert][8:]),
+                              ("down", w2[expert])):
+            param = layer.w2_weight if which == "down" else layer.w13_weight
+            param.weight_loader(param, tensor, (expert, which))
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _biased(layer: FusedMoE) -> FusedMoE:
+    layer.gate.weight.data[2:4, 0] = 4.0  # x[:, 0] > 0 below: most tokens go to 2 and 3
+    return layer
+
+
+def _eplb_worker(rank: int, store_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=2)
+    try:
+        world = TPGroup(rank, 2, dist.group.WORLD)
+        x = torch.randn(12, 16, generator=torch.Generator().manual_seed(6))
+        x[:, 0] = x[:, 0].abs() + 1
+        results = {}
+        with torch.no_grad():
+            for name, tp, across in (("across replicas", TPGroup(), world),
+                                     ("over TP", world, None)):
+                layer = _eplb_moe(tp, across)
+                mine = x[:6] if across is not None and tp.world_size == 1 and rank == 0 \
+                    else x[6:] if across is not None and tp.world_size == 1 else x
+                before = layer(mine)
+                moved = layer.rearrange()
+                results[name] = (before, layer(mine), moved, layer.last_rearrangement,
+                                 layer.physical_to_logical.tolist())
+        torch.save(results, f"{out_path}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_eplb_rearranges_busy_experts_and_keeps_the_output(tmp_path):
+    """EPLB over two ranks, in both layouts: with the router leaning on experts 2 and 3,
+    rearrange() gives them copies and evens the ranks' load (each rank half the
+    tokens' experts), and the layer's output is one rank's before and after."""
+    out_path = str(tmp_path / "out.pt")
+    mp.spawn(_eplb_worker, args=(str(tmp_path / "store"), out_path), nprocs=2, join=True)
+    ranks = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(6))
+    x[:, 0] = x[:, 0].abs() + 1
+    with torch.no_grad():
+        expected = _biased(_reference_moe())(x)
+    close = dict(atol=1e-5, rtol=1e-5)
+    for name in ("across replicas", "over TP"):
+        for rank in ranks:
+            moved, (share_before, share_after), placement = rank[name][2:]
+            assert moved and share_after < share_before, rank[name]
+            assert placement.count(2) + placement.count(3) >= 3, placement  # copies
+            assert placement == ranks[0][name][4]  # every rank planned the same
+        if name == "across replicas":
+            for i in (0, 1):  # before, after
+                got = torch.cat([ranks[0][name][i], ranks[1][name][i]])
+                torch.testing.assert_close(got, expected, **close)
+        else:
+            for rank in ranks:
+                torch.testing.assert_close(rank[name][0], expected, **close)
+                torch.testing.assert_close(rank[name][1], expected, **close)

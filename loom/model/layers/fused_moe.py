@@ -327,6 +327,20 @@ class FusedMoE(nn.Module):
         self.register_buffer("tokens_per_expert",
                              torch.zeros(spec.num_experts, dtype=torch.int64),
                              persistent=False)
+        # Expert slots over the EP ranks (EPLB's redundant ones too): slot p holds expert
+        # physical_to_logical[p], at first p % E; rank r holds slots [expert_start,
+        # expert_end). A token's k-th choice runs on one of its expert's copies
+        # (physical_ids); rearrange() places them anew.
+        num_slots = spec.num_experts + (expert_parallel.num_redundant_experts
+                                        if expert_parallel.size > 1 else 0)
+        placement = torch.arange(num_slots, device="cpu") % spec.num_experts
+        self.register_buffer("physical_to_logical", placement.clone(), persistent=False)
+        self.logical_to_physical: torch.Tensor | None = None  # (E, copies), -1 padded
+        self.replica_counts: torch.Tensor | None = None  # (E,); None: slot p is expert p
+        self._window_start = torch.zeros(spec.num_experts, dtype=torch.int64)
+        # the busiest rank's share of the last window's tokens, held then and planned
+        self.last_rearrangement: tuple[float, float] | None = None
+        self._set_placement(placement)
         # loom's mixture_of_experts kernel's view of this layer (native_experts), made at
         # the first forward that can use it, dropped whenever the weights change
         self._native: Any = None
@@ -513,6 +527,9 @@ class FusedMoE(nn.Module):
             param.weight_loader(param, loaded_weight, (expert_id, which))
             return ["w2_weight" if which == "down" else "w13_weight"]
         name = "w2" if which == "down" else "w13"
+        if self.num_slots != self.spec.num_experts:
+            raise ValueError("EPLB's redundant experts need full-precision experts; these "
+                             "are quantized (drop --quantization, use safetensors)")
         if self.expert_start <= expert_id < self.expert_end:
             linear_layer = getattr(self.experts[expert_id - self.expert_start], name)
             linear_layer.weight.weight_loader(linear_layer.weight, loaded_weight, which)
@@ -526,26 +543,99 @@ class FusedMoE(nn.Module):
         expert_id, which = shard_id
         if which not in ("gate", "up", "down"):
             raise ValueError(f"expert weight {which!r} is none of gate, up, down")
-        if not self.expert_start <= expert_id < self.expert_end:
+        slots = self.local_slots(expert_id)
+        if not slots:
             return
         name = "w2_weight" if which == "down" else "w13_weight"
         if name in self._panels:
             self._unpack_panels(name)
         param = getattr(self, name)  # (a parameter held as panels was just replaced)
-        local = expert_id - self.expert_start
         inter, first = self.intermediate_per_rank, self.intermediate_start
-        if which in ("gate", "up"):
-            rows = loaded_weight[first:first + inter]
-            offset = 0 if which == "gate" else inter
-            target = param.data[local, offset:offset + inter]
-        else:
-            rows = loaded_weight[:, first:first + inter]
-            target = param.data[local]
-        if target.shape != rows.shape:
-            raise ValueError(f"expert {expert_id} {which} weight has shape "
-                             f"{tuple(loaded_weight.shape)}, which does not fit the "
-                             f"parameter slice {tuple(target.shape)}; does the config match?")
-        target.copy_(rows)
+        for local in slots:  # each copy of the expert this rank holds (EPLB)
+            if which in ("gate", "up"):
+                rows = loaded_weight[first:first + inter]
+                offset = 0 if which == "gate" else inter
+                target = param.data[local, offset:offset + inter]
+            else:
+                rows = loaded_weight[:, first:first + inter]
+                target = param.data[local]
+            if target.shape != rows.shape:
+                raise ValueError(f"expert {expert_id} {which} weight has shape "
+                                 f"{tuple(loaded_weight.shape)}, which does not fit the "
+                                 f"parameter slice {tuple(target.shape)}; does the config "
+                                 "match?")
+            target.copy_(rows)
+
+    # ----------------------------------------------------------------- EPLB
+
+    @property
+    def num_slots(self) -> int:
+        return self.physical_to_logical.shape[0]
+
+    def _set_placement(self, physical_to_logical: torch.Tensor) -> None:
+        """Slot p holds expert physical_to_logical[p] (a CPU tensor): the maps routing
+        reads."""
+        device = self.tokens_per_expert.device
+        self.physical_to_logical = physical_to_logical.to(device)
+        if torch.equal(physical_to_logical, torch.arange(self.spec.num_experts)):
+            self.logical_to_physical = self.replica_counts = None
+            return
+        slots = [[] for _ in range(self.spec.num_experts)]
+        for slot, expert in enumerate(physical_to_logical.tolist()):
+            slots[expert].append(slot)
+        width = max(len(s) for s in slots)
+        self.logical_to_physical = torch.tensor([s + [-1] * (width - len(s)) for s in slots],
+                                                device=device)
+        self.replica_counts = torch.tensor([len(s) for s in slots], device=device)
+
+    def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """(T, K) expert ids -> the slots that run them: pair i of the step takes copy
+        ``i % copies`` of its expert, so a busy expert's copies share its tokens."""
+        if self.replica_counts is None:
+            return topk_ids
+        pair = torch.arange(topk_ids.numel(), device=topk_ids.device).view_as(topk_ids)
+        return self.logical_to_physical[topk_ids, pair % self.replica_counts[topk_ids]]
+
+    def local_slots(self, expert_id: int) -> list[int]:
+        """This rank's slots (0-based) that hold expert ``expert_id``."""
+        if self.replica_counts is None:  # slot p holds expert p
+            inside = self.expert_start <= expert_id < self.expert_end
+            return [expert_id - self.expert_start] if inside else []
+        held = self.physical_to_logical[self.expert_start:self.expert_end].tolist()
+        return [slot for slot, expert in enumerate(held) if expert == expert_id]
+
+    def rearrange(self) -> bool:
+        """EPLB: place the experts anew from the tokens they got since the last call
+        (summed over the EP ranks; every EP rank calls this at the same step), moving
+        each slot's weights from a rank that holds them (an all-gather of every slot).
+        Returns whether the placement changed."""
+        if self.experts is not None:
+            raise ValueError("EPLB moves full-precision experts; these are quantized")
+        ep = self.expert_parallel
+        load = (self.tokens_per_expert - self._window_start.to(self.tokens_per_expert.device))
+        self._window_start = self.tokens_per_expert.clone()
+        load = ep.group.all_reduce(load.clone())
+        placement = torch.tensor(plan_placement(load.tolist(), self.num_slots, ep.size))
+        old = self.physical_to_logical.cpu()
+        before, after = (busiest_rank_share(load.tolist(), p.tolist(), ep.size)
+                         for p in (old, placement))
+        self.last_rearrangement = (before, after)
+        if after >= before:  # no better than what is held: nothing moves
+            return False
+        source = {}  # expert -> a slot holding it now
+        for slot, expert in enumerate(old.tolist()):
+            source.setdefault(expert, slot)
+        take = torch.tensor([source[e] for e in placement[self.expert_start:self.expert_end]
+                             .tolist()], device=load.device)
+        for name in ("w13_weight", "w2_weight"):
+            every = ep.group.all_gather(self.plain_weight(name).contiguous(), dim=0)
+            self._set_expert_param(name, every.index_select(0, take))
+            self._panels.discard(name)
+        self.expert_forms = None
+        self._native = None
+        self._set_placement(placement)
+        self.process_weights_after_loading()
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, H) -> (weights (T, K) float32, expert ids (T, K)): ``select_experts`` on
@@ -624,8 +714,8 @@ class FusedMoE(nn.Module):
             self.step_tokens += counts
         self.count_forward()
         top_k = topk_ids.shape[1]
-        per_rank = self.spec.num_experts // ep.size
-        flat_ids = topk_ids.flatten()  # (T*K,)
+        per_rank = self.num_slots // ep.size
+        flat_ids = self.physical_ids(topk_ids).flatten()  # (T*K,) slots
         # pairs grouped by the rank owning their expert: ids [[3, 0], [1, 2]] with 2
         # experts a rank -> owners [1, 0, 0, 1] -> order (0,1) (1,0) (0,0) (1,1)
         order = torch.argsort(flat_ids // per_rank, stable=True)
@@ -682,6 +772,7 @@ class FusedMoE(nn.Module):
         if self.step_tokens is not None:
             self.step_tokens += counts
         self.count_forward()
+        topk_ids = self.physical_ids(topk_ids)  # (EPLB: the slots that run them)
         if self.experts is not None:
             out = fused_experts(x, None, None, topk_weights, topk_ids, self.expert_start,
                                 experts=self.experts)
@@ -701,6 +792,48 @@ class FusedMoE(nn.Module):
                                     self.plain_weight("w2_weight"), topk_weights, topk_ids,
                                     self.expert_start)
         return out
+
+
+def plan_placement(load: list[float], num_slots: int, num_ranks: int) -> list[int]:
+    """EPLB's placement (vLLM's rebalance, greedy): which expert each of ``num_slots``
+    slots holds, ranks taking ``num_slots / num_ranks`` consecutive slots each.
+
+    Copies: every expert one, then each spare slot to the expert with the most tokens
+    per copy. Ranks: the copies, heaviest first (an expert's tokens split evenly over
+    its copies), each to the rank with room, without a copy of that expert if it can,
+    carrying the least load so far. Deterministic: ties go to the lower index.
+
+        load [9, 1, 1, 1], 6 slots, 2 ranks -> copies [3, 1, 1, 1] (3 tokens each, 1, 1, 1)
+        -> rank 0: 0 0 3 (3 + 3 + 1), rank 1: 0 1 2 (3 + 1 + 1): [0, 0, 3, 0, 1, 2]
+    """
+    num_experts = len(load)
+    copies = [1] * num_experts
+    for _ in range(num_slots - num_experts):
+        busiest = max(range(num_experts), key=lambda e: (load[e] / copies[e], -e))
+        copies[busiest] += 1
+    shares = sorted(((load[e] / copies[e], e) for e in range(num_experts)
+                     for _ in range(copies[e])), key=lambda item: (-item[0], item[1]))
+    per_rank = num_slots // num_ranks
+    held: list[list[int]] = [[] for _ in range(num_ranks)]
+    totals = [0.0] * num_ranks
+    for share, expert in shares:
+        rank = min((r for r in range(num_ranks) if len(held[r]) < per_rank),
+                   key=lambda r: (expert in held[r], totals[r], r))
+        held[rank].append(expert)
+        totals[rank] += share
+    return [expert for experts in held for expert in sorted(experts)]
+
+
+def busiest_rank_share(load: list[float], placement: list[int], num_ranks: int) -> float:
+    """The share of the tokens the busiest rank runs under ``placement`` (each expert's
+    tokens split evenly over its copies): 1 / num_ranks is even; 0 with no tokens."""
+    total = sum(load)
+    if not total:
+        return 0.0
+    copies = [placement.count(e) for e in range(len(load))]
+    per_rank = len(placement) // num_ranks
+    return max(sum(load[e] / copies[e] for e in placement[r * per_rank:(r + 1) * per_rank])
+               for r in range(num_ranks)) / total
 
 
 def _bias_loader(param: nn.Parameter, loaded_weight: torch.Tensor,

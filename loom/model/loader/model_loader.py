@@ -57,7 +57,8 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                attention_backend: str = "auto", quantization: str = "auto",
                quantization_group_size: int = 128, lm_head_fp32: bool = False,
                expert_parallel_size: int = 1, max_model_len: int | None = None,
-               replicas_group: TPGroup | None = None) -> nn.Module:
+               replicas_group: TPGroup | None = None,
+               num_redundant_experts: int = 0) -> nn.Module:
     """Build ``hf_config``'s architecture with this rank's shards on ``device`` in
     ``dtype`` and ``attention_backend`` (a registered name or auto), load every
     parameter from ``model_path``, quantize the decoder's linear weights if
@@ -65,7 +66,8 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
     wint4; ``lm_head_fp32``: float32 logits from a float32 copy of the LM head), return
     it in eval mode. Rank 0 logs the resident weight bytes by dtype. ``expert_parallel_size`` 1 or the TP size:
     MoE layers split their experts whole over the TP ranks (layers/fused_moe.py); or, with
-    ``replicas_group`` (every data-parallel replica's ranks) of that size, over all of them.
+    ``replicas_group`` (every data-parallel replica's ranks) of that size, over all of them;
+    ``num_redundant_experts``: EPLB's extra expert slots.
     ``max_model_len``: the ropes' cos/sin caches cover it where it exceeds the config's
     max_position_embeddings (rope scaling)."""
     model_cls = get_model_class(get_model_architecture(hf_config))
@@ -78,7 +80,8 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype = torch.float
                                                                          quantization_group_size),
                           expert_parallel=expert_parallel_group(tp_group,
                                                                 expert_parallel_size,
-                                                                replicas_group))
+                                                                replicas_group,
+                                                                num_redundant_experts))
     if max_model_len is not None:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
