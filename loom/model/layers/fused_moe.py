@@ -577,7 +577,8 @@ class FusedMoE(nn.Module):
         reads."""
         device = self.tokens_per_expert.device
         self.physical_to_logical = physical_to_logical.to(device)
-        if torch.equal(physical_to_logical, torch.arange(self.spec.num_experts)):
+        self._placement = physical_to_logical.tolist()  # read by the loaders, on any device
+        if self._placement == list(range(self.spec.num_experts)):
             self.logical_to_physical = self.replica_counts = None
             return
         slots = [[] for _ in range(self.spec.num_experts)]
@@ -601,7 +602,7 @@ class FusedMoE(nn.Module):
         if self.replica_counts is None:  # slot p holds expert p
             inside = self.expert_start <= expert_id < self.expert_end
             return [expert_id - self.expert_start] if inside else []
-        held = self.physical_to_logical[self.expert_start:self.expert_end].tolist()
+        held = self._placement[self.expert_start:self.expert_end]
         return [slot for slot, expert in enumerate(held) if expert == expert_id]
 
     def rearrange(self) -> bool:
@@ -616,7 +617,7 @@ class FusedMoE(nn.Module):
         self._window_start = self.tokens_per_expert.clone()
         load = ep.group.all_reduce(load.clone())
         placement = torch.tensor(plan_placement(load.tolist(), self.num_slots, ep.size))
-        old = self.physical_to_logical.cpu()
+        old = torch.tensor(self._placement)
         before, after = (busiest_rank_share(load.tolist(), p.tolist(), ep.size)
                          for p in (old, placement))
         self.last_rearrangement = (before, after)
