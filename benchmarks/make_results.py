@@ -78,6 +78,7 @@ class Row:
     source: str  # the result file, relative to results/
     command: str
     detail: str = ""
+    digits: int = 2  # an accuracy ratio (perplexity over perplexity) wants 4
 
 
 @dataclass
@@ -388,11 +389,35 @@ def perplexity() -> Section:
         section.rows.append(Row("default file kept in Q4_1, loom", "float32 of the same weights",
                                 data["loom_kept_bf16"] / data["loom_dequantized_float32"], None,
                                 _machine_of(name, data), name, data["command"],
-                                f"top-1 agreement with float32 {data['loom_kept_top1_agreement_with_float32']:.2%}"))
+                                f"top-1 agreement with float32 {data['loom_kept_top1_agreement_with_float32']:.2%}",
+                                digits=4))
         section.rows.append(Row("default file, llama.cpp", "its float32 copy",
                                 data["llamacpp"] / data["llamacpp_float32_copy"], None,
                                 _machine_of(name, data), name, data["command"],
-                                f"top-1 agreement {data['llamacpp_top1_agreement_with_its_float32_copy']:.2%}"))
+                                f"top-1 agreement {data['llamacpp_top1_agreement_with_its_float32_copy']:.2%}",
+                                digits=4))
+    return section
+
+
+def kv_cache_accuracy() -> Section:
+    section = Section(
+        "Accuracy of the int8 KV cache at a 4,096-token context",
+        "`benchmarks/perplexity.py --ctx 4096 --tokens 8192 --kv-cache-dtype int8`: "
+        "perplexity over two 4,096-token chunks with loom's int8 cache over its bf16 one, "
+        "beside llama.cpp's q8_0 cache over its f16 one, on the same file and tokens. The "
+        "ratio is the perplexity over the full-precision cache's (1.0 is exact).")
+    for name in _files("kv-perplexity-*.json"):
+        data = _load(name)
+        model = data["model"].split(" ")[0]
+        section.rows.append(Row(f"{model}, loom int8 cache", "loom's bf16 cache",
+                                data["loom_int8_cache"] / data["loom_bf16_cache"], None,
+                                _machine_of(name, data), name, data["command"],
+                                f"top-1 agreement with the bf16 cache "
+                                f"{data['loom_int8_top1_agreement_with_bf16_cache']:.2%}",
+                                digits=4))
+        section.rows.append(Row(f"{model}, llama.cpp q8_0 cache", "llama.cpp's f16 cache",
+                                data["llamacpp_q8_0_cache"] / data["llamacpp_f16_cache"], None,
+                                _machine_of(name, data), name, data["command"], "", digits=4))
     return section
 
 
@@ -437,12 +462,12 @@ def cuda() -> Section:
 
 SECTIONS = (decode_against_llamacpp, served_against_llama_server, quantized_prompt,
             default_model_against_engines, long_prompts, lora, embeddings, kv_tier, vision,
-            perplexity, moe, cuda)
+            perplexity, kv_cache_accuracy, moe, cuda)
 
 # The results files the sections above read (globs), to find the ones nothing reads.
 READ = ("interleaved-*.json", "served-*.json", "quantized-*.json", "summary.json",
         "long-context-*.json", "lora-*.json", "embed-speed-*.json", "kv_tier*.json",
-        "vision-speed-*.json", "perplexity-*.json", "moe_speed.json", "cuda_speed-*.json",
+        "vision-speed-*.json", "perplexity-*.json", "kv-perplexity-*.json", "moe_speed.json", "cuda_speed-*.json",
         "cuda_speed_file-*.json")
 
 
@@ -463,7 +488,7 @@ UNSTEADY = 1.5
 
 
 def _ratio(row: Row) -> str:
-    text = f"**{row.ratio:.2f}x**"
+    text = f"**{row.ratio:.{row.digits}f}x**"
     if row.spread:
         text += f" ({row.spread[0]:.2f}-{row.spread[1]:.2f}"
         text += ", unsteady)" if row.spread[1] > UNSTEADY * row.spread[0] else ")"
