@@ -107,7 +107,10 @@ class Worker:
             budget, source = self._lean_cpu_budget(bytes_per_block), "the CPU default"
         else:
             budget, source = self._profile_kv_budget(), "profiling"
-        num_blocks = self.tp_group.all_reduce_min(max(0, budget // bytes_per_block))
+        # Experts across replicas: every replica the same blocks, so each runs the same
+        # start-up steps (warm-up lends blocks), whose all-to-alls all ranks enter.
+        group = across_replicas() or self.tp_group
+        num_blocks = group.all_reduce_min(max(0, budget // bytes_per_block))
         logger.debug("rank %d: KV cache of %d blocks (%.1f MiB) from %s", self.rank,
                     num_blocks, num_blocks * bytes_per_block / 2**20, source)
         return num_blocks
