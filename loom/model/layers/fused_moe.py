@@ -730,8 +730,8 @@ class FusedMoE(nn.Module):
     def exchange_nothing(self, hidden_size: int, dtype: torch.dtype,
                          device: torch.device) -> None:
         """A dummy step's part in this layer's all-to-alls (a replica with no tokens this
-        step): sends no rows, runs what the other replicas send to its experts, and
-        returns their results. (No TP all-gather: every TP rank of the replica is here.)"""
+        step): sends no rows, runs what the other replicas send to its experts, and sends
+        their results back. (No TP all-gather: every TP rank of the replica is here.)"""
         ep = self.expert_parallel
         self._run_received(torch.empty((0, hidden_size), dtype=dtype, device=device),
                            torch.empty(0, dtype=torch.int64, device=device),
