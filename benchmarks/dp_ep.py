@@ -13,6 +13,12 @@ turns: each round runs every concurrency on DP x EP, then on TP x EP. A run send
 ``--output-len`` greedy output tokens, at most ``concurrency`` in flight; output
 tokens/s is the figure, median over rounds.
 
+``--eplb``: instead, DP=2 x EP=2 against the same with EPLB (``--enable-eplb
+--num-redundant-experts 2 --eplb-window-size 32``) on the checkpoint with its routers
+leaning on experts 1 and 2 (both on rank 0 as placed at first; tests' ``bias_router``),
+so one rank runs nearly every expert row without EPLB; the placements EPLB chose are
+printed at the end.
+
 Bytes: every rank counts what it hands to collectives (``parallel_state.collective_bytes``:
 the tensors it all-reduces; the hidden rows it sends by all-to-all, all and to other
 ranks), read before and after each run through ``collective_rpc("collective_bytes")``.
@@ -41,7 +47,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_checkpoint(root: str, layers: int, hidden: int, experts: int, top_k: int,
-                    dtype: str) -> str:
+                    dtype: str, biased: bool = False) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -60,6 +66,11 @@ def make_checkpoint(root: str, layers: int, hidden: int, experts: int, top_k: in
     path = os.path.join(root, "moe")
     model.save_pretrained(path)
     make_tiny_tokenizer(path)
+    if biased:
+        sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "model"))
+        from checkpoints import bias_router
+
+        bias_router(path)
     total = sum(p.numel() for p in model.parameters())
     print(f"checkpoint: Qwen3-MoE, {layers} layers, hidden {hidden}, {experts} experts of "
           f"intermediate {hidden}, top-{top_k}, {total / 1e6:.0f}M parameters, {dtype}",
@@ -120,6 +131,8 @@ async def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--eplb", action="store_true",
+                        help="DP x EP without and with EPLB, routers biased (see above)")
     args = parser.parse_args()
 
     from loom.async_llm import AsyncLLM
@@ -129,16 +142,23 @@ async def main() -> None:
     load_at_start = list(os.getloadavg())  # other work on the cores disturbs the figures
     root = tempfile.mkdtemp(prefix="loom-dp-ep-")
     path = make_checkpoint(root, args.layers, args.hidden, args.experts, args.top_k,
-                           args.dtype)
+                           args.dtype, biased=args.eplb)
     common = dict(model=path, dtype=args.dtype, max_model_len=512, max_num_seqs=64,
                   enable_prefix_caching=False, cpu_threads_per_rank=1,
                   distributed_executor_backend="mp")
     dp_config = EngineArgs(data_parallel_size=2, enable_expert_parallel=True,
                            **common).create_engine_config()
-    tp_config = EngineArgs(tensor_parallel_size=2, enable_expert_parallel=True,
-                           **common).create_engine_config()
-    engines = {"dp2_ep2": DPAsyncLLM(dp_config, log_requests=False),
-               "tp2_ep2": AsyncLLM(tp_config, log_requests=False)}
+    if args.eplb:
+        eplb_config = EngineArgs(data_parallel_size=2, enable_expert_parallel=True,
+                                 enable_eplb=True, num_redundant_experts=2,
+                                 eplb_window_size=32, **common).create_engine_config()
+        engines = {"dp2_ep2": DPAsyncLLM(dp_config, log_requests=False),
+                   "dp2_ep2_eplb": DPAsyncLLM(eplb_config, log_requests=False)}
+    else:
+        tp_config = EngineArgs(tensor_parallel_size=2, enable_expert_parallel=True,
+                               **common).create_engine_config()
+        engines = {"dp2_ep2": DPAsyncLLM(dp_config, log_requests=False),
+                   "tp2_ep2": AsyncLLM(tp_config, log_requests=False)}
     for engine in engines.values():
         await engine.start()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -156,11 +176,34 @@ async def main() -> None:
                           f"{result['output_tokens_per_s']:.1f} tok/s, all-to-all "
                           f"{result['all_to_all'] / 2**20:.2f} MiB, all-reduce "
                           f"{result['all_reduce'] / 2**20:.2f} MiB", flush=True)
+        placement = None
+        if args.eplb:
+            answer = await engines["dp2_ep2_eplb"].control("collective_rpc",
+                                                           method="eplb_placement")
+            placement = answer[0][0]
+            print(f"EPLB: {placement['rearranged']} layer rearrangements; expert per slot "
+                  f"({args.experts} + 2 slots, each rank half of them), each layer: "
+                  f"{placement['placement']}", flush=True)
     finally:
         for engine in engines.values():
             await engine.shutdown()
 
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[args.dtype]
+    if args.eplb:
+        summary = {concurrency: {name: statistics.median(
+            r["output_tokens_per_s"] for r in runs[name][concurrency]) for name in engines}
+            for concurrency in levels}
+        for concurrency, row in summary.items():
+            print(f"c={concurrency}: DP2xEP2 {row['dp2_ep2']:.1f} tok/s, with EPLB "
+                  f"{row['dp2_ep2_eplb']:.1f} tok/s (x{row['dp2_ep2_eplb'] / row['dp2_ep2']:.2f})")
+        if args.result_file:
+            with open(args.result_file, "w") as file:
+                json.dump({"args": vars(args), "summary": summary, "runs": runs,
+                           "eplb_placement": placement,
+                           "machine": {"loadavg_at_start": load_at_start,
+                                       "loadavg_at_end": list(os.getloadavg())}},
+                          file, indent=1)
+        return
     summary = {}
     for concurrency in levels:
         row = {}
