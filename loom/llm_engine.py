@@ -24,6 +24,11 @@ from loom.tokenizer import Tokenizer, load_tokenizer
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.experts_across_replicas:
+            raise ValueError("expert parallel across data-parallel replicas runs every "
+                             "replica together, which `loom serve --data-parallel-size` does; "
+                             "the offline engine runs one replica: drop data_parallel_size "
+                             "or use tensor_parallel_size with enable_expert_parallel")
         self.config = config
         if config.model.skip_tokenizer_init:
             self.tokenizer: Tokenizer = TokenIdsOnly(config)

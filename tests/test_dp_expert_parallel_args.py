@@ -32,6 +32,10 @@ def test_layouts_across_replicas_resolve_or_are_refused(models):
     moe, dense = models["qwen3_moe"], models["llama"]
     config = _config(moe, data_parallel_size=2, enable_expert_parallel=True)
     assert config.parallel.expert_parallel_size == 2 and config.parallel.experts_across_replicas
+    from loom.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="the offline engine runs one replica"):
+        LLMEngine(config)  # (before anything starts)
     config = _config(moe, data_parallel_size=2, tensor_parallel_size=2,
                      enable_expert_parallel=True)
     assert config.parallel.expert_parallel_size == 4
