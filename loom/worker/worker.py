@@ -43,7 +43,11 @@ class Worker:
 
     def init_device(self) -> None:
         if self.config.device == "cuda":
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+            # experts across replicas: one NCCL group over every replica's ranks, each
+            # on a GPU of its own (rank dp_rank * TP + tp_rank)
+            across = across_replicas()
+            rank = across.rank if across is not None else self.rank
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
