@@ -414,3 +414,19 @@ def test_adapters_on_shared_experts_equal_peft_merged(shared_experts_case, tmp_p
                                              "routed expert"):
             generate(llm, LoRARequest("expert", 3, expert))
     assert mixed == [want[0], plain[1], want[2]] and plain != want
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral_sliding", "gemma3", "ernie4_5"])
+def test_every_other_dense_family_equals_peft_merged(family, tmp_path):
+    """The families the module's cases leave out: an adapter on every linear gives the
+    PEFT-merged model's greedy tokens, beside the base in the same batch."""
+    from transformers import AutoModelForCausalLM
+
+    base = make_tiny_tokenizer(make_tiny_checkpoint(family, tmp_path / "base"))
+    merged = make_adapter(base, str(tmp_path / "a1"), 1, 8, ALL)
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    want = [hf_greedy(merged, PROMPTS[0]), hf_greedy(plain, PROMPTS[1])]
+    assert want[0] != hf_greedy(plain, PROMPTS[0])  # the adapter changes the tokens
+    with LLM(base, **ENGINE) as llm:
+        got = generate(llm, [LoRARequest("a1", 1, str(tmp_path / "a1")), None, None])
+    assert got[:2] == want
