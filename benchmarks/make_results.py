@@ -188,9 +188,10 @@ def served_against_llama_server() -> Section:
         for key, ratio in sorted(data.get("ratios", {}).items()):
             clients = key.rsplit("_c", 1)[1]
             medians = data["medians"]
-            detail = (f"{clients} clients; peak RSS loom {medians[f'loom_c{clients}']['peak_rss_mib']:,.0f} "
+            plural = "client" if clients == "1" else "clients"
+            detail = (f"{clients} {plural}; peak RSS loom {medians[f'loom_c{clients}']['peak_rss_mib']:,.0f} "
                       f"MiB, llama-server {medians[f'llamacpp_c{clients}']['peak_rss_mib']:,.0f} MiB")
-            section.rows.append(Row(f"default Q4_1, {clients} clients", "llama-server", ratio, None,
+            section.rows.append(Row(f"default Q4_1, {clients} {plural}", "llama-server", ratio, None,
                                     _machine_of(name, data), name,
                                     f"python benchmarks/served_quantized.py --repeats {data.get('repeats', 1)}",
                                     detail))
@@ -251,7 +252,7 @@ def default_model_against_engines() -> Section:
             ours = serving.get("loom", {}).get(clients, {}).get("output_throughput")
             theirs = serving.get(baseline, {}).get(clients, {}).get("output_throughput")
             if ours and theirs:
-                section.rows.append(Row(f"served output tok/s, {clients} clients", baseline,
+                section.rows.append(Row(f"served output tok/s, {clients} client{"s" if clients != "1" else ""}", baseline,
                                         ours / theirs, None, machine, name, command,
                                         f"{ours:,.0f} vs {theirs:,.0f} tok/s"))
     roofline = data.get("roofline", {})
@@ -524,7 +525,8 @@ def render(sections: list[Section]) -> str:
         for row in section.rows:
             by_machine.setdefault(row.machine, []).append(row)
         for machine, rows in by_machine.items():
-            lines += [f"On a {machine}:" if machine != "not recorded" else "Machine not recorded:", "",
+            where = "On " + (machine if machine.startswith("one ") else f"a {machine}")
+            lines += [f"{where}:" if machine != "not recorded" else "Machine not recorded:", "",
                       "| comparison | loom / baseline | baseline | detail | recorded | file |",
                       "|---|---|---|---|---|---|"]
             for row in rows:
