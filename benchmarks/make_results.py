@@ -252,7 +252,7 @@ def default_model_against_engines() -> Section:
             ours = serving.get("loom", {}).get(clients, {}).get("output_throughput")
             theirs = serving.get(baseline, {}).get(clients, {}).get("output_throughput")
             if ours and theirs:
-                section.rows.append(Row(f"served output tok/s, {clients} client{"s" if clients != "1" else ""}", baseline,
+                section.rows.append(Row(f"served output tok/s, {clients} client{'s' if clients != '1' else ''}", baseline,
                                         ours / theirs, None, machine, name, command,
                                         f"{ours:,.0f} vs {theirs:,.0f} tok/s"))
     roofline = data.get("roofline", {})
