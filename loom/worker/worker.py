@@ -264,6 +264,14 @@ class Worker:
         return {"rearranged": runner.eplb_rearrangements,
                 "placement": [layer.physical_to_logical.tolist() for layer in runner.moe_layers]}
 
+    def moe_expert_formats(self) -> list[list[list[str | None]]]:
+        """Each MoE layer's local experts as held here: [w13 format, w2 format] per
+        expert (wint8, Q4_0, ...; None for full precision), one list per layer."""
+        return [[[e.w13.weight_format, e.w2.weight_format] for e in layer.experts]
+                if layer.experts is not None
+                else [[None, None]] * (layer.expert_end - layer.expert_start)
+                for layer in self.model_runner.moe_layers]
+
     def collective_bytes(self) -> dict[str, int]:
         """Bytes this rank has handed to all-reduces and all-to-alls since start."""
         import dataclasses
