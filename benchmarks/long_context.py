@@ -6,7 +6,8 @@ decode speed at depth, with the KV cache in bf16 and in int8 (llama.cpp's f16 an
 
 For each length and cache dtype, each round runs one loom process and two llama.cpp
 processes (their order alternating between rounds), every one fresh, with its peak
-resident memory (the process tree) sampled:
+resident memory (the process tree) sampled and the share of the CPU other processes
+took while it ran (``others_cpu_share``: a figure others disturbed says so):
 
 - loom (``--loom-child``): one request of ``length`` random prompt tokens and
   ``--decode-tokens`` tokens after it, through the offline engine: time to first
@@ -63,6 +64,27 @@ def loom_child(args: argparse.Namespace) -> None:
     finally:
         llm.shutdown()
     print(json.dumps({"ttft_s": prefill_s, "decode_tokens_per_s": decoded / sum(steps)}))
+
+
+def busy_cpu_s() -> tuple[float, float, float]:
+    """Now, the machine's busy CPU seconds so far, and this process's and its reaped
+    children's (every engine process here is a child run to its end)."""
+    import resource
+
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
+    ours = sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) \
+        + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
+    return time.monotonic(), busy, ours
+
+
+def others_share(start: tuple, end: tuple) -> float:
+    """The share of the machine's CPU that processes other than this one and its
+    children took between ``start`` and ``end``: how disturbed a figure is."""
+    wall, busy, ours = (b - a for a, b in zip(start, end))
+    return round(max(0.0, busy - ours) / (wall * os.cpu_count()), 3)
 
 
 def run_loom(args: argparse.Namespace, length: int, kv_dtype: str) -> dict[str, Any]:
@@ -123,8 +145,10 @@ def main() -> None:
                                        "round": round_, "read_gb_s": read_gb_s}
                 order = ("loom", "llamacpp") if round_ % 2 == 0 else ("llamacpp", "loom")
                 for side in order:
+                    start = busy_cpu_s()
                     row[side] = (run_loom if side == "loom" else run_llamacpp)(
                         args, length, kv_dtype)
+                    row[side]["others_cpu_share"] = others_share(start, busy_cpu_s())
                 row["ttft_ratio"] = row["llamacpp"]["ttft_s"] / row["loom"]["ttft_s"]
                 row["decode_ratio"] = (row["loom"]["decode_tokens_per_s"]
                                        / row["llamacpp"]["decode_tokens_per_s"])
@@ -135,7 +159,9 @@ def main() -> None:
                       f"loom {row['loom']['decode_tokens_per_s']:.1f} tok/s, llama.cpp "
                       f"{row['llamacpp']['decode_tokens_per_s']:.1f} ({row['decode_ratio']:.2f}x); "
                       f"peak RSS loom {row['loom']['peak_rss_mib']:.0f} MiB, llama.cpp "
-                      f"{row['llamacpp']['peak_rss_mib']:.0f} MiB (read test {read_gb_s:.0f} GB/s)",
+                      f"{row['llamacpp']['peak_rss_mib']:.0f} MiB (read test {read_gb_s:.0f} GB/s; "
+                      f"others took {row['loom']['others_cpu_share']:.0%} / "
+                      f"{row['llamacpp']['others_cpu_share']:.0%} of the CPU)",
                       flush=True)
     summary: dict[str, Any] = {"model": args.model, "threads": args.threads,
                                "decode_tokens": args.decode_tokens, "rounds": args.rounds,
