@@ -312,6 +312,11 @@ class ParallelConfig:
     # them form one process group (on data_parallel_address, hosted by replica 0's rank
     # 0), chosen by whoever launches the replicas (DPAsyncLLM) and passed down here.
     data_parallel_master_port: int | None = None
+    # ... and with replicas on several hosts, each replica rank's lock-step inbox as the
+    # head relays it (core/dp_lockstep.py: LockstepRelay): (the address its peers send
+    # to, the address it receives from), both TCP on the head, chosen by the head and
+    # passed down here; None: ipc sockets on this host.
+    data_parallel_lockstep_addresses: tuple[tuple[str, str], ...] | None = None
     # Expert-parallel load balancing (vLLM's EPLB; layers/fused_moe.py): each MoE layer
     # holds num_experts + num_redundant_experts expert slots over the EP ranks and every
     # eplb_window_size steps places its experts anew from the window's loads.
@@ -384,10 +389,11 @@ class ParallelConfig:
             raise ValueError("--enable-eplb balances experts over expert-parallel ranks; add "
                              "--enable-expert-parallel")
         if self.experts_across_replicas:
-            if self.num_local_replicas < self.data_parallel_size:
-                raise ValueError("expert parallel across data-parallel replicas on several "
-                                 "hosts (--data-parallel-size-local) is not supported yet; "
-                                 "run every replica on one host")
+            if self.data_parallel_start_rank == 0 and self.num_local_replicas == 0:
+                raise ValueError("expert parallel across data-parallel replicas needs the "
+                                 "head to run replica 0 (its rank 0 hosts the ranks' process "
+                                 "group on --data-parallel-address): give the head "
+                                 "--data-parallel-size-local >= 1")
             if self.distributed_executor_backend in ("ray", "uni") or self.nnodes > 1:
                 raise ValueError("expert parallel across data-parallel replicas runs each "
                                  "replica's ranks in worker processes on this host; drop "

@@ -71,6 +71,19 @@ class DPAsyncLLM:
             config = dataclasses.replace(config, parallel=dataclasses.replace(
                 config.parallel, data_parallel_master_port=_free_port(
                     config.parallel.data_parallel_address)))
+        # ... and with replicas on other hosts, the relay of the cores' lock-step flags
+        self._lockstep_relay = None
+        parallel = config.parallel
+        if parallel.experts_across_replicas and \
+                parallel.num_local_replicas < parallel.data_parallel_size and \
+                parallel.data_parallel_lockstep_addresses is None:
+            from loom.core.dp_lockstep import LockstepRelay
+
+            self._lockstep_relay = LockstepRelay(parallel.data_parallel_address,
+                                                 parallel.data_parallel_size)
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                parallel, data_parallel_lockstep_addresses=tuple(
+                    self._lockstep_relay.addresses)))
         self.config = config
         size = config.parallel.data_parallel_size
         self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer,
@@ -132,6 +145,9 @@ class DPAsyncLLM:
         if self._rendezvous is not None:  # after the remote cores were told to stop
             await self._rendezvous.close()
             self._rendezvous = None
+        if self._lockstep_relay is not None:
+            self._lockstep_relay.close()
+            self._lockstep_relay = None
 
     @property
     def is_dead(self) -> bool:

@@ -40,6 +40,11 @@ def handshake_settings(config: EngineConfig) -> dict[str, Any]:
         "--max-num-batched-tokens": config.scheduler.max_num_batched_tokens,
         "--speculative-config": speculative_settings(config),
         "--device": config.device,
+        # experts split over every replica's ranks: each must hold its share of them
+        "--expert-parallel-size": parallel.expert_parallel_size,
+        "--enable-eplb": parallel.enable_eplb,
+        "--num-redundant-experts": parallel.num_redundant_experts,
+        "--eplb-window-size": parallel.eplb_window_size,
     }
 
 
@@ -64,7 +69,6 @@ def node_settings(config: EngineConfig) -> dict[str, Any]:
     settings.update({
         # the ranks' KV caches: each sizes and caps its own, and the profile run and the
         # warm-up are forwards with collectives, whose batches these flags size
-        "--expert-parallel-size": config.parallel.expert_parallel_size,
         "--num-gpu-blocks-override": cache.num_gpu_blocks_override,
         "--kv-cache-memory": cache.kv_cache_memory_bytes,
         "--memory-utilization": cache.memory_utilization,

@@ -51,8 +51,12 @@ def test_layouts_across_replicas_resolve_or_are_refused(models):
     with pytest.raises(ValueError, match="must be 1, the tensor parallel size 1, or tensor x "
                                          "data parallel size 2"):
         _config(moe, data_parallel_size=2, expert_parallel_size=4)
-    with pytest.raises(ValueError, match="on several hosts .* is not supported yet"):
-        _config(moe, data_parallel_size=2, data_parallel_size_local=1,
+    # on several hosts (test_dp_expert_parallel_hosts.py), with replica 0 on the head
+    config = _config(moe, data_parallel_size=2, data_parallel_size_local=1,
+                     enable_expert_parallel=True)
+    assert config.parallel.experts_across_replicas
+    with pytest.raises(ValueError, match="needs the head to run replica 0"):
+        _config(moe, data_parallel_size=2, data_parallel_size_local=0,
                 enable_expert_parallel=True)
     # EPLB: over expert-parallel ranks, full-precision experts, slots that divide
     config = _config(moe, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,

@@ -20,7 +20,8 @@ FIELDS = {spec.name: spec for spec in dataclasses.fields(EngineArgs)}
 # given to each data-parallel replica, or a fixed bound.
 DERIVED = {"model.vocab_size", "model.sampling_defaults", "model.hf_config", "model.pooler",
            "parallel.data_parallel_rank", "parallel.worker_start_timeout_s",
-           "parallel.data_parallel_master_port"}
+           "parallel.data_parallel_master_port",
+           "parallel.data_parallel_lockstep_addresses"}
 
 
 def _engine_commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -11,6 +11,16 @@ here the cores tell each other directly, with no torch (the engine cores hold no
                                          ipc://TMP/loom-<API pid>-dp-PORT-rank
     round n: send mine, collect the D-1 others' round n, step if any has work
 
+With replicas on several hosts (``--data-parallel-size-local``) the inboxes are TCP and
+relayed by the head (``LockstepRelay``, in the API process, bound on
+``--data-parallel-address``): per replica rank a PULL its peers' PUSH sockets connect
+to, forwarded by ``zmq.proxy`` (C, without the GIL) to a PUSH its core's inbox connects
+to; the head passes the addresses down (``ParallelConfig.data_parallel_lockstep_addresses``,
+to headless hosts in ``DPWelcome``), so every port lies on the head, as the replicas'
+own sockets do.
+
+    engine core r ── PUSH ─▶ tcp://HEAD:a_p ─ relay p (head) ─▶ tcp://HEAD:b_p ─▶ PULL of peer p
+
 Rounds are numbered from 1 on every core and each core takes part in every round, so
 a round's decision is the same everywhere. A peer can be one round ahead (it decided
 round n, which needed ours, and sent n + 1): its message waits in ``_early``. An idle
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -59,18 +70,24 @@ class DPLockstep:
         parallel = config.parallel
         self.rank, self.size = parallel.data_parallel_rank, parallel.data_parallel_size
         port, owner = parallel.data_parallel_master_port, os.getppid()
+        relayed = parallel.data_parallel_lockstep_addresses
         self.bound_s = bound_s
         self.context = zmq.Context()
         self.inbox = self.context.socket(zmq.PULL)
-        address = inbox_address(owner, port, self.rank)
-        self._inbox_path = address.removeprefix("ipc://")
-        self.inbox.bind(address)
+        self._inbox_path = None
+        if relayed is not None:  # replicas on several hosts: through the head's relay
+            self.inbox.connect(relayed[self.rank][1])
+        else:
+            address = inbox_address(owner, port, self.rank)
+            self._inbox_path = address.removeprefix("ipc://")
+            self.inbox.bind(address)
         self.peers = []
         for rank in range(self.size):
             if rank != self.rank:
                 peer = self.context.socket(zmq.PUSH)
                 peer.setsockopt(zmq.LINGER, 0)
-                peer.connect(inbox_address(owner, port, rank))
+                peer.connect(relayed[rank][0] if relayed is not None
+                             else inbox_address(owner, port, rank))
                 self.peers.append(peer)
         self.round = 0
         self._early: list[StepFlag] = []
@@ -115,7 +132,63 @@ class DPLockstep:
 
     def close(self) -> None:
         self.context.destroy(linger=0)
+        if self._inbox_path is not None:
+            try:
+                os.unlink(self._inbox_path)
+            except OSError:
+                pass
+
+
+class LockstepRelay:
+    """The head's relay of the lock-step flags for replicas on several hosts: for each
+    replica rank a PULL (its peers send there) and a PUSH (its core's inbox receives
+    from there), both bound on ``host`` at free ports, joined by ``zmq.proxy_steerable``
+    in a thread of their own (the forwarding runs in libzmq, never holding the GIL)."""
+
+    def __init__(self, host: str, num_replicas: int) -> None:
+        self.context = zmq.Context()
+        self.addresses: list[tuple[str, str]] = []
+        self._threads: list[threading.Thread] = []
+        self._controls: list[zmq.Socket] = []
         try:
-            os.unlink(self._inbox_path)
-        except OSError:
+            for rank in range(num_replicas):
+                front, back = self.context.socket(zmq.PULL), self.context.socket(zmq.PUSH)
+                for sock in (front, back):
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.bind(f"tcp://{host}:*")
+                control_address = f"inproc://loom-lockstep-relay-{rank}"
+                control = self.context.socket(zmq.PAIR)
+                control.bind(control_address)
+                self._controls.append(control)
+                self.addresses.append((front.getsockopt_string(zmq.LAST_ENDPOINT),
+                                       back.getsockopt_string(zmq.LAST_ENDPOINT)))
+                thread = threading.Thread(target=self._relay, args=(front, back, control_address),
+                                          name=f"loom-lockstep-relay-{rank}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except zmq.ZMQError as error:
+            self.close()
+            raise RuntimeError(f"cannot bind the data-parallel lock-step relay on {host} "
+                               f"(--data-parallel-address must be an IP address of this, the "
+                               f"head, host): {error}") from None
+
+    def _relay(self, front: zmq.Socket, back: zmq.Socket, control_address: str) -> None:
+        control = self.context.socket(zmq.PAIR)
+        control.connect(control_address)
+        try:
+            zmq.proxy_steerable(front, back, None, control)
+        except zmq.ZMQError:
             pass
+        finally:
+            for sock in (front, back, control):
+                sock.close(linger=0)
+
+    def close(self) -> None:
+        for control in self._controls:
+            control.send(b"TERMINATE")
+        for thread in self._threads:
+            thread.join(5)
+        for control in self._controls:
+            control.close(linger=0)
+        self._controls, self._threads = [], []
+        self.context.destroy(linger=0)

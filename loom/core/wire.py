@@ -521,6 +521,11 @@ class DPHello(msgspec.Struct, tag="dp_hello"):
 
 class DPWelcome(msgspec.Struct, tag="dp_welcome"):
     addresses: list[tuple[int, str, str]]  # (replica rank, input address, output address)
+    # experts across the replicas: the store port of their ranks' one process group and
+    # every replica's lock-step addresses (ParallelConfig's data_parallel_master_port and
+    # data_parallel_lockstep_addresses, as the head chose them)
+    master_port: int | None = None
+    lockstep_addresses: list[tuple[str, str]] | None = None
 
 
 class DPRefusal(msgspec.Struct, tag="dp_refusal"):

@@ -21,6 +21,7 @@ core (PR_SET_PDEATHSIG), and the engine cores with this launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import signal
 import socket
@@ -83,6 +84,11 @@ def run_headless(config: EngineConfig) -> int:
             print(f"{prefix}: error: the head answered {type(reply).__name__}",
                   file=sys.stderr, flush=True)
             return 1
+        if reply.master_port is not None:  # experts across the replicas: the head's choices
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                parallel, data_parallel_master_port=reply.master_port,
+                data_parallel_lockstep_addresses=tuple(
+                    tuple(pair) for pair in reply.lockstep_addresses or ()) or None))
         spawn = multiprocessing.get_context("spawn")
         for rank, input_address, output_address in reply.addresses:
             processes[rank] = spawn.Process(

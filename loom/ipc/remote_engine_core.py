@@ -143,7 +143,11 @@ class HeadRendezvous:
             self.claimed[rank] = hello.host
         logger.info("data-parallel replica(s) %s joined from host %s", rank_list(ranks),
                     hello.host)
-        return DPWelcome([(rank, *self.remote[rank]) for rank in ranks])
+        parallel = self.config.parallel
+        lockstep = parallel.data_parallel_lockstep_addresses
+        return DPWelcome([(rank, *self.remote[rank]) for rank in ranks],
+                         master_port=parallel.data_parallel_master_port,
+                         lockstep_addresses=None if lockstep is None else list(lockstep))
 
     async def close(self) -> None:
         """Say goodbye to every welcomed host (its replicas were told to stop) and close."""
