@@ -394,10 +394,10 @@ class ParallelConfig:
                                  "head to run replica 0 (its rank 0 hosts the ranks' process "
                                  "group on --data-parallel-address): give the head "
                                  "--data-parallel-size-local >= 1")
-            if self.distributed_executor_backend in ("ray", "uni") or self.nnodes > 1:
+            if self.distributed_executor_backend == "uni" or self.nnodes > 1:
                 raise ValueError("expert parallel across data-parallel replicas runs each "
-                                 "replica's ranks in worker processes on this host; drop "
-                                 "--distributed-executor-backend ray/uni and --nnodes")
+                                 "replica's ranks in worker processes or Ray actors; drop "
+                                 "--distributed-executor-backend uni and --nnodes")
         if self.distributed_executor_backend not in (None, "mp", "uni", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp', 'uni' or 'ray', got "
                              f"{self.distributed_executor_backend!r}")

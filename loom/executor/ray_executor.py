@@ -36,6 +36,7 @@ Every node runs the same Python environment with loom installed (as vLLM require
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -200,13 +201,30 @@ class RayExecutor(MultiProcExecutor):
             addresses = TaskQueueAddresses.tcp_any_port(ray.util.get_node_ip_address())
             ipc_dir = None
         resources.queue = self.queue = TaskQueue(addresses, ipc_dir)
-        master_addr = placements[0].node_ip
-        [master_port] = _get([actors[0].host_store.remote(
-            parallel.world_size, parallel.worker_start_timeout_s)], deadline, "starting the store")
+        config = self.config
+        if parallel.experts_across_replicas:
+            # One process group over every replica's ranks: its store in replica 0's rank
+            # 0, at this (the engine cores') host's node IP and the port the API process
+            # picked, which every replica's executor knows alike.
+            master_addr = ray.util.get_node_ip_address()
+            if parallel.data_parallel_rank == 0 and placements[0].node_ip != master_addr:
+                raise RuntimeError(
+                    f"expert parallel across data-parallel replicas on Ray: replica 0's "
+                    f"rank 0 hosts the ranks' process group and must run on this host "
+                    f"({master_addr}), but Ray placed it on {placements[0].node_ip}; free a "
+                    f"{'GPU' if cuda else 'CPU'} here for it")
+            master_port = parallel.data_parallel_master_port
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                parallel, data_parallel_address=master_addr))
+        else:
+            master_addr = placements[0].node_ip
+            [master_port] = _get([actors[0].host_store.remote(
+                parallel.world_size, parallel.worker_start_timeout_s)], deadline,
+                "starting the store")
         ranks_on_ip = Counter(p.node_ip for p in placements)  # ranks sharing a host's cores
         log_level = logging.getLevelName(logging.getLogger("loom").getEffectiveLevel())
         for rank, (actor, where) in enumerate(zip(actors, placements)):
-            spec = WorkerSpec(config=self.config, rank=rank, instance_id=self.instance_id,
+            spec = WorkerSpec(config=config, rank=rank, instance_id=self.instance_id,
                               addresses=self.queue.addresses, master_addr=master_addr,
                               master_port=master_port, parent_pid=os.getpid(),
                               local=self.rank_is_local[rank], log_level=log_level,

@@ -204,6 +204,58 @@ def test_data_parallel_replicas_on_ray_then_sigterm_leaves_nothing(ray_cluster, 
         server.kill()
 
 
+@requires_ray
+def test_experts_across_replicas_on_ray_equal_one_rank(ray_cluster, tmp_path):
+    """DP=2 x EP=2 on Ray: each replica's engine core places its one actor (one per node),
+    and both actors join one process group (its store in replica 0's actor, at this
+    host's node IP and the port the API process picked); tokens travel to their experts
+    by all-to-all. The greedy tokens equal one rank's (every expert), one request at a
+    time (the other replica in dummy steps) and all at once; nothing is left behind."""
+    import asyncio
+
+    from loom.dp_async_llm import DPAsyncLLM
+    from loom.engine_args import EngineArgs
+
+    moe = make_model_dir("qwen3_moe", tmp_path / "qwen3_moe")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(moe, **ENGINE_ARGS) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
+                                                                   use_tqdm=False)]
+    config = EngineArgs(model=moe, data_parallel_size=2, enable_expert_parallel=True,
+                        distributed_executor_backend="ray", ray_address=ray_cluster.address,
+                        watchdog_timeout_s=15.0, **ENGINE_ARGS).create_engine_config()
+    assert config.parallel.experts_across_replicas
+
+    async def serve() -> tuple[list, list, list, list, list]:
+        llm = DPAsyncLLM(config, log_requests=False)
+        await llm.start()
+        try:
+            actors = loom_actors("ALIVE")
+            async def run(request_id, prompt, replicas):
+                stream = llm.add_request(request_id, None, prompt["prompt_token_ids"], params,
+                                         stream=False)
+                replicas.append(llm.replica_of(request_id))
+                async for output in stream:
+                    last = output
+                return list(last.outputs[0].token_ids)
+
+            replicas: list[int] = []
+            one = [await run(f"one-{i}", p, replicas) for i, p in enumerate(PROMPTS)]
+            together = await asyncio.gather(*(run(f"all-{i}", p, [])
+                                              for i, p in enumerate(PROMPTS)))
+            sent = await llm.control("collective_rpc", method="collective_bytes")
+            return one, list(together), replicas, sent, actors
+        finally:
+            await llm.shutdown()
+
+    one, together, replicas, sent, actors = asyncio.run(serve())
+    assert len(actors) == 2 and len({a["Address"]["NodeID"] for a in actors}) == 2, actors
+    assert one == expected and together == expected
+    assert set(replicas) == {0, 1}, replicas
+    assert all(rank["all_to_all_remote"] > 0 for replica in sent for rank in replica), sent
+    assert leftovers() == ([], [])
+
+
 def test_cli_error_when_ray_is_not_installed(model_dir):
     """One line, exit 2, before anything loads: Ray hidden from the interpreter."""
     code = ("import sys; sys.modules['ray'] = None; from loom.cli import main; "
