@@ -185,7 +185,11 @@ class LockstepRelay:
 
     def close(self) -> None:
         for control in self._controls:
-            control.send(b"TERMINATE")
+            control.setsockopt(zmq.SNDTIMEO, 1000)  # a relay thread that never started
+            try:
+                control.send(b"TERMINATE")
+            except zmq.Again:
+                pass
         for thread in self._threads:
             thread.join(5)
         for control in self._controls:
