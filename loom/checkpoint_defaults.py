@@ -327,13 +327,10 @@ EXPERTS_ACROSS_REPLICAS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM",
 
 
 def check_eplb(args: Any, expert_parallel_size: int) -> None:
-    """EPLB moves full-precision experts between ranks: quantized ones are refused."""
+    """EPLB needs experts split over expert-parallel ranks."""
     if expert_parallel_size == 1:
         raise ValueError("--enable-eplb balances experts over expert-parallel ranks; add "
                          "--enable-expert-parallel")
-    if args.quantization not in ("auto", "none") or str(args.model).endswith(".gguf"):
-        raise ValueError("--enable-eplb moves full-precision experts between ranks; drop "
-                         "--quantization (and use a safetensors checkpoint)")
 
 
 def max_position_embeddings(hf_config) -> int | None:

@@ -143,8 +143,7 @@ class EngineArgs:
         help="expert-parallel load balancing (vLLM's EPLB): every --eplb-window-size steps "
              "each MoE layer places its experts anew from the tokens they got in the "
              "window, the busiest with more copies (--num-redundant-experts), spread so "
-             "every rank gets a like share of the load; needs expert parallel, "
-             "full-precision experts")
+             "every rank gets a like share of the load; needs expert parallel")
     num_redundant_experts: int = arg(
         0, to="parallel.num_redundant_experts", parse=arg_types.non_negative_int,
         help="with --enable-eplb: extra expert slots each MoE layer holds (experts + "

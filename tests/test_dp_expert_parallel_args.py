@@ -70,16 +70,11 @@ def test_layouts_across_replicas_resolve_or_are_refused(models):
     with pytest.raises(ValueError, match="8 \\+ 1 redundant experts"):
         _config(moe, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
                 num_redundant_experts=1)
-    with pytest.raises(ValueError, match="moves full-precision experts"):
-        _config(moe, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
-                quantization="wint8")
-    # quantized experts across replicas are served (test_dp_expert_parallel_quantized.py);
-    # EPLB cannot move them
-    config = _config(moe, data_parallel_size=2, enable_expert_parallel=True, quantization="wint8")
-    assert config.parallel.experts_across_replicas
-    with pytest.raises(ValueError, match="moves full-precision experts"):
-        _config(moe, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
-                num_redundant_experts=2, quantization="wint8")
+    # quantized experts across replicas, EPLB moving them too
+    # (test_dp_expert_parallel_quantized.py)
+    config = _config(moe, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                     num_redundant_experts=2, quantization="wint8")
+    assert config.parallel.experts_across_replicas and config.parallel.enable_eplb
 
 
 def test_serve_refuses_a_dense_model_and_slots_that_do_not_divide_in_one_line(models):

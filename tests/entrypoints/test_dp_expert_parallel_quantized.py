@@ -6,8 +6,9 @@ run on their rank by all-to-all exactly as full-precision ones.
 Per format, ``DPAsyncLLM`` with DP=2 x EP=2 (TP=1) answers with one rank's greedy tokens
 (every expert, the same quantized weights, float32): requests one at a time (one replica
 works, the other takes dummy steps) and all at once; each rank holds half of every
-layer's experts, in the expected format, and sent rows to the other rank. EPLB cannot
-move quantized experts: that combination stays refused (tests/test_dp_expert_parallel_args.py)."""
+layer's experts, in the expected format, and sent rows to the other rank. With EPLB
+(wint8, the router biased toward two experts) the spare slots take copies of them, moved
+as the held quantized bytes, and the tokens stay one rank's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from checkpoints import make_tiny_checkpoint
+from checkpoints import bias_router, make_tiny_checkpoint
 
 from loom import LLM, SamplingParams
 from loom.engine_args import EngineArgs
@@ -123,3 +124,48 @@ def test_dp2_ep2_quantized_experts_match_one_rank(tmp_path, case):
         assert layers and all(len(experts) == 4 for experts in layers), layers
         assert {tuple(pair) for experts in layers for pair in experts} == {tuple(held)}, layers
     assert all(rank["all_to_all_remote"] > 0 for replica in sent for rank in replica), sent
+
+
+def test_eplb_moves_quantized_experts_and_keeps_one_ranks_tokens(tmp_path):
+    """wint8 experts, the router biased toward experts 1 and 2: EPLB (2 redundant slots,
+    a rearrangement every 4 steps) gives both spare slots to them on every rank alike,
+    moving the quantized bytes, and the tokens equal one rank's without EPLB."""
+    from tokenizer_fixtures import make_tiny_tokenizer
+
+    path = bias_router(make_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe"))
+    make_tiny_tokenizer(path)
+    engine = dict(dtype="float32", max_model_len=128, quantization="wint8")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(path, enable_warm_up=False, **engine) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+
+    async def run_all(config):
+        from loom.dp_async_llm import DPAsyncLLM
+
+        llm = DPAsyncLLM(config, log_requests=False)
+        await llm.start()
+        try:
+            async def run(request_id, prompt):
+                async for output in llm.add_request(request_id, None, prompt, params,
+                                                    stream=False):
+                    last = output
+                return list(last.outputs[0].token_ids)
+
+            first = await asyncio.gather(*(run(f"a{i}", p) for i, p in enumerate(PROMPTS)))
+            second = await asyncio.gather(*(run(f"b{i}", p) for i, p in enumerate(PROMPTS)))
+            return list(first), list(second), await llm.control(
+                "collective_rpc", method="eplb_placement")
+        finally:
+            await llm.shutdown()
+
+    config = EngineArgs(model=path, data_parallel_size=2, enable_expert_parallel=True,
+                        enable_eplb=True, num_redundant_experts=2, eplb_window_size=4,
+                        watchdog_timeout_s=15.0, **engine).create_engine_config()
+    first, second, answers = asyncio.run(run_all(config))
+    assert first == expected and second == expected  # (the second after the moves)
+    ranks = [rank for replica in answers for rank in replica]
+    assert len(ranks) == 2 and all(rank["rearranged"] > 0 for rank in ranks), ranks
+    assert ranks[0]["placement"] == ranks[1]["placement"]
+    for placement in ranks[0]["placement"]:  # at first slots 8, 9 copy experts 0 and 1
+        assert placement.count(1) + placement.count(2) == 4, placement

@@ -379,20 +379,25 @@ def test_plan_placement_copies_busy_experts_and_evens_the_ranks():
         sorted([0, 1, 2, 3, 4, 5, 6, 7, 0, 3])
 
 
-def _eplb_moe(tp_group: TPGroup, across: TPGroup | None) -> FusedMoE:
+def _eplb_moe(tp_group: TPGroup, across: TPGroup | None,
+              quantization: str = "none") -> FusedMoE:
     """The reference's experts over two ranks with 2 redundant slots (10 slots, 5 a
     rank), loaded through the checkpoint's loader (a copy fills every slot of it), with
-    the router leaning hard on experts 2 and 3."""
+    the router leaning hard on experts 2 and 3; ``quantization`` wint8: each slot a
+    QuantizedExpert."""
     reference = _biased(_reference_moe())
     ep = EPGroup(tp_group, across, num_redundant_experts=2)
-    layer = FusedMoE(MoESpec(8, 2, 8), hidden_size=16, tp_group=tp_group, expert_parallel=ep)
+    layer = FusedMoE(MoESpec(8, 2, 8), hidden_size=16, tp_group=tp_group, expert_parallel=ep,
+                     quantization=quantization)
     layer.gate.weight.data.copy_(reference.gate.weight.data)
     w13, w2 = reference.plain_weight("w13_weight"), reference.plain_weight("w2_weight")
     for expert in range(8):
         for which, tensor in (("gate", w13[expert][:8]), ("up", w13[expert][8:]),
                               ("down", w2[expert])):
-            param = layer.w2_weight if which == "down" else layer.w13_weight
-            param.weight_loader(param, tensor, (expert, which))
+            layer.load_expert(tensor, expert, which)
+    for module in layer.modules():  # the loader's hooks: quantized experts lay themselves out
+        if module is not layer and hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     layer.process_weights_after_loading()
     return layer
 
@@ -402,7 +407,7 @@ def _biased(layer: FusedMoE) -> FusedMoE:
     return layer
 
 
-def _eplb_worker(rank: int, store_path: str, out_path: str) -> None:
+def _eplb_worker(rank: int, store_path: str, out_path: str, quantization: str = "none") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=2)
@@ -414,7 +419,7 @@ def _eplb_worker(rank: int, store_path: str, out_path: str) -> None:
         with torch.no_grad():
             for name, tp, across in (("across replicas", TPGroup(), world),
                                      ("over TP", world, None)):
-                layer = _eplb_moe(tp, across)
+                layer = _eplb_moe(tp, across, quantization)
                 mine = x[:6] if across is not None and tp.world_size == 1 and rank == 0 \
                     else x[6:] if across is not None and tp.world_size == 1 else x
                 before = layer(mine)
@@ -454,3 +459,20 @@ def test_eplb_rearranges_busy_experts_and_keeps_the_output(tmp_path):
             for rank in ranks:
                 torch.testing.assert_close(rank[name][0], expected, **close)
                 torch.testing.assert_close(rank[name][1], expected, **close)
+
+
+def test_eplb_moves_quantized_experts_and_keeps_the_output(tmp_path):
+    """As above with wint8 experts (each slot a QuantizedExpert): rearrange() moves the
+    held quantized bytes; in both layouts the layer's output after it is the output
+    before (the same quantized weights, now in more slots)."""
+    out_path = str(tmp_path / "out.pt")
+    mp.spawn(_eplb_worker, args=(str(tmp_path / "store"), out_path, "wint8"), nprocs=2,
+             join=True)
+    ranks = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
+    for name in ("across replicas", "over TP"):
+        for rank in ranks:
+            before, after, moved, (share_before, share_after), placement = rank[name]
+            assert moved and share_after < share_before, rank[name]
+            assert placement.count(2) + placement.count(3) >= 3, placement
+            assert placement == ranks[0][name][4]
+            torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)

@@ -527,11 +527,8 @@ class FusedMoE(nn.Module):
             param.weight_loader(param, loaded_weight, (expert_id, which))
             return ["w2_weight" if which == "down" else "w13_weight"]
         name = "w2" if which == "down" else "w13"
-        if self.num_slots != self.spec.num_experts:
-            raise ValueError("EPLB's redundant experts need full-precision experts; these "
-                             "are quantized (drop --quantization, use safetensors)")
-        if self.expert_start <= expert_id < self.expert_end:
-            linear_layer = getattr(self.experts[expert_id - self.expert_start], name)
+        for local in self.local_slots(expert_id):  # each copy this rank holds (EPLB)
+            linear_layer = getattr(self.experts[local], name)
             linear_layer.weight.weight_loader(linear_layer.weight, loaded_weight, which)
         return [f"experts.{local}.{name}.weight" for local in range(len(self.experts))]
 
@@ -610,8 +607,6 @@ class FusedMoE(nn.Module):
         (summed over the EP ranks; every EP rank calls this at the same step), moving
         each slot's weights from a rank that holds them (an all-gather of every slot).
         Returns whether the placement changed."""
-        if self.experts is not None:
-            raise ValueError("EPLB moves full-precision experts; these are quantized")
         ep = self.expert_parallel
         load = (self.tokens_per_expert - self._window_start.to(self.tokens_per_expert.device))
         self._window_start = self.tokens_per_expert.clone()
@@ -628,6 +623,11 @@ class FusedMoE(nn.Module):
             source.setdefault(expert, slot)
         take = torch.tensor([source[e] for e in placement[self.expert_start:self.expert_end]
                              .tolist()], device=load.device)
+        if self.experts is not None:
+            self._move_quantized(take)
+            self._native = None
+            self._set_placement(placement)
+            return True
         for name in ("w13_weight", "w2_weight"):
             every = ep.group.all_gather(self.plain_weight(name).contiguous(), dim=0)
             self._set_expert_param(name, every.index_select(0, take))
@@ -637,6 +637,23 @@ class FusedMoE(nn.Module):
         self._set_placement(placement)
         self.process_weights_after_loading()
         return True
+
+    def _move_quantized(self, take: torch.Tensor) -> None:
+        """``rearrange`` for quantized experts: local slot i takes the held bytes (the
+        form's tensors: kernel layout, or values and scales) of global slot take[i], by an
+        all-gather of every slot's, copied into this slot's tensors in place (every
+        expert of a layer is held alike: one format, one shape)."""
+        group = self.expert_parallel.group
+        for name in ("w13", "w2"):
+            held = [getattr(expert, name).form.tensors() for expert in self.experts]
+            for key in held[0]:
+                parts = [h[key] for h in held]
+                if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
+                    raise ValueError(f"EPLB moves a layer's experts held alike; layer "
+                                     f"{self.layer_idx}'s {name} {key} differs between them")
+                every = group.all_gather(torch.stack(parts), dim=0)
+                for local, slot in enumerate(take.tolist()):
+                    parts[local].copy_(every[slot])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, H) -> (weights (T, K) float32, expert ids (T, K)): ``select_experts`` on
