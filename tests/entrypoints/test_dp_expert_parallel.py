@@ -26,6 +26,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from dp_greedy import one_then_all
 from checkpoints import MOE_FAMILIES, bias_router, make_tiny_checkpoint
 from loom_server import LoomServer, _spawned_children
 from tokenizer_fixtures import make_tiny_tokenizer
@@ -74,23 +75,14 @@ async def _dp_greedy(path: str, prompts: list[list[int]]) -> tuple[list, list, l
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     await llm.start()
     try:
-        async def run(request_id: str, prompt: list[int], replicas: list[int]) -> list[int]:
-            stream = llm.add_request(request_id, None, prompt, params, stream=False)
-            replicas.append(llm.replica_of(request_id))
-            async for output in stream:
-                last = output
-            return list(last.outputs[0].token_ids)
-
-        replicas: list[int] = []
-        one_at_a_time = [await run(f"one-{i}", p, replicas) for i, p in enumerate(prompts)]
-        all_at_once = await asyncio.gather(*(run(f"all-{i}", p, [])
-                                             for i, p in enumerate(prompts)))
+        one_at_a_time, all_at_once, replicas = await one_then_all(llm, prompts, params)
         # each replica holds part of every replica's experts: none may free or change them
         for method, kwargs in (("sleep", {"level": 2}), ("update_weights", {"path": path})):
             with pytest.raises(ControlError, match=f"{method} is not supported yet with "
                                                    "expert parallel across"):
                 await llm.control(method, **kwargs)
-        assert await run("after", prompts[0], []) == one_at_a_time[0]
+        again, _, _ = await one_then_all(llm, prompts[:1], params, tag="after-")
+        assert again == one_at_a_time[:1]
         return one_at_a_time, all_at_once, replicas, llm.metrics.render().decode()
     finally:
         await llm.shutdown()
@@ -118,7 +110,8 @@ def test_dp2_ep2_matches_transformers_and_one_rank(tmp_path, family):
     assert one_at_a_time == expected
     assert all_at_once == expected
     assert set(replicas) == {0, 1}, replicas  # each replica alone, the other in dummy steps
-    assert _metric_total(metrics, "vllm:request_success_total") == 2 * len(prompts) + 1
+    # both passes, then the first prompt again alone and "all at once"
+    assert _metric_total(metrics, "vllm:request_success_total") == 2 * len(prompts) + 2
     assert _metric_total(metrics, "vllm:num_preemptions_total") > 0, \
         "10 blocks were meant to force preemption"
     assert _metric_total(metrics, "vllm:prefix_cache_hits_total") > 0

@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 import psutil
+from dp_greedy import one_then_all
 from checkpoints import make_tiny_checkpoint
 from loom_server import REPO_ROOT
 from tokenizer_fixtures import make_tiny_tokenizer
@@ -70,17 +71,7 @@ async def _head_greedy(path: str, port: int) -> tuple[list, list, list]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     await llm.start()
     try:
-        async def run(request_id: str, prompt: list[int], replicas: list[int]) -> list[int]:
-            stream = llm.add_request(request_id, None, prompt, params, stream=False)
-            replicas.append(llm.replica_of(request_id))
-            async for output in stream:
-                last = output
-            return list(last.outputs[0].token_ids)
-
-        replicas: list[int] = []
-        one_at_a_time = [await run(f"one-{i}", p, replicas) for i, p in enumerate(PROMPTS)]
-        all_at_once = await asyncio.gather(*(run(f"all-{i}", p, [])
-                                             for i, p in enumerate(PROMPTS)))
+        one_at_a_time, all_at_once, replicas = await one_then_all(llm, PROMPTS, params)
         return one_at_a_time, list(all_at_once), replicas
     finally:
         await llm.shutdown()

@@ -16,6 +16,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from dp_greedy import one_then_all
 from checkpoints import bias_router, make_tiny_checkpoint
 
 from loom import LLM, SamplingParams
@@ -74,17 +75,7 @@ async def _dp_greedy(config) -> tuple[list, list, list, list, list]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     await llm.start()
     try:
-        async def run(request_id: str, prompt: list[int], replicas: list[int]) -> list[int]:
-            stream = llm.add_request(request_id, None, prompt, params, stream=False)
-            replicas.append(llm.replica_of(request_id))
-            async for output in stream:
-                last = output
-            return list(last.outputs[0].token_ids)
-
-        replicas: list[int] = []
-        one_at_a_time = [await run(f"one-{i}", p, replicas) for i, p in enumerate(PROMPTS)]
-        all_at_once = await asyncio.gather(*(run(f"all-{i}", p, [])
-                                             for i, p in enumerate(PROMPTS)))
+        one_at_a_time, all_at_once, replicas = await one_then_all(llm, PROMPTS, params)
         formats = await llm.control("collective_rpc", method="moe_expert_formats")
         sent = await llm.control("collective_rpc", method="collective_bytes")
         return one_at_a_time, list(all_at_once), replicas, formats, sent
