@@ -22,6 +22,7 @@ import sys
 import time
 
 import pytest
+from dp_greedy import one_then_all
 
 from loom import LLM, SamplingParams
 
@@ -231,20 +232,10 @@ def test_experts_across_replicas_on_ray_equal_one_rank(ray_cluster, tmp_path):
         await llm.start()
         try:
             actors = loom_actors("ALIVE")
-            async def run(request_id, prompt, replicas):
-                stream = llm.add_request(request_id, None, prompt["prompt_token_ids"], params,
-                                         stream=False)
-                replicas.append(llm.replica_of(request_id))
-                async for output in stream:
-                    last = output
-                return list(last.outputs[0].token_ids)
-
-            replicas: list[int] = []
-            one = [await run(f"one-{i}", p, replicas) for i, p in enumerate(PROMPTS)]
-            together = await asyncio.gather(*(run(f"all-{i}", p, [])
-                                              for i, p in enumerate(PROMPTS)))
+            one, together, replicas = await one_then_all(
+                llm, [p["prompt_token_ids"] for p in PROMPTS], params)
             sent = await llm.control("collective_rpc", method="collective_bytes")
-            return one, list(together), replicas, sent, actors
+            return one, together, replicas, sent, actors
         finally:
             await llm.shutdown()
 
