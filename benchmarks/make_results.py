@@ -326,17 +326,26 @@ def embeddings() -> Section:
         "Embeddings against sentence-transformers",
         "`benchmarks/embed_speed.py`: embeddings per second for a batch of short texts, "
         "`LLM.embed` against sentence-transformers' `encode` on the same checkpoint and "
-        "dtype, alternating rounds; the first text's cosine between the two checks they agree.")
+        "dtype, alternating rounds; the first text's cosine between the two checks they agree. "
+        "The roofline beside it: each side's share of torch's matmul rate in that dtype, "
+        "measured in the run on one layer's MLP shape, and so the most any engine could "
+        "gain over sentence-transformers on this CPU.")
     for name in _files("embed-speed-*.json"):
         data = _load(name)
         rates = data["embeddings_per_s"]
         ours, theirs = rates["loom"], rates["sentence-transformers"]
+        roofline = data.get("roofline")
+        bound = "" if roofline is None else (
+            f"; matmul rate {statistics.median(roofline[data['dtype'] + '_matmul_gflop_s']):.0f} "
+            f"GFLOP/s, loom at {roofline['share_of_matmul_rate']['loom']:.0%} of it, "
+            f"sentence-transformers {roofline['share_of_matmul_rate']['sentence-transformers']:.0%}"
+            f" (at most {roofline['most_any_engine_gains_over_st']}x to gain)")
         section.rows.append(Row(
             f"{_short(data['model'])} ({data['dtype']}, {data['texts']} texts)", "sentence-transformers",
             data["median_ratio_loom_over_st"], _spread(a / b for a, b in zip(ours, theirs)),
             _machine_of(name, data), name, data["command"].replace("/tmp/", ""),
             f"{statistics.median(ours):.0f} vs {statistics.median(theirs):.0f} per s; "
-            f"cosine {data['cosine_first_text']}"))
+            f"cosine {data['cosine_first_text']}{bound}"))
     return section
 
 
