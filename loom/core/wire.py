@@ -27,13 +27,25 @@ from loom.sampling_params import SamplingParams
 # ================================================================= multimodal inputs
 # Made by the API side's processor (loom/multimodal), carried by a request to the ranks.
 
+class ShmSlot(msgspec.Struct, array_like=True):
+    """Where an array's bytes wait in a shared-memory ring of the sender's host
+    (loom/ipc/shm_ring.py): the ring's segment, the item's position, its byte count."""
+
+    segment: str
+    start: int
+    length: int
+
+
 class TensorData(msgspec.Struct, array_like=True):
     """An array as its raw bytes (msgpack bin, never pickled): what an image processor
-    made of one image."""
+    made of one image. Between processes of one host a large one's bytes travel in
+    shared memory instead (``shm`` set, ``data`` empty) and are copied back into
+    ``data`` on arrival (loom/ipc/shm_ring.py)."""
 
     dtype: str  # numpy's name: float32, int64
     shape: list[int]
     data: bytes
+    shm: ShmSlot | None = None
 
     @classmethod
     def from_array(cls, array: Any) -> TensorData:
@@ -45,6 +57,10 @@ class TensorData(msgspec.Struct, array_like=True):
     def to_array(self) -> Any:
         """A writable numpy array of these bytes."""
         import numpy as np
+
+        if self.shm is not None:
+            raise RuntimeError(f"this array's bytes are still in shared memory "
+                               f"({self.shm.segment}); the receiver must fetch them first")
 
         return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy()
 

@@ -34,7 +34,7 @@ class Signal:
         self._shm = shm
         self.array = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
         # The owner unlinks even if close() is never called (an exception, a GC, exit).
-        self._finalizer = weakref.finalize(self, _release, shm, owner)
+        self._finalizer = weakref.finalize(self, release_segment, shm, owner)
 
     @classmethod
     def create(cls, name: str, shape: tuple[int, ...], dtype=np.int64) -> Signal:
@@ -47,18 +47,7 @@ class Signal:
 
     @classmethod
     def attach(cls, name: str, shape: tuple[int, ...], dtype=np.int64) -> Signal:
-        # On Python < 3.13 attaching registers the segment with this process's resource
-        # tracker, which unlinks it (and warns) when the process exits: undo that. A
-        # child spawned by the owner shares the owner's tracker (its fd is inherited)
-        # and must leave the owner's registration alone.
-        shares_owner_tracker = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
-        shm = shared_memory.SharedMemory(name=name, create=False)
-        if not shares_owner_tracker:
-            try:
-                resource_tracker.unregister(shm._name, "shared_memory")
-            except Exception:  # the tracker is best effort; never fail an attach on it
-                pass
-        return cls(shm, shape, np.dtype(dtype), owner=False)
+        return cls(attach_segment(name), shape, np.dtype(dtype), owner=False)
 
     def close(self) -> None:
         """Detach; the owner also unlinks. Idempotent."""
@@ -66,7 +55,25 @@ class Signal:
         self._finalizer()
 
 
-def _release(shm: shared_memory.SharedMemory, unlink: bool) -> None:
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Open an existing segment without adopting it.
+
+    On Python < 3.13 attaching registers the segment with this process's resource
+    tracker, which unlinks it (and warns) when the process exits: undo that. A child
+    spawned by the owner shares the owner's tracker (its fd is inherited) and must leave
+    the owner's registration alone."""
+    shares_owner_tracker = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    if not shares_owner_tracker:
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")
+        except Exception:  # the tracker is best effort; never fail an attach on it
+            pass
+    return shm
+
+
+def release_segment(shm: shared_memory.SharedMemory, unlink: bool) -> None:
+    """Unmap ``shm``; with ``unlink`` (its owner) also remove it."""
     try:
         shm.close()
     except BufferError:  # a view of the buffer is still alive; the unlink still counts
