@@ -16,6 +16,13 @@ took while it ran (``others_cpu_share``: a figure others disturbed says so):
 - llama.cpp: ``llama-bench -p length -n 0 -fa 1`` (prompt tokens/s, so time to first
   token = length / it) and ``llama-bench -p 0 -n decode_tokens -d length -fa 1``
   (decode tokens/s after a ``length``-token context), ``-ctk/-ctv f16`` or ``q8_0``.
+  With ``--llama-one-pass`` (for 32k, where each llama.cpp prefill takes a quarter of an
+  hour on two cores) one ``llama-batched-bench -npp length -ntg decode_tokens -npl 1``
+  gives both from a single prefill: its ``t_pp`` is the time to first token, its
+  ``speed_tg`` the decode speed at that depth.
+
+An fp8 cache (``fp8_e4m3``, ``fp8_e5m2``) has no llama.cpp counterpart: it is paired with
+llama.cpp's q8_0 cache, the other 8-bit one, and says so in its rows.
 
 The checkpoint's own context (the 1B-class file's 4,096) is lifted with
 ``--hf-overrides '{"max_position_embeddings": N}'``: the weights are random, speed is
@@ -35,7 +42,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-LLAMA_CACHE_TYPE = {"auto": "f16", "bfloat16": "f16", "int8": "q8_0"}
+LLAMA_CACHE_TYPE = {"auto": "f16", "bfloat16": "f16", "int8": "q8_0", "fp8_e4m3": "q8_0",
+                    "fp8_e5m2": "q8_0"}
 
 
 def loom_child(args: argparse.Namespace) -> None:
@@ -104,6 +112,8 @@ def run_llamacpp(args: argparse.Namespace, length: int, kv_dtype: str) -> dict[s
 
     bench = os.path.join(args.llama_bin, "llama-bench")
     cache = LLAMA_CACHE_TYPE[kv_dtype]
+    if args.llama_one_pass:
+        return run_llamacpp_one_pass(args, length, cache)
     common = ["-m", args.model, "-fa", "1", "-r", "1", "--no-warmup", "-t", str(args.threads),
               "-ctk", cache, "-ctv", cache, "-o", "json"]
     out, rss_prompt, _ = run_measured([bench, "-p", str(length), "-n", "0", *common], 3600)
@@ -115,6 +125,24 @@ def run_llamacpp(args: argparse.Namespace, length: int, kv_dtype: str) -> dict[s
             "peak_rss_mib": max(rss_prompt, rss_decode) / 2**20}
 
 
+def run_llamacpp_one_pass(args: argparse.Namespace, length: int, cache: str) -> dict[str, Any]:
+    """One llama-batched-bench run: the prompt's time and the decode speed after it."""
+    from benchmarks.quantized import run_measured
+
+    out, rss, _ = run_measured(
+        [os.path.join(args.llama_bin, "llama-batched-bench"), "-m", args.model,
+         "-c", str(length + args.decode_tokens + 16), "-b", "2048", "-ub", "512",
+         "-npp", str(length), "-ntg", str(args.decode_tokens), "-npl", "1", "-fa", "on",
+         "-ctk", cache, "-ctv", cache, "-t", str(args.threads), "--output-format", "jsonl"],
+        7200)
+    for line in out.splitlines():
+        if line.startswith("{") and '"pl"' in line:
+            result = json.loads(line)
+            return {"ttft_s": result["t_pp"], "decode_tokens_per_s": result["speed_tg"],
+                    "peak_rss_mib": rss / 2**20, "tool": "llama-batched-bench"}
+    raise RuntimeError(f"llama-batched-bench printed no result:\n{out[-2000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="the GGUF file both engines run")
@@ -124,6 +152,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--llama-one-pass", action="store_true",
+                        help="llama.cpp's prompt time and decode at depth from one "
+                             "llama-batched-bench prefill, not two llama-bench runs")
     parser.add_argument("--llama-bin", default=os.path.join(
         os.environ.get("LOOM_BENCH_ENVS", "/work/bench-envs"), "llama.cpp", "bin"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "long-context.json"))

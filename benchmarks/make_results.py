@@ -270,13 +270,17 @@ def long_prompts() -> Section:
         "Long prompts against llama.cpp",
         "`benchmarks/long_context.py`: the 1B-class Q4_0 file, one prompt of N tokens, then "
         "32 new tokens, in loom and in `llama-bench` (`-p N -n 32`, the same KV cache type: "
-        "f16 beside loom's bf16, q8_0 beside loom's int8), alternating; time to the first "
-        "token and decode speed after the prompt.")
+        "f16 beside loom's bf16, q8_0 beside loom's int8 and fp8, which llama.cpp lacks), "
+        "alternating; time to the first token and decode speed after the prompt. At 32k, "
+        "llama.cpp's two figures come from one `llama-batched-bench` prefill "
+        "(`--llama-one-pass`).")
     for name in _files("long-context-*.json"):
         data = _load(name)
         for key, m in sorted(data["medians"].items()):
             length, cache = key.split("/")
-            cache = "bf16 cache" if cache == "auto" else f"{cache} cache"
+            cache = ("bf16 cache" if cache == "auto" else
+                     f"{cache} cache (llama.cpp: q8_0)" if cache.startswith("fp8") else
+                     f"{cache} cache")
             command = "python benchmarks/" + data["command"].split("benchmarks/", 1)[-1] \
                 if data["command"].startswith("python") else "python benchmarks/" + data["command"]
             for what, ratio in (("time to first token", m["ttft_ratio"]),
