@@ -112,6 +112,10 @@ class ModelConfig:
     # How media are read (vLLM's --media-io-kwargs): {"video": {"num_frames": N}}, the
     # frames sampled from a video_url (None: 32)
     media_io_kwargs: dict[str, dict[str, Any]] | None = field(default=None, hash=False)
+    # MiB of each shared-memory ring that carries images' arrays to the next process of
+    # this host (loom/ipc/shm_ring.py; vLLM's --mm-processor-cache-type shm); 0: inside
+    # the messages.
+    mm_shm_cache_size_mib: int = 256
     # What the engine answers (loom/pooling.py): generate (completions, chat), embed
     # (embeddings) or score (rerank, score); a request for another task is a 400.
     task: str = "generate"

@@ -245,6 +245,13 @@ class EngineArgs:
         None, to="model.media_io_kwargs", parse=arg_types.json_object, scope=SERVE,
         help='how media are read, JSON, e.g. \'{"video": {"num_frames": 16}}\': the frames '
              "sampled evenly from a video_url (default 32)")
+    mm_shm_cache_size_mib: int = arg(
+        256, to="model.mm_shm_cache_size_mib", parse=arg_types.non_negative_int,
+        help="shared memory for images' arrays (64 KiB or more) on their way to the engine "
+             "core and to the ranks of this host: a ring of this size per sending process "
+             "(the API server per replica, each engine core), in /dev/shm, removed at exit; "
+             "an array finding no room travels inside the message, as all do with 0 and to "
+             "other hosts")
     lm_head_fp32: bool = arg(
         False, to="model.lm_head_fp32", action="store_true",
         help="compute logits in float32 from a float32 copy of the LM head (dequantized if "

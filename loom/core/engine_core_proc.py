@@ -44,6 +44,7 @@ from loom.core.wire import (AbortRequests, ControlRequest, ControlResponse, Engi
 from loom.errors import EngineDeadError
 from loom.envs import settings
 from loom.ipc.debris import die_with_parent
+from loom.ipc.shm_ring import FeatureFetcher, StaleSlotError
 from loom.request import Request, RequestStatus
 from loom.torch_free import forbid_torch
 
@@ -82,6 +83,7 @@ class EngineCoreProc:
         self.parent_pid = os.getppid()
         self.should_shutdown = False
         self.controls: deque[ControlRequest] = deque()
+        self.mm_fetcher = FeatureFetcher(index=0)
         self.engine_core = _make_engine_core(config)
         # Experts across data-parallel replicas: the replicas' cores step together.
         self.lockstep = None
@@ -116,6 +118,7 @@ class EngineCoreProc:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        self.mm_fetcher.close()
         if self.lockstep is not None:
             self.lockstep.close()
         self.context.destroy(linger=1000)
@@ -200,12 +203,16 @@ class EngineCoreProc:
 
     def _add_request(self, message: EngineCoreRequest) -> None:
         try:
+            # Large arrays wait in the API process's shared-memory ring: taken at once,
+            # so that its space is free again (loom/ipc/shm_ring.py).
+            if message.mm_features:
+                self.mm_fetcher.fetch(message.mm_features)
             self.engine_core.add_request(Request(
                 message.request_id, message.prompt_token_ids, message.sampling_params,
                 frozenset(message.eos_token_ids), arrival_time=message.arrival_time,
                 parent_request_id=message.parent_request_id, index=message.index,
                 mm_features=message.mm_features))
-        except ValueError as error:  # the API side validates, so this is a bug there
+        except (ValueError, StaleSlotError) as error:  # a bug on the API side; a ring too small
             self._send(EngineCoreOutputs(
                 [EngineCoreOutput(req_id=message.request_id, new_token_ids=[],
                                   finish_reason=RequestStatus.FINISHED_ERROR.finish_reason.value,

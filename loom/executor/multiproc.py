@@ -41,6 +41,8 @@ import time
 import weakref
 from typing import Any
 
+import msgspec
+
 from loom.core.kv_sizing import cap_num_blocks, kv_cache_summary
 from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, RPCResult,
                             SchedulerOutput, StepResult, WorkerFailure, WorkerRPC,
@@ -48,7 +50,8 @@ from loom.core.wire import (ExecuteModel, ModelRunnerOutput, RemoteStatus, RPCRe
 from loom.errors import EngineDeadError, WorkerDiedError, WorkerHungError
 from loom.executor.base import Executor, rpc_error
 from loom.ipc.debris import remove_debris
-from loom.ipc.signal import WorkerSignals
+from loom.ipc.shm_ring import SenderRing
+from loom.ipc.signal import WorkerSignals, segment_name
 from loom.ipc.task_queue import (TaskQueue, TaskQueueAddresses, UnexpectedMessageError,
                                  new_instance_id)
 from loom.progress import progress
@@ -68,6 +71,7 @@ class WorkerResources:
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.queue: TaskQueue | None = None
         self.signals: WorkerSignals | None = None
+        self.mm_ring: SenderRing | None = None  # images' arrays to the ranks of this host
 
     def release(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         if self.queue is not None:
@@ -86,6 +90,8 @@ class WorkerResources:
             self.queue.close()
         if self.signals is not None:
             self.signals.close()
+        if self.mm_ring is not None:
+            self.mm_ring.close()
 
 
 class MultiProcExecutor(Executor):
@@ -152,6 +158,10 @@ class MultiProcExecutor(Executor):
             master_port = parallel.master_port
         resources.queue = self.queue = TaskQueue(addresses, ipc_dir)
         self.signals = resources.signals
+        if parallel.nnodes == 1:  # every rank reads the ring (reader i: rank i); else inline
+            resources.mm_ring = SenderRing(
+                segment_name(os.getpid(), self.instance_id, "mm-ranks"),
+                self.config.model.mm_shm_cache_size_mib, num_readers=parallel.ranks_per_node)
 
         context = multiprocessing.get_context("spawn")
         for rank in range(parallel.ranks_per_node):  # node 0 holds the first ranks
@@ -208,7 +218,8 @@ class MultiProcExecutor(Executor):
         self._step_bound_s = parallel.step_bound_s(self._step_tokens)
         self._step_in_flight, self._step_sent = step, time.monotonic()
         try:
-            self.queue.broadcast(ExecuteModel(step=step, scheduler_output=scheduler_output))
+            self.queue.broadcast(ExecuteModel(step=step,
+                                              scheduler_output=self._staged(scheduler_output)))
             while self._result is None:
                 self._receive(timeout_ms=int(HEALTH_CHECK_INTERVAL_S * 1000))
                 if (self._result is None and
@@ -224,6 +235,16 @@ class MultiProcExecutor(Executor):
         result, self._result, self._step_in_flight = self._result, None, None
         self._last_step_end = time.time()
         return result.output
+
+    def _staged(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step as broadcast: new requests' large arrays in the ranks' shared-memory
+        ring (loom/ipc/shm_ring.py), the scheduler's objects left as they are."""
+        ring = self._resources.mm_ring
+        if ring is None or not any(new.mm_features for new in scheduler_output.scheduled_new_reqs):
+            return scheduler_output
+        return msgspec.structs.replace(scheduler_output, scheduled_new_reqs=[
+            msgspec.structs.replace(new, mm_features=ring.stage(new.mm_features))
+            if new.mm_features else new for new in scheduler_output.scheduled_new_reqs])
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None, args: tuple = ()) -> list[Any]:

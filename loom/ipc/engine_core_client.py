@@ -36,8 +36,11 @@ import zmq.asyncio
 from loom.config import EngineConfig
 from loom.core.engine_core_proc import run_engine_core
 from loom.core.wire import (EngineCoreFailed, EngineCoreInput, EngineCoreMessage, EngineCoreReady,
-                            EngineCoreShutdown)
+                            EngineCoreRequest, EngineCoreShutdown)
 from loom.ipc.debris import remove_debris
+from loom.ipc.shm_ring import SenderRing
+from loom.ipc.signal import segment_name
+from loom.ipc.task_queue import new_instance_id
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,16 @@ class EngineCoreClient(EngineCoreChannel):
         self.input_address = f"ipc://{self._socket_dir}/input"
         self.output_address = f"ipc://{self._socket_dir}/output"
         self.process: multiprocessing.process.BaseProcess | None = None
+        # Images' large arrays go to the core, on this host, through shared memory
+        # (loom/ipc/shm_ring.py); a remote core's client has none and sends them inline.
+        self._mm_ring = SenderRing(segment_name(os.getpid(), new_instance_id(), "mm-input"),
+                                   config.model.mm_shm_cache_size_mib, num_readers=1)
+
+    def send(self, message: EngineCoreInput) -> None:
+        if isinstance(message, EngineCoreRequest) and message.mm_features:
+            message = msgspec.structs.replace(
+                message, mm_features=self._mm_ring.stage(message.mm_features))
+        super().send(message)
 
     # ----------------------------------------------------------------- life cycle
 
@@ -148,6 +161,7 @@ class EngineCoreClient(EngineCoreChannel):
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        self._mm_ring.close()
         await asyncio.get_running_loop().run_in_executor(None, remove_debris)
 
     def _join(self, timeout: float) -> None:
@@ -158,6 +172,7 @@ class EngineCoreClient(EngineCoreChannel):
                 self.process.kill()
                 self.process.join(5)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._mm_ring.close()  # the core read everything it will ever read
 
     # ----------------------------------------------------------------- the process
 

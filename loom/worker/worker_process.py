@@ -44,6 +44,7 @@ from loom.core.wire import (RemoteStatus, RPCResult, StepResult, WorkerFailure, 
 from loom.envs import settings
 from loom.handshake import node_settings
 from loom.ipc.debris import die_with_parent
+from loom.ipc.shm_ring import FeatureFetcher
 from loom.ipc.signal import WorkerSignals, unlink_segment
 from loom.ipc.task_queue import TaskQueueAddresses, TaskQueueClient
 
@@ -277,6 +278,7 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
     to notice a dead parent. Returns on WorkerShutdown."""
     timeout_ms = int(HEARTBEAT_INTERVAL_S * 1000)
     is_rank0 = spec.rank == 0
+    mm_fetcher = FeatureFetcher(index=spec.rank)  # the engine's ring, when it sends one
     while True:
         status.beat()
         message = queue.poll(timeout_ms)
@@ -295,6 +297,9 @@ def event_loop(worker, queue: TaskQueueClient, status: StatusReporter, spec: Wor
         status.begin_step(message.step)
         if message.step == stall_at_step:
             _stall_forever(spec.rank, message.step)
+        for new in message.scheduler_output.scheduled_new_reqs:
+            if new.mm_features:
+                mm_fetcher.fetch(new.mm_features)
         output = worker.execute_model(message.scheduler_output)
         status.end_step()
         if is_rank0:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import struct
 import zlib
 
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 from PIL import Image
 
@@ -397,3 +399,74 @@ def test_chat_page_sends_an_image(server, offline, media_dir, browser):
     assert sent == [data_url(png_bytes(IMAGE))]
     assert browser.execute_script(
         "return document.getElementById('attachments').hidden") is True
+
+
+# ----------------------------------------------------------------- shared memory
+# Large arrays travel to the engine core and the ranks through shared-memory rings
+# (loom/ipc/shm_ring.py), on by default: every test above used them.
+
+
+def ring_positions(pids: list[int]) -> dict[str, int]:
+    """The images' rings these processes own, each with its writer's position (bytes
+    written so far, tails skipped included)."""
+    return {name: int(np.fromfile(f"/dev/shm/{name}", dtype=np.int64, count=3)[2])
+            for name in os.listdir("/dev/shm")
+            if "-mm-" in name and any(name.startswith(f"loom-{pid}-") for pid in pids)}
+
+
+def loom_segments(pids: list[int]) -> set[str]:
+    return {name for name in os.listdir("/dev/shm")
+            if any(name.startswith(f"loom-{pid}-") for pid in pids)}
+
+
+def server_pids(server) -> list[int]:
+    return [server.proc.pid] + [p.pid for p in psutil.Process(server.proc.pid).children(True)]
+
+
+def ask_two_images(server) -> tuple[str, int]:
+    answer = server.openai().chat.completions.create(
+        model="tiny-vl", max_tokens=MAX_TOKENS, temperature=0,
+        messages=user(image_part(data_url(png_bytes(IMAGE))),
+                      image_part(data_url(png_bytes(OTHER_IMAGE)))))
+    return answer.choices[0].message.content, answer.usage.completion_tokens
+
+
+def test_shared_memory_on_and_off_give_the_same_tokens(server, model_dir):
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+
+    shared = ask_two_images(server)
+    rings = ring_positions(server_pids(server))
+    # The API process's ring to the core and the core's to its rank, both written.
+    assert sorted(name.rsplit("-", 1)[1] for name in rings) == ["input", "ranks"], rings
+    assert all(position > 0 for position in rings.values()), rings
+
+    inline = LoomServer(model_dir, *TINY_SERVER_ARGS, "--dtype", "float32",
+                        "--served-model-name", "tiny-vl", "--mm-shm-cache-size-mib", "0")
+    try:
+        pids = server_pids(inline)
+        assert ask_two_images(inline) == shared
+        assert ring_positions(pids) == {}
+        assert inline.terminate() == 0
+    finally:
+        inline.close()
+    assert loom_segments(pids) == set()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "a worker SIGKILLed"])
+def test_no_segment_is_left_when_the_server_stops(model_dir, stop):
+    from loom_server import TINY_SERVER_ARGS, LoomServer
+
+    server = LoomServer(model_dir, *TINY_SERVER_ARGS, "--dtype", "float32",
+                        "--served-model-name", "tiny-vl")
+    try:
+        pids = server_pids(server)
+        ask_two_images(server)
+        assert len(ring_positions(pids)) == 2
+        if stop == "SIGTERM":
+            assert server.terminate() == 0
+        else:
+            server.worker_processes()[0].kill()
+            assert server.proc.wait(60) != 0  # the engine fails, the server exits
+    finally:
+        server.close()
+    assert loom_segments(pids) == set()
