@@ -103,6 +103,7 @@ class EngineCoreProc:
             self._run_controls()
             if self.lockstep is not None and not self.lockstep.agree(
                     self.engine_core.has_unfinished_requests(), self._check_while_waiting):
+                self._take_kv_reports()
                 continue  # no replica has work: all wait
             self.num_steps += 1
             if self.num_steps == self.stall_at_step:
@@ -110,8 +111,11 @@ class EngineCoreProc:
                                "(LOOM_TEST_STALL_ENGINE_AT_STEP)", self.num_steps)
                 threading.Event().wait()
             had_work = self.engine_core.has_unfinished_requests()
+            held = self.engine_core.kv_transfer_stats
             outputs = self.engine_core.step(lockstep=self.lockstep is not None)
-            if outputs or had_work or self.lockstep is None:  # (not after a dummy step)
+            # not after a dummy step, unless it took transfer reports (freed held blocks)
+            if outputs or had_work or self.lockstep is None or \
+                    self.engine_core.kv_transfer_stats != held:
                 self._send(EngineCoreOutputs(outputs, self.engine_core.get_stats(), time.time()))
             if not outputs and self.engine_core.scheduler.only_loading and not self.controls:
                 self._wait_for_transfers()
@@ -122,6 +126,17 @@ class EngineCoreProc:
         if self.lockstep is not None:
             self.lockstep.close()
         self.context.destroy(linger=1000)
+
+    def _take_kv_reports(self) -> None:
+        """No replica steps this round, but the ranks' transfer reports are taken all the
+        same: on a prefill replica the last send of a finished request frees its held
+        blocks here (a step only takes them when some replica has work, and the report
+        left unread would wake ``_wait_for_input`` at once, round after round). A decode
+        replica pulling blocks has work (its request is unfinished), so it steps."""
+        core = self.engine_core
+        if core.kv_events is not None:  # (the stats too: the API side's gauges follow)
+            self._send(EngineCoreOutputs(core.poll_kv_transfers(), core.get_stats(),
+                                         time.time()))
 
     def _check_while_waiting(self) -> None:
         """While the peers' step flags are awaited: the workers, the parent, and a
