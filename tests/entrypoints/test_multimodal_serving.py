@@ -462,11 +462,16 @@ def test_no_segment_is_left_when_the_server_stops(model_dir, stop):
         pids = server_pids(server)
         ask_two_images(server)
         assert len(ring_positions(pids)) == 2
+        processes = [psutil.Process(pid) for pid in pids]
         if stop == "SIGTERM":
             assert server.terminate() == 0
         else:
             server.worker_processes()[0].kill()
             assert server.proc.wait(60) != 0  # the engine fails, the server exits
+        psutil.wait_procs(processes, timeout=30)  # the resource tracker too
+        # Each ring's owner unlinked it: multiprocessing's resource tracker (the last
+        # resort, at the API process's exit) found nothing to clean up.
+        assert "leaked shared_memory" not in server.output()
     finally:
         server.close()
     assert loom_segments(pids) == set()
