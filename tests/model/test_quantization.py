@@ -283,8 +283,10 @@ def test_every_row_count_gives_a_row_the_bits_it_has_alone(fmt, kernel_isa):
     """Batch invariance (on by default): a row's outputs do not depend on how many other
     rows share its call. Every row count takes integer products (x rounded to int16 per
     block of 32, exact int32 sums per span, each span scaled in the same order): on
-    AVX-512 with VNNI 1 to 8 rows stream the weights (quant_gemm.cpp's int16_stream)
-    and more rows multiply a slab decoded into L1, with the same integers and the same
+    AVX-512 with VNNI 1 to 8 rows stream the weights (quant_gemm.cpp's int16_stream;
+    one row of a format whose group is one span of 32 or 16 features, the GGUF ones and
+    wint4 at 32, in a loop of its own: panel_times_row) and more rows multiply a slab
+    decoded into L1, with the same integers and the same
     epilogue; the AVX2 kernel does the same. So a row gives the same bits alone and
     among 1..256 rows, on either kernel, and both kernels agree (x's values 2^-12 of
     their block's largest are rounded: bf16 products would not give them)."""
