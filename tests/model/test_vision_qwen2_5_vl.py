@@ -110,6 +110,41 @@ def test_window_layout_is_transformers(images):
     assert sum(len(group) for group in pair.windows.groups) == 2 + 4
 
 
+def test_segments_that_follow_one_another_are_runs():
+    """A group of equal spans one after another is a run (first row, spans, length),
+    which attention reads as a view; spans with others between them are gathered."""
+    from loom.model.vision.qwen2_5_vl import _Segments
+
+    cpu = torch.device("cpu")
+    assert _Segments.of_lengths([4, 4, 2], cpu).runs == ((0, 2, 4), (8, 1, 2))
+    split = _Segments.of_lengths([4, 2, 4], cpu)
+    assert split.runs == (None, (4, 1, 2))
+    assert split.groups[0].tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
+
+
+def test_rope_in_row_chunks_and_attention_views_change_no_bit(hf_model, visual_weights,
+                                                               images, monkeypatch):
+    """The rope rotates a few rows at a time and attention reads runs of spans as views:
+    the rows are bit for bit those of the rope over every row at once and of gathering
+    every span (the pair's windows hold both a run and a gathered group)."""
+    from loom.model.vision import qwen2_5_vl
+
+    inputs = images["pair"]
+    tower = build_tower(hf_model.config, visual_weights, dtype=torch.bfloat16)
+    with torch.no_grad():
+        monkeypatch.setattr(qwen2_5_vl, "_ROPE_ROWS", 5)  # 88 rows: 18 chunks, one short
+        rows = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+        monkeypatch.setattr(qwen2_5_vl, "_ROPE_ROWS", 1 << 30)
+        real_of_lengths = qwen2_5_vl._Segments.of_lengths.__func__
+
+        def gathered(cls, lengths, device):
+            segments = real_of_lengths(cls, lengths, device)
+            return cls(segments.groups, (None,) * len(segments.groups))
+        monkeypatch.setattr(qwen2_5_vl._Segments, "of_lengths", classmethod(gathered))
+        expected = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert torch.equal(rows, expected)
+
+
 @pytest.mark.parametrize("batch", ["pair", "alone"])
 def test_matches_transformers(hf_model, visual_weights, images, batch):
     tower = build_tower(hf_model.config, visual_weights)
