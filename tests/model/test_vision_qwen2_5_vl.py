@@ -145,6 +145,31 @@ def test_rope_in_row_chunks_and_attention_views_change_no_bit(hf_model, visual_w
     assert torch.equal(rows, expected)
 
 
+def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, visual_weights, images,
+                                                       monkeypatch):
+    """Images go through the blocks in passes of at most ``_PASS_ROWS`` patches (an image
+    of more alone): the rows are bit for bit those of one pass over them all."""
+    from loom.model.vision import qwen2_5_vl
+
+    pair, alone = images["pair"], images["alone"]  # 24 + 64 patches, 64
+    pixels = torch.cat([pair["pixel_values"], alone["pixel_values"]])
+    grid = torch.cat([pair["image_grid_thw"], alone["image_grid_thw"]])
+    tower = build_tower(hf_model.config, visual_weights, dtype=torch.bfloat16)
+    passes = []
+    real_pass = tower._pass
+    monkeypatch.setattr(tower, "_pass", lambda p, g: passes.append(g[:, 1:].prod(-1).tolist())
+                        or real_pass(p, g))
+    with torch.no_grad():
+        expected = tower(pixels, grid)
+        outputs = {}
+        for rows in (88, 63, 1):
+            monkeypatch.setattr(qwen2_5_vl, "_PASS_ROWS", rows)
+            outputs[rows] = tower(pixels, grid)
+    assert passes == [[24, 64, 64], [24, 64], [64], [24], [64], [64], [24], [64], [64]]
+    for rows in outputs.values():
+        assert torch.equal(rows, expected)
+
+
 @pytest.mark.parametrize("batch", ["pair", "alone"])
 def test_matches_transformers(hf_model, visual_weights, images, batch):
     tower = build_tower(hf_model.config, visual_weights)
