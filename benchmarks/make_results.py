@@ -372,6 +372,26 @@ def kv_tier() -> Section:
     return section
 
 
+def image_transport() -> Section:
+    section = Section(
+        "Images' arrays between processes",
+        "`benchmarks/mm_transport.py`: preprocessed pixel arrays (Qwen2.5-VL's shapes) "
+        "through each hop a request takes, API process to engine core (`input`) and "
+        "engine core to the ranks (`ranks`), by the shared-memory rings against the "
+        "bytes inside the messages, interleaved; the ratio is inline time over ring time, "
+        "medians of the rounds.")
+    for name in _files("mm-transport-*.json"):
+        data = _load(name)
+        for hop, payloads in data["hops"].items():
+            for payload, sides in payloads.items():
+                section.rows.append(Row(
+                    f"{hop} hop, {payload}", "inside the messages",
+                    sides["inline"]["median_ms"] / sides["shm"]["median_ms"], None,
+                    _machine_of(name, data), name, data["command"],
+                    f"{sides['shm']['median_ms']:.1f} vs {sides['inline']['median_ms']:.1f} ms"))
+    return section
+
+
 def vision() -> Section:
     section = Section(
         "Images in",
@@ -476,12 +496,12 @@ def cuda() -> Section:
 
 SECTIONS = (decode_against_llamacpp, served_against_llama_server, quantized_prompt,
             default_model_against_engines, long_prompts, lora, embeddings, kv_tier, vision,
-            perplexity, kv_cache_accuracy, moe, cuda)
+            image_transport, perplexity, kv_cache_accuracy, moe, cuda)
 
 # The results files the sections above read (globs), to find the ones nothing reads.
 READ = ("interleaved-*.json", "served-*.json", "quantized-*.json", "summary.json",
         "long-context-*.json", "lora-*.json", "embed-speed-*.json", "kv_tier*.json",
-        "vision-speed-*.json", "perplexity-*.json", "kv-perplexity-*.json", "moe_speed.json", "cuda_speed-*.json",
+        "vision-speed-*.json", "mm-transport-*.json", "perplexity-*.json", "kv-perplexity-*.json", "moe_speed.json", "cuda_speed-*.json",
         "cuda_speed_file-*.json")
 
 
