@@ -92,6 +92,17 @@ class LoomServer:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name} not in /metrics")
 
+    def metric_by_replica(self, name: str) -> dict[str, float]:
+        """{replica: value} of a metric of a data-parallel server, summed over its other
+        labels."""
+        values: dict[str, float] = {}
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers(), timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + "{"):
+                replica = re.search(r'replica="(\d+)"', line).group(1)
+                values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+        return values
+
     def wait_for_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
         deadline = time.monotonic() + timeout
         while True:

@@ -54,16 +54,6 @@ def _complete(server: LoomServer, prompt: str) -> list[str]:
     return response.json()["choices"][0]["logprobs"]["tokens"]
 
 
-def _by_replica(server: LoomServer, name: str) -> dict[str, float]:
-    """{replica: value} of a metric summed over its other labels."""
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            replica = re.search(r'replica="(\d+)"', line).group(1)
-            values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
-
-
 def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes_and_fail_fast(
         start_server, expected):
     # DP 2 x TP 2: four worker ranks, two engine cores, one API server.
@@ -81,7 +71,7 @@ def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes
     with ThreadPoolExecutor(8) as pool:
         routed = list(pool.map(lambda p: _complete(dp, p), PROMPTS))
     assert routed == expected()
-    finished = _by_replica(dp, "vllm:request_success_total")
+    finished = dp.metric_by_replica("vllm:request_success_total")
     assert set(finished) == {"0", "1"} and all(v >= 2 for v in finished.values()), finished
     assert sum(finished.values()) == len(PROMPTS)
 
@@ -90,10 +80,10 @@ def test_two_tensor_parallel_replicas_answer_as_one_share_the_work_keep_prefixes
     # Requests sharing a long prefix go to the replica holding it: only its prefix-cache
     # hit counter grows, however idle the other one is.
     shared = "Answer in one word, please, and be kind to the reader. " * 4
-    before = _by_replica(dp, "vllm:prefix_cache_hits_total")
+    before = dp.metric_by_replica("vllm:prefix_cache_hits_total")
     for i in range(4):
         _complete(dp, shared + f"question {i}")
-    after = _by_replica(dp, "vllm:prefix_cache_hits_total")
+    after = dp.metric_by_replica("vllm:prefix_cache_hits_total")
     grew = [replica for replica in after if after[replica] > before[replica]]
     assert len(grew) == 1, (before, after)
     # the three after the first each find the shared blocks (well over 128 tokens)
@@ -216,7 +206,7 @@ def test_replicas_on_three_hosts_answer_as_one_and_a_dead_host_fails_the_server(
         with ThreadPoolExecutor(8) as pool:
             routed = list(pool.map(lambda p: _complete(head, p), PROMPTS))
         assert routed == expected()
-        finished = _by_replica(head, "vllm:request_success_total")
+        finished = head.metric_by_replica("vllm:request_success_total")
         assert set(finished) == {"0", "1", "2"} and all(v >= 1 for v in finished.values()), \
             finished
 

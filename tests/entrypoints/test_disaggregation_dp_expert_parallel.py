@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,21 +73,12 @@ def _assert_same(got: list[tuple[str, list[float]]], want: list[tuple[str, list[
             (logprobs, want_logprobs)
 
 
-def _by_replica(server: LoomServer, name: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            replica = re.search(r'replica="(\d+)"', line).group(1)
-            values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
-
-
 def _wait_for_zero(server: LoomServer, name: str, timeout: float = 10.0) -> dict[str, float]:
     """Every replica's ``name`` once all are 0 (or, after ``timeout``, as they are); the
     metrics have no event to wait on (as LoomServer.wait_for_metric)."""
     deadline = time.monotonic() + timeout
     while True:
-        values = _by_replica(server, name)
+        values = server.metric_by_replica(name)
         if (values and not any(values.values())) or time.monotonic() > deadline:
             return values
         time.sleep(0.05)
@@ -114,13 +104,13 @@ def test_prefill_and_decode_dp2_ep2_through_the_router_equal_one_rank(tmp_path):
         # One at a time: a replica of each instance works, its peer joins every
         # all-to-all in dummy steps (on the decode side, also while the blocks arrive).
         _assert_same([_complete(router, prompt) for prompt in prompts], want)
-        one_at_a_time = {side: _by_replica(server, "vllm:request_success_total")
+        one_at_a_time = {side: server.metric_by_replica("vllm:request_success_total")
                          for side, server in (("prefill", prefill), ("decode", decode))}
         # All at once: both replicas of both instances busy.
         with ThreadPoolExecutor(len(prompts)) as pool:
             _assert_same(list(pool.map(lambda prompt: _complete(router, prompt), prompts)), want)
         for side, server in (("prefill", prefill), ("decode", decode)):
-            served = _by_replica(server, "vllm:request_success_total")
+            served = server.metric_by_replica("vllm:request_success_total")
             assert sum(served.values()) == 2 * len(prompts), (side, served)
             # every replica took requests alone and among others
             assert all(one_at_a_time[side].get(r, 0) > 0 for r in "01"), (side, one_at_a_time)

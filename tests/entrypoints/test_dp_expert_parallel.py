@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 
 import httpx
@@ -168,7 +167,7 @@ def test_server_serves_one_replica_at_a_time_and_a_killed_worker_fails_it(tmp_pa
         # the router takes turns: each request runs on one replica, the other idle
         texts = [_complete_text(server, f"request {i}") for i in range(2)]
         assert texts == [_complete_text(server, f"request {i}") for i in range(2)]
-        served = _by_replica(server, "vllm:request_success_total")
+        served = server.metric_by_replica("vllm:request_success_total")
         assert served == {"0": 2.0, "1": 2.0}, served
         _a_killed_worker_fails_every_replica(server)
     finally:
@@ -180,15 +179,6 @@ def _complete_text(server: LoomServer, prompt: str) -> str:
         "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True})
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
-
-
-def _by_replica(server: LoomServer, name: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            replica = re.search(r'replica="(\d+)"', line).group(1)
-            values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
 
 
 def _a_killed_worker_fails_every_replica(server: LoomServer) -> None:
