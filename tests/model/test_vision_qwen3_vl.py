@@ -195,3 +195,33 @@ def test_tensor_parallel_matches_one_rank(hf_model, batches):
     expected = hf_rows(hf_model, pixels, grids)
     for result in results:
         torch.testing.assert_close(result, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, batches, monkeypatch):
+    """Images go through the blocks in passes of at most ``_PASS_ROWS`` patches (an image
+    of more alone), the rope rotating ``ROPE_ROWS`` rows at a time: the rows, deepstack
+    levels included, are bit for bit those of one pass and one rotation over them all."""
+    import loom.model.vision as vision
+    from loom.model.vision import qwen3_vl
+
+    (pixels, grids), (pixels_one, grids_one) = batches
+    pixels, grids = torch.cat([pixels, pixels_one]), torch.cat([grids, grids_one])
+    first, second, third = grids.prod(-1).tolist()
+    tower = build_tower(hf_model, torch.bfloat16)
+    passes = []
+    real_pass = tower._pass
+    monkeypatch.setattr(tower, "_pass", lambda p, g: passes.append(
+        [t * h * w for t, h, w in g]) or real_pass(p, g))
+    with torch.no_grad():
+        monkeypatch.setattr(vision, "ROPE_ROWS", 1 << 30)
+        expected = tower(pixels, grids)
+        monkeypatch.setattr(vision, "ROPE_ROWS", 5)
+        outputs = {}
+        for rows in (first + second, first + second - 1, 1):
+            monkeypatch.setattr(qwen3_vl, "_PASS_ROWS", rows)
+            outputs[rows] = tower(pixels, grids)
+    assert passes == [[first, second, third], [first, second], [third],
+                      [first], [second], [third], [first], [second], [third]]
+    assert expected.shape[-1] == OUT_HIDDEN * (1 + len(DEEPSTACK))
+    for rows in outputs.values():
+        assert torch.equal(rows, expected)
