@@ -34,6 +34,25 @@ def make_tiny_model_dir(path: str) -> str:
     return path
 
 
+def start_headless(model: str, port: int, rank: int, size: int, *args: str) -> subprocess.Popen:
+    """``loom serve MODEL ARGS --headless`` for data-parallel replica ``rank`` of ``size``,
+    its head on 127.0.0.1:``port``; its output in a temporary file (``headless_log``)."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", model, *args, "--headless",
+         "--data-parallel-size", str(size), "--data-parallel-size-local", "1",
+         "--data-parallel-start-rank", str(rank), "--data-parallel-address", "127.0.0.1",
+         "--data-parallel-rpc-port", str(port)],
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def headless_log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
+
+
 class LoomServer:
     """``loom serve MODEL --port 0 ...``; waits for its "ready on" line."""
 

@@ -8,15 +8,13 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
-from loom_server import REPO_ROOT, TINY_SERVER_ARGS, LoomServer, _spawned_children
+from loom_server import (TINY_SERVER_ARGS, LoomServer, _spawned_children, headless_log,
+                         start_headless)
 
 GREEDY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
 PROMPTS = [f"request {i} of the batch" for i in range(8)]
@@ -161,22 +159,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _headless(model: str, port: int, rank: int, *args: str) -> subprocess.Popen:
-    """``loom serve --headless`` for replica ``rank`` of 3, its output in a temporary file."""
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "serve", model, *TINY_SERVER_ARGS, "--headless",
-         "--data-parallel-size", "3", "--data-parallel-size-local", "1",
-         "--data-parallel-start-rank", str(rank), "--data-parallel-address", "127.0.0.1",
-         "--data-parallel-rpc-port", str(port), "--cpu-threads-per-rank", "1", *args],
-        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    proc.log = log
-    return proc
-
-
-def _log(proc: subprocess.Popen) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
+HEADLESS_ARGS = (*TINY_SERVER_ARGS, "--cpu-threads-per-rank", "1")
 
 
 def test_replicas_on_three_hosts_answer_as_one_and_a_dead_host_fails_the_server(
@@ -193,12 +176,13 @@ def test_replicas_on_three_hosts_answer_as_one_and_a_dead_host_fails_the_server(
             head_future = pool.submit(LoomServer, tiny_model_dir, *head_args)
             # A host configured differently is refused by name (whether or not the right
             # one came first), and starts nothing.
-            doomed, survivor = _headless(tiny_model_dir, port, 1), _headless(tiny_model_dir,
-                                                                             port, 2)
-            wrong = _headless(tiny_model_dir, port, 2, "--max-num-seqs", "8")
+            doomed, survivor = (start_headless(tiny_model_dir, port, rank, 3, *HEADLESS_ARGS)
+                                for rank in (1, 2))
+            wrong = start_headless(tiny_model_dir, port, 2, 3, *HEADLESS_ARGS,
+                                   "--max-num-seqs", "8")
             processes += [doomed, survivor, wrong]
-            assert wrong.wait(120) == 2, _log(wrong)
-            assert "--max-num-seqs is 8 there, 64 on the head" in _log(wrong), _log(wrong)
+            assert wrong.wait(120) == 2, headless_log(wrong)
+            assert "--max-num-seqs is 8 there, 64 on the head" in headless_log(wrong), headless_log(wrong)
             head = head_future.result()
         processes.append(head)
         assert head.output().count("joined from host") == 2
@@ -218,8 +202,8 @@ def test_replicas_on_three_hosts_answer_as_one_and_a_dead_host_fails_the_server(
         assert any("data-parallel replica 1" in error["message"] and "headless" in
                    error["message"] for error in errors), endings
         assert head.proc.wait(30) != 0
-        assert survivor.wait(30) == 0, _log(survivor)
-        assert "the head shut down; engine core exit codes {2: 0}" in _log(survivor)
+        assert survivor.wait(30) == 0, headless_log(survivor)
+        assert "the head shut down; engine core exit codes {2: 0}" in headless_log(survivor)
     finally:
         for proc in processes:
             if isinstance(proc, LoomServer):

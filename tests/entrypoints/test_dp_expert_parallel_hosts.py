@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
-import sys
-import tempfile
 
 import psutil
 from dp_greedy import one_then_all
 from checkpoints import make_tiny_checkpoint
-from loom_server import REPO_ROOT
+from loom_server import headless_log, start_headless
 from tokenizer_fixtures import make_tiny_tokenizer
 
 from loom import LLM, SamplingParams
@@ -37,23 +34,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _headless(model: str, port: int, *args: str) -> subprocess.Popen:
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "serve", model, *FLAGS, "--headless",
-         "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-         "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
-         "--data-parallel-rpc-port", str(port), *args],
-        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    proc.log = log
-    return proc
-
-
-def _log(proc: subprocess.Popen) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
 
 
 async def _head_greedy(path: str, port: int) -> tuple[list, list, list]:
@@ -87,17 +67,17 @@ def test_head_and_headless_host_share_the_experts(tmp_path):
 
     port = _free_port()
     # a host without the head's expert layout is refused by name, starting nothing
-    wrong = _headless(path, port)
-    host = _headless(path, port, "--enable-expert-parallel")
+    wrong = start_headless(path, port, 1, 2, *FLAGS)
+    host = start_headless(path, port, 1, 2, *FLAGS, "--enable-expert-parallel")
     try:
         one_at_a_time, all_at_once, replicas = asyncio.run(_head_greedy(path, port))
-        assert wrong.wait(60) == 2, _log(wrong)
-        assert "--expert-parallel-size is 1 there, 2 on the head" in _log(wrong), _log(wrong)
+        assert wrong.wait(60) == 2, headless_log(wrong)
+        assert "--expert-parallel-size is 1 there, 2 on the head" in headless_log(wrong), headless_log(wrong)
         assert one_at_a_time == expected
         assert all_at_once == expected
         assert set(replicas) == {0, 1}, replicas  # each host alone, the other in dummy steps
-        assert host.wait(60) == 0, _log(host)  # the head's goodbye
-        assert "the head shut down; engine core exit codes {1: 0}" in _log(host)
+        assert host.wait(60) == 0, headless_log(host)  # the head's goodbye
+        assert "the head shut down; engine core exit codes {1: 0}" in headless_log(host)
     finally:
         for proc in (wrong, host):
             if proc.poll() is None:
