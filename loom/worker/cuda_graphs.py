@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
+from loom.model.layers.fused_moe import FusedMoE, graph_safe_experts
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,13 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None  # why graphs were turned off, once they are
         self.replays = 0
+        # MoE layers run in shapes the routing does not change and count only the rows
+        # real_rows marks (1: the step's, 0: padding); a replay runs no Python, so the
+        # modules' on_replay hooks (their forward counts) are called after it
+        self.moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        self.real_rows = torch.zeros(self.batch_buckets[-1], dtype=torch.int64, device=device)
+        self._on_replay = [m.on_replay for m in model.modules()
+                           if callable(getattr(m, "on_replay", None))]
 
     def clear(self) -> None:
         """Drop every graph (what they read moved); later steps capture them again, in
@@ -206,6 +214,8 @@ class DecodeGraphs:
         batch, context = buckets
         n = metadata.num_reqs
         self._stage(n, batch, input_ids, positions, metadata)
+        self.real_rows[:n].fill_(1)
+        self.real_rows[n:batch].zero_()
         graph = self.graphs.get(buckets)
         if graph is None:
             graph = self._capture(batch, context)
@@ -213,7 +223,11 @@ class DecodeGraphs:
                 return None
             self.graphs[buckets] = graph
         self.replays += 1
-        return graph.replay()[:n]
+        output = graph.replay()[:n]
+        if isinstance(graph, _Graph):
+            for hook in self._on_replay:
+                hook()
+        return output
 
     def _stage(self, n: int, batch: int, input_ids: torch.Tensor, positions: torch.Tensor,
                metadata: AttentionMetadata) -> None:
@@ -242,7 +256,8 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=context, block_size=self.block_size)
 
     def _forward(self, batch: int, context: int) -> torch.Tensor:
-        with set_forward_context(self._metadata(batch, context)):
+        with (set_forward_context(self._metadata(batch, context)),
+              graph_safe_experts(self.moe_layers, self.real_rows[:batch])):
             return self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch])
 
     def _capture(self, batch: int, context: int) -> _Graph | _Uncaptured | None:

@@ -291,8 +291,9 @@ class ModelRunner:
             return f"off after a capture failed ({self._graphs_failed})"
         if self.tp_group.world_size > 1:
             return "off under tensor parallel (NCCL inside a graph is not proven here)"
-        if self.expert_step_tokens is not None:
-            return "off for MoE models (their routing counts are read on the host)"
+        if any(layer.expert_parallel.size > 1 for layer in self.moe_layers):
+            return ("off under expert parallel (its all-to-all dispatch reads each step's "
+                    "counts on the host; EPLB moves experts between steps)")
         if len(self.kv_cache_groups.windows) > 1:
             return "off for a hybrid KV cache (several block tables a step)"
         if getattr(self.model, "is_encoder_only", False):

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from checkpoints import make_tiny_checkpoint  # noqa: E402
+from checkpoints import SLIDING_WINDOW, make_tiny_checkpoint  # noqa: E402
 
 from loom.engine_args import make_engine_config  # noqa: E402
+from loom.model.layers import fused_moe  # noqa: E402
+from loom.model.layers.fused_moe import dense_experts, expert_counts, fused_experts  # noqa: E402
 from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from loom.sampling_params import SamplingParams  # noqa: E402
 from loom.worker import cuda_graphs  # noqa: E402
@@ -41,38 +43,62 @@ def test_buckets():
     assert context_buckets(100, 16) == [112]
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> ModelRunner:
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+def make_runner(family: str, path: Path, **engine_args) -> ModelRunner:
+    """A runner with room for 6 requests of BLOCKS_PER_REQ blocks in each KV cache group."""
+    path = make_tiny_checkpoint(family, path)
     config = make_engine_config(path, dtype="float32", max_model_len=96, max_num_seqs=6,
                                 block_size=BLOCK_SIZE, skip_tokenizer_init=True,
-                                attention_backend="torch")
+                                attention_backend="torch", **engine_args)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
-    runner.initialize_kv_cache(6 * BLOCKS_PER_REQ + 1)
+    runner.initialize_kv_cache(len(runner.kv_cache_groups.windows) * 6 * BLOCKS_PER_REQ + 1)
     assert runner.cuda_graphs is None  # the CPU captures none
     return runner
 
 
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    return make_runner("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def gemma3_runner(tmp_path_factory) -> ModelRunner:
+    """Gemma 3's hybrid KV cache: a full-attention group and a sliding-window group
+    (SLIDING_WINDOW, 12 tokens), each with block tables of its own."""
+    runner = make_runner("gemma3", tmp_path_factory.mktemp("gemma3"))
+    assert runner.kv_cache_groups.windows == [None, SLIDING_WINDOW]
+    return runner
+
+
 def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
-           max_tokens: list[int]) -> list[list[int]]:
+           max_tokens: list[int], expert_tokens: list | None = None) -> list[list[int]]:
     """Prefill ``prompts`` together, then decode one token a step until each has
-    ``max_tokens`` (the batch shrinks as requests finish); their outputs."""
+    ``max_tokens`` (the batch shrinks as requests finish); their outputs. Each step's
+    ``expert_tokens`` (an MoE model's routing counts) go to ``expert_tokens`` if given."""
     params = SamplingParams(temperature=0.0, max_tokens=max(max_tokens))
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     # blocks from the pool's end backwards: block ids, and their slots, differ by request
-    blocks = {r: list(range(BLOCKS_PER_REQ * (i + 1), BLOCKS_PER_REQ * i, -1))
-              for i, r in enumerate(ids)}
+    # and by KV cache group (group g's are g * 6 * BLOCKS_PER_REQ further on)
+    def blocks_of(i: int, group: int) -> list[int]:
+        first = (6 * group + i) * BLOCKS_PER_REQ
+        return list(range(first + BLOCKS_PER_REQ, first, -1))
+    num_groups = len(runner.kv_cache_groups.windows)
+    blocks = {r: blocks_of(i, 0) for i, r in enumerate(ids)}
+    group_blocks = {r: [blocks_of(i, g) for g in range(1, num_groups)]
+                    for i, r in enumerate(ids)}
     tokens = {r: list(p) for r, p in zip(ids, prompts)}
     out = runner.execute_model(SchedulerOutput(
         scheduled_new_reqs=[NewRequestData(
             req_id=r, prompt_token_ids=tokens[r], output_token_ids=[], sampling_params=params,
-            eos_token_ids=[], block_ids=blocks[r], num_computed_tokens=0) for r in ids],
+            eos_token_ids=[], block_ids=blocks[r], num_computed_tokens=0,
+            group_block_ids=group_blocks[r]) for r in ids],
         scheduled_cached_reqs=[], num_scheduled_tokens={r: len(tokens[r]) for r in ids},
         total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
     outputs = {r: [] for r in ids}
     want = dict(zip(ids, max_tokens))
     while True:
+        if expert_tokens is not None:
+            expert_tokens.append(out.expert_tokens)
         for r, sampled in zip(out.req_ids, out.sampled_token_ids):
             tokens[r] += sampled
             outputs[r] += sampled
@@ -92,14 +118,19 @@ def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
             total_num_scheduled_tokens=len(running), finished_req_ids=finished))
 
 
-def test_padded_static_decode_gives_the_plain_steps_tokens(runner, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_padded_static_decode_gives_the_plain_steps_tokens(family, request, monkeypatch):
+    """Gemma 3 (a hybrid KV cache): its sliding-window group goes through static slots
+    and block tables of its own, and its contexts (up to 73) run far past the window."""
+    runner = request.getfixturevalue("runner" if family == "llama" else "gemma3_runner")
     monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)
     prompts = [[(7 * i + 3 * j) % 250 + 2 for j in range(n)]
                for i, n in enumerate((5, 29, 11, 40, 2))]
     max_tokens = [40, 9, 25, 33, 52]  # contexts 45, 38, 36, 73, 54: over 3 buckets
     plain = greedy(runner, "plain", prompts, max_tokens)
-    graphs = runner.cuda_graphs = DecodeGraphs(runner.model, 6, 96, BLOCK_SIZE,
-                                               torch.device("cpu"), capture=False)
+    graphs = runner.cuda_graphs = DecodeGraphs(
+        runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False,
+        num_kv_cache_groups=len(runner.kv_cache_groups.windows))
     assert graphs.batch_buckets == [1, 2, 4, 6] and graphs.context_buckets == [16, 32, 64, 96]
     try:
         replayed = greedy(runner, "replayed", prompts, max_tokens)
@@ -147,3 +178,61 @@ def test_a_failed_capture_keeps_graphs_off_when_the_cache_is_made_again(runner):
         runner._graphs_failed = None
     assert runner._cuda_graphs_refusal() is None
     assert runner.cuda_graphs_memory_reserve() == 0  # the CPU captures none
+
+
+@pytest.mark.parametrize("family,quantization", [("qwen3_moe", "none"), ("mixtral", "none"),
+                                                 ("qwen3_moe", "wint8")])
+def test_moe_padded_static_decode_gives_the_plain_steps_tokens_and_counts(
+        family, quantization, tmp_path, monkeypatch):
+    """An MoE model's padded static step runs its experts in fixed shapes
+    (``dense_experts``: every expert on every row, each row keeping its top-k's): the
+    greedy tokens are the plain runner's, and so are each step's routing counts, the
+    padding rows not counted."""
+    runner = make_runner(family, tmp_path, quantization=quantization)
+    assert runner._cuda_graphs_refusal() is None
+    monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)
+    prompts = [[(5 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate((7, 19, 3))]
+    max_tokens = [12, 5, 20]  # 3 requests padded to 4, then 2, then 1; contexts cross 16
+    plain_counts, replayed_counts = [], []
+    plain = greedy(runner, "plain", prompts, max_tokens, plain_counts)
+    dense_calls = []
+
+    def counted(*args, **kwargs):
+        dense_calls.append(args[0].shape[0])
+        return dense_experts(*args, **kwargs)
+    monkeypatch.setattr(fused_moe, "dense_experts", counted)
+    graphs = runner.cuda_graphs = DecodeGraphs(runner.model, 6, 96, BLOCK_SIZE,
+                                               torch.device("cpu"), capture=False)
+    try:
+        replayed = greedy(runner, "replayed", prompts, max_tokens, replayed_counts)
+    finally:
+        runner.cuda_graphs = None
+    assert replayed == plain
+    assert replayed_counts == plain_counts
+    top_k = runner.moe_layers[0].spec.top_k
+    assert [sum(c) for c in plain_counts[1:]] == [  # decode steps: real rows only
+        len(runner.moe_layers) * top_k * sum(len(o) > s for o in plain)
+        for s in range(1, max(max_tokens))]
+    steps = max(max_tokens) - 1
+    assert graphs.replays == steps
+    assert len(dense_calls) == steps * len(runner.moe_layers)
+    assert set(dense_calls) == {4, 2, 1}  # the padded batches
+    assert all(layer.graph_rows is None for layer in runner.moe_layers)
+
+
+def test_dense_experts_equal_the_grouped_ones():
+    """``dense_experts`` against ``fused_experts``, on a rank's part of the experts
+    too, and the counts of the rows a mask keeps."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 16)
+    w13, w2 = torch.randn(6, 24, 16), torch.randn(6, 16, 12)
+    weights = torch.rand(5, 2)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(5)])
+    for start, end in ((0, 6), (2, 5)):
+        grouped = fused_experts(x, w13[start:end], w2[start:end], weights, ids, start)
+        dense = dense_experts(x, w13[start:end], w2[start:end], weights, ids, start)
+        torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-5)
+    rows = torch.tensor([1, 1, 1, 0, 0])
+    assert expert_counts(ids, 6, rows).tolist() == torch.bincount(
+        ids[:3].flatten(), minlength=6).tolist()
+    assert expert_counts(ids, 6).tolist() == torch.bincount(ids.flatten(), minlength=6).tolist()

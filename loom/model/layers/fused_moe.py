@@ -50,6 +50,14 @@ interpreter), full-precision experts run loom's Triton fused MoE kernel instead
 (triton_moe.py: the assignments sorted by expert and padded to its block, one grouped
 matmul launch per projection over every expert), and quantized experts' linears run
 loom's Triton quantized matmuls (triton_linear.py) on their segments.
+
+A CUDA graph's decode step (worker/cuda_graphs.py, ``graph_safe_experts``) fixes every
+shape, and the grouped path's are the routing's (each expert's segment, counted on the
+host): there the experts run ``dense_experts`` (every local expert on the step's few
+rows, each row keeping its own top-k's results; the Triton fused MoE where it is on,
+whose padded buffers are routing-independent already), and the routing counts are a
+scatter on the device that leaves out the graph's padding rows (``graph_rows``).
+Proven on the CPU with the graph's padded steps run uncaptured; not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +220,70 @@ def _one_token(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | Non
     return out
 
 
+def dense_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_start: int = 0,
+                  forms: list[tuple[WeightForm, WeightForm]] | None = None,
+                  experts: nn.ModuleList | None = None) -> torch.Tensor:
+    """``fused_experts`` with no shape that depends on the routing, and nothing read on
+    the host: the form a CUDA graph captures (``FusedMoE.graph_rows``). Every local
+    expert runs on every row; each row keeps the results of its own top-k, weighed::
+
+        out[t] = sum over local e, in order, of  w[t, e] * expert_e(x[t])   (rows that
+                 did not choose e add nothing: where(), not a multiply by 0)
+
+    The same math as ``fused_experts`` (an expert's output rounded to the model's dtype,
+    times its weight rounded to it, summed into zeros in expert order): only the
+    matmuls' float32 sums may run in another order (more rows). Exact and simple, at a
+    price: every expert's weights are read every step, E_local / K times what a batch-1
+    step routes (a 128-expert top-8 model: 16x), the same once a step's T*K assignments
+    hit most experts. (Full-precision experts under ``LOOM_TRITON_MATMULS=1`` take
+    triton_moe.fused_moe instead, whose shapes are routing-independent already.)"""
+    local = topk_ids - expert_start  # (T, K) local ids; other ranks' match no expert
+    num_local = len(experts) if experts is not None else w13.shape[0]
+    out = torch.zeros_like(x)
+    for expert in range(num_local):
+        chosen = local == expert  # (T, K): at most one True a row (top-k ids differ)
+        weight = torch.where(chosen, topk_weights, 0.0).sum(dim=-1)  # (T,) its weight
+        if experts is not None:
+            result = experts[expert](x)
+        elif forms is not None:
+            result = _held_expert_mlp(x, forms[expert])
+        else:
+            result = _expert_mlp(x, w13[expert], w2[expert])
+        result = result.mul_(weight.to(result.dtype)[:, None])
+        out += torch.where(chosen.any(dim=-1, keepdim=True), result, 0.0)
+    return out
+
+
+def expert_counts(topk_ids: torch.Tensor, num_experts: int,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(E,) int64: the (token, k) assignments to each expert, of the rows ``rows`` (T,)
+    int64 marks with 1 (a CUDA graph's: 0 for its padding rows), all of them without.
+    A scatter, not ``bincount``, whose output size waits on the GPU for the largest id."""
+    flat = topk_ids.flatten()
+    ones = (torch.ones_like(flat) if rows is None
+            else rows[:, None].expand(topk_ids.shape).flatten())
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, ones)
+
+
+@contextmanager
+def graph_safe_experts(layers: Iterable[FusedMoE], real_rows: torch.Tensor) -> Iterator[None]:
+    """The MoE ``layers`` run ``dense_experts`` (or the Triton fused MoE) for one forward
+    and count only the rows ``real_rows`` (T,) int64 marks with 1: a CUDA graph's step,
+    whose padding rows (copies of row 0) must not count. The graph reads ``real_rows``
+    where it was at capture: the caller writes each step's mask into it."""
+    layers = list(layers)
+    for layer in layers:
+        layer.graph_rows = real_rows
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.graph_rows = None
+
+
 def loop_over_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       expert_start: int = 0) -> torch.Tensor:
@@ -348,6 +421,9 @@ class FusedMoE(nn.Module):
         # by it before each forward and shipped with the step's output; None: not counted
         self.step_tokens: torch.Tensor | None = None
         self.use_grouped = True  # False: loop_over_experts (the measured reference)
+        # a CUDA graph's step (graph_safe_experts): (T,) 1 for the step's rows, 0 for
+        # padding; the experts then run dense_experts, shapes fixed. None: eager
+        self.graph_rows: torch.Tensor | None = None
         # full-precision experts run triton_moe.fused_moe (LOOM_TRITON_MATMULS=1, CUDA),
         # decided once loaded
         self.triton_experts = False
@@ -678,7 +754,7 @@ class FusedMoE(nn.Module):
             return out
         ops = native_ops_for(x.device, x.dtype) if x.dtype == torch.bfloat16 else None
         native = (self.native_experts(ops) if ops is not None and x.dim() == 2
-                  and x.is_contiguous() else None)
+                  and x.is_contiguous() and self.graph_rows is None else None)
         if native is not None and not isinstance(native, str):
             out = ops.mixture_of_experts(x, *native)  # routes, counts, runs the experts
             self.count_forward()
@@ -783,18 +859,20 @@ class FusedMoE(nn.Module):
         return ep.exchange(results, recv, send)
 
     def _forward_modules(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts in PyTorch (this rank's part, before the all-reduce)."""
+        """The routed experts in PyTorch (this rank's part, before the all-reduce); in a
+        CUDA graph's step (``graph_rows``) in shapes the routing does not change."""
         topk_weights, topk_ids = self.route(x)
-        counts = torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts)
+        counts = expert_counts(topk_ids, self.spec.num_experts, self.graph_rows)
         self.tokens_per_expert += counts
         if self.step_tokens is not None:
             self.step_tokens += counts
         self.count_forward()
         topk_ids = self.physical_ids(topk_ids)  # (EPLB: the slots that run them)
         if self.experts is not None:
-            out = fused_experts(x, None, None, topk_weights, topk_ids, self.expert_start,
-                                experts=self.experts)
-        elif self.use_grouped:
+            run = fused_experts if self.graph_rows is None else dense_experts
+            out = run(x, None, None, topk_weights, topk_ids, self.expert_start,
+                      experts=self.experts)
+        elif self.use_grouped or self.graph_rows is not None:
             if self._panels and self.expert_forms is None:
                 raise RuntimeError("the experts are being reloaded: "
                                    "process_weights_after_loading has not run yet")
@@ -803,8 +881,9 @@ class FusedMoE(nn.Module):
 
                 return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                  self.expert_start)
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                self.expert_start, self.expert_forms)
+            run = fused_experts if self.graph_rows is None else dense_experts
+            out = run(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                      self.expert_start, self.expert_forms)
         else:
             out = loop_over_experts(x, self.plain_weight("w13_weight"),
                                     self.plain_weight("w2_weight"), topk_weights, topk_ids,
