@@ -20,6 +20,15 @@ A graph fixes every shape and every address it reads:
   block tables); each step copies its own into them, then replays. Block table
   columns past a step's own stay as an earlier step left them: they index only
   positions past every length, which attention masks and never gathers.
+- **Experts.** An MoE layer's grouped path takes its shapes from the routing (each
+  expert's tokens, counted on the host). In a graph's step (``graph_safe_experts``,
+  layers/fused_moe.py) every expert runs on the step's rows and each row keeps its own
+  top-k's results (``dense_experts``: the same math, every expert's weights read each
+  step), or the Triton fused MoE runs over its worst-case padded buffers where it is on;
+  the routing counts are a device scatter weighed by ``real_rows`` (1 for the step's
+  rows, 0 for padding), so ``ModelRunnerOutput.expert_tokens`` counts no padding row.
+  Proven with ``capture=False`` on the CPU (tests/worker/test_cuda_graphs.py); not run
+  on a GPU yet.
 
 Graphs are captured the first time their buckets run, on one stream of their own (a
 capture runs the step once eagerly on it first, for real, as the graph then will
@@ -30,8 +39,8 @@ moves: the KV cache is re-allocated, or the weights are updated, freed or re-der
 
 Steps that run eagerly, as before: any with a prefill or draft tokens, or whose rope
 turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the original
-context; layers/rotary.py); models with MoE
-layers (routing counts are read on the host), several KV cache groups (Gemma 3's
+context; layers/rotary.py); models with experts spread over ranks (expert parallel:
+the all-to-all reads each step's counts on the host), several KV cache groups (Gemma 3's
 hybrid layout), or tensor parallel (NCCL inside a graph is not proven here); and every
 step under ``enforce_eager``. A capture that fails is logged once and turns graphs off
 for the process (the runner makes none for a later KV cache): the step, and every

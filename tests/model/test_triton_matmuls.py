@@ -28,7 +28,7 @@ from .test_triton_attention import _environ  # the interpreter's process, set up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = "tests/model/triton_matmul_cases.py"
-NUM_CASES = 38  # the cases file's tests, parametrizations counted
+NUM_CASES = 39  # the cases file's tests, parametrizations counted
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="the triton package is not installed")

@@ -265,6 +265,29 @@ def test_expert_parallel_ranks_add_up_to_every_expert():
     assert int(num_padded) % triton_moe.BLOCK_M == 0
 
 
+def test_a_graph_step_runs_the_kernel_and_counts_only_its_real_rows(triton_matmuls):
+    """In a CUDA graph's step (``graph_safe_experts``: rows past the step's real batch
+    copy row 0) the experts still run the fused kernel, whose shapes the routing does
+    not change, and the counts leave the padding rows out."""
+    from loom.model.layers.fused_moe import graph_safe_experts
+
+    layer = make_moe(8, 2, 48, 40, torch.float32, seed=3)
+    layer.process_weights_after_loading()
+    assert layer.triton_experts
+    layer.step_tokens = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    padded = torch.cat([x, x[:1]])  # 3 requests padded to a bucket of 4
+    with torch.inference_mode():
+        eager = layer(x)
+        counts = layer.step_tokens.clone()
+        layer.step_tokens.zero_()
+        with graph_safe_experts([layer], torch.tensor([1, 1, 1, 0], device=DEVICE)):
+            replayed = layer(padded)
+    assert layer.graph_rows is None
+    torch.testing.assert_close(replayed[:3], eager, atol=1e-5, rtol=1e-5)
+    assert layer.step_tokens.tolist() == counts.tolist() and int(counts.sum()) == 3 * 2
+
+
 def test_alignment_pads_each_expert_to_whole_blocks():
     sorted_ids, block_expert, num_padded = triton_moe.align_to_blocks(
         torch.tensor([[2, 0], [2, 1]], device=DEVICE), 3, block_m=4)
