@@ -264,9 +264,12 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
             max_query_len=1, max_seq_len=context, block_size=self.block_size)
 
-    def _forward(self, batch: int, context: int) -> torch.Tensor:
+    def _forward(self, batch: int, context: int, counted: bool = True) -> torch.Tensor:
+        """The padded step on the static inputs; ``counted=False``: its MoE layers count
+        no row (the warm-up before a capture, whose step the replay then counts)."""
+        rows = self.real_rows[:batch] if counted else torch.zeros_like(self.real_rows[:batch])
         with (set_forward_context(self._metadata(batch, context)),
-              graph_safe_experts(self.moe_layers, self.real_rows[:batch])):
+              graph_safe_experts(self.moe_layers, rows)):
             return self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch])
 
     def _capture(self, batch: int, context: int) -> _Graph | _Uncaptured | None:
@@ -276,11 +279,12 @@ class DecodeGraphs:
         try:
             # Once eagerly on the capture stream first (lazy initialisation, cuBLAS's
             # workspace), as torch.cuda.graph asks; it computes this very step, writing
-            # the K/V the replay will write again.
+            # the K/V the replay will write again (counting no MoE routing: the replay
+            # counts the step).
             self.stream.wait_stream(previous)
             try:
                 with torch.cuda.stream(self.stream):
-                    self._forward(batch, context)
+                    self._forward(batch, context, counted=False)
             finally:
                 previous.wait_stream(self.stream)
             graph = torch.cuda.CUDAGraph()

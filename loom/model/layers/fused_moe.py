@@ -571,9 +571,13 @@ class FusedMoE(nn.Module):
         self._native = None
 
     def count_forward(self) -> None:
-        """One more forward of this layer: rank 0 logs the load every LOG_LOAD_EVERY."""
+        """One more forward of this layer: rank 0 logs the load every LOG_LOAD_EVERY
+        (not while a CUDA graph captures the forward: reading the counts would end the
+        capture; the replays count, ``on_replay``)."""
         self._forwards += 1
-        if self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0:
+        if (self._forwards % LOG_LOAD_EVERY == 0 and self.tp_group.rank == 0
+                and not (self.tokens_per_expert.is_cuda
+                         and torch.cuda.is_current_stream_capturing())):
             logger.info("MoE layer %d: %s", self.layer_idx, self.load_summary())
 
     on_replay = count_forward  # a replayed forward (kernel_replay.py) counts too
