@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -196,6 +197,9 @@ def test_moe_padded_static_decode_gives_the_plain_steps_tokens_and_counts(
     assert len(dense_calls) == steps * len(runner.moe_layers)
     assert set(dense_calls) == {4, 2, 1}  # the padded batches
     assert all(layer.graph_rows is None for layer in runner.moe_layers)
+    # experts spread over ranks stay eager: the all-to-all reads counts on the host
+    monkeypatch.setattr(runner.moe_layers[0], "expert_parallel", SimpleNamespace(size=2))
+    assert runner._cuda_graphs_refusal().startswith("off under expert parallel")
 
 
 def test_dense_experts_equal_the_grouped_ones():
