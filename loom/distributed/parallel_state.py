@@ -38,6 +38,9 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
+    # The same ranks over gloo, for host-side agreement (``any_rank``) where ``group`` is
+    # NCCL; None where ``group`` is gloo itself.
+    host_group: dist.ProcessGroup | None = None
 
     @property
     def is_single(self) -> bool:
@@ -66,6 +69,17 @@ class TPGroup:
         tensor = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank: one all-reduce on the host (gloo), never on
+        a device stream (one that may be capturing, or just failed to)."""
+        if self.world_size == 1:
+            return flag
+        group = self.host_group or self.group
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        tensor = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return bool(tensor.item())
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -209,7 +223,19 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size,
                             timeout=timeout)
-    return TPGroup(rank, world_size, dist.group.WORLD)
+    host_group = _host_group(backend, None, timeout)
+    if host_group is not None:
+        _subgroups.append(host_group)
+    return TPGroup(rank, world_size, dist.group.WORLD, host_group)
+
+
+def _host_group(backend: str, ranks: list[int] | None,
+                timeout: datetime.timedelta) -> dist.ProcessGroup | None:
+    """A gloo group over ``ranks`` (None: all) beside an NCCL one, or None under gloo.
+    Collective: every rank makes it, in the same order."""
+    if backend != "nccl":
+        return None
+    return dist.new_group(ranks, timeout=timeout, backend="gloo")
 
 
 # Every rank of every data-parallel replica, when MoE experts span the replicas
@@ -239,11 +265,13 @@ def init_across_replicas(tp_rank: int, tp_size: int, replica: int, num_replicas:
     _across = TPGroup(rank, world_size, dist.group.WORLD)
     tp_group = SINGLE
     for r in range(num_replicas):
-        group = dist.new_group(list(range(r * tp_size, (r + 1) * tp_size)), timeout=timeout)
+        ranks = list(range(r * tp_size, (r + 1) * tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        host_group = _host_group(backend, ranks, timeout) if tp_size > 1 else None
         if r == replica:
-            _subgroups.append(group)
+            _subgroups.extend(g for g in (group, host_group) if g is not None)
             if tp_size > 1:
-                tp_group = TPGroup(tp_rank, tp_size, group)
+                tp_group = TPGroup(tp_rank, tp_size, group, host_group)
     return tp_group
 
 

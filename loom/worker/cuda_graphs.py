@@ -29,6 +29,24 @@ A graph fixes every shape and every address it reads:
   rows, 0 for padding), so ``ModelRunnerOutput.expert_tokens`` counts no padding row.
   Proven with ``capture=False`` on the CPU (tests/worker/test_cuda_graphs.py); not run
   on a GPU yet.
+- **KV cache groups.** A hybrid KV cache (Gemma 3: full-attention and sliding-window
+  groups, kv_cache_groups.py) has a slot mapping and block table per group; each has
+  static buffers of its own, staged and padded as group 0's, and the graph's metadata
+  reads each group through them (``AttentionMetadata.group_metadata``). Every group
+  gathers the same context bucket: a sliding window's group masks the positions before
+  its window as well, and its hidden positions read the last key again, so its freed
+  blocks are never read (attention/torch_backend.py). Proven with ``capture=False`` on
+  the CPU (a tiny Gemma 3, contexts past its window); not run on a GPU yet.
+- **Tensor parallel.** Every rank gets the same scheduler output and builds the same
+  metadata, so every rank pads to the same buckets and misses, captures and replays the
+  same graphs at the same steps; each rank's graph holds its NCCL collectives
+  (ProcessGroupNCCL's are capturable, on the capture stream). A capture that fails on
+  one rank turns graphs off on all: after each capture the ranks all-reduce a failure
+  flag over a gloo group beside the NCCL one (``TPGroup.any_rank``; once a capture, never
+  a step), so no rank replays a graph while another runs the step eagerly. Proven with
+  ``capture=False`` over two gloo ranks on the CPU (tests/worker/test_cuda_graphs_tp.py);
+  NCCL inside a captured graph is not run on a GPU yet. ``collective_bytes`` counts a
+  graph's all-reduces once, at its capture, not at each replay.
 
 Graphs are captured the first time their buckets run, on one stream of their own (a
 capture runs the step once eagerly on it first, for real, as the graph then will
@@ -40,20 +58,21 @@ moves: the KV cache is re-allocated, or the weights are updated, freed or re-der
 Steps that run eagerly, as before: any with a prefill or draft tokens, or whose rope
 turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the original
 context; layers/rotary.py); models with experts spread over ranks (expert parallel:
-the all-to-all reads each step's counts on the host), several KV cache groups (Gemma 3's
-hybrid layout), or tensor parallel (NCCL inside a graph is not proven here); and every
-step under ``enforce_eager``. A capture that fails is logged once and turns graphs off
-for the process (the runner makes none for a later KV cache): the step, and every
-later one, runs eagerly.
+the all-to-all reads each step's counts on the host); and every step under
+``enforce_eager``. A capture that fails is logged once and turns graphs off for the
+process, on every tensor-parallel rank (the runner makes none for a later KV cache):
+the step, and every later one, runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.attention.metadata import AttentionMetadata, set_forward_context
 from loom.model.layers.fused_moe import FusedMoE, graph_safe_experts
 
@@ -97,18 +116,22 @@ CUBLAS_WORKSPACE_BYTES = 64 << 20  # the capture stream's (32 MiB on Hopper), wi
 
 
 def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
-                           block_size: int, dtype: torch.dtype) -> int:
+                           block_size: int, dtype: torch.dtype,
+                           num_kv_cache_groups: int = 1) -> int:
     """An upper estimate of the bytes the graphs' memory pool keeps: one layer's decode
     attention at the largest captured step (K and V gathered; scores, softmax in
     float32 and probabilities; the mask; the gather's int64 indices and their
-    intermediates), the largest linear on the PyTorch quantized path dequantized (its
-    float32 weight and the two float32 temporaries that make it), and the capture
-    stream's cuBLAS workspace. Activations between layers are a few rows: ignored."""
+    intermediates), the other KV cache groups' gather indices and masks (each group's
+    are built once a step and held through it), the largest linear on the PyTorch
+    quantized path dequantized (its float32 weight and the two float32 temporaries that
+    make it), and the capture stream's cuBLAS workspace. Activations between layers are
+    a few rows: ignored."""
     from loom.model.layers.linear import LinearBase
 
     elt = torch.empty((), dtype=dtype).element_size()
     per_position = max(2 * a.num_kv_heads * a.head_dim * elt + a.num_heads * (2 * elt + 8)
                        + elt + 6 * 8 for a in model.attention_layers)
+    per_position += (num_kv_cache_groups - 1) * (8 + elt)
     dequantized = max((m.output_size * m.input_size for m in model.modules()
                        if isinstance(m, LinearBase) and m.on_reference_path),
                       default=0)
@@ -130,15 +153,28 @@ class _StaticInputs:
     seq_lens: torch.Tensor  # (B,) int32
     block_table: torch.Tensor  # (B, max_blocks_per_seq) int32
     query_start_loc: torch.Tensor  # (B + 1,) int32: 0, 1, 2, ... (one token each)
+    # KV cache groups 1.. (a hybrid layout), as AttentionMetadata.group_metadata: each
+    # group's slots (B,) int64 and block table (B, max_blocks_per_seq) int32
+    group_slot_mapping: list[torch.Tensor]
+    group_block_table: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> _StaticInputs:
+    def allocate(cls, max_batch: int, max_blocks: int, num_groups: int,
+                 device: torch.device) -> _StaticInputs:
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device)
+        others = range(num_groups - 1)
         return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch),
                    zeros(max_batch, dtype=torch.int32),
                    zeros(max_batch, max_blocks, dtype=torch.int32),
-                   torch.arange(max_batch + 1, dtype=torch.int32, device=device))
+                   torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+                   [zeros(max_batch) for _ in others],
+                   [zeros(max_batch, max_blocks, dtype=torch.int32) for _ in others])
+
+    def group_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot mapping, block table) of every KV cache group, group 0 first."""
+        return [(self.slot_mapping, self.block_table),
+                *zip(self.group_slot_mapping, self.group_block_table)]
 
 
 class _Graph:
@@ -169,14 +205,18 @@ class DecodeGraphs:
     runs eagerly."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device, capture: bool = True) -> None:
+                 block_size: int, device: torch.device, capture: bool = True,
+                 num_kv_cache_groups: int = 1, tp_group: TPGroup = SINGLE) -> None:
         self.model = model
         self.block_size = block_size
         self.capture = capture
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.tp_group = tp_group
         self.batch_buckets = batch_buckets(max_num_seqs)
         self.context_buckets = context_buckets(min(max_model_len, MAX_CONTEXT), block_size)
         max_blocks = -(-self.context_buckets[-1] // block_size)
-        self.inputs = _StaticInputs.allocate(self.batch_buckets[-1], max_blocks, device)
+        self.inputs = _StaticInputs.allocate(self.batch_buckets[-1], max_blocks,
+                                             num_kv_cache_groups, device)
         self.graphs: dict[tuple[int, int], _Graph | _Uncaptured] = {}
         # One stream for every warm-up and capture: cuBLAS keeps a workspace per
         # (handle, stream), made by the eager warm-up outside the graphs' pool; a fresh
@@ -202,14 +242,17 @@ class DecodeGraphs:
 
     def buckets_for(self, metadata: AttentionMetadata) -> tuple[int, int] | None:
         """The (batch, context) buckets a step runs in, or None: it runs eagerly."""
-        if (self.disabled or not metadata.is_pure_decode or metadata.group_metadata
+        if (self.disabled or not metadata.is_pure_decode
+                or len(metadata.group_metadata) != self.num_kv_cache_groups - 1
                 or metadata.rope_lengths is not None):  # (cos and sin computed per step)
             return None
         batch = _bucket(self.batch_buckets, metadata.num_reqs)
         context = _bucket(self.context_buckets, metadata.max_seq_len)
         if batch is None or context is None or batch * context > MAX_GATHERED_POSITIONS:
             return None
-        if metadata.block_table.shape[1] > self.inputs.block_table.shape[1]:
+        width = self.inputs.block_table.shape[1]
+        if any(group.block_table.shape[1] > width
+               for group in (metadata, *metadata.group_metadata)):
             return None
         return batch, context
 
@@ -240,29 +283,41 @@ class DecodeGraphs:
 
     def _stage(self, n: int, batch: int, input_ids: torch.Tensor, positions: torch.Tensor,
                metadata: AttentionMetadata) -> None:
-        """Copy the step into the static inputs; rows n..batch repeat row 0."""
+        """Copy the step into the static inputs, each KV cache group's slots and block
+        table into its own; rows n..batch repeat row 0."""
         s = self.inputs
-        width = metadata.block_table.shape[1]
-        for buffer, values in ((s.input_ids, input_ids), (s.positions, positions),
-                               (s.slot_mapping, metadata.slot_mapping),
-                               (s.seq_lens, metadata.seq_lens)):
+        groups = (metadata, *metadata.group_metadata)
+        rows = [(s.input_ids, input_ids), (s.positions, positions),
+                (s.seq_lens, metadata.seq_lens)]
+        rows += [(slots, group.slot_mapping)
+                 for (slots, _), group in zip(s.group_inputs(), groups)]
+        for buffer, values in rows:
             buffer[:n].copy_(values)
             if batch > n:
                 buffer[n:batch].copy_(buffer[:1].expand(batch - n))
-        s.block_table[:n, :width].copy_(metadata.block_table)
-        if batch > n:
-            s.block_table[n:batch].copy_(s.block_table[:1].expand(batch - n, -1))
+        for (_, table), group in zip(s.group_inputs(), groups):
+            table[:n, :group.block_table.shape[1]].copy_(group.block_table)
+            if batch > n:
+                table[n:batch].copy_(table[:1].expand(batch - n, -1))
 
     def _metadata(self, batch: int, context: int) -> AttentionMetadata:
         """A step of ``batch`` one-token requests over the static inputs whose longest
         context is taken as ``context``: a fresh object each time, since the backend
-        caches what it derives on it (those derivations must be captured too)."""
+        caches what it derives on it (those derivations must be captured too). KV cache
+        groups 1.. are the same step through their own static slots and tables: the
+        same context bucket, a sliding window's group masking what lies before it
+        (attention/torch_backend.py)."""
         s = self.inputs
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             slot_mapping=s.slot_mapping[:batch], query_start_loc=s.query_start_loc[:batch + 1],
             seq_lens=s.seq_lens[:batch], block_table=s.block_table[:batch],
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
             max_query_len=1, max_seq_len=context, block_size=self.block_size)
+        metadata.group_metadata = [
+            dataclasses.replace(metadata, slot_mapping=slots[:batch],
+                                block_table=table[:batch], group_metadata=[])
+            for slots, table in zip(s.group_slot_mapping, s.group_block_table)]
+        return metadata
 
     def _forward(self, batch: int, context: int, counted: bool = True) -> torch.Tensor:
         """The padded step on the static inputs; ``counted=False``: its MoE layers count
@@ -273,6 +328,30 @@ class DecodeGraphs:
             return self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch])
 
     def _capture(self, batch: int, context: int) -> _Graph | _Uncaptured | None:
+        """The step's graph, made on every tensor-parallel rank or on none: each rank
+        captures, then one all-reduce on the ranks' host group (gloo) says whether any
+        failed; if one did, all turn graphs off together, rather than one replaying
+        while another waits in an eager step's collective. Every rank reaches this at
+        the same step: the ranks run the same steps on the same metadata, so they pick
+        the same buckets and miss the same graphs."""
+        try:
+            graph, failure = self._record(batch, context), None
+        except Exception as exc:  # noqa: BLE001 - any failure: eager from now on
+            graph, failure = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if self.tp_group.any_rank(failure is not None) and failure is None:
+            failure = "a capture failed on another tensor-parallel rank"
+        if failure is not None:
+            self.disabled = failure
+            logger.warning("CUDA graphs off for this process, every step runs eagerly: "
+                           "capturing a decode step of batch %d, context %d failed (%s)",
+                           batch, context, failure)
+            self.clear()
+            return None
+        logger.debug("captured a decode step: batch %d, context %d", batch, context)
+        return graph
+
+    def _record(self, batch: int, context: int) -> _Graph | _Uncaptured:
+        """Capture the step on this rank (``capture=False``: its uncaptured stand-in)."""
         if not self.capture:
             return _Uncaptured(lambda: self._forward(batch, context))
         previous = torch.cuda.current_stream()
@@ -291,16 +370,10 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                   capture_error_mode="thread_local"):
                 output = self._forward(batch, context)
-        except Exception as exc:  # noqa: BLE001 - any failure: eager from now on
+        except Exception:
             # a capture that failed may leave its stream current: every later step,
             # and what other threads order after it, runs on the step's own stream
             torch.cuda.set_stream(previous)
             torch.cuda.synchronize()
-            self.disabled = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            logger.warning("CUDA graphs off for this process, every step runs eagerly: "
-                           "capturing a decode step of batch %d, context %d failed (%s)",
-                           batch, context, self.disabled)
-            self.clear()
-            return None
-        logger.debug("captured a decode step: batch %d, context %d", batch, context)
+            raise
         return _Graph(graph, output)

@@ -273,9 +273,11 @@ class ModelRunner:
             refusal = self._cuda_graphs_refusal()
             if refusal is None:
                 scheduler = self.config.scheduler
-                self.cuda_graphs = DecodeGraphs(self.model, scheduler.max_num_seqs,
-                                                self.config.model.max_model_len,
-                                                self.block_size, self.device)
+                self.cuda_graphs = DecodeGraphs(
+                    self.model, scheduler.max_num_seqs, self.config.model.max_model_len,
+                    self.block_size, self.device,
+                    num_kv_cache_groups=len(self.kv_cache_groups.windows),
+                    tp_group=self.tp_group)
             if self.tp_group.rank == 0 and refusal != self._graphs_said:
                 logger.info("CUDA graphs: %s", refusal or (
                     f"decode steps of up to {self.cuda_graphs.batch_buckets[-1]} requests "
@@ -289,13 +291,9 @@ class ModelRunner:
             return "off (--enforce-eager)"
         if self._graphs_failed:
             return f"off after a capture failed ({self._graphs_failed})"
-        if self.tp_group.world_size > 1:
-            return "off under tensor parallel (NCCL inside a graph is not proven here)"
         if any(layer.expert_parallel.size > 1 for layer in self.moe_layers):
             return ("off under expert parallel (its all-to-all dispatch reads each step's "
                     "counts on the host; EPLB moves experts between steps)")
-        if len(self.kv_cache_groups.windows) > 1:
-            return "off for a hybrid KV cache (several block tables a step)"
         if getattr(self.model, "is_encoder_only", False):
             return "off for an encoder (its steps are whole prompts, never decode steps)"
         if self.config.moba_attention is not None:
@@ -317,7 +315,7 @@ class ModelRunner:
         scheduler = self.config.scheduler
         return graphs_memory_estimate(self.model, scheduler.max_num_seqs,
                                       self.config.model.max_model_len, self.block_size,
-                                      self.dtype)
+                                      self.dtype, len(self.kv_cache_groups.windows))
 
     def profile_run(self) -> int:
         """Run the largest step the scheduler can send, for the memory profiler.

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from checkpoints import make_tiny_checkpoint  # noqa: E402
+from checkpoints import SLIDING_WINDOW, make_tiny_checkpoint  # noqa: E402
 
+from loom.distributed.parallel_state import SINGLE, TPGroup  # noqa: E402
 from loom.engine_args import make_engine_config  # noqa: E402
 from loom.model.layers import fused_moe  # noqa: E402
 from loom.model.layers.fused_moe import dense_experts, expert_counts, fused_experts  # noqa: E402
@@ -44,14 +45,16 @@ def test_buckets():
     assert context_buckets(100, 16) == [112]
 
 
-def make_runner(family: str, path: Path, **engine_args) -> ModelRunner:
+def make_runner(family: str, path: Path, tp_group: TPGroup = SINGLE,
+                **engine_args) -> ModelRunner:
+    """A runner with room for 6 requests of BLOCKS_PER_REQ blocks in each KV cache group."""
     path = make_tiny_checkpoint(family, path)
     config = make_engine_config(path, dtype="float32", max_model_len=96, max_num_seqs=6,
                                 block_size=BLOCK_SIZE, skip_tokenizer_init=True,
                                 attention_backend="torch", **engine_args)
-    runner = ModelRunner(config, torch.device("cpu"))
+    runner = ModelRunner(config, torch.device("cpu"), tp_group)
     runner.load_model()
-    runner.initialize_kv_cache(6 * BLOCKS_PER_REQ + 1)
+    runner.initialize_kv_cache(len(runner.kv_cache_groups.windows) * 6 * BLOCKS_PER_REQ + 1)
     assert runner.cuda_graphs is None  # the CPU captures none
     return runner
 
@@ -59,6 +62,15 @@ def make_runner(family: str, path: Path, **engine_args) -> ModelRunner:
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> ModelRunner:
     return make_runner("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def gemma3_runner(tmp_path_factory) -> ModelRunner:
+    """Gemma 3's hybrid KV cache: of its 3 layers, one full-attention group and two
+    sliding-window groups (SLIDING_WINDOW, 12 tokens), each with block tables of its own."""
+    runner = make_runner("gemma3", tmp_path_factory.mktemp("gemma3"))
+    assert runner.kv_cache_groups.windows == (None, SLIDING_WINDOW, SLIDING_WINDOW)
+    return runner
 
 
 def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
@@ -69,13 +81,20 @@ def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
     params = SamplingParams(temperature=0.0, max_tokens=max(max_tokens))
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     # blocks from the pool's end backwards: block ids, and their slots, differ by request
-    blocks = {r: list(range(BLOCKS_PER_REQ * (i + 1), BLOCKS_PER_REQ * i, -1))
-              for i, r in enumerate(ids)}
+    # and by KV cache group (group g's are g * 6 * BLOCKS_PER_REQ further on)
+    def blocks_of(i: int, group: int) -> list[int]:
+        first = (6 * group + i) * BLOCKS_PER_REQ
+        return list(range(first + BLOCKS_PER_REQ, first, -1))
+    num_groups = len(runner.kv_cache_groups.windows)
+    blocks = {r: blocks_of(i, 0) for i, r in enumerate(ids)}
+    group_blocks = {r: [blocks_of(i, g) for g in range(1, num_groups)]
+                    for i, r in enumerate(ids)}
     tokens = {r: list(p) for r, p in zip(ids, prompts)}
     out = runner.execute_model(SchedulerOutput(
         scheduled_new_reqs=[NewRequestData(
             req_id=r, prompt_token_ids=tokens[r], output_token_ids=[], sampling_params=params,
-            eos_token_ids=[], block_ids=blocks[r], num_computed_tokens=0) for r in ids],
+            eos_token_ids=[], block_ids=blocks[r], num_computed_tokens=0,
+            group_block_ids=group_blocks[r]) for r in ids],
         scheduled_cached_reqs=[], num_scheduled_tokens={r: len(tokens[r]) for r in ids},
         total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
     outputs = {r: [] for r in ids}
@@ -102,14 +121,19 @@ def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
             total_num_scheduled_tokens=len(running), finished_req_ids=finished))
 
 
-def test_padded_static_decode_gives_the_plain_steps_tokens(runner, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_padded_static_decode_gives_the_plain_steps_tokens(family, request, monkeypatch):
+    """Gemma 3 (a hybrid KV cache): its sliding-window group goes through static slots
+    and block tables of its own, and its contexts (up to 73) run far past the window."""
+    runner = request.getfixturevalue("runner" if family == "llama" else "gemma3_runner")
     monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)
     prompts = [[(7 * i + 3 * j) % 250 + 2 for j in range(n)]
                for i, n in enumerate((5, 29, 11, 40, 2))]
     max_tokens = [40, 9, 25, 33, 52]  # contexts 45, 38, 36, 73, 54: over 3 buckets
     plain = greedy(runner, "plain", prompts, max_tokens)
-    graphs = runner.cuda_graphs = DecodeGraphs(runner.model, 6, 96, BLOCK_SIZE,
-                                               torch.device("cpu"), capture=False)
+    graphs = runner.cuda_graphs = DecodeGraphs(
+        runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False,
+        num_kv_cache_groups=len(runner.kv_cache_groups.windows))
     assert graphs.batch_buckets == [1, 2, 4, 6] and graphs.context_buckets == [16, 32, 64, 96]
     try:
         replayed = greedy(runner, "replayed", prompts, max_tokens)
