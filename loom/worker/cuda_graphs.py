@@ -57,9 +57,10 @@ moves: the KV cache is re-allocated, or the weights are updated, freed or re-der
 
 Steps that run eagerly, as before: any with a prefill or draft tokens, or whose rope
 turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the original
-context; layers/rotary.py); models with experts spread over ranks (expert parallel:
-the all-to-all reads each step's counts on the host); and every step under
-``enforce_eager``. A capture that fails is logged once and turns graphs off for the
+context; layers/rotary.py), or with LoRA adapters on (``lora_slots``: a graph's metadata
+carries none, and the PyTorch path groups rows by adapter on the host); models with
+experts spread over ranks (expert parallel: the all-to-all reads each step's counts on
+the host); and every step under ``enforce_eager``. A capture that fails is logged once and turns graphs off for the
 process, on every tensor-parallel rank (the runner makes none for a later KV cache):
 the step, and every later one, runs eagerly.
 """
@@ -244,7 +245,8 @@ class DecodeGraphs:
         """The (batch, context) buckets a step runs in, or None: it runs eagerly."""
         if (self.disabled or not metadata.is_pure_decode
                 or len(metadata.group_metadata) != self.num_kv_cache_groups - 1
-                or metadata.rope_lengths is not None):  # (cos and sin computed per step)
+                or metadata.rope_lengths is not None  # (cos and sin computed per step)
+                or metadata.lora_slots is not None):  # (adapters grouped on the host)
             return None
         batch = _bucket(self.batch_buckets, metadata.num_reqs)
         context = _bucket(self.context_buckets, metadata.max_seq_len)

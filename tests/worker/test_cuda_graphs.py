@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from checkpoints import SLIDING_WINDOW, make_tiny_checkpoint  # noqa: E402
 
 from loom.distributed.parallel_state import SINGLE, TPGroup  # noqa: E402
 from loom.engine_args import make_engine_config  # noqa: E402
+from loom.model.attention.metadata import AttentionMetadata  # noqa: E402
 from loom.model.layers import fused_moe  # noqa: E402
 from loom.model.layers.fused_moe import dense_experts, expert_counts, fused_experts  # noqa: E402
 from loom.core.wire import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
@@ -163,6 +165,19 @@ def test_steps_graphs_do_not_take_run_eagerly(runner):
         assert graphs.replays == 2
     finally:
         runner.cuda_graphs = None
+
+
+def test_a_step_with_lora_slots_runs_eagerly(runner):
+    """A graph's metadata carries no adapter slots: a step of an engine with LoRA on
+    (its slots set, -1 for the base) must not replay one, or its adapters would be
+    left out."""
+    graphs = DecodeGraphs(runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False)
+    metadata = AttentionMetadata.from_numpy(
+        np.array([9]), np.array([0, 1]), np.array([10]),
+        np.array([[1, 2]]), BLOCK_SIZE, torch.device("cpu"))
+    assert graphs.buckets_for(metadata) == (1, 96)
+    metadata.lora_slots = torch.tensor([0])
+    assert graphs.buckets_for(metadata) is None
 
 
 def test_a_failed_capture_keeps_graphs_off_when_the_cache_is_made_again(runner):
