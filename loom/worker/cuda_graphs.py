@@ -60,9 +60,9 @@ turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the
 context; layers/rotary.py), or with LoRA adapters on (``lora_slots``: a graph's metadata
 carries none, and the PyTorch path groups rows by adapter on the host); models with
 experts spread over ranks (expert parallel: the all-to-all reads each step's counts on
-the host); and every step under ``enforce_eager``. A capture that fails is logged once and turns graphs off for the
-process, on every tensor-parallel rank (the runner makes none for a later KV cache):
-the step, and every later one, runs eagerly.
+the host); and every step under ``enforce_eager``. A capture that fails is logged once
+and turns graphs off for the process, on every tensor-parallel rank (the runner makes
+none for a later KV cache): the step, and every later one, runs eagerly.
 """
 
 from __future__ import annotations

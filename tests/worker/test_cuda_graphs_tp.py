@@ -90,4 +90,5 @@ def test_tp2_ranks_replay_alike_and_go_eager_together(tmp_path):
         tokens, buckets, replays, disabled = rank["failed"]
         assert tokens == plain and buckets == [] and replays == 0
     assert ranks[0]["failed"][3] == "a capture failed on another tensor-parallel rank"
-    assert ranks[1]["failed"][3] == "RuntimeError: operation not permitted when stream is capturing"
+    assert ranks[1]["failed"][3] == (
+        "RuntimeError: operation not permitted when stream is capturing")
