@@ -20,6 +20,24 @@ A graph fixes every shape and every address it reads:
   block tables); each step copies its own into them, then replays. Block table
   columns past a step's own stay as an earlier step left them: they index only
   positions past every length, which attention masks and never gathers.
+- **Verification steps.** Under speculative decoding a step whose every request runs
+  its last token and k drafts (k + 1 tokens each) is captured per (batch, context,
+  k + 1): the static token buffers hold ``batch * (k + 1)`` rows, request i's at
+  ``i*(k+1) .. i*(k+1) + k``, ``query_start_loc`` is 0, k + 1, 2(k + 1), ..., and a
+  padding request repeats request 0's k + 1 rows (the same K/V to the same slots). The
+  torch backend batches such a step over the cache as it batches decode
+  (``AttentionMetadata.query_len``: a gather of the context bucket, each query masked
+  causally by its position ``seq_len - (k + 1) + j`` read on the device, and by the
+  sliding window), never through the ``*_cpu`` lists, which hold the buckets; the
+  Triton kernels read ``seq_lens`` and ``query_start_loc`` as tensors and take
+  ``max_query_len`` (k + 1) and ``max_seq_len`` (the context bucket) only for the
+  launch. A step whose requests have different numbers of drafts (the n-gram proposer
+  finds fewer for some) runs eagerly. The draft model's own steps (``DraftModelProposer``:
+  k one-token forwards of its model on its own KV cache, after a catch-up forward over
+  the target's step) run eagerly: it would need graphs of its own, over its model and
+  cache, with their memory counted. Proven with ``capture=False`` on the CPU, torch
+  backend (a tiny Llama and Gemma 3, drafts accepted in part, in whole and not at all);
+  not run on a GPU yet.
 - **Experts.** An MoE layer's grouped path takes its shapes from the routing (each
   expert's tokens, counted on the host). In a graph's step (``graph_safe_experts``,
   layers/fused_moe.py) every expert runs on the step's rows and each row keeps its own
@@ -55,7 +73,8 @@ moves: the KV cache is re-allocated, or the weights are updated, freed or re-der
 (``ModelRunner.drop_cuda_graphs``). The KV cache's sizing leaves the pool
 ``graphs_memory_estimate``.
 
-Steps that run eagerly, as before: any with a prefill or draft tokens, or whose rope
+Steps that run eagerly, as before: any with a prefill, or with draft tokens unevenly
+spread or more than the speculative config's k a request, or whose rope
 turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the original
 context; layers/rotary.py), or with LoRA adapters on (``lora_slots``: a graph's metadata
 carries none, and the PyTorch path groups rows by adapter on the host); models with
@@ -118,7 +137,7 @@ CUBLAS_WORKSPACE_BYTES = 64 << 20  # the capture stream's (32 MiB on Hopper), wi
 
 def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
                            block_size: int, dtype: torch.dtype,
-                           num_kv_cache_groups: int = 1) -> int:
+                           num_kv_cache_groups: int = 1, max_query_len: int = 1) -> int:
     """An upper estimate of the bytes the graphs' memory pool keeps: one layer's decode
     attention at the largest captured step (K and V gathered; scores, softmax in
     float32 and probabilities; the mask; the gather's int64 indices and their
@@ -126,12 +145,14 @@ def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_
     are built once a step and held through it), the largest linear on the PyTorch
     quantized path dequantized (its float32 weight and the two float32 temporaries that
     make it), and the capture stream's cuBLAS workspace. Activations between layers are
-    a few rows: ignored."""
+    a few rows: ignored. A verification step of ``max_query_len`` tokens a request holds
+    that many rows of scores, probabilities and mask for each gathered position."""
     from loom.model.layers.linear import LinearBase
 
     elt = torch.empty((), dtype=dtype).element_size()
-    per_position = max(2 * a.num_kv_heads * a.head_dim * elt + a.num_heads * (2 * elt + 8)
-                       + elt + 6 * 8 for a in model.attention_layers)
+    per_position = max(2 * a.num_kv_heads * a.head_dim * elt
+                       + max_query_len * (a.num_heads * (2 * elt + 8) + elt) + 6 * 8
+                       for a in model.attention_layers)
     per_position += (num_kv_cache_groups - 1) * (8 + elt)
     dequantized = max((m.output_size * m.input_size for m in model.modules()
                        if isinstance(m, LinearBase) and m.on_reference_path),
@@ -148,28 +169,33 @@ def _bucket(buckets: list[int], n: int) -> int | None:
 class _StaticInputs:
     """The buffers every graph reads, sized for the largest batch bucket."""
 
-    input_ids: torch.Tensor  # (B,) int64
-    positions: torch.Tensor  # (B,) int64
-    slot_mapping: torch.Tensor  # (B,) int64
+    # B requests of up to Q tokens each (Q: max_query_len, 1 without drafts); a step of
+    # q tokens a request uses the first B*q token rows, request i's at i*q .. i*q + q-1
+    input_ids: torch.Tensor  # (B*Q,) int64
+    positions: torch.Tensor  # (B*Q,) int64
+    slot_mapping: torch.Tensor  # (B*Q,) int64
     seq_lens: torch.Tensor  # (B,) int32
     block_table: torch.Tensor  # (B, max_blocks_per_seq) int32
-    query_start_loc: torch.Tensor  # (B + 1,) int32: 0, 1, 2, ... (one token each)
+    # q -> (B + 1,) int32: 0, q, 2q, ... (q tokens each), for q = 1..Q
+    query_start_loc: dict[int, torch.Tensor]
     # KV cache groups 1.. (a hybrid layout), as AttentionMetadata.group_metadata: each
-    # group's slots (B,) int64 and block table (B, max_blocks_per_seq) int32
+    # group's slots (B*Q,) int64 and block table (B, max_blocks_per_seq) int32
     group_slot_mapping: list[torch.Tensor]
     group_block_table: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, num_groups: int,
+    def allocate(cls, max_batch: int, max_query_len: int, max_blocks: int, num_groups: int,
                  device: torch.device) -> _StaticInputs:
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device)
         others = range(num_groups - 1)
-        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch),
+        rows = max_batch * max_query_len
+        starts = {q: torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32, device=device)
+                  for q in range(1, max_query_len + 1)}
+        return cls(zeros(rows), zeros(rows), zeros(rows),
                    zeros(max_batch, dtype=torch.int32),
-                   zeros(max_batch, max_blocks, dtype=torch.int32),
-                   torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-                   [zeros(max_batch) for _ in others],
+                   zeros(max_batch, max_blocks, dtype=torch.int32), starts,
+                   [zeros(rows) for _ in others],
                    [zeros(max_batch, max_blocks, dtype=torch.int32) for _ in others])
 
     def group_inputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -201,24 +227,27 @@ class _Uncaptured:
 
 
 class DecodeGraphs:
-    """A model's pure-decode steps replayed from CUDA graphs, one per (batch, context)
-    pair of buckets; ``run`` returns a step's hidden states, or None where the step
-    runs eagerly."""
+    """A model's pure-decode steps, and its verification steps of up to
+    ``max_query_len`` tokens a request, replayed from CUDA graphs, one per (batch,
+    context, tokens a request) triple of buckets; ``run`` returns a step's hidden
+    states, or None where the step runs eagerly."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
                  block_size: int, device: torch.device, capture: bool = True,
-                 num_kv_cache_groups: int = 1, tp_group: TPGroup = SINGLE) -> None:
+                 num_kv_cache_groups: int = 1, tp_group: TPGroup = SINGLE,
+                 max_query_len: int = 1) -> None:
         self.model = model
         self.block_size = block_size
+        self.max_query_len = max_query_len
         self.capture = capture
         self.num_kv_cache_groups = num_kv_cache_groups
         self.tp_group = tp_group
         self.batch_buckets = batch_buckets(max_num_seqs)
         self.context_buckets = context_buckets(min(max_model_len, MAX_CONTEXT), block_size)
         max_blocks = -(-self.context_buckets[-1] // block_size)
-        self.inputs = _StaticInputs.allocate(self.batch_buckets[-1], max_blocks,
-                                             num_kv_cache_groups, device)
-        self.graphs: dict[tuple[int, int], _Graph | _Uncaptured] = {}
+        self.inputs = _StaticInputs.allocate(self.batch_buckets[-1], max_query_len,
+                                             max_blocks, num_kv_cache_groups, device)
+        self.graphs: dict[tuple[int, int, int], _Graph | _Uncaptured] = {}
         # One stream for every warm-up and capture: cuBLAS keeps a workspace per
         # (handle, stream), made by the eager warm-up outside the graphs' pool; a fresh
         # stream per capture would leave one behind each time (32 MiB on Hopper).
@@ -230,7 +259,8 @@ class DecodeGraphs:
         # real_rows marks (1: the step's, 0: padding); a replay runs no Python, so the
         # modules' on_replay hooks (their forward counts) are called after it
         self.moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-        self.real_rows = torch.zeros(self.batch_buckets[-1], dtype=torch.int64, device=device)
+        self.real_rows = torch.zeros(self.batch_buckets[-1] * max_query_len, dtype=torch.int64,
+                                     device=device)
         self._on_replay = [m.on_replay for m in model.modules()
                            if callable(getattr(m, "on_replay", None))]
 
@@ -241,9 +271,14 @@ class DecodeGraphs:
         if self.capture:
             self.pool = torch.cuda.graph_pool_handle()
 
-    def buckets_for(self, metadata: AttentionMetadata) -> tuple[int, int] | None:
-        """The (batch, context) buckets a step runs in, or None: it runs eagerly."""
-        if (self.disabled or not metadata.is_pure_decode
+    def buckets_for(self, metadata: AttentionMetadata) -> tuple[int, int, int] | None:
+        """The (batch, context, tokens a request) buckets a step runs in, or None: it
+        runs eagerly. Tokens a request: 1 for a decode step, k + 1 for a verification
+        step whose every request runs its last token and k drafts; a step whose
+        requests have different counts (fewer drafts for some) runs eagerly."""
+        query_len = metadata.max_query_len
+        if (self.disabled or query_len > self.max_query_len
+                or metadata.num_tokens != metadata.num_reqs * query_len
                 or len(metadata.group_metadata) != self.num_kv_cache_groups - 1
                 or metadata.rope_lengths is not None  # (cos and sin computed per step)
                 or metadata.lora_slots is not None):  # (adapters grouped on the host)
@@ -256,80 +291,98 @@ class DecodeGraphs:
         if any(group.block_table.shape[1] > width
                for group in (metadata, *metadata.group_metadata)):
             return None
-        return batch, context
+        return batch, context, query_len
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor | None:
-        """The step's hidden states (num_reqs, hidden), replayed; None: run it eagerly.
+        """The step's hidden states (num_tokens, hidden), replayed; None: run it eagerly.
         The result is the graph's own output buffer: read it before the next step."""
         buckets = self.buckets_for(metadata)
         if buckets is None:
             return None
-        batch, context = buckets
+        batch, context, query_len = buckets
         n = metadata.num_reqs
-        self._stage(n, batch, input_ids, positions, metadata)
-        self.real_rows[:n].fill_(1)
-        self.real_rows[n:batch].zero_()
+        self._stage(n, batch, query_len, input_ids, positions, metadata)
+        self.real_rows[:n * query_len].fill_(1)
+        self.real_rows[n * query_len:batch * query_len].zero_()
         graph = self.graphs.get(buckets)
         if graph is None:
-            graph = self._capture(batch, context)
+            graph = self._capture(batch, context, query_len)
             if graph is None:
                 return None
             self.graphs[buckets] = graph
         self.replays += 1
-        output = graph.replay()[:n]
+        output = graph.replay()[:n * query_len]
         if isinstance(graph, _Graph):
             for hook in self._on_replay:
                 hook()
         return output
 
-    def _stage(self, n: int, batch: int, input_ids: torch.Tensor, positions: torch.Tensor,
-               metadata: AttentionMetadata) -> None:
+    def _stage(self, n: int, batch: int, query_len: int, input_ids: torch.Tensor,
+               positions: torch.Tensor, metadata: AttentionMetadata) -> None:
         """Copy the step into the static inputs, each KV cache group's slots and block
-        table into its own; rows n..batch repeat row 0."""
+        table into its own; requests n..batch repeat request 0: its ``query_len`` token
+        rows (the same tokens at the same positions, whose K/V go to the same slots
+        again), its length and its block table rows."""
         s = self.inputs
         groups = (metadata, *metadata.group_metadata)
-        rows = [(s.input_ids, input_ids), (s.positions, positions),
-                (s.seq_lens, metadata.seq_lens)]
-        rows += [(slots, group.slot_mapping)
-                 for (slots, _), group in zip(s.group_inputs(), groups)]
+        token_rows = [(s.input_ids, input_ids), (s.positions, positions)]
+        token_rows += [(slots, group.slot_mapping)
+                       for (slots, _), group in zip(s.group_inputs(), groups)]
+        # (B*q,) -> (B, q): a request's tokens as one row
+        rows = [(buffer[:batch * query_len].view(batch, query_len), values.view(n, query_len))
+                for buffer, values in token_rows]
+        rows.append((s.seq_lens, metadata.seq_lens))
         for buffer, values in rows:
             buffer[:n].copy_(values)
             if batch > n:
-                buffer[n:batch].copy_(buffer[:1].expand(batch - n))
+                buffer[n:batch].copy_(buffer[:1].expand(batch - n, *buffer.shape[1:]))
         for (_, table), group in zip(s.group_inputs(), groups):
             table[:n, :group.block_table.shape[1]].copy_(group.block_table)
             if batch > n:
                 table[n:batch].copy_(table[:1].expand(batch - n, -1))
 
-    def _metadata(self, batch: int, context: int) -> AttentionMetadata:
-        """A step of ``batch`` one-token requests over the static inputs whose longest
-        context is taken as ``context``: a fresh object each time, since the backend
-        caches what it derives on it (those derivations must be captured too). KV cache
-        groups 1.. are the same step through their own static slots and tables: the
-        same context bucket, a sliding window's group masking what lies before it
-        (attention/torch_backend.py)."""
+    def _metadata(self, batch: int, context: int, query_len: int) -> AttentionMetadata:
+        """A step of ``batch`` requests of ``query_len`` tokens each over the static
+        inputs, whose longest context is taken as ``context``: a fresh object each time,
+        since the backend caches what it derives on it (those derivations must be
+        captured too). What a backend reads on the host is the buckets': the ``*_cpu``
+        lists (every context taken as ``context``), ``max_query_len`` and
+        ``max_seq_len``; a verification step's attention (``query_len``) reads the
+        lengths on the device (torch_backend.py's batched path; the Triton kernels read
+        ``seq_lens`` and ``query_start_loc`` as tensors and take the maxima only for the
+        launch). KV cache groups 1.. are the same step through their own static slots
+        and tables: the same context bucket, a sliding window's group masking what lies
+        before it (attention/torch_backend.py)."""
         s = self.inputs
+        tokens = batch * query_len
         metadata = AttentionMetadata(
-            slot_mapping=s.slot_mapping[:batch], query_start_loc=s.query_start_loc[:batch + 1],
+            slot_mapping=s.slot_mapping[:tokens],
+            query_start_loc=s.query_start_loc[query_len][:batch + 1],
             seq_lens=s.seq_lens[:batch], block_table=s.block_table[:batch],
-            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
-            max_query_len=1, max_seq_len=context, block_size=self.block_size)
+            query_start_loc_cpu=list(range(0, tokens + 1, query_len)),
+            seq_lens_cpu=[context] * batch, max_query_len=query_len, max_seq_len=context,
+            block_size=self.block_size, query_len=query_len if query_len > 1 else None)
         metadata.group_metadata = [
-            dataclasses.replace(metadata, slot_mapping=slots[:batch],
+            dataclasses.replace(metadata, slot_mapping=slots[:tokens],
                                 block_table=table[:batch], group_metadata=[])
             for slots, table in zip(s.group_slot_mapping, s.group_block_table)]
         return metadata
 
-    def _forward(self, batch: int, context: int, counted: bool = True) -> torch.Tensor:
+    def _forward(self, batch: int, context: int, query_len: int,
+                 counted: bool = True) -> torch.Tensor:
         """The padded step on the static inputs; ``counted=False``: its MoE layers count
         no row (the warm-up before a capture, whose step the replay then counts)."""
-        rows = self.real_rows[:batch] if counted else torch.zeros_like(self.real_rows[:batch])
-        with (set_forward_context(self._metadata(batch, context)),
+        tokens = batch * query_len
+        rows = self.real_rows[:tokens]
+        if not counted:
+            rows = torch.zeros_like(rows)
+        with (set_forward_context(self._metadata(batch, context, query_len)),
               graph_safe_experts(self.moe_layers, rows)):
-            return self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch])
+            return self.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
-    def _capture(self, batch: int, context: int) -> _Graph | _Uncaptured | None:
+    def _capture(self, batch: int, context: int,
+                 query_len: int = 1) -> _Graph | _Uncaptured | None:
         """The step's graph, made on every tensor-parallel rank or on none: each rank
         captures, then one all-reduce on the ranks' host group (gloo) says whether any
         failed; if one did, all turn graphs off together, rather than one replaying
@@ -337,7 +390,7 @@ class DecodeGraphs:
         the same step: the ranks run the same steps on the same metadata, so they pick
         the same buckets and miss the same graphs."""
         try:
-            graph, failure = self._record(batch, context), None
+            graph, failure = self._record(batch, context, query_len), None
         except Exception as exc:  # noqa: BLE001 - any failure: eager from now on
             graph, failure = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
         if self.tp_group.any_rank(failure is not None) and failure is None:
@@ -345,17 +398,18 @@ class DecodeGraphs:
         if failure is not None:
             self.disabled = failure
             logger.warning("CUDA graphs off for this process, every step runs eagerly: "
-                           "capturing a decode step of batch %d, context %d failed (%s)",
-                           batch, context, failure)
+                           "capturing a decode step of batch %d, context %d, %d tokens a "
+                           "request failed (%s)", batch, context, query_len, failure)
             self.clear()
             return None
-        logger.debug("captured a decode step: batch %d, context %d", batch, context)
+        logger.debug("captured a decode step: batch %d, context %d, %d tokens a request",
+                     batch, context, query_len)
         return graph
 
-    def _record(self, batch: int, context: int) -> _Graph | _Uncaptured:
+    def _record(self, batch: int, context: int, query_len: int) -> _Graph | _Uncaptured:
         """Capture the step on this rank (``capture=False``: its uncaptured stand-in)."""
         if not self.capture:
-            return _Uncaptured(lambda: self._forward(batch, context))
+            return _Uncaptured(lambda: self._forward(batch, context, query_len))
         previous = torch.cuda.current_stream()
         try:
             # Once eagerly on the capture stream first (lazy initialisation, cuBLAS's
@@ -365,13 +419,13 @@ class DecodeGraphs:
             self.stream.wait_stream(previous)
             try:
                 with torch.cuda.stream(self.stream):
-                    self._forward(batch, context, counted=False)
+                    self._forward(batch, context, query_len, counted=False)
             finally:
                 previous.wait_stream(self.stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                   capture_error_mode="thread_local"):
-                output = self._forward(batch, context)
+                output = self._forward(batch, context, query_len)
         except Exception:
             # a capture that failed may leave its stream current: every later step,
             # and what other threads order after it, runs on the step's own stream

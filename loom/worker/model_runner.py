@@ -277,7 +277,7 @@ class ModelRunner:
                     self.model, scheduler.max_num_seqs, self.config.model.max_model_len,
                     self.block_size, self.device,
                     num_kv_cache_groups=len(self.kv_cache_groups.windows),
-                    tp_group=self.tp_group)
+                    tp_group=self.tp_group, max_query_len=self._graph_query_len)
             if self.tp_group.rank == 0 and refusal != self._graphs_said:
                 logger.info("CUDA graphs: %s", refusal or (
                     f"decode steps of up to {self.cuda_graphs.batch_buckets[-1]} requests "
@@ -315,7 +315,15 @@ class ModelRunner:
         scheduler = self.config.scheduler
         return graphs_memory_estimate(self.model, scheduler.max_num_seqs,
                                       self.config.model.max_model_len, self.block_size,
-                                      self.dtype, len(self.kv_cache_groups.windows))
+                                      self.dtype, len(self.kv_cache_groups.windows),
+                                      self._graph_query_len)
+
+    @property
+    def _graph_query_len(self) -> int:
+        """The most tokens a request runs in a captured step: its last token and every
+        draft (a verification step), or 1 without speculative decoding."""
+        spec = self.config.speculative
+        return 1 if spec is None else spec.num_speculative_tokens + 1
 
     def profile_run(self) -> int:
         """Run the largest step the scheduler can send, for the memory profiler.

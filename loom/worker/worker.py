@@ -371,8 +371,9 @@ class Worker:
         return {"status": int(self.weights.status), "history": list(self.weights.history)}
 
     def cuda_graph_stats(self) -> dict:
-        """CUDA graphs on this rank (worker/cuda_graphs.py): the (batch, context) buckets
-        captured, the steps replayed, why graphs are off (None while on or never made)."""
+        """CUDA graphs on this rank (worker/cuda_graphs.py): the (batch, context, tokens a
+        request) buckets captured, the steps replayed, why graphs are off (None while on
+        or never made)."""
         graphs = self.model_runner.cuda_graphs
         if graphs is None:
             return {"captured": [], "replays": 0, "disabled": None, "made": False}

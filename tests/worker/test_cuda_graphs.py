@@ -75,6 +75,14 @@ def gemma3_runner(tmp_path_factory) -> ModelRunner:
     return runner
 
 
+def blocks_of(i: int, group: int) -> list[int]:
+    """Request ``i``'s blocks in KV cache group ``group``, from the pool's end backwards:
+    block ids, and their slots, differ by request and by group (group g's are
+    g * 6 * BLOCKS_PER_REQ further on)."""
+    first = (6 * group + i) * BLOCKS_PER_REQ
+    return list(range(first + BLOCKS_PER_REQ, first, -1))
+
+
 def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
            max_tokens: list[int], expert_tokens: list | None = None) -> list[list[int]]:
     """Prefill ``prompts`` together, then decode one token a step until each has
@@ -82,11 +90,6 @@ def greedy(runner: ModelRunner, tag: str, prompts: list[list[int]],
     ``expert_tokens`` (an MoE model's routing counts) go to ``expert_tokens`` if given."""
     params = SamplingParams(temperature=0.0, max_tokens=max(max_tokens))
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    # blocks from the pool's end backwards: block ids, and their slots, differ by request
-    # and by KV cache group (group g's are g * 6 * BLOCKS_PER_REQ further on)
-    def blocks_of(i: int, group: int) -> list[int]:
-        first = (6 * group + i) * BLOCKS_PER_REQ
-        return list(range(first + BLOCKS_PER_REQ, first, -1))
     num_groups = len(runner.kv_cache_groups.windows)
     blocks = {r: blocks_of(i, 0) for i, r in enumerate(ids)}
     group_blocks = {r: [blocks_of(i, g) for g in range(1, num_groups)]
@@ -148,7 +151,8 @@ def test_padded_static_decode_gives_the_plain_steps_tokens(family, request, monk
     assert again == plain[2:4]
     # 5 requests padded to 6, then 4, 3 to 4, 2 and 1; the longest context crosses 64
     # at its 25th step, the second batch's at its 25th
-    assert set(graphs.graphs) == {(6, 64), (4, 64), (4, 96), (2, 64), (1, 64), (1, 96)}
+    assert set(graphs.graphs) == {(6, 64, 1), (4, 64, 1), (4, 96, 1), (2, 64, 1), (1, 64, 1),
+                                  (1, 96, 1)}
     assert graphs.replays == (max(max_tokens) - 1) + (max(max_tokens[2:4]) - 1)  # steps
 
 
@@ -175,7 +179,7 @@ def test_a_step_with_lora_slots_runs_eagerly(runner):
     metadata = AttentionMetadata.from_numpy(
         np.array([9]), np.array([0, 1]), np.array([10]),
         np.array([[1, 2]]), BLOCK_SIZE, torch.device("cpu"))
-    assert graphs.buckets_for(metadata) == (1, 96)
+    assert graphs.buckets_for(metadata) == (1, 96, 1)
     metadata.lora_slots = torch.tensor([0])
     assert graphs.buckets_for(metadata) is None
 
@@ -257,3 +261,106 @@ def test_dense_experts_equal_the_grouped_ones():
     assert expert_counts(ids, 6, rows).tolist() == torch.bincount(
         ids[:3].flatten(), minlength=6).tolist()
     assert expert_counts(ids, 6).tolist() == torch.bincount(ids.flatten(), minlength=6).tolist()
+
+
+def spec_greedy(runner: ModelRunner, tag: str, prompts: list[list[int]], drafts_of,
+                draft_counts: list[list[int]]) -> list[list[int]]:
+    """Prefill ``prompts``, then run verification steps: each request its last token and
+    ``drafts_of(step, i, outputs)``'s drafts (the drafter's place), greedy, each step's
+    accepted drafts and one more token kept; ``drafts_of`` returning None drops the
+    request. The outputs, per request; each step's draft counts go to ``draft_counts``."""
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    num_groups = len(runner.kv_cache_groups.windows)
+    tokens = {r: list(p) for r, p in zip(ids, prompts)}
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData(
+            req_id=r, prompt_token_ids=tokens[r], output_token_ids=[], sampling_params=params,
+            eos_token_ids=[], num_computed_tokens=0, block_ids=blocks_of(i, 0),
+            group_block_ids=[blocks_of(i, g) for g in range(1, num_groups)])
+            for i, r in enumerate(ids)],
+        scheduled_cached_reqs=[], num_scheduled_tokens={r: len(tokens[r]) for r in ids},
+        total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
+    outputs = {r: [] for r in ids}
+    finished: list[str] = []
+    for step in range(100):
+        for r, sampled in zip(out.req_ids, out.sampled_token_ids):
+            tokens[r] += sampled
+            outputs[r] += sampled
+        drafts = {r: drafts_of(step, i, outputs[r]) for i, r in enumerate(ids)
+                  if r not in finished}
+        finished = [r for r, d in drafts.items() if d is None]
+        running = [r for r, d in drafts.items() if d is not None]
+        if not running:
+            break
+        draft_counts.append([len(drafts[r]) for r in running])
+        out = runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=[CachedRequestData(
+                req_id=r, new_token_ids=list(sampled), new_block_ids=[],
+                num_computed_tokens=len(tokens[r]) - 1)
+                for r, sampled in zip(out.req_ids, out.sampled_token_ids) if r in running],
+            num_scheduled_tokens={r: 1 + len(drafts[r]) for r in running},
+            total_num_scheduled_tokens=sum(1 + len(drafts[r]) for r in running),
+            finished_req_ids=finished, scheduled_spec_decode_tokens={
+                r: drafts[r] for r in running if drafts[r]}))
+    runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
+        total_num_scheduled_tokens=0, finished_req_ids=finished))
+    return [outputs[r] for r in ids]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_padded_static_verification_steps_give_the_plain_steps_tokens(
+        family, tmp_path, monkeypatch):
+    """Speculative decoding's verification steps (every request its last token and k
+    drafts) replay per (batch, context, k + 1): the padded static step, its attention
+    batched over the cache with each query's causal (and sliding-window) mask, gives the
+    plain runner's greedy tokens, drafts accepted in part, in whole and not at all, as
+    the batch shrinks and contexts cross buckets (Gemma 3's past its window of 12); a
+    step whose requests have different numbers of drafts runs eagerly."""
+    runner = make_runner(family, tmp_path, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
+    monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)
+    prompts = [[(7 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate((5, 21, 9))]
+    reference = greedy(runner, "reference", prompts, [40, 40, 40])
+
+    def drafts_of(step: int, i: int, outputs: list[int]) -> list[int] | None:
+        if len(outputs) >= 30 - 8 * i:  # requests 2, then 1, then 0 finish
+            return None
+        right = reference[i][len(outputs):len(outputs) + 2]
+        if step == 3 and i == 1:
+            return right[:1]  # fewer drafts than the others: the step runs eagerly
+        return [right[0], 3] if (step + i) % 3 == 1 else right  # one wrong, or both right
+
+    plain = spec_greedy(runner, "plain", prompts, drafts_of, [])
+    graphs = runner.cuda_graphs = DecodeGraphs(
+        runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False,
+        num_kv_cache_groups=len(runner.kv_cache_groups.windows),
+        max_query_len=runner._graph_query_len)
+    staged = []
+    stage = graphs._stage
+
+    def stage_checked(n: int, batch: int, query_len: int, *args) -> None:
+        """Padding requests repeat request 0's tokens, positions and slots (its K/V
+        written again to the same slots), not what an earlier step left there."""
+        stage(n, batch, query_len, *args)
+        for buffer in (graphs.inputs.input_ids, graphs.inputs.positions,
+                       graphs.inputs.slot_mapping):
+            requests = buffer[:batch * query_len].view(batch, query_len)
+            assert torch.equal(requests[n:], requests[:1].expand(batch - n, -1))
+        staged.append((n, batch, query_len))
+    graphs._stage = stage_checked
+    try:
+        draft_counts = []
+        replayed = spec_greedy(runner, "replayed", prompts, drafts_of, draft_counts)
+    finally:
+        runner.cuda_graphs = None
+    assert replayed == plain
+    assert all(p == r[:len(p)] for p, r in zip(plain, reference))
+    assert {bucket[2] for bucket in graphs.graphs} == {3}
+    assert {bucket[0] for bucket in graphs.graphs} == {4, 2, 1}  # 3 padded to 4, 2, 1
+    assert len({bucket[1] for bucket in graphs.graphs}) >= 2  # contexts over buckets
+    assert (3, 4, 3) in staged
+    assert [2, 1, 2] in draft_counts  # the uneven step ran, eagerly
+    assert graphs.replays == sum(set(counts) == {2} for counts in draft_counts)

@@ -45,7 +45,7 @@ def _run(runner, tag: str, fail_on_rank: int | None = None):
         runner.runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False,
         num_kv_cache_groups=len(runner.kv_cache_groups.windows), tp_group=tp_group)
     if tp_group.rank == fail_on_rank:
-        def fail(batch: int, context: int):
+        def fail(batch: int, context: int, query_len: int):
             raise RuntimeError("operation not permitted when stream is capturing")
         graphs._record = fail
     try:
@@ -85,7 +85,7 @@ def test_tp2_ranks_replay_alike_and_go_eager_together(tmp_path):
     for rank in ranks:
         tokens, buckets, replays, disabled = rank["replayed"]
         assert tokens == plain and disabled is None and replays == steps
-        assert buckets == [(1, 32), (2, 32), (4, 16)]
+        assert buckets == [(1, 32, 1), (2, 32, 1), (4, 16, 1)]
         # rank 1's first capture failed: both ranks off from that step, every step eager
         tokens, buckets, replays, disabled = rank["failed"]
         assert tokens == plain and buckets == [] and replays == 0

@@ -55,6 +55,12 @@ class AttentionMetadata:
     # length, its position + 1). None where the model has no such rope or no token of the
     # step is past its original context; a step with them runs eagerly.
     rope_lengths: torch.Tensor | None = None
+    # Every request has exactly this many new tokens (a speculative verification step:
+    # its last token and its drafts) and attention batches them over the cache as it
+    # batches decode tokens, reading lengths from ``seq_lens`` on the device, never the
+    # ``*_cpu`` lists (which a captured step fills with its buckets). Set by a CUDA
+    # graph's step (worker/cuda_graphs.py); None elsewhere.
+    query_len: int | None = None
     # Per-step values derived by the attention backend (gather indices, masks), built
     # by the first layer that needs them and reused by the others; see ``cached``.
     _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,

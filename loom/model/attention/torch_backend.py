@@ -37,11 +37,13 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
         if kv_cache is not None:
             self._write_kv(key, value, kv_cache, metadata.slot_mapping)
-            if metadata.is_pure_decode:
+            if metadata.is_pure_decode or metadata.query_len:
+                query_len = metadata.query_len or 1
                 slots, mask = metadata.cached(
                     ("decode", query.dtype, self.sliding_window),
-                    lambda: _decode_plan(metadata, None, query.dtype, self.sliding_window))
-                return self._decode(query, kv_cache, slots, mask)
+                    lambda: _decode_plan(metadata, None, query.dtype, self.sliding_window,
+                                         query_len))
+                return self._decode(query, kv_cache, slots, mask, query_len)
         output = torch.empty_like(query)
         plan = metadata.cached(("plan", kv_cache is None),
                                lambda: _StepPlan.build(metadata, kv_cache is None))
@@ -123,21 +125,28 @@ class TorchAttentionBackend(AttentionBackend):
         return out.reshape(q_len, self.num_heads, self.head_dim)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """One new token per request: ``query`` (B, H, D) over the contexts whose
-        ``slots`` are (B*L,) and ``mask`` (1, B, 1, L) additive.
+                mask: torch.Tensor, query_len: int = 1) -> torch.Tensor:
+        """``query_len`` Q new tokens per request (1: decode; Q: a verification step's
+        last token and drafts): ``query`` (B*Q, H, D) over the contexts whose ``slots``
+        are (B*L,) and ``mask`` (1, B, Q, L) additive.
 
         Two batched matmuls, not SDPA: at one query row per head, CPU SDPA kernels
         are several times slower. Softmax in float32, as Hugging Face's eager path."""
-        batch = query.shape[0]
+        batch = query.shape[0] // query_len
         key, value = self._gather(kv_cache, slots, query.dtype)  # (Hkv, B*L, D) each
         key = key.view(self.num_kv_heads, batch, -1, self.head_dim)  # (Hkv, B, L, D)
         value = value.view(self.num_kv_heads, batch, -1, self.head_dim)
-        q = query.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
-        scores = torch.matmul(q, key.transpose(-1, -2))  # (Hkv, B, G, L)
-        probs = torch.add(mask, scores, alpha=self.scale).softmax(-1, dtype=torch.float32)
-        out = torch.matmul(probs.to(query.dtype), value)  # (Hkv, B, G, D)
-        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+        # (B*Q, Hkv*G, D) -> (Hkv, B, Q*G, D): row j*G + g is token j's head (kv_head, g)
+        q = query.view(batch, query_len, self.num_kv_heads, self.group, self.head_dim)
+        q = q.permute(2, 0, 1, 3, 4).reshape(self.num_kv_heads, batch, -1, self.head_dim)
+        scores = torch.matmul(q, key.transpose(-1, -2))  # (Hkv, B, Q*G, L)
+        scores = scores.view(self.num_kv_heads, batch, query_len, self.group, -1)
+        probs = torch.add(mask[..., None, :], scores, alpha=self.scale).softmax(
+            -1, dtype=torch.float32)  # (Hkv, B, Q, G, L)
+        probs = probs.view(self.num_kv_heads, batch, query_len * self.group, -1)
+        out = torch.matmul(probs.to(query.dtype), value)  # (Hkv, B, Q*G, D)
+        out = out.view(self.num_kv_heads, batch * query_len, self.group, self.head_dim)
+        return out.transpose(0, 1).reshape(batch * query_len, self.num_heads, self.head_dim)
 
 
 def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8) -> torch.Tensor:
@@ -188,14 +197,17 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
 
 
 def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
-                 dtype: torch.dtype,
-                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather slots (B*L,) and additive mask (1, B, 1, L) for the decode requests
-    ``req_index`` (all when None), L their longest context. Positions past a shorter
-    context are masked and read the request's position 0 again, so attention never
-    reads a slot that was not written (the cache may hold NaN: 0 * NaN is NaN). With a
-    ``sliding_window`` W, positions before ``seq_len - W`` are masked too, and read
-    the last position as well (KVCacheManager may have freed their blocks)."""
+                 dtype: torch.dtype, sliding_window: int | None = None,
+                 query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather slots (B*L,) and additive mask (1, B, Q, L) for the requests ``req_index``
+    (all when None) of ``query_len`` Q new tokens each, L their longest context
+    (``max_seq_len``: a captured step's context bucket). Query j of request i sits at
+    position p = seq_lens[i] - Q + j and sees keys up to p. Positions no query of the
+    request sees (past its context) are masked and read its last position again, so
+    attention never reads a slot that was not written (the cache may hold NaN: 0 * NaN
+    is NaN). With a ``sliding_window`` W, query j sees no key at or before p - W
+    either; positions before ``seq_len - Q - W + 1``, which no query sees, read the
+    last position as well (KVCacheManager may have freed their blocks)."""
     block_table, seq_lens = metadata.block_table, metadata.seq_lens
     if req_index is None:
         max_len = metadata.max_seq_len
@@ -204,18 +216,22 @@ def _decode_plan(metadata: AttentionMetadata, req_index: list[int] | None,
         index = torch.tensor(req_index, device=block_table.device)
         block_table, seq_lens = block_table[index], seq_lens[index]
     slots = _slots(block_table, max_len, metadata.block_size)  # (B, L)
-    positions = torch.arange(max_len, device=block_table.device)
-    beyond = positions[None, :] >= seq_lens[:, None]  # (B, L)
-    hidden = beyond
+    keys = torch.arange(max_len, device=block_table.device)[None, None, :]  # (1, 1, L)
+    # (B, Q, 1): each query's position
+    query_pos = (seq_lens[:, None] - query_len
+                 + torch.arange(query_len, device=block_table.device))[:, :, None]
+    hidden = keys > query_pos  # (B, Q, L)
+    unread = keys[:, 0] >= seq_lens[:, None]  # (B, L): seen by no query
     if sliding_window is not None:
-        hidden = beyond | (positions[None, :] < seq_lens[:, None] - sliding_window)
-    # Hidden positions read the request's last key again: a block before the window
-    # may be back in the pool.
+        hidden |= keys <= query_pos - sliding_window
+        unread |= keys[:, 0] <= seq_lens[:, None] - query_len - sliding_window
+    # Positions no query sees read the request's last key again: a block before the
+    # window may be back in the pool.
     last = slots.gather(1, (seq_lens[:, None] - 1).clamp(min=0).long())
-    slots = torch.where(hidden, last, slots).flatten()
-    mask = torch.zeros(beyond.shape, dtype=dtype, device=block_table.device)
+    slots = torch.where(unread, last, slots).flatten()
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=block_table.device)
     mask.masked_fill_(hidden, float("-inf"))
-    return slots, mask[None, :, None, :]
+    return slots, mask[None]
 
 
 def _context_slots(metadata: AttentionMetadata, i: int, q_len: int,
