@@ -11,6 +11,8 @@ tests/e2e/test_llm_correctness.py there with graphs on).
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,12 +50,12 @@ def test_buckets():
 
 
 def make_runner(family: str, path: Path, tp_group: TPGroup = SINGLE,
-                **engine_args) -> ModelRunner:
+                attention_backend: str = "torch", **engine_args) -> ModelRunner:
     """A runner with room for 6 requests of BLOCKS_PER_REQ blocks in each KV cache group."""
     path = make_tiny_checkpoint(family, path)
     config = make_engine_config(path, dtype="float32", max_model_len=96, max_num_seqs=6,
                                 block_size=BLOCK_SIZE, skip_tokenizer_init=True,
-                                attention_backend="torch", **engine_args)
+                                attention_backend=attention_backend, **engine_args)
     runner = ModelRunner(config, torch.device("cpu"), tp_group)
     runner.load_model()
     runner.initialize_kv_cache(len(runner.kv_cache_groups.windows) * 6 * BLOCKS_PER_REQ + 1)
@@ -310,16 +312,23 @@ def spec_greedy(runner: ModelRunner, tag: str, prompts: list[list[int]], drafts_
     return [outputs[r] for r in ids]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize("family,backend", [
+    ("llama", "torch"), ("gemma3", "torch"),
+    pytest.param("llama", "triton", marks=pytest.mark.skipif(
+        not INTERPRETED, reason="Triton's kernels on the CPU: TRITON_INTERPRET=1 "
+        "(test_verification_steps_on_the_triton_kernels_under_the_interpreter)"))])
 def test_padded_static_verification_steps_give_the_plain_steps_tokens(
-        family, tmp_path, monkeypatch):
+        family, backend, tmp_path, monkeypatch):
     """Speculative decoding's verification steps (every request its last token and k
     drafts) replay per (batch, context, k + 1): the padded static step, its attention
     batched over the cache with each query's causal (and sliding-window) mask, gives the
     plain runner's greedy tokens, drafts accepted in part, in whole and not at all, as
     the batch shrinks and contexts cross buckets (Gemma 3's past its window of 12); a
     step whose requests have different numbers of drafts runs eagerly."""
-    runner = make_runner(family, tmp_path, speculative_config={
+    runner = make_runner(family, tmp_path, attention_backend=backend, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2})
     monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)
     prompts = [[(7 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate((5, 21, 9))]
@@ -364,3 +373,19 @@ def test_padded_static_verification_steps_give_the_plain_steps_tokens(
     assert (3, 4, 3) in staged
     assert [2, 1, 2] in draft_counts  # the uneven step ran, eagerly
     assert graphs.replays == sum(set(counts) == {2} for counts in draft_counts)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the Triton case itself")
+def test_verification_steps_on_the_triton_kernels_under_the_interpreter():
+    """The Triton backend in a captured verification step reads the step's lengths and
+    query starts as tensors and takes the buckets' maxima for its launch: the padded
+    static steps give the plain runner's tokens on its kernels too, interpreted on the
+    CPU in a fresh process (Triton reads TRITON_INTERPRET when it decorates a kernel)."""
+    environ = dict(os.environ, TRITON_INTERPRET="1", LOOM_NATIVE_KERNELS="0")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "verification_steps_give and triton"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+        timeout=600, env=environ)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
