@@ -367,8 +367,10 @@ class AsyncLLM:
                     f"no step finished for {silent:.1f}s (bound {bound:.1f}s: "
                     f"--watchdog-timeout {self.config.parallel.watchdog_timeout_s:g}s + 20 ms "
                     f"a token of --max-num-batched-tokens "
-                    f"{self.config.scheduler.max_num_batched_tokens} + "
-                    "5s); its stacks are in the log above")
+                    f"{self.config.scheduler.max_num_batched_tokens}"
+                    + (" + 80 ms an image token the step may make"
+                       if self.config.model.takes_images else "")
+                    + " + 5s); its stacks are in the log above")
                 return
 
     async def _core_hung(self, message: str) -> None:

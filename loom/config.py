@@ -26,6 +26,7 @@ DTYPE_CHOICES = (*DTYPES, *DTYPE_ALIASES)
 # fp8_e4m3 (CacheConfig resolves it)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 STEP_BOUND_S_PER_TOKEN = 0.02  # see ParallelConfig.step_bound_s
+STEP_BOUND_S_PER_IMAGE_TOKEN = 0.08  # the same, for a placeholder token a tower makes
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --quantization (loom/model/layers/quantization.py); "auto" keeps the checkpoint's weights.
 QUANTIZATION_CHOICES = ("auto", "none", "wint8", "wint4")
@@ -130,6 +131,12 @@ class ModelConfig:
     @property
     def is_pooling(self) -> bool:
         return self.task != "generate"
+
+    @property
+    def takes_images(self) -> bool:
+        """The checkpoint has a vision tower (its config a ``vision_config``, or a GGUF
+        file's projector beside it); unknown (no ``hf_config``) counts as no."""
+        return self.mmproj is not None or "vision_config" in (self.hf_config or {})
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_name  # imports no torch
@@ -425,11 +432,18 @@ class ParallelConfig:
         if self.watchdog_timeout_s <= 0:
             raise ValueError(f"watchdog_timeout_s must be positive, got {self.watchdog_timeout_s}")
 
-    def step_bound_s(self, num_scheduled_tokens: int) -> float:
+    def step_bound_s(self, num_scheduled_tokens: int, num_encoder_tokens: int = 0) -> float:
         """How long a step of this many tokens may run before it counts as a hang: the
         floor plus 20 ms a token (50 tokens/s, far below any supported model's prefill
-        speed even on a loaded CPU), so a large prefill is never taken for a hang."""
-        return self.watchdog_timeout_s + STEP_BOUND_S_PER_TOKEN * num_scheduled_tokens
+        speed even on a loaded CPU), so a large prefill is never taken for a hang; plus
+        80 ms for each placeholder token whose image a vision tower makes in the step
+        (``num_encoder_tokens``). A tower's rows cost several times a text token's: a
+        Qwen2.5-VL tower makes a placeholder token from 4 patch rows through 32 blocks of
+        0.6 B parameters, 5 GFLOP, where its 1B text model spends 2. Eight 448 x 448
+        images (2,048 placeholder tokens) took 20 s on 2 idle cores and 98 s on 2 loaded
+        ones, past the 99 s that 20 ms a token allowed."""
+        return (self.watchdog_timeout_s + STEP_BOUND_S_PER_TOKEN * num_scheduled_tokens
+                + STEP_BOUND_S_PER_IMAGE_TOKEN * num_encoder_tokens)
 
     @property
     def world_size(self) -> int:
@@ -744,6 +758,15 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation
     device: str = "cpu"
     moba_attention: MobaAttentionConfig | None = None  # MoBA on full-attention layers
+
+    def largest_step_bound_s(self) -> float:
+        """The bound (``ParallelConfig.step_bound_s``) of the largest step the scheduler
+        may make: ``max_num_batched_tokens`` tokens and, for a model that takes images, as
+        many placeholder tokens made by its tower (the step's encoder budget), or one
+        image of up to the whole context, which runs alone."""
+        tokens = self.scheduler.max_num_batched_tokens
+        images = max(tokens, self.model.max_model_len) if self.model.takes_images else 0
+        return self.parallel.step_bound_s(tokens, images)
 
     def __post_init__(self) -> None:
         from loom.model.attention import check_attn_backend_device  # imports no torch

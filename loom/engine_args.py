@@ -178,7 +178,8 @@ class EngineArgs:
     watchdog_timeout_s: float = arg(
         60.0, to="parallel.watchdog_timeout_s", flags=("--watchdog-timeout",), parse=float,
         help="floor of a step's time bound, in seconds; the bound adds 20 ms a scheduled "
-             "token. A step past its bound is a hang: stacks are logged, requests fail, "
+             "token and 80 ms a placeholder token whose image a vision tower makes in the "
+             "step. A step past its bound is a hang: stacks are logged, requests fail, "
              "/health turns 503 and the server exits 1 (docs/robustness.md)")
     seed: int = arg(0, to="model.seed", parse=int)
     device: str = arg("auto", to="device", choices=["auto", "cpu", "cuda"])

@@ -60,8 +60,7 @@ CORE_WATCHDOG_MARGIN_S = 5.0
 def core_step_bound_s(config: EngineConfig) -> float:
     """The longest the engine core may go without finishing a step while requests wait:
     the bound of the largest step the scheduler may make, plus the margin."""
-    return (config.parallel.step_bound_s(config.scheduler.max_num_batched_tokens)
-            + CORE_WATCHDOG_MARGIN_S)
+    return config.largest_step_bound_s() + CORE_WATCHDOG_MARGIN_S
 
 
 # ----------------------------------------------------------------- the child side

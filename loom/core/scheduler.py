@@ -172,6 +172,7 @@ class Scheduler:
 
         # 1. Running requests, oldest first. If one does not fit, preempt from the tail.
         encoder_budget = self.config.max_num_batched_tokens
+        self._encoder_tokens = 0  # placeholder tokens the towers make (_fit_images)
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
@@ -288,6 +289,7 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            num_encoder_tokens=self._encoder_tokens,
             finished_req_ids=sorted(forgotten),
             scheduled_spec_decode_tokens=scheduled_spec_tokens,
             kv_connector_metadata=(self.kv_transfer.take_metadata()
@@ -664,6 +666,7 @@ class Scheduler:
             if feature.length > encoder_budget and not nothing_encoded:
                 return max(feature.offset - start, 0), encoder_budget
             encoder_budget = max(encoder_budget - feature.length, 0)
+            self._encoder_tokens += feature.length
         return num_new_tokens, encoder_budget
 
     def _forget_on_workers(self, request: Request) -> None:

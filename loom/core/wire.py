@@ -169,6 +169,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
     total_num_scheduled_tokens: int
+    # Placeholder tokens whose images the vision towers make this step (at most: an image
+    # counted for a request the step then could not fit is not made); lengthens the
+    # step's time bound (ParallelConfig.step_bound_s).
+    num_encoder_tokens: int = 0
     # Requests the workers must forget (finished, aborted or preempted) since the last step.
     finished_req_ids: list[str]
     # Grammar-constrained requests that sample this step, and their allowed-token bits:

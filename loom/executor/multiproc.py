@@ -116,6 +116,7 @@ class MultiProcExecutor(Executor):
         self._step_sent = 0.0
         self._step_bound_s = 0.0
         self._step_tokens = 0
+        self._step_encoder_tokens = 0
         self._result: StepResult | None = None
         self._last_step_end = time.time()
         # The collective_rpc in flight and the answers that have come for it, by rank.
@@ -215,7 +216,8 @@ class MultiProcExecutor(Executor):
         step = self._step
         parallel = self.config.parallel
         self._step_tokens = scheduler_output.total_num_scheduled_tokens
-        self._step_bound_s = parallel.step_bound_s(self._step_tokens)
+        self._step_encoder_tokens = scheduler_output.num_encoder_tokens
+        self._step_bound_s = parallel.step_bound_s(self._step_tokens, self._step_encoder_tokens)
         self._step_in_flight, self._step_sent = step, time.monotonic()
         try:
             self.queue.broadcast(ExecuteModel(step=step,
@@ -306,7 +308,9 @@ class MultiProcExecutor(Executor):
                 self._hang(
                     f"step {self._step_in_flight} ({self._step_tokens} tokens) has run for "
                     f"{elapsed:.1f}s, past its bound of {self._step_bound_s:.1f}s "
-                    f"(--watchdog-timeout {parallel.watchdog_timeout_s:g}s + 20 ms a token)")
+                    f"(--watchdog-timeout {parallel.watchdog_timeout_s:g}s + 20 ms a token"
+                    + (f" + 80 ms for each of {self._step_encoder_tokens} image tokens"
+                       if self._step_encoder_tokens else "") + ")")
             return
         now = time.time()
         timeout = parallel.worker_health_timeout_s

@@ -264,8 +264,7 @@ def limit_collective_waits(spec: WorkerSpec) -> None:
     from loom.distributed.parallel_state import set_collective_timeout
 
     config = spec.config
-    set_collective_timeout(config.parallel.step_bound_s(config.scheduler.max_num_batched_tokens)
-                           + COLLECTIVE_TIMEOUT_MARGIN_S)
+    set_collective_timeout(config.largest_step_bound_s() + COLLECTIVE_TIMEOUT_MARGIN_S)
 
 
 def report_ready(status: StatusReporter) -> None:

@@ -72,3 +72,21 @@ def test_an_image_larger_than_the_budget_runs_alone():
     while scheduler.has_unfinished_requests():
         step(scheduler, runner)
     assert_empty(scheduler)
+
+
+def test_each_step_says_how_many_placeholder_tokens_its_towers_make():
+    """``num_encoder_tokens`` lengthens the step's time bound (step_bound_s): the images
+    a step encodes, not those a running request resumes inside."""
+    scheduler, runner = make_scheduler(budget=16), FakeRunner()
+    scheduler.add_request(make_request("a", 30, [(2, 8)]))
+    scheduler.add_request(make_request("b", 30, [(1, 10)], first_token=100))
+    scheduler.add_request(make_request("big", 30, [(0, 20)], first_token=200))
+    encoded = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        encoded.append(out.num_encoder_tokens)
+        scheduler.update_from_output(out, runner.execute(out, scheduler))
+    # a's image; b's (beside a's next chunk); big's, alone, once a and b are done
+    assert [n for n in encoded if n] == [8, 10, 20]
+    assert encoded[:2] == [8, 10]
+    assert_empty(scheduler)

@@ -118,6 +118,8 @@ def test_the_bound_grows_with_the_step(bare_executor):
     parallel = bare_executor[0].config.parallel
     assert parallel.step_bound_s(0) == 1.0
     assert parallel.step_bound_s(2048) == pytest.approx(1.0 + 2048 * 0.02)
+    # a vision tower's placeholder tokens cost more: 80 ms each on top
+    assert parallel.step_bound_s(300, 256) == pytest.approx(1.0 + 300 * 0.02 + 256 * 0.08)
 
 
 @pytest.fixture(scope="module")
