@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ class TPGroup:
     group: dist.ProcessGroup | None = None
     # The same ranks over gloo, for host-side agreement (``any_rank``) where ``group`` is
     # NCCL; None where ``group`` is gloo itself.
-    host_group: dist.ProcessGroup | None = None
+    host_group: dist.ProcessGroup | None = field(default=None, kw_only=True)
 
     @property
     def is_single(self) -> bool:
@@ -226,7 +226,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     host_group = _host_group(backend, None, timeout)
     if host_group is not None:
         _subgroups.append(host_group)
-    return TPGroup(rank, world_size, dist.group.WORLD, host_group)
+    return TPGroup(rank, world_size, dist.group.WORLD, host_group=host_group)
 
 
 def _host_group(backend: str, ranks: list[int] | None,
@@ -271,7 +271,7 @@ def init_across_replicas(tp_rank: int, tp_size: int, replica: int, num_replicas:
         if r == replica:
             _subgroups.extend(g for g in (group, host_group) if g is not None)
             if tp_size > 1:
-                tp_group = TPGroup(tp_rank, tp_size, group, host_group)
+                tp_group = TPGroup(tp_rank, tp_size, group, host_group=host_group)
     return tp_group
 
 

@@ -198,11 +198,10 @@ def test_tensor_parallel_matches_one_rank(hf_model, batches):
 
 
 def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, batches, monkeypatch):
-    """Images go through the blocks in passes of at most ``_PASS_ROWS`` patches (an image
+    """Images go through the blocks in passes of at most ``PASS_ROWS`` patches (an image
     of more alone), the rope rotating ``ROPE_ROWS`` rows at a time: the rows, deepstack
     levels included, are bit for bit those of one pass and one rotation over them all."""
     import loom.model.vision as vision
-    from loom.model.vision import qwen3_vl
 
     (pixels, grids), (pixels_one, grids_one) = batches
     pixels, grids = torch.cat([pixels, pixels_one]), torch.cat([grids, grids_one])
@@ -218,7 +217,7 @@ def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, batches, monke
         monkeypatch.setattr(vision, "ROPE_ROWS", 5)
         outputs = {}
         for rows in (first + second, first + second - 1, 1):
-            monkeypatch.setattr(qwen3_vl, "_PASS_ROWS", rows)
+            monkeypatch.setattr(vision, "PASS_ROWS", rows)
             outputs[rows] = tower(pixels, grids)
     assert passes == [[first, second, third], [first, second], [third],
                       [first], [second], [third], [first], [second], [third]]

@@ -64,7 +64,7 @@ def _worker(rank: int, store_path: str, tmp_path: str) -> None:
     try:
         cuda_graphs.MIN_CONTEXT = 16
         # the agreement goes over a host group of its own, as beside NCCL on CUDA
-        tp_group = TPGroup(rank, 2, dist.group.WORLD, dist.new_group(backend="gloo"))
+        tp_group = TPGroup(rank, 2, dist.group.WORLD, host_group=dist.new_group(backend="gloo"))
         runner = RankZeroSamples(make_runner(
             "gemma3", os.path.join(tmp_path, f"rank{rank}"), tp_group))
         plain = greedy(runner, "plain", PROMPTS, MAX_TOKENS)
