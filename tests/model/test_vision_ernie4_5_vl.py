@@ -119,3 +119,33 @@ def test_patch_positions_follow_merge_blocks():
     positions = patch_positions([[1, 2, 4]], merge_size=2)
     assert positions[:, 0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
     assert positions[:, 1].tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, tower_weights, monkeypatch):
+    """Images and videos go through the blocks and the resampler in passes of at most
+    ``PASS_ROWS`` patches (one larger alone): bit for bit the rows of one pass."""
+    import loom.model.vision as vision
+
+    model, _ = hf_model
+    image_pixels, image_grid = preprocess(IMAGE_SIZES)
+    video_grid = torch.tensor([[2, 2, 4]])
+    video_pixels = torch.randn(16, 3 * PATCH_SIZE ** 2, generator=torch.Generator().manual_seed(2))
+    pixels = torch.cat([image_pixels, video_pixels])
+    grid = torch.cat([image_grid, video_grid])
+    counts = grid.prod(-1).tolist()
+    tower = loom_tower(model.config, tower_weights, torch.bfloat16)
+    passes = []
+    real = tower.vision_model.forward
+    monkeypatch.setattr(tower.vision_model, "forward", lambda p, g: passes.append(
+        [t * h * w for t, h, w in g]) or real(p, g))
+    with torch.no_grad():
+        expected = tower(pixels, grid)
+        outputs = []
+        for rows in (counts[0] + counts[1], counts[0], 1):
+            monkeypatch.setattr(vision, "PASS_ROWS", rows)
+            outputs.append(tower(pixels, grid))
+    first, second, third = counts
+    assert passes == [[first, second, third], [first, second], [third],
+                      [first], [second], [third], [first], [second], [third]]
+    for rows in outputs:
+        assert torch.equal(rows, expected)

@@ -147,9 +147,9 @@ def test_rope_in_row_chunks_and_attention_views_change_no_bit(hf_model, visual_w
 
 def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, visual_weights, images,
                                                        monkeypatch):
-    """Images go through the blocks in passes of at most ``_PASS_ROWS`` patches (an image
+    """Images go through the blocks in passes of at most ``PASS_ROWS`` patches (an image
     of more alone): the rows are bit for bit those of one pass over them all."""
-    from loom.model.vision import qwen2_5_vl
+    import loom.model.vision
 
     pair, alone = images["pair"], images["alone"]  # 24 + 64 patches, 64
     pixels = torch.cat([pair["pixel_values"], alone["pixel_values"]])
@@ -163,7 +163,7 @@ def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, visual_weights
         expected = tower(pixels, grid)
         outputs = {}
         for rows in (88, 63, 1):
-            monkeypatch.setattr(qwen2_5_vl, "_PASS_ROWS", rows)
+            monkeypatch.setattr(loom.model.vision, "PASS_ROWS", rows)
             outputs[rows] = tower(pixels, grid)
     assert passes == [[24, 64, 64], [24, 64], [64], [24], [64], [64], [24], [64], [64]]
     for rows in outputs.values():

@@ -37,7 +37,7 @@ from loom.model.layers.linear import (
     default_weight_loader,
     quantization_for_inputs,
 )
-from loom.model.vision import rope_attention_within
+from loom.model.vision import in_passes, rope_attention_within
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -257,7 +257,9 @@ class Ernie4_5_VLVisionTower(nn.Module):
         if grid_thw is None:
             raise ValueError("ERNIE 4.5 VL needs image_grid_thw with its pixel_values")
         grid = grid_thw.tolist()
-        return self.resampler_model(self.vision_model(pixel_values, grid), grid)
+        return in_passes(lambda pixels, grids: self.resampler_model(
+            self.vision_model(pixels, grids), grids), pixel_values, grid,
+            [t * h * w for t, h, w in grid])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors named relative to ``model.`` (``vision_model.blocks.0.attn.qkv

@@ -50,7 +50,7 @@ from loom.model.layers.linear import (
     default_weight_loader,
 )
 from loom.model.layers.rotary import rope_parameters
-from loom.model.vision import rope_attention_within
+from loom.model.vision import in_passes, rope_attention_within
 from loom.model.vision.gemma3 import SiglipMLP
 
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -249,7 +249,9 @@ class PaddleOCRVisionTower(nn.Module):
             raise ValueError(f"image grids {grids} are not whole blocks of "
                              f"{self.merge}x{self.merge} patches; preprocess the images "
                              "with the checkpoint's own image processor")
-        return self.projector(self.vision_model(pixel_values, grids), grids)
+        return in_passes(lambda pixels, grids: self.projector(
+            self.vision_model(pixels, grids), grids), pixel_values, grids,
+            [t * h * w for t, h, w in grids])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Tensors named ``vision_model.*`` and ``projector.*`` (the module docstring)

@@ -14,7 +14,6 @@ gate_up column parallel, proj and down row parallel); the patch embedding is rep
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from loom.model.layers.linear import (
     default_weight_loader,
     quantization_for_inputs,
 )
+from loom.model.vision import in_passes
 
 _NORM_EPS = 1e-6  # every norm of the tower (not in the config)
 
@@ -125,14 +125,6 @@ class _WindowLayout:
                    _Segments.of_lengths(window_lengths, device),
                    _Segments.of_lengths(frame_lengths, device))
 
-
-# patch rows the blocks run at once: the images of a batch go through the tower in passes
-# of at most this many (an image of more alone). Every activation of a 1B-class tower
-# (the MLP's 6,840-wide gate and up: 28 MB) then stays under glibc's 32 MiB mmap
-# threshold and is reused from pass to pass and block to block. 8 images of 1,024
-# patches in one pass page-faulted 2.5 M fresh pages (10 GB): 16.4 s, against 13.3 s in
-# passes of 2,048 rows (2 cores). Matmuls of 2,048 rows run at the rate of larger ones.
-_PASS_ROWS = 2048
 
 # rows the rope rotates at a time: its float32 temporaries stay in cache and under
 # glibc's 32 MiB mmap threshold. Over 8 images' rows at once (8,192) each was a fresh
@@ -348,20 +340,8 @@ class Qwen2_5_VLVisionTower(nn.Module):
         if sum(patches) != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw {grid_thw.tolist()} makes {sum(patches)} "
                              f"patches but pixel_values has {pixel_values.shape[0]} rows")
-        # images in passes of at most _PASS_ROWS patches (one larger image alone)
-        passes: list[list[int]] = []
-        rows = 0
-        for image, count in enumerate(patches):
-            if not passes or rows + count > _PASS_ROWS:
-                passes.append([])
-                rows = 0
-            passes[-1].append(image)
-            rows += count
-        if len(passes) == 1:
-            return self._pass(pixel_values, grid_thw)
-        bounds = [0, *itertools.accumulate(patches)]
-        return torch.cat([self._pass(pixel_values[bounds[images[0]]:bounds[images[-1] + 1]],
-                                     grid_thw[images[0]:images[-1] + 1]) for images in passes])
+        # images in passes of at most PASS_ROWS patches (one larger image alone)
+        return in_passes(self._pass, pixel_values, grid_thw, patches)
 
     def _pass(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``forward`` over images that go through the blocks together."""

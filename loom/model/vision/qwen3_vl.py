@@ -41,21 +41,13 @@ from loom.model.layers.linear import (
     default_weight_loader,
 )
 from loom.model.layers.rotary import rope_parameters
-from loom.model.vision import rope_attention_within
+from loom.model.vision import in_passes, rope_attention_within
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
 _LAYER_NORM_EPS = 1e-6
-
-# patch rows the blocks run at once: the images of a batch go through the tower in passes
-# of at most this many (an image of more alone), so that every activation (the MLP's
-# 4,304-wide hidden over 2,048 rows: 18 MB in bfloat16) stays under glibc's 32 MiB mmap
-# threshold and is reused from pass to pass and block to block, rather than a fresh
-# mapping page-faulted in every block. Images never attend to one another in the tower.
-_PASS_ROWS = 2048
-
 
 def _block_order(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column of each of an image's ``t * h * w`` patches, in the processor's
@@ -222,23 +214,9 @@ class Qwen3VLVisionTower(nn.Module):
         if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw {grids} holds a different number of patches "
                              f"than pixel_values' {pixel_values.shape[0]} rows")
-        # images in passes of at most _PASS_ROWS patches (one larger image alone)
-        passes: list[list[tuple[int, int, int]]] = []
-        rows = 0
-        for t, h, w in grids:
-            if not passes or rows + t * h * w > _PASS_ROWS:
-                passes.append([])
-                rows = 0
-            passes[-1].append((t, h, w))
-            rows += t * h * w
-        if len(passes) == 1:
-            return self._pass(pixel_values, grids)
-        outputs, start = [], 0
-        for images in passes:  # each pass's rows: | main | deepstack 0 | ... |, in order
-            end = start + sum(t * h * w for t, h, w in images)
-            outputs.append(self._pass(pixel_values[start:end], images))
-            start = end
-        return torch.cat(outputs)
+        # images in passes of at most PASS_ROWS patches (one larger image alone); each
+        # pass's rows are | main | deepstack 0 | ... |, in image order
+        return in_passes(self._pass, pixel_values, grids, [t * h * w for t, h, w in grids])
 
     def _pass(self, pixel_values: torch.Tensor,
               grids: list[tuple[int, int, int]]) -> torch.Tensor:
