@@ -38,6 +38,21 @@ A graph fixes every shape and every address it reads:
   cache, with their memory counted. Proven with ``capture=False`` on the CPU, torch
   backend (a tiny Llama and Gemma 3, drafts accepted in part, in whole and not at all);
   not run on a GPU yet.
+- **Mixed steps** (prefill chunks beside decodes), on the Triton attention backend only:
+  its kernels read the step's lengths and query starts as tensors, where the torch
+  backend runs one SDPA a prefilling request, shaped by host lists. A step of T tokens
+  (up to ``MAX_MIXED_TOKENS``) is padded to a token bucket N (powers of two) and always
+  N requests: the N - T padding tokens are one-token requests repeating the step's last
+  token (id, position, slot, its request's length and block table row; that token is
+  its request's last query, so each copy computes the same query over the same keys and
+  writes the same K/V to the same slot), the remaining requests have no tokens. The
+  host-side values are the bucket's (``max_query_len`` N, above 1: the query-block
+  launch; ``max_seq_len`` max_model_len, unread off pure decode). Hybrid KV caches and
+  MoE models keep mixed steps eager (the experts would run dense over a prefill's
+  tokens), as do other backends. Proven with ``capture=False`` on the CPU, the kernels
+  under Triton's interpreter (a tiny Llama, prefill chunks mixed with decodes: greedy
+  tokens equal the plain runner's); not run on a GPU yet. The static block table is N
+  rows of max_model_len's blocks (512 x 2,048 int32 at 32k tokens and block 16: 4 MiB).
 - **Experts.** An MoE layer's grouped path takes its shapes from the routing (each
   expert's tokens, counted on the host). In a graph's step (``graph_safe_experts``,
   layers/fused_moe.py) every expert runs on the step's rows and each row keeps its own
@@ -73,8 +88,10 @@ moves: the KV cache is re-allocated, or the weights are updated, freed or re-der
 (``ModelRunner.drop_cuda_graphs``). The KV cache's sizing leaves the pool
 ``graphs_memory_estimate``.
 
-Steps that run eagerly, as before: any with a prefill, or with draft tokens unevenly
-spread or more than the speculative config's k a request, or whose rope
+Steps that run eagerly, as before: any with a prefill (on the Triton backend: past
+``MAX_MIXED_TOKENS``, or of a hybrid KV cache or MoE model), or with draft tokens
+unevenly spread or more than the speculative config's k a request (on the Triton
+backend these are mixed steps), or whose rope
 turns tokens by their lengths (``rope_lengths``: dynamic NTK, longrope, past the original
 context; layers/rotary.py), or with LoRA adapters on (``lora_slots``: a graph's metadata
 carries none, and the PyTorch path groups rows by adapter on the host); models with
@@ -89,6 +106,7 @@ from __future__ import annotations
 import logging
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -103,6 +121,10 @@ MAX_CONTEXT = 8192  # the longest context a graph gathers (vLLM's max_seq_len_to
 # many, the step runs eagerly rather than hold the gather's memory in the graphs' pool.
 MAX_GATHERED_POSITIONS = 1 << 17
 MIN_CONTEXT = 256
+# Mixed steps (prefills with decodes) are captured up to this many tokens, in buckets of
+# powers of two from MIN_MIXED_TOKENS; longer steps are compute-bound: they run eagerly.
+MAX_MIXED_TOKENS = 512
+MIN_MIXED_TOKENS = 16
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -125,6 +147,15 @@ def context_buckets(max_context: int, block_size: int) -> list[int]:
     return sizes + [top]
 
 
+def mixed_token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from MIN_MIXED_TOKENS below ``max_tokens``, then itself."""
+    sizes, size = [], MIN_MIXED_TOKENS
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_tokens]
+
+
 def largest_gather(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
     """The most positions (requests x context) one captured step's attention gathers."""
     contexts = context_buckets(min(max_model_len, MAX_CONTEXT), block_size)
@@ -137,7 +168,8 @@ CUBLAS_WORKSPACE_BYTES = 64 << 20  # the capture stream's (32 MiB on Hopper), wi
 
 def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
                            block_size: int, dtype: torch.dtype,
-                           num_kv_cache_groups: int = 1, max_query_len: int = 1) -> int:
+                           num_kv_cache_groups: int = 1, max_query_len: int = 1,
+                           max_mixed_tokens: int = 0) -> int:
     """An upper estimate of the bytes the graphs' memory pool keeps: one layer's decode
     attention at the largest captured step (K and V gathered; scores, softmax in
     float32 and probabilities; the mask; the gather's int64 indices and their
@@ -146,7 +178,10 @@ def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_
     quantized path dequantized (its float32 weight and the two float32 temporaries that
     make it), and the capture stream's cuBLAS workspace. Activations between layers are
     a few rows: ignored. A verification step of ``max_query_len`` tokens a request holds
-    that many rows of scores, probabilities and mask for each gathered position."""
+    that many rows of scores, probabilities and mask for each gathered position. A mixed
+    step of ``max_mixed_tokens`` (the Triton backend's) holds a few of its widest
+    activations: four rows of the widest linear's output a token, the kernels gathering
+    nothing."""
     from loom.model.layers.linear import LinearBase
 
     elt = torch.empty((), dtype=dtype).element_size()
@@ -157,8 +192,11 @@ def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_
     dequantized = max((m.output_size * m.input_size for m in model.modules()
                        if isinstance(m, LinearBase) and m.on_reference_path),
                       default=0)
+    widest = max((m.output_size for m in model.modules() if isinstance(m, LinearBase)),
+                 default=0)
     return (largest_gather(max_num_seqs, max_model_len, block_size) * per_position
-            + 3 * 4 * dequantized + CUBLAS_WORKSPACE_BYTES)
+            + 3 * 4 * dequantized + 4 * max_mixed_tokens * widest * elt
+            + CUBLAS_WORKSPACE_BYTES)
 
 
 def _bucket(buckets: list[int], n: int) -> int | None:
@@ -204,6 +242,27 @@ class _StaticInputs:
                 *zip(self.group_slot_mapping, self.group_block_table)]
 
 
+@dataclass
+class _MixedInputs:
+    """The buffers every mixed step's graph reads: N tokens and N requests for a token
+    bucket N (a step's R requests have at most its T <= N tokens, so R + N - T <= N)."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    slot_mapping: torch.Tensor  # (N,) int64
+    query_start_loc: torch.Tensor  # (N + 1,) int32
+    seq_lens: torch.Tensor  # (N,) int32
+    block_table: torch.Tensor  # (N, max_blocks_per_seq) int32
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_blocks: int, device: torch.device) -> _MixedInputs:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens),
+                   zeros(max_tokens + 1, dtype=torch.int32), zeros(max_tokens, dtype=torch.int32),
+                   zeros(max_tokens, max_blocks, dtype=torch.int32))
+
+
 class _Graph:
     """One captured step; ``replay`` runs it on what the static inputs hold."""
 
@@ -235,10 +294,11 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int,
                  block_size: int, device: torch.device, capture: bool = True,
                  num_kv_cache_groups: int = 1, tp_group: TPGroup = SINGLE,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1, max_mixed_tokens: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.max_query_len = max_query_len
+        self.max_model_len = max_model_len
         self.capture = capture
         self.num_kv_cache_groups = num_kv_cache_groups
         self.tp_group = tp_group
@@ -263,11 +323,23 @@ class DecodeGraphs:
                                      device=device)
         self._on_replay = [m.on_replay for m in model.modules()
                            if callable(getattr(m, "on_replay", None))]
+        # Mixed steps: on the Triton backend only (its kernels read the step's lengths and
+        # query starts as tensors; the torch backend loops over requests on the host), one
+        # KV cache group, no experts (a prefill's tokens through every expert)
+        mixed = (max_mixed_tokens > 0 and num_kv_cache_groups == 1 and not self.moe_layers
+                 and all(getattr(a.impl, "name", None) == "triton"
+                         for a in model.attention_layers))
+        self.mixed_buckets = mixed_token_buckets(max_mixed_tokens) if mixed else []
+        self.mixed_inputs = (_MixedInputs.allocate(self.mixed_buckets[-1],
+                                                   -(-max_model_len // block_size), device)
+                             if mixed else None)
+        self.mixed_graphs: dict[int, _Graph | _Uncaptured] = {}
 
     def clear(self) -> None:
         """Drop every graph (what they read moved); later steps capture them again, in
         a fresh pool."""
         self.graphs.clear()
+        self.mixed_graphs.clear()
         if self.capture:
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -299,7 +371,7 @@ class DecodeGraphs:
         The result is the graph's own output buffer: read it before the next step."""
         buckets = self.buckets_for(metadata)
         if buckets is None:
-            return None
+            return self._run_mixed(input_ids, positions, metadata)
         batch, context, query_len = buckets
         n = metadata.num_reqs
         self._stage(n, batch, query_len, input_ids, positions, metadata)
@@ -307,7 +379,9 @@ class DecodeGraphs:
         self.real_rows[n * query_len:batch * query_len].zero_()
         graph = self.graphs.get(buckets)
         if graph is None:
-            graph = self._capture(batch, context, query_len)
+            graph = self._capture(
+                f"a step of batch {batch}, context {context}, {query_len} tokens a request",
+                partial(self._forward, batch, context, query_len))
             if graph is None:
                 return None
             self.graphs[buckets] = graph
@@ -317,6 +391,74 @@ class DecodeGraphs:
             for hook in self._on_replay:
                 hook()
         return output
+
+    def mixed_bucket_for(self, metadata: AttentionMetadata) -> int | None:
+        """The token bucket a mixed step (any query lengths) runs in, or None: eagerly."""
+        if (self.disabled or not self.mixed_buckets or metadata.group_metadata
+                or metadata.rope_lengths is not None or metadata.lora_slots is not None
+                or metadata.bidirectional_spans
+                or metadata.block_table.shape[1] > self.mixed_inputs.block_table.shape[1]):
+            return None
+        return _bucket(self.mixed_buckets, metadata.num_tokens)
+
+    def _run_mixed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor | None:
+        tokens = self.mixed_bucket_for(metadata)
+        if tokens is None:
+            return None
+        self._stage_mixed(tokens, input_ids, positions, metadata)
+        graph = self.mixed_graphs.get(tokens)
+        if graph is None:
+            graph = self._capture(f"a mixed step of {tokens} tokens",
+                                  partial(self._forward_mixed, tokens))
+            if graph is None:
+                return None
+            self.mixed_graphs[tokens] = graph
+        self.replays += 1
+        return graph.replay()[:metadata.num_tokens]
+
+    def _stage_mixed(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                     metadata: AttentionMetadata) -> None:
+        """Copy a step of T tokens and R requests into the mixed inputs of ``size`` N.
+        The N - T padding tokens are one-token requests, each the step's last token
+        again: its id, position and slot, its request's length and block table row.
+        The last token is its request's last query, so each copy computes what it does,
+        layer after layer (the same query over the same keys), and writes the same K/V
+        to the same slot. Requests R + N - T .. N - 1 have no tokens (query starts N):
+        their kernel programs exit at once.
+
+            T = 5, R = 2, N = 8: query_start_loc [0, 3, 5, 6, 7, 8, 8, 8, 8]"""
+        s, num_tokens, num_reqs = self.mixed_inputs, metadata.num_tokens, metadata.num_reqs
+        pad = size - num_tokens
+        for buffer, values in ((s.input_ids, input_ids), (s.positions, positions),
+                               (s.slot_mapping, metadata.slot_mapping)):
+            buffer[:num_tokens].copy_(values)
+            buffer[num_tokens:size].copy_(buffer[num_tokens - 1:num_tokens].expand(pad))
+        starts = metadata.query_start_loc_cpu + list(range(num_tokens + 1, size + 1))
+        starts += [size] * (size + 1 - len(starts))
+        s.query_start_loc[:size + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        s.seq_lens[:num_reqs].copy_(metadata.seq_lens)
+        s.seq_lens[num_reqs:size].copy_(s.seq_lens[num_reqs - 1:num_reqs].expand(
+            size - num_reqs))
+        width = metadata.block_table.shape[1]
+        s.block_table[:num_reqs, :width].copy_(metadata.block_table)
+        s.block_table[num_reqs:size].copy_(s.block_table[num_reqs - 1:num_reqs].expand(
+            size - num_reqs, -1))
+
+    def _forward_mixed(self, size: int, counted: bool = True) -> torch.Tensor:
+        """The padded mixed step on the mixed inputs. What the host reads of it is the
+        bucket's: ``max_query_len`` N (above 1: the kernels' query-block launch) and
+        ``max_seq_len`` max_model_len (unread for a step that is not pure decode); the
+        ``*_cpu`` lists are placeholders the Triton backend never reads."""
+        s = self.mixed_inputs
+        metadata = AttentionMetadata(
+            slot_mapping=s.slot_mapping[:size], query_start_loc=s.query_start_loc[:size + 1],
+            seq_lens=s.seq_lens[:size], block_table=s.block_table[:size],
+            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[self.max_model_len] * size,
+            max_query_len=max(size, 2), max_seq_len=self.max_model_len,
+            block_size=self.block_size)
+        with set_forward_context(metadata):
+            return self.model(s.input_ids[:size], s.positions[:size])
 
     def _stage(self, n: int, batch: int, query_len: int, input_ids: torch.Tensor,
                positions: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -381,8 +523,7 @@ class DecodeGraphs:
               graph_safe_experts(self.moe_layers, rows)):
             return self.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
-    def _capture(self, batch: int, context: int,
-                 query_len: int = 1) -> _Graph | _Uncaptured | None:
+    def _capture(self, what: str, forward) -> _Graph | _Uncaptured | None:
         """The step's graph, made on every tensor-parallel rank or on none: each rank
         captures, then one all-reduce on the ranks' host group (gloo) says whether any
         failed; if one did, all turn graphs off together, rather than one replaying
@@ -390,7 +531,7 @@ class DecodeGraphs:
         the same step: the ranks run the same steps on the same metadata, so they pick
         the same buckets and miss the same graphs."""
         try:
-            graph, failure = self._record(batch, context, query_len), None
+            graph, failure = self._record(forward), None
         except Exception as exc:  # noqa: BLE001 - any failure: eager from now on
             graph, failure = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
         if self.tp_group.any_rank(failure is not None) and failure is None:
@@ -398,18 +539,17 @@ class DecodeGraphs:
         if failure is not None:
             self.disabled = failure
             logger.warning("CUDA graphs off for this process, every step runs eagerly: "
-                           "capturing a decode step of batch %d, context %d, %d tokens a "
-                           "request failed (%s)", batch, context, query_len, failure)
+                           "capturing %s failed (%s)", what, failure)
             self.clear()
             return None
-        logger.debug("captured a decode step: batch %d, context %d, %d tokens a request",
-                     batch, context, query_len)
+        logger.debug("captured %s", what)
         return graph
 
-    def _record(self, batch: int, context: int, query_len: int) -> _Graph | _Uncaptured:
-        """Capture the step on this rank (``capture=False``: its uncaptured stand-in)."""
+    def _record(self, forward) -> _Graph | _Uncaptured:
+        """Capture ``forward``'s step on this rank (``capture=False``: its uncaptured
+        stand-in); ``forward(counted=False)`` is the warm-up's."""
         if not self.capture:
-            return _Uncaptured(lambda: self._forward(batch, context, query_len))
+            return _Uncaptured(forward)
         previous = torch.cuda.current_stream()
         try:
             # Once eagerly on the capture stream first (lazy initialisation, cuBLAS's
@@ -419,13 +559,13 @@ class DecodeGraphs:
             self.stream.wait_stream(previous)
             try:
                 with torch.cuda.stream(self.stream):
-                    self._forward(batch, context, query_len, counted=False)
+                    forward(counted=False)
             finally:
                 previous.wait_stream(self.stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                   capture_error_mode="thread_local"):
-                output = self._forward(batch, context, query_len)
+                output = forward()
         except Exception:
             # a capture that failed may leave its stream current: every later step,
             # and what other threads order after it, runs on the step's own stream

@@ -39,7 +39,7 @@ from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
 from loom.spec_decode.rejection_sampler import RejectionSampler
-from loom.worker.cuda_graphs import DecodeGraphs, graphs_memory_estimate
+from loom.worker.cuda_graphs import MAX_MIXED_TOKENS, DecodeGraphs, graphs_memory_estimate
 from loom.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,8 @@ class ModelRunner:
                     self.model, scheduler.max_num_seqs, self.config.model.max_model_len,
                     self.block_size, self.device,
                     num_kv_cache_groups=len(self.kv_cache_groups.windows),
-                    tp_group=self.tp_group, max_query_len=self._graph_query_len)
+                    tp_group=self.tp_group, max_query_len=self._graph_query_len,
+                    max_mixed_tokens=self._graph_mixed_tokens)
             if self.tp_group.rank == 0 and refusal != self._graphs_said:
                 logger.info("CUDA graphs: %s", refusal or (
                     f"decode steps of up to {self.cuda_graphs.batch_buckets[-1]} requests "
@@ -316,7 +317,22 @@ class ModelRunner:
         return graphs_memory_estimate(self.model, scheduler.max_num_seqs,
                                       self.config.model.max_model_len, self.block_size,
                                       self.dtype, len(self.kv_cache_groups.windows),
-                                      self._graph_query_len)
+                                      self._graph_query_len,
+                                      self._graph_mixed_tokens if self._mixed_graphs else 0)
+
+    @property
+    def _graph_mixed_tokens(self) -> int:
+        """The most tokens of a captured mixed step (prefills with decodes; the Triton
+        attention backend only, cuda_graphs.py)."""
+        return min(MAX_MIXED_TOKENS, self.config.scheduler.max_num_batched_tokens)
+
+    @property
+    def _mixed_graphs(self) -> bool:
+        """Whether mixed steps are captured: the Triton attention backend, one KV cache
+        group, no experts (as DecodeGraphs decides)."""
+        return (not self.moe_layers and len(self.kv_cache_groups.windows) == 1
+                and all(getattr(a.impl, "name", None) == "triton"
+                        for a in self.model.attention_layers))
 
     @property
     def _graph_query_len(self) -> int:

@@ -319,7 +319,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
     ("llama", "torch"), ("gemma3", "torch"),
     pytest.param("llama", "triton", marks=pytest.mark.skipif(
         not INTERPRETED, reason="Triton's kernels on the CPU: TRITON_INTERPRET=1 "
-        "(test_verification_steps_on_the_triton_kernels_under_the_interpreter)"))])
+        "(test_verification_and_mixed_steps_on_the_triton_kernels_under_the_interpreter)"))])
 def test_padded_static_verification_steps_give_the_plain_steps_tokens(
         family, backend, tmp_path, monkeypatch):
     """Speculative decoding's verification steps (every request its last token and k
@@ -375,17 +375,87 @@ def test_padded_static_verification_steps_give_the_plain_steps_tokens(
     assert graphs.replays == sum(set(counts) == {2} for counts in draft_counts)
 
 
+def chunked_greedy(runner: ModelRunner, tag: str, prompts: list[list[int]], starts: list[int],
+                   chunk: int, max_tokens: int) -> list[list[int]]:
+    """Request i arrives at step ``starts[i]`` and is prefilled ``chunk`` tokens a step,
+    beside the others' decodes and chunks (mixed steps), then decodes until it has
+    ``max_tokens``; greedy. The outputs, per request."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tokens = {r: list(p) for r, p in zip(ids, prompts)}
+    computed = {r: 0 for r in ids}
+    outputs = {r: [] for r in ids}
+    unsent = {r: [] for r in ids}  # sampled tokens the runner has not been sent yet
+    finished: list[str] = []
+    for step in range(200):
+        running = [r for i, r in enumerate(ids)
+                   if starts[i] <= step and len(outputs[r]) < max_tokens]
+        if not running:
+            break
+        scheduled = {r: min(chunk, len(tokens[r]) - computed[r]) for r in running}
+        new = [NewRequestData(req_id=r, prompt_token_ids=tokens[r], output_token_ids=[],
+                              sampling_params=params, eos_token_ids=[],
+                              block_ids=blocks_of(ids.index(r), 0), num_computed_tokens=0)
+               for r in running if computed[r] == 0]
+        cached = [CachedRequestData(req_id=r, new_token_ids=unsent[r], new_block_ids=[],
+                                    num_computed_tokens=computed[r])
+                  for r in running if computed[r] > 0]
+        out = runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=finished))
+        for r in running:
+            computed[r] += scheduled[r]
+            unsent[r] = []
+        for r, sampled in zip(out.req_ids, out.sampled_token_ids):
+            tokens[r] += sampled
+            outputs[r] += sampled
+            unsent[r] = list(sampled)
+        finished = [r for r in running if len(outputs[r]) >= max_tokens]
+    runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
+        total_num_scheduled_tokens=0, finished_req_ids=finished))
+    return [outputs[r] for r in ids]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton's kernels on the CPU: TRITON_INTERPRET=1 (test_"
+                    "verification_and_mixed_steps_on_the_triton_kernels_under_the_interpreter)")
+def test_padded_static_mixed_steps_give_the_plain_steps_tokens(tmp_path, monkeypatch):
+    """On the Triton backend, steps mixing prefill chunks with decodes replay per token
+    bucket: padded with one-token requests that repeat the step's last token (its K/V
+    written again to its slot), the padded static step gives the plain runner's greedy
+    tokens; pure decode steps keep their own graphs."""
+    runner = make_runner("llama", tmp_path, attention_backend="triton")
+    monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)
+    monkeypatch.setattr(cuda_graphs, "MIN_MIXED_TOKENS", 4)
+    prompts = [[(7 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate((5, 30, 17))]
+    starts, chunk = [0, 2, 5], 8
+    plain = chunked_greedy(runner, "plain", prompts, starts, chunk, 12)
+    graphs = runner.cuda_graphs = DecodeGraphs(
+        runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False,
+        max_mixed_tokens=32)
+    assert graphs.mixed_buckets == [4, 8, 16, 32]
+    try:
+        replayed = chunked_greedy(runner, "replayed", prompts, starts, chunk, 12)
+    finally:
+        runner.cuda_graphs = None
+    assert replayed == plain
+    assert set(graphs.mixed_graphs) == {8, 16}  # 5 and 8 + 1 tokens; 8 + 2, 9 + 2
+    assert graphs.graphs  # the decode steps between
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the Triton case itself")
-def test_verification_steps_on_the_triton_kernels_under_the_interpreter():
-    """The Triton backend in a captured verification step reads the step's lengths and
-    query starts as tensors and takes the buckets' maxima for its launch: the padded
-    static steps give the plain runner's tokens on its kernels too, interpreted on the
-    CPU in a fresh process (Triton reads TRITON_INTERPRET when it decorates a kernel)."""
+def test_verification_and_mixed_steps_on_the_triton_kernels_under_the_interpreter():
+    """The Triton backend in a captured verification or mixed step reads the step's
+    lengths and query starts as tensors and takes the buckets' maxima for its launch:
+    the padded static steps give the plain runner's tokens on its kernels too,
+    interpreted on the CPU in a fresh process (Triton reads TRITON_INTERPRET when it
+    decorates a kernel)."""
     environ = dict(os.environ, TRITON_INTERPRET="1", LOOM_NATIVE_KERNELS="0")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-         "verification_steps_give and triton"],
+         "steps_give and (triton or mixed)"],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
         timeout=600, env=environ)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert "1 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    assert "2 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]

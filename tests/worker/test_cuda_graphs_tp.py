@@ -45,7 +45,7 @@ def _run(runner, tag: str, fail_on_rank: int | None = None):
         runner.runner.model, 6, 96, BLOCK_SIZE, torch.device("cpu"), capture=False,
         num_kv_cache_groups=len(runner.kv_cache_groups.windows), tp_group=tp_group)
     if tp_group.rank == fail_on_rank:
-        def fail(batch: int, context: int, query_len: int):
+        def fail(forward):
             raise RuntimeError("operation not permitted when stream is capturing")
         graphs._record = fail
     try:
