@@ -418,8 +418,9 @@ def chunked_greedy(runner: ModelRunner, tag: str, prompts: list[list[int]], star
     return [outputs[r] for r in ids]
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="Triton's kernels on the CPU: TRITON_INTERPRET=1 (test_"
-                    "verification_and_mixed_steps_on_the_triton_kernels_under_the_interpreter)")
+@pytest.mark.skipif(not INTERPRETED, reason="Triton's kernels on the CPU: TRITON_INTERPRET=1 "
+                    "(test_verification_and_mixed_steps_on_the_triton_kernels_under_the_"
+                    "interpreter)")
 def test_padded_static_mixed_steps_give_the_plain_steps_tokens(tmp_path, monkeypatch):
     """On the Triton backend, steps mixing prefill chunks with decodes replay per token
     bucket: padded with one-token requests that repeat the step's last token (its K/V
