@@ -100,8 +100,9 @@ class ModelRunner:
         # Where the KV cache's one allocation comes from: (shape, dtype) -> tensor;
         # None: torch.empty on the device (a KV connector may put it in shared memory).
         self.kv_cache_allocator = None
-        # Pure decode steps replayed from CUDA graphs (cuda_graphs.py); made with each
-        # real KV cache where they apply, dropped when the cache or the weights change.
+        # Decode and verification steps (on the Triton backend mixed steps too) replayed
+        # from CUDA graphs (cuda_graphs.py); made with each real KV cache where they
+        # apply, dropped when the cache or the weights change.
         self.cuda_graphs: DecodeGraphs | None = None
         self.lora: LoRAManager | None = None  # LoRA adapters' slots (load_model)
         # Multimodal models: each image's rows by its content hash, made when its first
@@ -282,8 +283,12 @@ class ModelRunner:
             if self.tp_group.rank == 0 and refusal != self._graphs_said:
                 logger.info("CUDA graphs: %s", refusal or (
                     f"decode steps of up to {self.cuda_graphs.batch_buckets[-1]} requests "
-                    f"and contexts of up to {self.cuda_graphs.context_buckets[-1]} tokens "
-                    "are captured as they first run, then replayed"))
+                    f"and contexts of up to {self.cuda_graphs.context_buckets[-1]} tokens"
+                    + (f" (with up to {self.cuda_graphs.max_query_len - 1} drafts each)"
+                       if self.cuda_graphs.max_query_len > 1 else "")
+                    + (f", and mixed steps of up to {self.cuda_graphs.mixed_buckets[-1]} "
+                       "tokens," if self.cuda_graphs.mixed_buckets else "")
+                    + " are captured as they first run, then replayed"))
                 self._graphs_said = refusal
 
     def _cuda_graphs_refusal(self) -> str | None:

@@ -372,12 +372,15 @@ class Worker:
 
     def cuda_graph_stats(self) -> dict:
         """CUDA graphs on this rank (worker/cuda_graphs.py): the (batch, context, tokens a
-        request) buckets captured, the steps replayed, why graphs are off (None while on
-        or never made)."""
+        request) buckets captured, the mixed steps' token buckets captured (the Triton
+        backend's), the steps replayed, why graphs are off (None while on or never
+        made)."""
         graphs = self.model_runner.cuda_graphs
         if graphs is None:
-            return {"captured": [], "replays": 0, "disabled": None, "made": False}
-        return {"captured": sorted(map(list, graphs.graphs)), "replays": graphs.replays,
+            return {"captured": [], "mixed_captured": [], "replays": 0, "disabled": None,
+                    "made": False}
+        return {"captured": sorted(map(list, graphs.graphs)),
+                "mixed_captured": sorted(graphs.mixed_graphs), "replays": graphs.replays,
                 "disabled": graphs.disabled, "made": True}
 
     def add_lora(self, name: str, path: str) -> dict:
