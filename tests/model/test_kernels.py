@@ -261,8 +261,9 @@ def test_linear_fast_paths_match_f_linear(rows, monkeypatch):
 
 def test_bf16_linear_is_exact_on_exact_inputs(ops):
     """Small integers multiply and sum exactly in float32: the kernel must give exactly
-    the integer matmul, for row counts around its 6-row blocks and 96-row chunks and
-    output counts around its 64-wide panels."""
+    the integer matmul, for row counts around its 6-row blocks, its half-panel passes
+    (7-12 rows) and 96-row chunks, and output counts around its 64-wide panels and
+    their 32-wide halves."""
     if not ops.bf16_gemm_available():
         pytest.skip("no AVX512-BF16 on this CPU")
     gen = torch.Generator().manual_seed(0)
@@ -271,7 +272,8 @@ def test_bf16_linear_is_exact_on_exact_inputs(ops):
     # (and their partial last block) of 32-output halves
     for rows, n, k in [(1, 64, 2), (5, 65, 576), (6, 127, 64), (13, 960, 34), (97, 200, 1536),
                        (200, 64, 576), (8, 64, 32), (16, 127, 64), (12, 200, 96),
-                       (17, 100, 96), (33, 65, 2048)]:
+                       (17, 100, 96), (33, 65, 2048), (7, 31, 64), (9, 33, 576),
+                       (10, 96, 34), (11, 129, 96), (7, 70, 8960)]:
         x = torch.randint(-4, 5, (rows, k), generator=gen).bfloat16()
         weight = torch.randint(-4, 5, (n, k), generator=gen).bfloat16()
         bias = torch.randint(-8, 9, (n,), generator=gen).bfloat16()

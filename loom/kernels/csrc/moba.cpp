@@ -31,7 +31,7 @@
 namespace loom {
 namespace {
 
-static int64_t kTile = getenv("MOBA_TILE") ? atoi(getenv("MOBA_TILE")) : 8;  // EXPERIMENT
+constexpr int64_t kTile = 8;  // query tokens a work item takes (see above)
 constexpr int64_t kSerialWork = 1 << 14;  // rows x keys below which one thread runs it all
 
 enum class CacheKind { kFloat, kBFloat16, kQuantized };
