@@ -3,7 +3,9 @@
 ``native_ops()`` returns the extension module built from every source in ``csrc/``,
 one kernel family per file as in vLLM's ``csrc/cpu/``: ``layernorm.cpp`` (RMSNorm, fused
 residual add), ``activation.cpp`` (SiLU*mul), ``pos_encoding.cpp`` (rotary),
-``cache.cpp`` (KV-cache write), ``attention.cpp`` (paged attention), ``bf16_gemm.cpp``
+``cache.cpp`` (KV-cache write), ``attention.cpp`` (paged attention),
+``segment_attention.cpp`` (a vision tower's attention within windows and images, bf16
+on AVX512-BF16 CPUs only; PyTorch's SDPA elsewhere), ``bf16_gemm.cpp``
 (the bf16 matmul of linear layers), ``experts.cpp`` (a MoE layer's routed experts in
 one call), ``replay.cpp`` (a recorded forward run again, ``loom/model/kernel_replay.py``),
 ``torch_bindings.cpp`` (the Python module), with the shared helpers in

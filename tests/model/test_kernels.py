@@ -454,3 +454,35 @@ def test_build_covers_every_source_and_header(tmp_path, monkeypatch):
     (csrc / "extra.h").write_text("#pragma once\n")
     keys.add(loom.kernels._build_dir())
     assert len(keys) == len(files) + 2
+
+
+def test_segment_attention_matches_sdpa_within_each_segment(ops):
+    """A vision tower's bidirectional attention (segment_attention.cpp): every row over
+    every row of its own segment, q, k and v strided views of one fused projection,
+    against SDPA in float32 per segment; a row's values do not depend on the segments
+    beside it."""
+    if not ops.segment_attention_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    for head_dim, lengths in [(80, [64, 64, 64]), (16, [1]), (32, [5, 17, 64, 3]),
+                              (128, [33, 100]), (64, [130])]:
+        rows, heads = sum(lengths), 3
+        q, k, v = torch.randn(rows, 3, heads, head_dim, generator=gen).bfloat16().unbind(1)
+        out = torch.full((rows, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+        ops.segment_attention(out, q, k, v, torch.tensor(lengths), head_dim ** -0.5)
+        start = 0
+        for length in lengths:
+            span = slice(start, start + length)
+            expected = F.scaled_dot_product_attention(
+                *(x[span].transpose(0, 1).float() for x in (q, k, v))).transpose(0, 1)
+            torch.testing.assert_close(out[span].float(), expected, atol=1e-2, rtol=2e-2)
+            alone = torch.empty((length, heads, head_dim), dtype=torch.bfloat16)
+            ops.segment_attention(alone, q[span], k[span], v[span], torch.tensor([length]),
+                                  head_dim ** -0.5)
+            assert torch.equal(alone, out[span])
+            start += length
+    with pytest.raises(RuntimeError, match="sum to"):
+        ops.segment_attention(out, q, k, v, torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        x = torch.zeros(4, 1, 24, dtype=torch.bfloat16)
+        ops.segment_attention(x, x, x, x, torch.tensor([4]), 1.0)

@@ -124,13 +124,15 @@ def test_segments_that_follow_one_another_are_runs():
 
 def test_rope_in_row_chunks_and_attention_views_change_no_bit(hf_model, visual_weights,
                                                                images, monkeypatch):
-    """The rope rotates a few rows at a time and attention reads runs of spans as views:
-    the rows are bit for bit those of the rope over every row at once and of gathering
-    every span (the pair's windows hold both a run and a gathered group)."""
+    """The rope rotates a few rows at a time and SDPA reads runs of spans as views: the
+    rows are bit for bit those of the rope over every row at once and of gathering every
+    span (the pair's windows hold both a run and a gathered group). (SDPA's path: bf16
+    on an AVX512-BF16 CPU takes loom's segment_attention kernel instead, tested below.)"""
     from loom.model.vision import qwen2_5_vl
 
     inputs = images["pair"]
     tower = build_tower(hf_model.config, visual_weights, dtype=torch.bfloat16)
+    monkeypatch.setattr(qwen2_5_vl, "native_attention_within", lambda *args: None)
     with torch.no_grad():
         monkeypatch.setattr(qwen2_5_vl, "_ROPE_ROWS", 5)  # 88 rows: 18 chunks, one short
         rows = tower(inputs["pixel_values"], inputs["image_grid_thw"])
@@ -139,10 +141,33 @@ def test_rope_in_row_chunks_and_attention_views_change_no_bit(hf_model, visual_w
 
         def gathered(cls, lengths, device):
             segments = real_of_lengths(cls, lengths, device)
-            return cls(segments.groups, (None,) * len(segments.groups))
+            return cls(segments.groups, (None,) * len(segments.groups), segments.lengths)
         monkeypatch.setattr(qwen2_5_vl._Segments, "of_lengths", classmethod(gathered))
         expected = tower(inputs["pixel_values"], inputs["image_grid_thw"])
     assert torch.equal(rows, expected)
+
+
+def test_native_attention_within_segments_is_sdpas_up_to_rounding(hf_model, visual_weights,
+                                                                    images, monkeypatch):
+    """bf16 on the CPU, the tower's windows and images take loom's segment_attention
+    kernel where the CPU has AVX512-BF16: its rows are SDPA's to within bf16 rounding."""
+    from loom.kernels import native_ops
+    from loom.model.vision import qwen2_5_vl
+
+    if not native_ops().segment_attention_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    inputs = images["pair"]
+    tower = build_tower(hf_model.config, visual_weights, dtype=torch.bfloat16)
+    calls = []
+    real = qwen2_5_vl.native_attention_within
+    monkeypatch.setattr(qwen2_5_vl, "native_attention_within",
+                        lambda *args: calls.append(1) or real(*args))
+    with torch.no_grad():
+        rows = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+        assert len(calls) == len(tower.blocks)
+        monkeypatch.setattr(qwen2_5_vl, "native_attention_within", lambda *args: None)
+        expected = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+    torch.testing.assert_close(rows.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, visual_weights, images,

@@ -29,6 +29,11 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos_sin_cac
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                     at::Tensor slot_mapping);
 
+// segment_attention.cpp
+bool segment_attention_available();
+void segment_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v,
+                       at::Tensor lengths, double scale);
+
 // attention.cpp
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,

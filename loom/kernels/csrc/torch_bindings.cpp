@@ -306,6 +306,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("x"), py::arg("positions"), py::arg("cos_sin_cache"));
   def_kernel(m, "write_kv_cache", &loom::write_kv_cache, "copy new K/V into their cache slots",
              py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"));
+  m.def("segment_attention_available", &loom::segment_attention_available,
+        "whether segment_attention runs here (AVX512-BF16)");
+  m.def("segment_attention", &loom::segment_attention,
+        "bf16 attention of each row over every row of its segment (a vision tower's "
+        "windows and images), none outside: out (rows, heads, head_dim)",
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lengths"),
+        py::arg("scale"), release());
   def_kernel(m, "paged_attention", &loom::paged_attention, "causal attention over paged K/V",
              py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("block_table"),
              py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),

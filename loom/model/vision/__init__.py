@@ -96,6 +96,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
+def native_attention_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            lengths: torch.Tensor) -> torch.Tensor | None:
+    """Bidirectional attention within consecutive segments of ``lengths`` (int64, CPU)
+    rows by loom's bf16 kernel (kernels/csrc/segment_attention.cpp), where it applies:
+    bfloat16 CPU tensors (N, H, D) with contiguous features, D a multiple of 16 up to 128,
+    an AVX512-BF16 CPU. It runs a Qwen2.5-VL tower's windows and images at twice
+    PyTorch's SDPA speed. (N, H, D), or None: the caller runs SDPA (as every float32
+    tower does, the one the token-exact tests compare)."""
+    if q.dtype != torch.bfloat16:
+        return None
+    from loom.kernels import native_ops_for
+
+    ops = native_ops_for(q.device, q.dtype)
+    head_dim = q.shape[-1]
+    if (ops is None or not ops.segment_attention_available() or head_dim % 16
+            or head_dim > 128 or any(x.stride(-1) != 1 for x in (q, k, v))):
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ops.segment_attention(out, q, k, v, lengths, head_dim ** -0.5)
+    return out
+
+
 def rope_attention_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor,
                           lengths: list[int]) -> torch.Tensor:
@@ -104,6 +126,9 @@ def rope_attention_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     applied to q and k in float32 as the references do, the N patches cut into
     ``lengths``; returns (N, H * D)."""
     q, k = _rotate(q, cos, sin, v.dtype), _rotate(k, cos, sin, v.dtype)
+    out = native_attention_within(q, k, v, torch.tensor(lengths, dtype=torch.int64))
+    if out is not None:
+        return out.reshape(out.shape[0], -1)
     # (H, L, D) per segment: no patch attends outside its own
     q, k, v = (x.transpose(0, 1).split(lengths, dim=1) for x in (q, k, v))
     out = torch.cat([F.scaled_dot_product_attention(*segment) for segment in zip(q, k, v)],

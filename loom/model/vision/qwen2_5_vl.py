@@ -35,7 +35,7 @@ from loom.model.layers.linear import (
     default_weight_loader,
     quantization_for_inputs,
 )
-from loom.model.vision import in_passes
+from loom.model.vision import in_passes, native_attention_within
 
 _NORM_EPS = 1e-6  # every norm of the tower (not in the config)
 
@@ -51,6 +51,7 @@ class _Segments:
 
     groups: tuple[torch.Tensor, ...]  # each (num_spans, span_length): the spans' rows
     runs: tuple[tuple[int, int, int] | None, ...]  # per group, or None
+    lengths: torch.Tensor  # (spans,) int64 on the CPU: every span's, in row order
 
     @classmethod
     def of_lengths(cls, lengths: list[int], device: torch.device) -> _Segments:
@@ -65,7 +66,8 @@ class _Segments:
                      for length, starts in starts_by_length.items())
         return cls(tuple(torch.tensor(starts, device=device)[:, None]
                          + torch.arange(length, device=device)
-                         for length, starts in starts_by_length.items()), runs)
+                         for length, starts in starts_by_length.items()), runs,
+                   torch.tensor(lengths, dtype=torch.int64))
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Bidirectional attention within each segment; q, k, v (N, H, D), which may be
     strided views of the fused qkv, and the result (N, H, D)."""
     num_rows, num_heads, head_dim = q.shape
-    out = None
+    out = native_attention_within(q, k, v, segments.lengths)  # bf16 on the CPU
+    if out is not None:
+        return out
     for rows, run in zip(segments.groups, segments.runs):  # (B, L)
         if run is not None:
             first, num_spans, length = run
