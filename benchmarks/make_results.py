@@ -405,8 +405,15 @@ def vision() -> Section:
             for what, ratio in data["ratios_median_of_rounds"][key].items():
                 label = {"ttft": "time to first token", "decode": "decode",
                          "concurrent": f"{data['concurrent']} concurrent requests"}[what]
+                medians = data["medians"]
+                engine = {"llama.cpp": "llamacpp"}.get(baseline, baseline)
+                note = ""
+                if what == "concurrent" and "concurrent_over_floor" in medians["loom"]:
+                    note = (f"loom {medians['loom']['concurrent_over_floor']:.2f}x the "
+                            f"roofline's time, {baseline} "
+                            f"{medians[engine]['concurrent_over_floor']:.2f}x")
                 section.rows.append(Row(label, baseline, ratio, None, _machine_of(name, data), name,
-                                        data["command"], ""))
+                                        data["command"], note))
     return section
 
 

@@ -41,7 +41,10 @@ peak resident memory (VmHWM; for a server, each process of its tree). The roofli
 every round's memory bandwidth (benchmarks/roofline.py, in its own process) and torch's
 bfloat16 matmul rate; a batch-1 decode step reads the text model's weights once (the
 tower is idle), and an image request's first token needs the tower's and the prompt's
-FLOPs (``compute`` in the result).
+FLOPs (``compute`` in the result). The concurrent requests' floor
+(``concurrent_floor_s``) is all of their first tokens' FLOPs at the matmul rate plus
+their later tokens' steps at the memory's; each engine's ``concurrent_over_floor`` says
+how far above it that engine ran.
 """
 
 from __future__ import annotations
@@ -517,6 +520,11 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], machine: list[
     read_gb_s = statistics.median(max(m["read_gb_s"], m["copy_gb_s"]) for m in machine)
     matmul = statistics.median(m["bf16_matmul_gflop_s"] for m in machine)
     step_floor_s = work["weight_bytes_per_step"] / (read_gb_s * 1e9)
+    # the concurrent requests' floor: every request's tower and prefill FLOPs at the
+    # matmul rate, then their later tokens' steps at the memory's (one read of the
+    # weights a step, whatever the batch)
+    concurrent_floor_s = (args.concurrent * work["first_token_gflop"] / matmul
+                          + (args.new_tokens - 1) * step_floor_s)
     medians = {}
     for engine, rs in runs.items():
         medians[engine] = {key: round(statistics.median(r[key] for r in rs), 3) for key in (
@@ -530,6 +538,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], machine: list[
             medians[engine]["decode_tok_s"] * step_floor_s, 3)
         medians[engine]["first_token_gflop_s"] = round(
             work["first_token_gflop"] / medians[engine]["ttft_s"], 1)
+        medians[engine]["concurrent_over_floor"] = round(
+            medians[engine]["concurrent_s"] / concurrent_floor_s, 3)
     ratios = {}
     if "loom" in runs:
         for engine, other in runs.items():
@@ -554,7 +564,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], machine: list[
                      "bf16_matmul_gflop_s_median": matmul,
                      "decode_step_floor_ms": round(step_floor_s * 1000, 1),
                      "batch1_decode_ceiling_tok_s": round(1 / step_floor_s, 1),
-                     "first_token_floor_s": round(work["first_token_gflop"] / matmul, 3)},
+                     "first_token_floor_s": round(work["first_token_gflop"] / matmul, 3),
+                     "concurrent_floor_s": round(concurrent_floor_s, 3)},
         "machine": machine, "runs": runs}
 
 
