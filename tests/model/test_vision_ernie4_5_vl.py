@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vlm_checkpoints import load_tower
+from vlm_checkpoints import load_tower, outputs_in_passes
 
 from loom.model.loader.hf_config_values import HFConfigView, hf_config_values
 from loom.model.vision.ernie4_5_vl import Ernie4_5_VLVisionTower, patch_positions
@@ -124,27 +124,16 @@ def test_patch_positions_follow_merge_blocks():
 def test_images_in_passes_of_bounded_rows_change_no_bit(hf_model, tower_weights, monkeypatch):
     """Images and videos go through the blocks and the resampler in passes of at most
     ``PASS_ROWS`` patches (one larger alone): bit for bit the rows of one pass."""
-    import loom.model.vision as vision
-
     model, _ = hf_model
     image_pixels, image_grid = preprocess(IMAGE_SIZES)
     video_grid = torch.tensor([[2, 2, 4]])
     video_pixels = torch.randn(16, 3 * PATCH_SIZE ** 2, generator=torch.Generator().manual_seed(2))
     pixels = torch.cat([image_pixels, video_pixels])
     grid = torch.cat([image_grid, video_grid])
-    counts = grid.prod(-1).tolist()
+    first, second, third = grid.prod(-1).tolist()
     tower = loom_tower(model.config, tower_weights, torch.bfloat16)
-    passes = []
-    real = tower.vision_model.forward
-    monkeypatch.setattr(tower.vision_model, "forward", lambda p, g: passes.append(
-        [t * h * w for t, h, w in g]) or real(p, g))
-    with torch.no_grad():
-        expected = tower(pixels, grid)
-        outputs = []
-        for rows in (counts[0] + counts[1], counts[0], 1):
-            monkeypatch.setattr(vision, "PASS_ROWS", rows)
-            outputs.append(tower(pixels, grid))
-    first, second, third = counts
+    expected, outputs, passes = outputs_in_passes(monkeypatch, tower, tower.vision_model, pixels,
+                                                  grid, [first + second, first, 1])
     assert passes == [[first, second, third], [first, second], [third],
                       [first], [second], [third], [first], [second], [third]]
     for rows in outputs:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vlm_checkpoints import load_tower
+from vlm_checkpoints import load_tower, outputs_in_passes
 
 from loom.distributed.parallel_state import SINGLE, TPGroup
 from loom.model.vision.paddleocr_vl import PaddleOCRVisionTower
@@ -99,20 +99,10 @@ def test_bfloat16_runs_close(tiny):
 def test_images_in_passes_of_bounded_rows_change_no_bit(tiny, monkeypatch):
     """Images go through the encoder and the projector in passes of at most
     ``PASS_ROWS`` patches (one larger alone): bit for bit the rows of one pass."""
-    import loom.model.vision as vision
-
     config, weights, _, pixel_values, grid_thw = tiny
     tower = build_tower(config, weights, torch.bfloat16)
-    passes = []
-    real = tower.vision_model.forward
-    monkeypatch.setattr(tower.vision_model, "forward", lambda p, g: passes.append(
-        [t * h * w for t, h, w in g]) or real(p, g))
-    with torch.no_grad():
-        expected = tower(pixel_values, grid_thw)
-        outputs = []
-        for rows in (24 + 64, 24 + 64 - 1, 1):
-            monkeypatch.setattr(vision, "PASS_ROWS", rows)
-            outputs.append(tower(pixel_values, grid_thw))
+    expected, outputs, passes = outputs_in_passes(monkeypatch, tower, tower.vision_model,
+                                                  pixel_values, grid_thw, [24 + 64, 24 + 64 - 1, 1])
     assert passes == [[24, 64, 28], [24, 64], [28], [24], [64], [28], [24], [64], [28]]
     for rows in outputs:
         assert torch.equal(rows, expected)

@@ -603,3 +603,22 @@ def load_tower(tower_class, config, weights, dtype: torch.dtype = torch.float32,
         if hook is not None:
             hook()
     return tower.eval()
+
+
+def outputs_in_passes(monkeypatch, tower, inner, pixels, grid, pass_rows: list[int]):
+    """A tower's rows over ``pixels`` and ``grid`` with ``PASS_ROWS`` as it is, then with
+    each of ``pass_rows``, and the patch rows of each image in each call of ``inner`` (the
+    module that runs one pass: ``[[rows of image 0, rows of image 1, ...], ...]``)."""
+    import loom.model.vision as vision
+
+    passes = []
+    real = inner.forward
+    monkeypatch.setattr(inner, "forward", lambda p, g: passes.append(
+        [t * h * w for t, h, w in g]) or real(p, g))
+    with torch.no_grad():
+        expected = tower(pixels, grid)
+        outputs = []
+        for rows in pass_rows:
+            monkeypatch.setattr(vision, "PASS_ROWS", rows)
+            outputs.append(tower(pixels, grid))
+    return expected, outputs, passes

@@ -210,14 +210,20 @@ def _one_token(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | Non
     for k, expert in sorted(enumerate(topk_ids[0].tolist()), key=lambda item: item[1]):
         local = expert - expert_start
         if 0 <= local < num_local:
-            if experts is not None:
-                result = experts[local](x)
-            elif forms is not None:
-                result = _held_expert_mlp(x, forms[local])
-            else:
-                result = _expert_mlp(x, w13[local], w2[local])
-            out += result.mul_(weights[k])
+            out += _run_expert(x, local, w13, w2, forms, experts).mul_(weights[k])
     return out
+
+
+def _run_expert(x: torch.Tensor, local: int, w13: torch.Tensor | None,
+                w2: torch.Tensor | None, forms: list[tuple[WeightForm, WeightForm]] | None,
+                experts: nn.ModuleList | None) -> torch.Tensor:
+    """Local expert ``local`` on the rows ``x``, held as modules, weight forms or stacked
+    tensors, whichever the caller has."""
+    if experts is not None:
+        return experts[local](x)
+    if forms is not None:
+        return _held_expert_mlp(x, forms[local])
+    return _expert_mlp(x, w13[local], w2[local])
 
 
 def dense_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
@@ -245,12 +251,7 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | 
     for expert in range(num_local):
         chosen = local == expert  # (T, K): at most one True a row (top-k ids differ)
         weight = torch.where(chosen, topk_weights, 0.0).sum(dim=-1)  # (T,) its weight
-        if experts is not None:
-            result = experts[expert](x)
-        elif forms is not None:
-            result = _held_expert_mlp(x, forms[expert])
-        else:
-            result = _expert_mlp(x, w13[expert], w2[expert])
+        result = _run_expert(x, expert, w13, w2, forms, experts)
         result = result.mul_(weight.to(result.dtype)[:, None])
         out += torch.where(chosen.any(dim=-1, keepdim=True), result, 0.0)
     return out
