@@ -106,6 +106,27 @@ def test_bfloat16_runs_close(tiny):
     torch.testing.assert_close(rows.float() / scale, expected / scale, atol=3e-2, rtol=0)
 
 
+def test_images_in_passes_of_bounded_rows_change_no_bit(tiny, monkeypatch):
+    """Images go through the tower in passes of at most ``PASS_ROWS`` patches (at the
+    checkpoint's 896 x 896, one image a pass): bit for bit the rows of one pass."""
+    import loom.model.vision as vision
+
+    config, weights, _, pixel_values = tiny
+    tower = build_tower(config, weights, torch.bfloat16)
+    patches = tower.vision_tower.grid_size ** 2
+    calls = []
+    real = tower.vision_tower.forward
+    monkeypatch.setattr(tower.vision_tower, "forward",
+                        lambda pixels: calls.append(pixels.shape[0]) or real(pixels))
+    with torch.no_grad():
+        monkeypatch.setattr(vision, "PASS_ROWS", 2 * patches)
+        together = tower(pixel_values, None)
+        monkeypatch.setattr(vision, "PASS_ROWS", patches)
+        apart = tower(pixel_values, None)
+    assert calls == [2, 1, 1]
+    assert torch.equal(apart, together)
+
+
 def test_rejects_a_wrong_image_size(tiny):
     config, weights, _, pixel_values = tiny
     tower = build_tower(config, weights)

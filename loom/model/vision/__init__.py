@@ -63,16 +63,18 @@ def image_passes(rows: list[int], max_rows: int | None = None) -> list[range]:
 
 
 def in_passes(run: Callable[[torch.Tensor, list], torch.Tensor], pixel_values: torch.Tensor,
-              grids: list, rows: list[int]) -> torch.Tensor:
+              grids: list, rows: list[int], pixel_rows: list[int] | None = None
+              ) -> torch.Tensor:
     """``run(pixel_values, grids)`` over the images in passes (``image_passes``: image i
-    holds ``rows[i]`` of ``pixel_values``' rows), its outputs concatenated in image
-    order. For a tower whose every row depends on its own image alone: the same rows,
-    bit for bit, as one pass over all."""
+    makes ``rows[i]`` patch rows from ``pixel_rows[i]`` of ``pixel_values``' rows, by
+    default ``rows[i]``), its outputs concatenated in image order. For a tower whose
+    every row depends on its own image alone: the same rows, bit for bit, as one pass
+    over all."""
     passes = image_passes(rows)
     if len(passes) <= 1:
         return run(pixel_values, grids)
     bounds = [0]
-    for count in rows:
+    for count in rows if pixel_rows is None else pixel_rows:
         bounds.append(bounds[-1] + count)
     return torch.cat([run(pixel_values[bounds[p.start]:bounds[p.stop]], grids[p.start:p.stop])
                       for p in passes])

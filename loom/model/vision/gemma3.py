@@ -47,6 +47,7 @@ from loom.model.layers.linear import (
     quantization_for_inputs,
     default_weight_loader,
 )
+from loom.model.vision import in_passes
 
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
            "v_proj": ("qkv_proj", "v")}
@@ -226,7 +227,12 @@ class Gemma3VisionTower(nn.Module):
         if grid_thw is not None:
             raise ValueError("Gemma 3's vision tower takes no grid_thw: its images are all "
                              "the processor's fixed square")
-        return self.multi_modal_projector(self.vision_tower(pixel_values))
+        # images in passes of at most PASS_ROWS patches: at 896 x 896 (4,096 patches) one
+        # image a pass, its activations reused by the next rather than faulted in afresh
+        images = pixel_values.shape[0]
+        return in_passes(lambda pixels, _: self.multi_modal_projector(self.vision_tower(pixels)),
+                         pixel_values, [None] * images,
+                         [self.vision_tower.grid_size ** 2] * images, pixel_rows=[1] * images)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors named relative to ``model.`` (``vision_tower.…``,
