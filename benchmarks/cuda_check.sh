@@ -5,12 +5,15 @@
 #
 #   here:  bash benchmarks/cuda_check.sh prepare   # cp312 wheels into .whl, the GGUF's
 #                                                  # halves into .devcarry (both ignored)
-#   there: [STEPS='correctness quantized speed triton'] bash benchmarks/cuda_check.sh a
+#   there: [STEPS='correctness graph_steps quantized speed triton'] bash benchmarks/cuda_check.sh a
 #          (carry .whl .devcarry/part-a)
 #          every family token-for-token against transformers on the GPU (float32:
 #          batched, mixed lengths, chunked prefill, forced preemption, prefix caching
-#          on and off; decode steps as CUDA graphs), the quantized paths against their
-#          dequantized weights, benchmarks/cuda_speed.py [SPEED_ARGS] (loom with
+#          on and off; decode steps as CUDA graphs), CUDA graphs' verification steps
+#          (draft-model speculation, torch and triton backends) and mixed steps
+#          (prefill chunks beside decodes, --attention-backend triton) against the same
+#          engine eager (tests/e2e/test_cuda_graph_steps.py), the quantized paths
+#          against their dequantized weights, benchmarks/cuda_speed.py [SPEED_ARGS] (loom with
 #          CUDA graphs and with --enforce-eager, each against transformers, interleaved),
 #          and --attention-backend triton: its kernels compiled on CUDA against the torch
 #          backend (tests/model/triton_attention_cases.py), then every family's tokens
@@ -70,10 +73,15 @@ if [ "$stage" = a ]; then
     cp .devcarry/part-a /tmp/part-a  # for stage b, while the machine stays warm
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-    steps=${STEPS:-correctness quantized speed triton}
+    steps=${STEPS:-correctness graph_steps quantized speed triton}
     if [[ " $steps " == *" correctness "* ]]; then
         step correctness 240 python3 -m pytest -q -rfE -p no:cacheprovider \
             tests/e2e/test_llm_correctness.py
+    fi
+    if [[ " $steps " == *" graph_steps "* ]]; then
+        # six tiny engines (three with graphs, three eager), the Triton kernels compiled
+        step graph_steps 180 python3 -m pytest -q -rfE -s -p no:cacheprovider \
+            tests/e2e/test_cuda_graph_steps.py
     fi
     if [[ " $steps " == *" quantized "* ]]; then
         step quantized 180 python3 -m pytest -q -rfE -p no:cacheprovider \
