@@ -199,6 +199,16 @@ def graphs_memory_estimate(model: torch.nn.Module, max_num_seqs: int, max_model_
             + CUBLAS_WORKSPACE_BYTES)
 
 
+def mixed_steps_apply(model: torch.nn.Module, num_kv_cache_groups: int) -> bool:
+    """Whether a model's mixed prefill/decode steps are captured: on the Triton backend
+    only (its kernels read the step's lengths and query starts as tensors; the torch
+    backend loops over requests on the host), one KV cache group, no experts (a
+    prefill's tokens through every expert)."""
+    return (num_kv_cache_groups == 1
+            and not any(isinstance(m, FusedMoE) for m in model.modules())
+            and all(getattr(a.impl, "name", None) == "triton" for a in model.attention_layers))
+
+
 def _bucket(buckets: list[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -323,12 +333,7 @@ class DecodeGraphs:
                                      device=device)
         self._on_replay = [m.on_replay for m in model.modules()
                            if callable(getattr(m, "on_replay", None))]
-        # Mixed steps: on the Triton backend only (its kernels read the step's lengths and
-        # query starts as tensors; the torch backend loops over requests on the host), one
-        # KV cache group, no experts (a prefill's tokens through every expert)
-        mixed = (max_mixed_tokens > 0 and num_kv_cache_groups == 1 and not self.moe_layers
-                 and all(getattr(a.impl, "name", None) == "triton"
-                         for a in model.attention_layers))
+        mixed = max_mixed_tokens > 0 and mixed_steps_apply(model, num_kv_cache_groups)
         self.mixed_buckets = mixed_token_buckets(max_mixed_tokens) if mixed else []
         self.mixed_inputs = (_MixedInputs.allocate(self.mixed_buckets[-1],
                                                    -(-max_model_len // block_size), device)

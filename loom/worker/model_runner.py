@@ -39,7 +39,12 @@ from loom.sampling_params import SamplingParams
 from loom.spec_decode.draft_model import DraftModelProposer
 from loom.spec_decode.ngram_proposer import NgramProposer
 from loom.spec_decode.rejection_sampler import RejectionSampler
-from loom.worker.cuda_graphs import MAX_MIXED_TOKENS, DecodeGraphs, graphs_memory_estimate
+from loom.worker.cuda_graphs import (
+    MAX_MIXED_TOKENS,
+    DecodeGraphs,
+    graphs_memory_estimate,
+    mixed_steps_apply,
+)
 from loom.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -323,21 +328,16 @@ class ModelRunner:
                                       self.config.model.max_model_len, self.block_size,
                                       self.dtype, len(self.kv_cache_groups.windows),
                                       self._graph_query_len,
-                                      self._graph_mixed_tokens if self._mixed_graphs else 0)
+                                      self._graph_mixed_tokens
+                                      if mixed_steps_apply(self.model,
+                                                           len(self.kv_cache_groups.windows))
+                                      else 0)
 
     @property
     def _graph_mixed_tokens(self) -> int:
         """The most tokens of a captured mixed step (prefills with decodes; the Triton
         attention backend only, cuda_graphs.py)."""
         return min(MAX_MIXED_TOKENS, self.config.scheduler.max_num_batched_tokens)
-
-    @property
-    def _mixed_graphs(self) -> bool:
-        """Whether mixed steps are captured: the Triton attention backend, one KV cache
-        group, no experts (as DecodeGraphs decides)."""
-        return (not self.moe_layers and len(self.kv_cache_groups.windows) == 1
-                and all(getattr(a.impl, "name", None) == "triton"
-                        for a in self.model.attention_layers))
 
     @property
     def _graph_query_len(self) -> int:
